@@ -1,0 +1,233 @@
+// EmitElementwise.cpp — one thread-mapped elementwise kernel: body, dtype-generic loop, entries.
+//
+// Shape of the generated code (see docs/manifest.md for the calling convention): every thread
+// takes `chunk` consecutive elements per grid-stride step; a full chunk whose dense pointers are
+// 16-byte aligned moves through 128-bit vectors, the last partial chunk through bounds-checked
+// scalar accesses. Packed codes of a chunk fill whole bytes, so no two threads share a byte.
+#include "codegen/Emitter.h"
+#include "codegen/ScalarEmitter.h"
+
+#include "llvm/Support/SHA256.h"
+#include "llvm/Support/raw_ostream.h"
+
+using namespace mlir;
+using namespace abp;
+
+namespace {
+struct Arg {
+  enum Kind { Dense, Packed, Scalar } kind;
+  unsigned bits = 0;
+  bool isOutput = false;
+  std::string name; ///< parameter name in the generated functions
+};
+
+SmallVector<Arg> argsOf(KernelOp kernel) {
+  SmallVector<Arg> args;
+  auto add = [&](Attribute layout, bool isOutput, size_t index) {
+    Arg a;
+    a.isOutput = isOutput;
+    a.name = fmt::format("{}{}", isOutput ? "r" : "a", index);
+    if (auto packed = dyn_cast<PackedLayoutAttr>(layout)) {
+      a.kind = Arg::Packed;
+      a.bits = packed.getBits();
+    } else {
+      a.kind = isa<ScalarLayoutAttr>(layout) ? Arg::Scalar : Arg::Dense;
+    }
+    args.push_back(a);
+  };
+  for (auto [i, layout] : llvm::enumerate(kernel.getIns()))
+    add(layout, false, i);
+  for (auto [i, layout] : llvm::enumerate(kernel.getOuts()))
+    add(layout, true, i);
+  return args;
+}
+
+/// The C++ parameter list of the loop template / kernel entry for element type `elem`.
+std::string paramList(ArrayRef<Arg> args, StringRef elem) {
+  std::string params;
+  for (const Arg &a : args) {
+    std::string type;
+    if (a.kind == Arg::Dense)
+      type = fmt::format("{}{} *ABP_RESTRICT", a.isOutput ? "" : "const ", elem.str());
+    else if (a.kind == Arg::Packed)
+      type = fmt::format("{}abp::u8 *ABP_RESTRICT", a.isOutput ? "" : "const ");
+    else
+      type = "float";
+    params += fmt::format("{} {}, ", type, a.name);
+  }
+  return params + "abp::i64 n";
+}
+
+std::string argNames(ArrayRef<Arg> args) {
+  std::string names;
+  for (const Arg &a : args)
+    names += a.name + ", ";
+  return names + "n";
+}
+
+/// `<name>_body(...)`: the scalar computation of one element.
+LogicalResult emitBody(KernelOp kernel, ArrayRef<Arg> args, SourceWriter &out) {
+  std::string params;
+  for (const Arg &a : args) {
+    std::string type = a.kind == Arg::Packed ? "abp::u8" : "float";
+    if (a.isOutput)
+      type = a.kind == Arg::Packed ? "abp::u32 &" : "float &";
+    params += fmt::format("{}{} {}", params.empty() ? "" : ", ", type, a.name);
+  }
+  out.line("ABP_FN void {}_body({}) {{", kernel.getSymName().str(), params);
+  out.indent();
+  ScalarEmitter scalars(out);
+  Block &body = kernel.getBody().front();
+  for (auto [arg, a] : llvm::zip(body.getArguments(), args.take_front(body.getNumArguments())))
+    scalars.bind(arg, a.name);
+  for (Operation &op : body.without_terminator())
+    if (failed(scalars.emit(&op)))
+      return failure();
+  auto yield = cast<YieldOp>(body.getTerminator());
+  ArrayRef<Arg> outs = args.drop_front(body.getNumArguments());
+  for (auto [v, a] : llvm::zip(yield.getValues(), outs))
+    out.line("{} = {};", a.name, scalars.name(v));
+  out.dedent();
+  out.line("}}");
+  return success();
+}
+
+/// Bytes of packed codes for `count` elements at `bits` each, as a C++ expression.
+std::string packedBytes(unsigned bits, const std::string &count) {
+  return fmt::format("(({}) * {} + 7) / 8", count, bits);
+}
+
+void emitLoop(KernelOp kernel, ArrayRef<Arg> args, int64_t chunk, SourceWriter &out) {
+  std::string name = kernel.getSymName().str();
+  out.line("template <typename T>");
+  out.line("ABP_FN void {}_loop({}) {{", name, paramList(args, "T"));
+  out.indent();
+  out.line("constexpr int N = {};", chunk);
+  std::string aligned;
+  for (const Arg &a : args)
+    if (a.kind == Arg::Dense)
+      aligned += fmt::format("{}abp::aligned16({})", aligned.empty() ? "" : " && ", a.name);
+  out.line("const bool aligned = {};", aligned.empty() ? "true" : aligned);
+  out.line("const abp::i64 chunks = (n + N - 1) / N;");
+  out.line("for (abp::i64 c = abp::globalThread(); c < chunks; c += abp::gridThreads()) {{");
+  out.indent();
+  out.line("const abp::i64 i = c * N;");
+  out.line("const bool full = i + N <= n;");
+  out.line("const bool vec = aligned && full;");
+  std::string call;
+  for (const Arg &a : args) {
+    if (a.kind == Arg::Scalar) {
+      call += fmt::format("{}{}", call.empty() ? "" : ", ", a.name);
+      continue;
+    }
+    std::string local = "e_" + a.name;
+    std::string bytes = fmt::format("N * {} / 8", a.bits);
+    if (a.kind == Arg::Dense) {
+      out.line("float {}[N];", local);
+      if (!a.isOutput)
+        out.line("abp::loadChunk<N>({}, i, n, vec, {});", a.name, local);
+    } else {
+      out.line("abp::u32 {}[N];", local);
+      if (!a.isOutput)
+        out.line("abp::unpackCodes<{}, N>(abp::loadPacked<{}>({}, c * ({}), full ? {} : {}), {});",
+                 a.bits, bytes, a.name, bytes, bytes, packedBytes(a.bits, "n - i"), local);
+    }
+    std::string ref = fmt::format("{}[k]", local);
+    if (a.kind == Arg::Packed && !a.isOutput)
+      ref = fmt::format("(abp::u8){}[k]", local);
+    call += fmt::format("{}{}", call.empty() ? "" : ", ", ref);
+  }
+  out.line("#pragma unroll");
+  out.line("for (int k = 0; k < N; ++k)");
+  out.line("  {}_body({});", name, call);
+  for (const Arg &a : args) {
+    if (!a.isOutput)
+      continue;
+    std::string local = "e_" + a.name;
+    if (a.kind == Arg::Dense) {
+      out.line("abp::storeChunk<N>({}, i, n, vec, {});", a.name, local);
+      continue;
+    }
+    std::string bytes = fmt::format("N * {} / 8", a.bits);
+    out.line("if (!full)  // codes past the end are zero, so the stream's tail bits are zero");
+    out.line("  for (int k = 0; k < N; ++k)");
+    out.line("    if (i + k >= n) {}[k] = 0;", local);
+    out.line("abp::storePacked<{}>({}, c * ({}), full ? {} : {}, abp::packCodes<{}, N>({}));",
+             bytes, a.name, bytes, bytes, packedBytes(a.bits, "n - i"), a.bits, local);
+  }
+  out.dedent();
+  out.line("}}");
+  out.dedent();
+  out.line("}}");
+}
+
+/// 8 hex digits identifying a kernel's generated code, so a profiler name leads to its source.
+std::string shortHash(const std::string &text) {
+  std::array<uint8_t, 32> digest = llvm::SHA256::hash(
+      ArrayRef<uint8_t>(reinterpret_cast<const uint8_t *>(text.data()), text.size()));
+  return fmt::format("{:02x}{:02x}{:02x}{:02x}", digest[0], digest[1], digest[2], digest[3]);
+}
+
+void emitEntry(KernelOp kernel, ArrayRef<Arg> args, const Dtype &dtype, const std::string &symbol,
+               SourceWriter &out) {
+  std::string name = kernel.getSymName().str();
+  out.line("ABP_KERNEL void {}({}) {{", symbol, paramList(args, dtype.cppType));
+  out.line("  {}_loop<{}>({});", name, dtype.cppType, argNames(args));
+  out.line("}}");
+  // The CPU path's entry (docs/manifest.md): runs blocks [b0, b1), each CUDA thread in turn;
+  // elementwise kernels have no barriers, so no fibers are needed.
+  out.line("#if ABP_HOST");
+  out.line("extern \"C\" void {}__host(void **args, abp::i64 grid, abp::i64 block, abp::i64 b0, "
+           "abp::i64 b1) {{",
+           symbol);
+  out.indent();
+  size_t index = 0;
+  for (const Arg &a : args) {
+    std::string type;
+    if (a.kind == Arg::Dense)
+      type = fmt::format("{}{} *", a.isOutput ? "" : "const ", dtype.cppType);
+    else if (a.kind == Arg::Packed)
+      type = fmt::format("{}abp::u8 *", a.isOutput ? "" : "const ");
+    else
+      type = "float";
+    out.line("{} {} = *static_cast<{} *>(args[{}]);", type, a.name, type, index++);
+  }
+  out.line("const abp::i64 n = *static_cast<abp::i64 *>(args[{}]);", index);
+  out.line("for (abp::i64 b = b0; b < b1; ++b)");
+  out.line("  for (abp::i64 t = 0; t < block; ++t) {{");
+  out.line("    abp::hostThread.block = b;");
+  out.line("    abp::hostThread.thread = t;");
+  out.line("    abp::hostThread.blockDim = block;");
+  out.line("    abp::hostThread.gridDim = grid;");
+  out.line("    {}({});", symbol, argNames(args));
+  out.line("  }}");
+  out.dedent();
+  out.line("}}");
+  out.line("#endif");
+}
+} // namespace
+
+LogicalResult abp::emitElementwiseKernel(KernelOp kernel, SourceWriter &out,
+                                         std::vector<std::string> &symbols) {
+  if (!kernel.getChunk() || !kernel.getBlockSize())
+    return kernel.emitOpError() << "has no thread mapping; run abp-map-threads first";
+  SmallVector<Arg> args = argsOf(kernel);
+  std::string name = kernel.getSymName().str();
+
+  SourceWriter text;
+  text.line("// kernel {}: {} element(s) per thread and step, {} threads per block", name,
+            *kernel.getChunk(), *kernel.getBlockSize());
+  if (failed(emitBody(kernel, args, text)))
+    return failure();
+  emitLoop(kernel, args, *kernel.getChunk(), text);
+  std::string hash = shortHash(text.str());
+
+  out.line("{}", text.str());
+  for (const Dtype &dtype : kernelDtypes()) {
+    std::string symbol = fmt::format("abp_{}_{}_{}", name, dtype.name, hash);
+    emitEntry(kernel, args, dtype, symbol, out);
+    symbols.push_back(symbol);
+  }
+  out.blank();
+  return success();
+}

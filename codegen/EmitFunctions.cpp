@@ -1,0 +1,60 @@
+// EmitFunctions.cpp — emits the module's scalar func.func definitions as device functions.
+#include "codegen/Emitter.h"
+#include "codegen/ScalarEmitter.h"
+
+using namespace mlir;
+using namespace abp;
+
+static FailureOr<std::string> signatureOf(func::FuncOp fn) {
+  FunctionType type = fn.getFunctionType();
+  if (type.getNumResults() != 1)
+    return fn.emitOpError() << "must return exactly one scalar to be emitted by abp codegen";
+  std::string params;
+  for (auto [i, t] : llvm::enumerate(type.getInputs())) {
+    std::string cpp = ScalarEmitter::cppType(t);
+    if (cpp.empty())
+      return fn.emitOpError() << "has argument #" << i << " of type " << t
+                              << ", which abp codegen cannot hold";
+    params += fmt::format("{}{} a{}", params.empty() ? "" : ", ", cpp, i);
+  }
+  std::string result = ScalarEmitter::cppType(type.getResult(0));
+  if (result.empty())
+    return fn.emitOpError() << "returns " << type.getResult(0)
+                            << ", which abp codegen cannot hold";
+  return fmt::format("ABP_FN {} {}({})", result, ScalarEmitter::functionName(fn.getSymName()),
+                     params);
+}
+
+LogicalResult abp::emitScalarFunctions(ModuleOp module, SourceWriter &out) {
+  SmallVector<func::FuncOp> fns(module.getOps<func::FuncOp>());
+  if (fns.empty())
+    return success();
+  out.line("// Scalar functions of the module (func.func), called from kernel bodies.");
+  for (func::FuncOp fn : fns) { // declarations first: bodies may call each other in any order
+    FailureOr<std::string> sig = signatureOf(fn);
+    if (failed(sig))
+      return failure();
+    if (fn.isExternal())
+      return fn.emitOpError() << "is declared without a body; abp codegen needs its definition";
+    out.line("{};", *sig);
+  }
+  for (func::FuncOp fn : fns) {
+    if (!fn.getBody().hasOneBlock())
+      return fn.emitOpError() << "must have a single block to be emitted by abp codegen";
+    out.line("{} {{", *signatureOf(fn));
+    out.indent();
+    ScalarEmitter scalars(out);
+    Block &block = fn.getBody().front();
+    for (BlockArgument arg : block.getArguments())
+      scalars.bind(arg, "a" + std::to_string(arg.getArgNumber()));
+    for (Operation &op : block.without_terminator())
+      if (failed(scalars.emit(&op)))
+        return failure();
+    auto ret = cast<func::ReturnOp>(block.getTerminator());
+    out.line("return {};", scalars.name(ret.getOperand(0)));
+    out.dedent();
+    out.line("}}");
+  }
+  out.blank();
+  return success();
+}

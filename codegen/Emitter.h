@@ -1,0 +1,49 @@
+// Emitter.h — turns kernel-form IR into CUDA C++ source and its launch manifest.
+#ifndef ABP_CODEGEN_EMITTER_H
+#define ABP_CODEGEN_EMITTER_H
+
+#include "dialect/AbpDialect.h"
+
+#include "mlir/IR/BuiltinOps.h"
+
+#include <string>
+#include <vector>
+
+namespace abp {
+
+/// The storage dtypes every elementwise kernel is specialised for (math is fp32 in all).
+struct Dtype {
+  const char *name;     ///< manifest / Python name: "f32", "f16", "bf16"
+  const char *cppType;  ///< element type in the generated source
+};
+const std::vector<Dtype> &kernelDtypes();
+
+struct EmitOptions {
+  std::string inputFile;   ///< recorded in the manifest ("ops/lowmembp/regelu2.mlir")
+  std::string sourceName;  ///< file name of the .cu next to the manifest
+  std::string hostLibrary; ///< file name of the host shared object next to the manifest
+};
+
+struct EmittedBundle {
+  std::string source;   ///< CUDA C++ (also valid host C++ with ABP_HOST)
+  std::string manifest; ///< JSON, docs/manifest.md
+};
+
+/// Emits the source and manifest for a module in kernel form (after `abp-pipeline`). Emits a
+/// located diagnostic and fails on IR it cannot translate.
+mlir::FailureOr<EmittedBundle> emitBundle(mlir::ModuleOp module, const EmitOptions &options);
+
+// Pieces, one file each.
+/// Emits every func.func of the module as a device function (EmitFunctions.cpp).
+mlir::LogicalResult emitScalarFunctions(mlir::ModuleOp module, class SourceWriter &out);
+/// Emits the body function, the dtype-generic loop and the extern "C" entries of one kernel;
+/// returns the symbol per dtype in `symbols` (EmitElementwise.cpp).
+mlir::LogicalResult emitElementwiseKernel(KernelOp kernel, class SourceWriter &out,
+                                          std::vector<std::string> &symbols);
+/// Emits the manifest JSON (EmitManifest.cpp).
+std::string emitManifest(mlir::ModuleOp module, const EmitOptions &options,
+                         const std::vector<std::pair<KernelOp, std::vector<std::string>>> &kernels);
+
+} // namespace abp
+
+#endif // ABP_CODEGEN_EMITTER_H

@@ -1,0 +1,60 @@
+// AbpAttrs.td — attributes of the abp dialect: quantization schemes and kernel argument layouts.
+#ifndef ABP_ATTRS_TD
+#define ABP_ATTRS_TD
+
+include "dialect/AbpDialect.td"
+include "mlir/IR/AttrTypeBase.td"
+
+def Abp_BucketsAttr : AttrDef<Abp_Dialect, "Buckets"> {
+  let mnemonic = "buckets";
+  let summary = "bucket quantization: inner borders and one level per bucket";
+  let description = [{
+    The bucket scheme of FewBit and ReGELU2 (ALGORITHMS.md §2.1): with K = 2^bits levels and
+    K − 1 strictly increasing inner borders t_i, `code(x) = #{i : t_i < x}` (a value on a border
+    goes to the lower bucket; NaN → 0, +inf → K − 1) and `dequantize(code) = levels[code]`.
+    Borders are compared in fp32, levels are fp32 constants; both are written as f64 literals.
+
+    Example: `#abp.buckets<borders = [-3.18588, -0.00117882, 3.19083], levels = [0.0, -0.0492226, 1.04874, 1.0]>`
+  }];
+  // Dense f64 arrays rather than ArrayRefParameter<"double">: LLVM has no hash_value(double).
+  let parameters = (ins "::mlir::DenseF64ArrayAttr":$borders,
+                        "::mlir::DenseF64ArrayAttr":$levels);
+  let hasCustomAssemblyFormat = 1;
+  let genVerifyDecl = 1;
+  let extraClassDeclaration = [{
+    /// log2 of the number of levels (the verifier guarantees it is a power of two).
+    unsigned getBits() const;
+  }];
+}
+
+def Abp_DenseLayoutAttr : AttrDef<Abp_Dialect, "DenseLayout"> {
+  let mnemonic = "dense";
+  let summary = "a kernel argument holding one element of the launch dtype per element";
+  let description = [{
+    Example: `ins = [#abp.dense]` — the kernel reads fp32/fp16/bf16 elements (chosen per launch)
+    and its body sees each one as an `f32`.
+  }];
+}
+
+def Abp_PackedLayoutAttr : AttrDef<Abp_Dialect, "PackedLayout"> {
+  let mnemonic = "packed";
+  let summary = "a kernel argument holding `bits`-bit codes in the abp packing layout";
+  let description = [{
+    Example: `outs = [#abp.packed<2>]` — the body yields an `i8` code per element, stored with
+    2 bits per element (ALGORITHMS.md §2.6).
+  }];
+  let parameters = (ins "unsigned":$bits);
+  let assemblyFormat = "`<` $bits `>`";
+  let genVerifyDecl = 1;
+}
+
+def Abp_ScalarLayoutAttr : AttrDef<Abp_Dialect, "ScalarLayout"> {
+  let mnemonic = "scalar";
+  let summary = "a kernel argument passed by value (an f32 operator parameter)";
+  let description = [{
+    Example: `ins = [#abp.dense, #abp.scalar]` — the body's second argument is the same `f32`
+    for every element (e.g. LeakyReLU's slope).
+  }];
+}
+
+#endif // ABP_ATTRS_TD

@@ -1,0 +1,307 @@
+// AbpOps.cpp — verifiers and helpers of the abp ops.
+#include "dialect/AbpDialect.h"
+
+#include "mlir/IR/Builders.h"
+#include "mlir/IR/OpImplementation.h"
+
+using namespace mlir;
+using namespace abp;
+
+#define GET_OP_CLASSES
+#include "dialect/AbpOps.cpp.inc"
+
+//===----------------------------------------------------------------------===//
+// OperatorOp
+//===----------------------------------------------------------------------===//
+
+ReturnOp OperatorOp::getForwardReturn() {
+  return dyn_cast<ReturnOp>(getForward().front().getTerminator());
+}
+
+ReturnOp OperatorOp::getBackwardReturn() {
+  return dyn_cast<ReturnOp>(getBackward().front().getTerminator());
+}
+
+SmallVector<BlockArgument> OperatorOp::getTensorInputs() {
+  SmallVector<BlockArgument> inputs;
+  for (BlockArgument arg : getForward().front().getArguments())
+    if (isa<RankedTensorType>(arg.getType()))
+      inputs.push_back(arg);
+  return inputs;
+}
+
+/// Every value used inside `region` must be defined inside it: the two directions of an operator
+/// only communicate through residuals. Reports the first offending use with a note at its
+/// definition.
+static LogicalResult verifyDirectionIsClosed(OperatorOp op, Region &region, StringRef direction) {
+  WalkResult result = region.walk([&](Operation *user) {
+    for (OpOperand &use : user->getOpOperands()) {
+      Value value = use.get();
+      Region *defRegion = value.getParentRegion();
+      if (defRegion == &region || region.isAncestor(defRegion))
+        continue;
+      InFlightDiagnostic diag = user->emitOpError()
+                                << "uses a value in " << direction << " that is neither ";
+      if (direction == "backward")
+        diag << "a residual nor a backward argument; save it in forward with `abp.return ... "
+                "saves` and receive it as a backward block argument";
+      else
+        diag << "a forward argument nor defined in forward";
+      if (Operation *def = value.getDefiningOp())
+        diag.attachNote(def->getLoc()) << "value defined here";
+      else
+        diag.attachNote(cast<BlockArgument>(value).getOwner()->getParentOp()->getLoc())
+            << "value is a block argument of another region";
+      return WalkResult::interrupt();
+    }
+    return WalkResult::advance();
+  });
+  return failure(result.wasInterrupted());
+}
+
+LogicalResult OperatorOp::verifyRegions() {
+  ReturnOp fwdReturn = getForwardReturn();
+  ReturnOp bwdReturn = getBackwardReturn();
+  if (!fwdReturn || !bwdReturn)
+    return emitOpError() << "expects both regions to end in 'abp.return'";
+  if (!bwdReturn.getSaved().empty())
+    return bwdReturn.emitOpError() << "in backward cannot save residuals";
+
+  for (BlockArgument arg : getForward().front().getArguments())
+    if (!isa<RankedTensorType>(arg.getType()) && !arg.getType().isF32())
+      return emitOpError() << "forward argument #" << arg.getArgNumber()
+                           << " must be a ranked tensor or an f32 parameter, got "
+                           << arg.getType();
+
+  // Backward arguments: the residuals, then one gradient per forward output.
+  Block &bwd = getBackward().front();
+  size_t numSaved = fwdReturn.getSaved().size();
+  size_t numOutputs = fwdReturn.getResults().size();
+  if (bwd.getNumArguments() != numSaved + numOutputs)
+    return emitOpError() << "expects backward to take " << numSaved << " residual(s) and "
+                         << numOutputs << " output gradient(s) (" << numSaved + numOutputs
+                         << " block arguments), got " << bwd.getNumArguments();
+  for (auto [i, saved] : llvm::enumerate(fwdReturn.getSaved()))
+    if (bwd.getArgument(i).getType() != saved.getType())
+      return emitOpError() << "backward argument #" << i << " receives residual #" << i
+                           << " of type " << saved.getType() << " but is declared as "
+                           << bwd.getArgument(i).getType();
+  for (auto [i, out] : llvm::enumerate(fwdReturn.getResults())) {
+    Type gradType = bwd.getArgument(numSaved + i).getType();
+    if (gradType != out.getType())
+      return emitOpError() << "backward argument #" << numSaved + i
+                           << " is the gradient of output #" << i << " and must have its type "
+                           << out.getType() << ", got " << gradType;
+  }
+
+  // Backward results: one gradient per tensor input, of the input's type.
+  SmallVector<BlockArgument> inputs = getTensorInputs();
+  if (bwdReturn.getResults().size() != inputs.size())
+    return bwdReturn.emitOpError() << "expects one gradient per tensor input (" << inputs.size()
+                                   << "), got " << bwdReturn.getResults().size();
+  for (auto [i, grad] : llvm::enumerate(bwdReturn.getResults()))
+    if (grad.getType() != inputs[i].getType())
+      return bwdReturn.emitOpError() << "gradient #" << i << " must have the type of input #"
+                                     << i << " (" << inputs[i].getType() << "), got "
+                                     << grad.getType();
+
+  if (failed(verifyDirectionIsClosed(*this, getForward(), "forward")) ||
+      failed(verifyDirectionIsClosed(*this, getBackward(), "backward")))
+    return failure();
+
+  if (std::optional<DictionaryAttr> variants = getVariants()) {
+    DictionaryAttr dict = *variants;
+    for (NamedAttribute variant : dict)
+      if (!isa<BucketsAttr>(variant.getValue()))
+        return emitOpError() << "variant '" << variant.getName().strref()
+                             << "' must be a #abp.buckets scheme, got " << variant.getValue();
+  }
+  return success();
+}
+
+//===----------------------------------------------------------------------===//
+// ReturnOp
+//===----------------------------------------------------------------------===//
+
+LogicalResult ReturnOp::verify() {
+  for (Value v : getSaved())
+    if (!isa<RankedTensorType, CodesType>(v.getType()) && !v.getType().isF32())
+      return emitOpError() << "can only save tensors, codes or f32 parameters, got "
+                           << v.getType();
+  return success();
+}
+
+//===----------------------------------------------------------------------===//
+// MapOp
+//===----------------------------------------------------------------------===//
+
+/// The scalar type the body of an elementwise op sees for a tensor: f32 for floats (compute
+/// type), the element type itself for integer codes.
+static Type scalarTypeOf(RankedTensorType type) { return type.getElementType(); }
+
+LogicalResult MapOp::verify() {
+  if (getInputs().empty())
+    return emitOpError() << "expects at least one input";
+  if (getResults().empty())
+    return emitOpError() << "expects at least one result";
+  auto shape = cast<RankedTensorType>(getInputs().front().getType()).getShape();
+  auto sameShape = [&](Type t) { return cast<RankedTensorType>(t).getShape() == shape; };
+  SmallVector<Type> types(getInputs().getTypes());
+  llvm::append_range(types, getResults().getTypes());
+  for (Type t : types)
+    if (!sameShape(t))
+      return emitOpError() << "expects all inputs and results to have the same shape, got " << t
+                           << " and " << getInputs().front().getType();
+  for (Type t : types) {
+    Type elem = cast<RankedTensorType>(t).getElementType();
+    if (!elem.isF32() && !elem.isInteger(8))
+      return emitOpError() << "expects f32 tensors (values) or i8 tensors (codes), got " << t;
+  }
+
+  bool hasBody = !getBody().empty();
+  if (hasBody == getCallee().has_value())
+    return emitOpError() << "expects exactly one of a body region or a callee";
+  if (!hasBody)
+    return success(); // the callee's signature is checked in verifySymbolUses
+
+  Block &body = getBody().front();
+  if (body.getNumArguments() != getInputs().size())
+    return emitOpError() << "expects the body to take " << getInputs().size()
+                         << " scalar argument(s), got " << body.getNumArguments();
+  for (auto [i, arg] : llvm::enumerate(body.getArguments())) {
+    Type expected = scalarTypeOf(cast<RankedTensorType>(getInputs()[i].getType()));
+    if (arg.getType() != expected)
+      return emitOpError() << "body argument #" << i << " must be " << expected << ", got "
+                           << arg.getType();
+  }
+  auto yield = dyn_cast<YieldOp>(body.getTerminator());
+  if (!yield)
+    return emitOpError() << "expects the body to end in 'abp.yield'";
+  if (yield.getValues().size() != getResults().size())
+    return yield.emitOpError() << "yields " << yield.getValues().size()
+                               << " value(s) but the map has " << getResults().size()
+                               << " result(s)";
+  for (auto [i, v] : llvm::enumerate(yield.getValues())) {
+    Type expected = scalarTypeOf(cast<RankedTensorType>(getResults()[i].getType()));
+    if (v.getType() != expected)
+      return yield.emitOpError() << "value #" << i << " must be " << expected << ", got "
+                                 << v.getType();
+  }
+  return success();
+}
+
+LogicalResult MapOp::verifySymbolUses(SymbolTableCollection &symbolTable) {
+  std::optional<StringRef> callee = getCallee();
+  if (!callee)
+    return success();
+  auto fn = symbolTable.lookupNearestSymbolFrom<func::FuncOp>(*this, getCalleeAttr());
+  if (!fn)
+    return emitOpError() << "references an undefined function @" << *callee;
+  FunctionType type = fn.getFunctionType();
+  SmallVector<Type> ins, outs;
+  for (Type t : getInputs().getTypes())
+    ins.push_back(scalarTypeOf(cast<RankedTensorType>(t)));
+  for (Type t : getResults().getTypes())
+    outs.push_back(scalarTypeOf(cast<RankedTensorType>(t)));
+  if (type.getInputs() != ArrayRef<Type>(ins) || type.getResults() != ArrayRef<Type>(outs))
+    return emitOpError() << "expects @" << *callee << " to have the scalar signature "
+                         << FunctionType::get(getContext(), ins, outs) << ", got " << type;
+  return success();
+}
+
+//===----------------------------------------------------------------------===//
+// QuantizeOp / DequantizeOp
+//===----------------------------------------------------------------------===//
+
+static LogicalResult verifySchemeWidth(Operation *op, BucketsAttr scheme, CodesType codes) {
+  size_t levels = scheme.getLevels().size();
+  if (levels != (size_t{1} << codes.getBits()))
+    return op->emitOpError() << "expects 2^bits = " << (size_t{1} << codes.getBits())
+                             << " levels for " << codes << ", but the scheme has " << levels;
+  return success();
+}
+
+LogicalResult QuantizeOp::verify() {
+  return verifySchemeWidth(*this, getScheme(), getResult().getType());
+}
+
+LogicalResult DequantizeOp::verify() {
+  return verifySchemeWidth(*this, getScheme(), getCodes().getType());
+}
+
+//===----------------------------------------------------------------------===//
+// KernelOp / LaunchOp
+//===----------------------------------------------------------------------===//
+
+/// The scalar type the kernel body sees for an argument layout.
+static Type bodyTypeOf(Attribute layout, MLIRContext *ctx) {
+  if (isa<PackedLayoutAttr>(layout))
+    return IntegerType::get(ctx, 8);
+  return Float32Type::get(ctx);
+}
+
+LogicalResult KernelOp::verifyRegions() {
+  Block &body = getBody().front();
+  for (Attribute layout : getIns())
+    if (!isa<DenseLayoutAttr, PackedLayoutAttr, ScalarLayoutAttr>(layout))
+      return emitOpError() << "expects each of 'ins' to be #abp.dense, #abp.packed<b> or "
+                              "#abp.scalar, got "
+                           << layout;
+  for (Attribute layout : getOuts())
+    if (!isa<DenseLayoutAttr, PackedLayoutAttr>(layout))
+      return emitOpError() << "expects each of 'outs' to be #abp.dense or #abp.packed<b>, got "
+                           << layout;
+  if (body.getNumArguments() != getIns().size())
+    return emitOpError() << "expects " << getIns().size() << " body argument(s) (one per 'ins'), got "
+                         << body.getNumArguments();
+  for (auto [i, arg] : llvm::enumerate(body.getArguments()))
+    if (arg.getType() != bodyTypeOf(getIns()[i], getContext()))
+      return emitOpError() << "body argument #" << i << " must be "
+                           << bodyTypeOf(getIns()[i], getContext()) << " for layout "
+                           << getIns()[i] << ", got " << arg.getType();
+  auto yield = dyn_cast<YieldOp>(body.getTerminator());
+  if (!yield || yield.getValues().size() != getOuts().size())
+    return emitOpError() << "expects the body to yield one value per 'outs' ("
+                         << getOuts().size() << ")";
+  for (auto [i, v] : llvm::enumerate(yield.getValues()))
+    if (v.getType() != bodyTypeOf(getOuts()[i], getContext()))
+      return yield.emitOpError() << "value #" << i << " must be "
+                                 << bodyTypeOf(getOuts()[i], getContext()) << " for layout "
+                                 << getOuts()[i] << ", got " << v.getType();
+  if (std::optional<int64_t> chunk = getChunk(); chunk && *chunk <= 0)
+    return emitOpError() << "expects a positive chunk, got " << *chunk;
+  if (std::optional<int64_t> block = getBlockSize(); block && (*block <= 0 || *block > 1024))
+    return emitOpError() << "expects block_size in [1, 1024], got " << *block;
+  return success();
+}
+
+/// Whether a launch operand or result of type `type` matches a kernel argument `layout`.
+static bool matchesLayout(Type type, Attribute layout) {
+  if (auto packed = dyn_cast<PackedLayoutAttr>(layout)) {
+    auto codes = dyn_cast<CodesType>(type);
+    return codes && codes.getBits() == packed.getBits();
+  }
+  if (isa<ScalarLayoutAttr>(layout))
+    return type.isF32();
+  auto tensor = dyn_cast<RankedTensorType>(type);
+  return tensor && tensor.getElementType().isF32();
+}
+
+LogicalResult LaunchOp::verifySymbolUses(SymbolTableCollection &symbolTable) {
+  auto kernel = symbolTable.lookupNearestSymbolFrom<KernelOp>(*this, getKernelAttr());
+  if (!kernel)
+    return emitOpError() << "references an undefined kernel @" << getKernel();
+  if (getArgs().size() != kernel.getIns().size() || getResults().size() != kernel.getOuts().size())
+    return emitOpError() << "passes " << getArgs().size() << " argument(s) and expects "
+                         << getResults().size() << " result(s), but @" << getKernel() << " has "
+                         << kernel.getIns().size() << " and " << kernel.getOuts().size();
+  for (auto [i, arg] : llvm::enumerate(getArgs()))
+    if (!matchesLayout(arg.getType(), kernel.getIns()[i]))
+      return emitOpError() << "argument #" << i << " of type " << arg.getType()
+                           << " does not match layout " << kernel.getIns()[i];
+  for (auto [i, res] : llvm::enumerate(getResults()))
+    if (!matchesLayout(res.getType(), kernel.getOuts()[i]))
+      return emitOpError() << "result #" << i << " of type " << res.getType()
+                           << " does not match layout " << kernel.getOuts()[i];
+  return success();
+}

@@ -1,0 +1,236 @@
+// AbpOps.td — the ops of the abp dialect: operators, elementwise maps, residual codecs, kernels.
+#ifndef ABP_OPS_TD
+#define ABP_OPS_TD
+
+include "dialect/AbpDialect.td"
+include "dialect/AbpTypes.td"
+include "dialect/AbpAttrs.td"
+include "mlir/IR/SymbolInterfaces.td"
+include "mlir/IR/RegionKindInterface.td"
+include "mlir/Interfaces/SideEffectInterfaces.td"
+include "mlir/Interfaces/ControlFlowInterfaces.td"
+
+//===----------------------------------------------------------------------===//
+// Operators
+//===----------------------------------------------------------------------===//
+
+def Abp_OperatorOp : Abp_Op<"operator", [Symbol, IsolatedFromAbove]> {
+  let summary = "an operator with a forward region, a backward region and explicit residuals";
+  let description = [{
+    The forward region's block arguments are the operator's inputs: tensors (differentiable) and
+    `f32` scalars (parameters such as a slope, passed by value and given no gradient). It ends in
+    `abp.return %outputs saves %residuals`. The backward region's block arguments are exactly
+    the residuals, in order, followed by one incoming gradient per forward output; it returns one
+    gradient per tensor input. Nothing else crosses from forward to backward: a backward that uses
+    a forward value it did not save is rejected.
+
+    An optional `variants` dictionary instantiates the operator once per entry
+    (`abp-instantiate-variants`): each entry maps a new operator name to a bucket scheme that
+    replaces the operator's own scheme (and the width of its codes). This is how one FewBit
+    activation file yields its 1..4-bit operators.
+
+    Example:
+    ```mlir
+    abp.operator @relu forward {
+    ^bb0(%x: tensor<?xf32>):
+      %y = abp.map @relu_f32(%x) : (tensor<?xf32>) -> tensor<?xf32>
+      %c = abp.quantize %x {scheme = #abp.buckets<borders = [0.0], levels = [0.0, 1.0]>}
+          : tensor<?xf32> -> !abp.codes<1>
+      abp.return %y : tensor<?xf32> saves %c : !abp.codes<1>
+    } backward {
+    ^bb0(%c: !abp.codes<1>, %dy: tensor<?xf32>):
+      %d = abp.dequantize %c {scheme = #abp.buckets<borders = [0.0], levels = [0.0, 1.0]>}
+          : !abp.codes<1> -> tensor<?xf32>
+      %dx = abp.map(%d, %dy) : (tensor<?xf32>, tensor<?xf32>) -> tensor<?xf32> {
+      ^bb0(%s: f32, %g: f32):
+        %p = arith.mulf %s, %g : f32
+        abp.yield %p : f32
+      }
+      abp.return %dx : tensor<?xf32>
+    }
+    ```
+  }];
+  let arguments = (ins SymbolNameAttr:$sym_name,
+                       OptionalAttr<DictionaryAttr>:$variants);
+  let regions = (region SizedRegion<1>:$forward, SizedRegion<1>:$backward);
+  let assemblyFormat = [{
+    $sym_name (`variants` $variants^)? attr-dict-with-keyword `forward` $forward `backward` $backward
+  }];
+  let hasRegionVerifier = 1;
+  let extraClassDeclaration = [{
+    /// The forward and backward terminators.
+    ReturnOp getForwardReturn();
+    ReturnOp getBackwardReturn();
+    /// Forward block arguments of tensor type (the differentiable inputs).
+    llvm::SmallVector<mlir::BlockArgument> getTensorInputs();
+  }];
+}
+
+def Abp_ReturnOp : Abp_Op<"return", [Terminator, HasParent<"OperatorOp">,
+                                     AttrSizedOperandSegments, Pure]> {
+  let summary = "ends a forward or backward region; in forward, also names the residuals";
+  let description = [{
+    In forward: `abp.return %y : tensor<?xf32> saves %c : !abp.codes<2>` returns the outputs and
+    saves the residuals. In backward: `abp.return %dx : tensor<?xf32>` returns the input gradients.
+  }];
+  let arguments = (ins Variadic<AnyType>:$results, Variadic<AnyType>:$saved);
+  let assemblyFormat = [{
+    ($results^ `:` type($results))? (`saves` $saved^ `:` type($saved))? attr-dict
+  }];
+  let hasVerifier = 1;
+}
+
+//===----------------------------------------------------------------------===//
+// Elementwise computation
+//===----------------------------------------------------------------------===//
+
+def Abp_MapOp : Abp_Op<"map", [Pure,
+                               DeclareOpInterfaceMethods<SymbolUserOpInterface>]> {
+  let summary = "applies a scalar function to every element of equally shaped tensors";
+  let description = [{
+    The scalar function is either the op's body region (block arguments: one scalar per input,
+    terminated by `abp.yield`) or a `func.func` named by `callee` with that signature. Bodies use
+    `arith`, `math` and `func.call`; they may capture `f32` operator parameters from the
+    enclosing region. Float tensors are seen as `f32` (the compute type; storage dtypes are chosen
+    per kernel launch); integer tensors carry codes.
+
+    Example:
+    ```mlir
+    %y = abp.map @gelu(%x) : (tensor<?xf32>) -> tensor<?xf32>
+    %p = abp.map(%a, %b) : (tensor<?xf32>, tensor<?xf32>) -> tensor<?xf32> {
+    ^bb0(%u: f32, %v: f32):
+      %m = arith.mulf %u, %v : f32
+      abp.yield %m : f32
+    }
+    ```
+  }];
+  let arguments = (ins OptionalAttr<FlatSymbolRefAttr>:$callee,
+                       Variadic<AnyRankedTensor>:$inputs);
+  let results = (outs Variadic<AnyRankedTensor>:$results);
+  let regions = (region AnyRegion:$body);
+  let assemblyFormat = [{
+    ($callee^)? `(` $inputs `)` attr-dict `:` functional-type($inputs, $results) ($body^)?
+  }];
+  let hasVerifier = 1;
+}
+
+def Abp_YieldOp : Abp_Op<"yield", [Pure, Terminator, ReturnLike,
+                                  ParentOneOf<["MapOp", "KernelOp"]>]> {
+  let summary = "returns the scalar results of an elementwise body";
+  let description = [{
+    Example: `abp.yield %r : f32`
+  }];
+  let arguments = (ins Variadic<AnyType>:$values);
+  let assemblyFormat = "attr-dict ($values^ `:` type($values))?";
+}
+
+//===----------------------------------------------------------------------===//
+// Residual approximations: quantize
+//===----------------------------------------------------------------------===//
+
+def Abp_QuantizeOp : Abp_Op<"quantize", [Pure]> {
+  let summary = "maps every element to its bucket code and packs the codes";
+  let description = [{
+    `code(x) = #{i : borders[i] < x}` with the borders rounded to fp32, stored with
+    `log2(#levels)` bits per element. Lowered by `abp-lower-quantize` to an `abp.map` computing
+    the code and an `abp.pack`.
+
+    Example:
+    ```mlir
+    %c = abp.quantize %x {scheme = #abp.buckets<borders = [0.0], levels = [0.0, 1.0]>}
+        : tensor<?xf32> -> !abp.codes<1>
+    ```
+  }];
+  let arguments = (ins RankedTensorOf<[F32]>:$input, Abp_BucketsAttr:$scheme);
+  let results = (outs Abp_CodesType:$result);
+  let assemblyFormat = "$input attr-dict `:` type($input) `->` qualified(type($result))";
+  let hasVerifier = 1;
+}
+
+def Abp_DequantizeOp : Abp_Op<"dequantize", [Pure]> {
+  let summary = "unpacks bucket codes and replaces each by its level";
+  let description = [{
+    `dequantize(code) = levels[code]` as fp32. Lowered by `abp-lower-quantize` to an
+    `abp.unpack` and an `abp.map` selecting the level.
+
+    Example:
+    ```mlir
+    %d = abp.dequantize %c {scheme = #abp.buckets<borders = [0.0], levels = [0.0, 1.0]>}
+        : !abp.codes<1> -> tensor<?xf32>
+    ```
+  }];
+  let arguments = (ins Abp_CodesType:$codes, Abp_BucketsAttr:$scheme);
+  let results = (outs RankedTensorOf<[F32]>:$result);
+  let assemblyFormat = "$codes attr-dict `:` qualified(type($codes)) `->` type($result)";
+  let hasVerifier = 1;
+}
+
+def Abp_PackOp : Abp_Op<"pack", [Pure]> {
+  let summary = "stores integer codes with the bit width of the result type";
+  let description = [{
+    Keeps the low `bits` bits of each `i8` code (ALGORITHMS.md §2.6 layout). Authors use it
+    directly for codes that are not bucket indices, e.g. a 1-bit `min < x < max` mask.
+
+    Example: `%c = abp.pack %m : tensor<?xi8> -> !abp.codes<1>`
+  }];
+  let arguments = (ins RankedTensorOf<[I8]>:$input);
+  let results = (outs Abp_CodesType:$result);
+  let assemblyFormat = "$input attr-dict `:` type($input) `->` qualified(type($result))";
+}
+
+def Abp_UnpackOp : Abp_Op<"unpack", [Pure]> {
+  let summary = "reads packed codes back as one i8 per element";
+  let description = [{
+    Example: `%m = abp.unpack %c : !abp.codes<1> -> tensor<?xi8>`
+  }];
+  let arguments = (ins Abp_CodesType:$codes);
+  let results = (outs RankedTensorOf<[I8]>:$result);
+  let assemblyFormat = "$codes attr-dict `:` qualified(type($codes)) `->` type($result)";
+}
+
+//===----------------------------------------------------------------------===//
+// Kernel form (after abp-fuse-kernels)
+//===----------------------------------------------------------------------===//
+
+def Abp_KernelOp : Abp_Op<"kernel", [Symbol, IsolatedFromAbove]> {
+  let summary = "one fused elementwise kernel: argument layouts plus a scalar body";
+  let description = [{
+    The body runs once per element. Its block arguments follow `ins`: `#abp.dense` → `f32`,
+    `#abp.packed<b>` → `i8` code, `#abp.scalar` → `f32` parameter; its yields follow `outs`
+    (`#abp.dense` ← `f32`, `#abp.packed<b>` ← `i8`). `abp-map-threads` adds the thread
+    mapping: `block_size` threads per block and `chunk` consecutive elements per thread and
+    grid-stride iteration (a whole number of 128-bit vectors and of packed bytes).
+
+    Example:
+    ```mlir
+    abp.kernel @relu_bwd {ins = [#abp.packed<1>, #abp.dense], outs = [#abp.dense]} {
+    ^bb0(%c: i8, %dy: f32):
+      ...
+      abp.yield %dx : f32
+    }
+    ```
+  }];
+  let arguments = (ins SymbolNameAttr:$sym_name, ArrayAttr:$ins, ArrayAttr:$outs,
+                       OptionalAttr<I64Attr>:$block_size, OptionalAttr<I64Attr>:$chunk);
+  let regions = (region SizedRegion<1>:$body);
+  let assemblyFormat = "$sym_name attr-dict-with-keyword $body";
+  let hasRegionVerifier = 1;
+}
+
+def Abp_LaunchOp : Abp_Op<"launch", [DeclareOpInterfaceMethods<SymbolUserOpInterface>]> {
+  let summary = "runs an abp.kernel over its arguments' elements";
+  let description = [{
+    Operands follow the kernel's `ins` (tensors for `#abp.dense`, codes for `#abp.packed`,
+    `f32` for `#abp.scalar`); results follow its `outs`.
+
+    Example:
+    ```mlir
+    %y, %c = abp.launch @regelu2_fwd(%x) : (tensor<?xf32>) -> (tensor<?xf32>, !abp.codes<2>)
+    ```
+  }];
+  let arguments = (ins FlatSymbolRefAttr:$kernel, Variadic<AnyType>:$args);
+  let results = (outs Variadic<AnyType>:$results);
+  let assemblyFormat = "$kernel `(` $args `)` attr-dict `:` functional-type($args, $results)";
+}
+
+#endif // ABP_OPS_TD

@@ -1,0 +1,66 @@
+// Passes.td — every abp pass, declared once; options, docs and registration are generated.
+#ifndef ABP_PASSES_TD
+#define ABP_PASSES_TD
+
+include "mlir/Pass/PassBase.td"
+
+def AbpVerifyResiduals : Pass<"abp-verify-residuals", "::mlir::ModuleOp"> {
+  let summary = "Checks the residual flow of every operator and records its saved bits";
+  let description = [{
+    For each `abp.operator`: every saved residual must be used by backward (a residual nothing
+    reads is memory kept for nothing), and the saved bits per element of the operator — the sum
+    over per-element residuals (`!abp.codes<b>` counts b, an f32 tensor 32) — is attached as
+    `abp.saved_bits`, so memory is visible statically. f32 parameters cost no per-element bits.
+  }];
+}
+
+def AbpInstantiateVariants : Pass<"abp-instantiate-variants", "::mlir::ModuleOp"> {
+  let summary = "Clones each operator once per entry of its `variants` dictionary";
+  let description = [{
+    An operator `@f variants {f_b1 = #s1, f_b2 = #s2}` whose quantize/dequantize ops use scheme
+    `#s` becomes three operators `@f`, `@f_b1`, `@f_b2`; in each clone every occurrence of `#s`
+    is replaced by the variant's scheme and every `!abp.codes<bits(#s)>` by the variant's width.
+    An operator using more than one distinct scheme cannot be instantiated (error).
+  }];
+}
+
+def AbpLowerQuantize : Pass<"abp-lower-quantize", "::mlir::ModuleOp"> {
+  let summary = "Lowers bucket quantize/dequantize to code maps and pack/unpack";
+  let description = [{
+    `abp.quantize %x {scheme}` becomes an `abp.map` computing `Σ_i [x > t_i]` as i8 (borders
+    rounded to fp32; NaN compares false, so it gets code 0) followed by `abp.pack`;
+    `abp.dequantize %c {scheme}` becomes `abp.unpack` and an `abp.map` selecting `levels[code]`
+    as fp32 constants.
+  }];
+  let dependentDialects = ["::mlir::arith::ArithDialect"];
+}
+
+def AbpFuseKernels : Pass<"abp-fuse-kernels", "::mlir::ModuleOp"> {
+  let summary = "Fuses each direction's elementwise ops into one abp.kernel";
+  let description = [{
+    In the forward and backward region of every operator, all `abp.map`, `abp.pack` and
+    `abp.unpack` ops (they share one iteration space) are merged into a single `abp.kernel`
+    symbol named `<operator>_fwd` / `<operator>_bwd` and replaced by one `abp.launch`: the
+    kernel reads each external tensor once (codes unpacked in registers), computes every map
+    body per element, and writes only the values that leave the direction, packing codes on the
+    fly. Captured f32 parameters become `#abp.scalar` arguments. Values used only inside the
+    direction never reach memory.
+  }];
+}
+
+def AbpMapThreads : Pass<"abp-map-threads", "::mlir::ModuleOp"> {
+  let summary = "Chooses the thread mapping of every elementwise kernel";
+  let description = [{
+    Sets `chunk`, the consecutive elements one thread handles per grid-stride iteration, to the
+    least common multiple of (a) 8 for every dense argument — one 128-bit vector at 16-bit
+    dtypes, two at fp32 — and (b) 8 / gcd(bits, 8) for every packed argument, so a thread's codes
+    fill whole bytes and no two threads write the same byte; and `block_size` (option). Indices
+    are 64-bit and the last, partial chunk takes a bounds-checked scalar path (codegen).
+  }];
+  let options = [
+    Option<"blockSize", "block-size", "int64_t", /*default=*/"256",
+           "threads per block of every elementwise kernel">
+  ];
+}
+
+#endif // ABP_PASSES_TD

@@ -1,0 +1,367 @@
+// abp_device.h — the one header every generated kernel includes (NVRTC and host C++).
+//
+// This header is the runtime side of the compiler/runtime contract (DESIGN.md §6): codegen writes
+// calls to it, and it must compile unchanged under NVRTC (no system headers there) and under the
+// host C++ compiler (the CPU path, with ABP_HOST defined). Everything numeric here is written so
+// that both sides produce bit-identical results: fp16/bf16 conversions are software
+// round-to-nearest-even on both, bit packing is integer arithmetic, Philox is integer arithmetic.
+//
+// Changing this file? Its content is part of every cache key (runtime/Cache.cpp), so entries are
+// invalidated automatically; bump kCacheFormatVersion only when the on-disk layout changes.
+#ifndef ABP_DEVICE_H
+#define ABP_DEVICE_H
+
+#if defined(__CUDACC_RTC__) || defined(__CUDACC__)
+#define ABP_GPU 1
+#define ABP_FN __device__ __forceinline__
+#define ABP_KERNEL extern "C" __global__
+#define ABP_RESTRICT __restrict__
+#else
+#ifndef ABP_HOST
+#define ABP_HOST 1
+#endif
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#define ABP_FN static inline
+#define ABP_KERNEL extern "C"
+#define ABP_RESTRICT __restrict
+#endif
+
+namespace abp {
+
+#if ABP_GPU
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+#else
+typedef std::uint8_t u8;
+typedef std::uint16_t u16;
+typedef std::uint32_t u32;
+typedef std::uint64_t u64;
+typedef std::int64_t i64;
+#endif
+
+//===----------------------------------------------------------------------===//
+// Thread indexing. On the host the launcher sets these per simulated thread.
+//===----------------------------------------------------------------------===//
+#if ABP_GPU
+ABP_FN i64 globalThread() {
+  return (i64)blockIdx.x * (i64)blockDim.x + (i64)threadIdx.x;
+}
+ABP_FN i64 gridThreads() { return (i64)gridDim.x * (i64)blockDim.x; }
+#else
+/// The simulated CUDA thread coordinates of the calling OS thread (CPU path).
+struct HostThread {
+  i64 block = 0, thread = 0, blockDim = 1, gridDim = 1;
+};
+inline thread_local HostThread hostThread;
+ABP_FN i64 globalThread() {
+  return hostThread.block * hostThread.blockDim + hostThread.thread;
+}
+ABP_FN i64 gridThreads() { return hostThread.gridDim * hostThread.blockDim; }
+#endif
+
+//===----------------------------------------------------------------------===//
+// Storage types. Math is always fp32; these are only how elements sit in memory.
+//===----------------------------------------------------------------------===//
+struct bf16 {
+  u16 bits;
+};
+struct f16 {
+  u16 bits;
+};
+
+ABP_FN u32 floatBits(float f) {
+#if ABP_GPU
+  return __float_as_uint(f);
+#else
+  u32 u;
+  std::memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+ABP_FN float bitsFloat(u32 u) {
+#if ABP_GPU
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+ABP_FN float toFloat(float v) { return v; }
+ABP_FN float toFloat(bf16 v) { return bitsFloat((u32)v.bits << 16); }
+ABP_FN float toFloat(f16 v) {
+  // IEEE binary16 -> binary32, exact (every half is a float).
+  u32 h = v.bits;
+  u32 sign = (h & 0x8000u) << 16;
+  u32 exp = (h >> 10) & 0x1fu;
+  u32 man = h & 0x3ffu;
+  u32 out;
+  if (exp == 0x1fu) {
+    out = sign | 0x7f800000u | (man << 13); // inf / nan (payload kept)
+  } else if (exp != 0) {
+    out = sign | ((exp + 112u) << 23) | (man << 13);
+  } else if (man == 0) {
+    out = sign;
+  } else { // subnormal half: normalise
+    int shift = 0;
+    while ((man & 0x400u) == 0) {
+      man <<= 1;
+      ++shift;
+    }
+    man &= 0x3ffu;
+    out = sign | ((u32)(113 - shift) << 23) | (man << 13);
+  }
+  return bitsFloat(out);
+}
+
+ABP_FN void fromFloat(float f, float &out) { out = f; }
+ABP_FN void fromFloat(float f, bf16 &out) {
+  // Round to nearest even; NaN stays NaN (quiet bit forced so it cannot round to inf).
+  u32 u = floatBits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    out.bits = (u16)((u >> 16) | 0x40u);
+    return;
+  }
+  u32 rounding = 0x7fffu + ((u >> 16) & 1u);
+  out.bits = (u16)((u + rounding) >> 16);
+}
+ABP_FN void fromFloat(float f, f16 &out) {
+  // IEEE binary32 -> binary16, round to nearest even, overflow to inf, subnormals exact.
+  u32 u = floatBits(f);
+  u32 sign = (u >> 16) & 0x8000u;
+  u32 a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) { // NaN: keep it NaN
+    out.bits = (u16)(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
+    return;
+  }
+  if (a >= 0x477ff000u) { // >= 65520 rounds to inf (also inf itself)
+    out.bits = (u16)(sign | 0x7c00u);
+    return;
+  }
+  if (a >= 0x38800000u) { // normal half range
+    u32 rounded = a + 0xfffu + ((a >> 13) & 1u);
+    out.bits = (u16)(sign | ((rounded - 0x38000000u) >> 13));
+    return;
+  }
+  if (a < 0x33000000u) { // below half of the smallest subnormal: signed zero
+    out.bits = (u16)sign;
+    return;
+  }
+  // Subnormal half: value = man * 2^-24. Shift the full significand and round to nearest even.
+  u32 exp = a >> 23;
+  u32 man = (a & 0x7fffffu) | 0x800000u;
+  u32 shift = 126u - exp; // 14..24
+  u32 halfway = 1u << (shift - 1);
+  u32 rest = man & ((1u << shift) - 1u);
+  u32 q = man >> shift;
+  if (rest > halfway || (rest == halfway && (q & 1u)))
+    ++q;
+  out.bits = (u16)(sign | q);
+}
+
+//===----------------------------------------------------------------------===//
+// Element access. `loadChunk` reads N consecutive elements starting at index i
+// into fp32; with `vec` true the caller guarantees 16-byte alignment and a full
+// chunk, so the compiler emits 128-bit accesses.
+//===----------------------------------------------------------------------===//
+struct alignas(16) Vec16 {
+  u32 w[4];
+};
+
+template <int N, typename T>
+ABP_FN void loadChunk(const T *ABP_RESTRICT p, i64 i, i64 n, bool vec, float *out) {
+  if (vec) {
+    constexpr int kPer = 16 / (int)sizeof(T);
+    static_assert(N % kPer == 0, "chunk must be whole 128-bit vectors");
+#pragma unroll
+    for (int v = 0; v < N / kPer; ++v) {
+      Vec16 raw = *reinterpret_cast<const Vec16 *>(p + i + v * kPer);
+      const T *e = reinterpret_cast<const T *>(&raw);
+#pragma unroll
+      for (int k = 0; k < kPer; ++k)
+        out[v * kPer + k] = toFloat(e[k]);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+      out[k] = (i + k < n) ? toFloat(p[i + k]) : 0.0f;
+  }
+}
+
+template <int N, typename T>
+ABP_FN void storeChunk(T *ABP_RESTRICT p, i64 i, i64 n, bool vec, const float *in) {
+  if (vec) {
+    constexpr int kPer = 16 / (int)sizeof(T);
+#pragma unroll
+    for (int v = 0; v < N / kPer; ++v) {
+      Vec16 raw;
+      T *e = reinterpret_cast<T *>(&raw);
+#pragma unroll
+      for (int k = 0; k < kPer; ++k)
+        fromFloat(in[v * kPer + k], e[k]);
+      *reinterpret_cast<Vec16 *>(p + i + v * kPer) = raw;
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+      if (i + k < n)
+        fromFloat(in[k], p[i + k]);
+  }
+}
+
+template <typename T> ABP_FN bool aligned16(const T *p) {
+  return (((u64)(const void *)p) & 15u) == 0;
+}
+
+//===----------------------------------------------------------------------===//
+// Bit packing (ALGORITHMS.md §2.6): a little-endian, LSB-first stream; element
+// e's code occupies stream bits [B*e, B*e + B). A chunk of N elements with
+// N*B % 8 == 0 fills exactly N*B/8 bytes, so chunks never share a byte.
+// Changing this layout? Bump kCacheFormatVersion and the packing goldens.
+//===----------------------------------------------------------------------===//
+template <int B, int N> ABP_FN u64 packCodes(const u32 *codes) {
+  static_assert(N * B <= 64, "a chunk's codes must fit in 64 bits");
+  u64 word = 0;
+#pragma unroll
+  for (int k = 0; k < N; ++k)
+    word |= (u64)(codes[k] & ((1u << B) - 1u)) << (k * B);
+  return word;
+}
+
+template <int B, int N> ABP_FN void unpackCodes(u64 word, u32 *codes) {
+#pragma unroll
+  for (int k = 0; k < N; ++k)
+    codes[k] = (u32)(word >> (k * B)) & ((1u << B) - 1u);
+}
+
+/// Stores the low NB bytes of `word` at byte offset `at`, or only the bytes that
+/// hold elements below n (tail chunk; bytes past the stream end are not written).
+template <int NB>
+ABP_FN void storePacked(u8 *ABP_RESTRICT p, i64 at, i64 validBytes, u64 word) {
+  if (validBytes >= NB) {
+    if (NB == 8 && ((at & 7) == 0)) {
+      *reinterpret_cast<u64 *>(p + at) = word;
+      return;
+    }
+    if (NB == 4 && ((at & 3) == 0)) {
+      *reinterpret_cast<u32 *>(p + at) = (u32)word;
+      return;
+    }
+    if (NB == 2 && ((at & 1) == 0)) {
+      *reinterpret_cast<u16 *>(p + at) = (u16)word;
+      return;
+    }
+  }
+#pragma unroll
+  for (int b = 0; b < NB; ++b)
+    if (b < validBytes)
+      p[at + b] = (u8)(word >> (8 * b));
+}
+
+template <int NB>
+ABP_FN u64 loadPacked(const u8 *ABP_RESTRICT p, i64 at, i64 validBytes) {
+  if (validBytes >= NB) {
+    if (NB == 8 && ((at & 7) == 0))
+      return *reinterpret_cast<const u64 *>(p + at);
+    if (NB == 4 && ((at & 3) == 0))
+      return *reinterpret_cast<const u32 *>(p + at);
+    if (NB == 2 && ((at & 1) == 0))
+      return *reinterpret_cast<const u16 *>(p + at);
+  }
+  u64 word = 0;
+#pragma unroll
+  for (int b = 0; b < NB; ++b)
+    if (b < validBytes)
+      word |= (u64)p[at + b] << (8 * b);
+  return word;
+}
+
+//===----------------------------------------------------------------------===//
+// Scalar math used by generated bodies (fp32). Same names on both sides.
+//===----------------------------------------------------------------------===//
+#if ABP_GPU
+ABP_FN float erf(float x) { return ::erff(x); }
+ABP_FN float exp(float x) { return ::expf(x); }
+ABP_FN float expm1(float x) { return ::expm1f(x); }
+ABP_FN float log(float x) { return ::logf(x); }
+ABP_FN float log1p(float x) { return ::log1pf(x); }
+ABP_FN float tanh(float x) { return ::tanhf(x); }
+ABP_FN float sqrt(float x) { return ::sqrtf(x); }
+ABP_FN float rsqrt(float x) { return ::rsqrtf(x); }
+ABP_FN float abs(float x) { return ::fabsf(x); }
+ABP_FN float pow(float x, float y) { return ::powf(x, y); }
+ABP_FN float fmax(float x, float y) { return ::fmaxf(x, y); }
+ABP_FN float fmin(float x, float y) { return ::fminf(x, y); }
+ABP_FN bool isnan(float x) { return ::isnan(x); }
+#else
+ABP_FN float erf(float x) { return std::erf(x); }
+ABP_FN float exp(float x) { return std::exp(x); }
+ABP_FN float expm1(float x) { return std::expm1(x); }
+ABP_FN float log(float x) { return std::log(x); }
+ABP_FN float log1p(float x) { return std::log1p(x); }
+ABP_FN float tanh(float x) { return std::tanh(x); }
+ABP_FN float sqrt(float x) { return std::sqrt(x); }
+ABP_FN float rsqrt(float x) { return 1.0f / std::sqrt(x); }
+ABP_FN float abs(float x) { return std::fabs(x); }
+ABP_FN float pow(float x, float y) { return std::pow(x, y); }
+ABP_FN float fmax(float x, float y) { return std::fmax(x, y); }
+ABP_FN float fmin(float x, float y) { return std::fmin(x, y); }
+ABP_FN bool isnan(float x) { return std::isnan(x); }
+#endif
+/// IEEE maximum/minimum (arith.maximumf/minimumf): NaN if either operand is NaN.
+ABP_FN float maximum(float x, float y) {
+  return (isnan(x) || isnan(y)) ? x + y : (x > y ? x : y);
+}
+ABP_FN float minimum(float x, float y) {
+  return (isnan(x) || isnan(y)) ? x + y : (x < y ? x : y);
+}
+
+//===----------------------------------------------------------------------===//
+// Philox-4x32-10 (Salmon et al., SC'11): the one counter-based generator of the
+// project, addressed by (key = seed, counter = stream/offset). Integer-only, so
+// the GPU and CPU paths draw identical numbers.
+//===----------------------------------------------------------------------===//
+struct Philox4 {
+  u32 v[4];
+};
+
+ABP_FN u32 mulhilo(u32 a, u32 b, u32 &hi) {
+  u64 p = (u64)a * (u64)b;
+  hi = (u32)(p >> 32);
+  return (u32)p;
+}
+
+ABP_FN Philox4 philox4x32_10(Philox4 ctr, u32 key0, u32 key1) {
+  const u32 kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;
+  const u32 kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
+#pragma unroll
+  for (int r = 0; r < 10; ++r) {
+    u32 hi0, hi1;
+    u32 lo0 = mulhilo(kM0, ctr.v[0], hi0);
+    u32 lo1 = mulhilo(kM1, ctr.v[2], hi1);
+    Philox4 next;
+    next.v[0] = hi1 ^ ctr.v[1] ^ key0;
+    next.v[1] = lo1;
+    next.v[2] = hi0 ^ ctr.v[3] ^ key1;
+    next.v[3] = lo0;
+    ctr = next;
+    key0 += kW0;
+    key1 += kW1;
+  }
+  return ctr;
+}
+
+/// A uniform float in (0, 1] from 32 random bits (never 0, so log() is safe).
+ABP_FN float uniformFromBits(u32 bits) {
+  return ((float)(bits >> 8) + 1.0f) * (1.0f / 16777216.0f);
+}
+
+} // namespace abp
+
+#endif // ABP_DEVICE_H

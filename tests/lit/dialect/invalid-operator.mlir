@@ -1,0 +1,89 @@
+// Malformed operators are rejected with located diagnostics.
+// RUN: abp-opt %s -split-input-file -verify-diagnostics
+
+// The two directions are separate scopes: backward can only reach forward values through
+// residuals, so a direct use does not even parse.
+abp.operator @uses_forward_value forward {
+^bb0(%x: tensor<?xf32>):
+  %y = abp.map(%x) : (tensor<?xf32>) -> tensor<?xf32> {
+  ^bb0(%v: f32):
+    abp.yield %v : f32
+  }
+  abp.return %y : tensor<?xf32>
+} backward {
+^bb0(%dy: tensor<?xf32>):
+  // expected-error @+1 {{use of undeclared SSA value name}}
+  %dx = abp.map(%y, %dy) : (tensor<?xf32>, tensor<?xf32>) -> tensor<?xf32> {
+  ^bb0(%a: f32, %b: f32):
+    %m = arith.mulf %a, %b : f32
+    abp.yield %m : f32
+  }
+  abp.return %dx : tensor<?xf32>
+}
+
+// -----
+
+// expected-error @+1 {{expects backward to take 1 residual(s) and 1 output gradient(s) (2 block arguments), got 1}}
+abp.operator @missing_residual_arg forward {
+^bb0(%x: tensor<?xf32>):
+  abp.return %x : tensor<?xf32> saves %x : tensor<?xf32>
+} backward {
+^bb0(%dy: tensor<?xf32>):
+  abp.return %dy : tensor<?xf32>
+}
+
+// -----
+
+// expected-error @+1 {{backward argument #0 receives residual #0 of type '!abp.codes<2>' but is declared as '!abp.codes<1>'}}
+abp.operator @residual_type forward {
+^bb0(%x: tensor<?xf32>):
+  %c = abp.quantize %x {scheme = #abp.buckets<borders = [-1.0, 0.0, 1.0], levels = [0.0, 0.25, 0.75, 1.0]>} : tensor<?xf32> -> !abp.codes<2>
+  abp.return %x : tensor<?xf32> saves %c : !abp.codes<2>
+} backward {
+^bb0(%c: !abp.codes<1>, %dy: tensor<?xf32>):
+  abp.return %dy : tensor<?xf32>
+}
+
+// -----
+
+abp.operator @gradient_count forward {
+^bb0(%x: tensor<?xf32>):
+  abp.return %x : tensor<?xf32>
+} backward {
+^bb0(%dy: tensor<?xf32>):
+  // expected-error @+1 {{expects one gradient per tensor input (1), got 2}}
+  abp.return %dy, %dy : tensor<?xf32>, tensor<?xf32>
+}
+
+// -----
+
+abp.operator @saves_in_backward forward {
+^bb0(%x: tensor<?xf32>):
+  abp.return %x : tensor<?xf32>
+} backward {
+^bb0(%dy: tensor<?xf32>):
+  // expected-error @+1 {{in backward cannot save residuals}}
+  abp.return %dy : tensor<?xf32> saves %dy : tensor<?xf32>
+}
+
+// -----
+
+// expected-error @+1 {{forward argument #1 must be a ranked tensor or an f32 parameter, got 'i32'}}
+abp.operator @bad_param forward {
+^bb0(%x: tensor<?xf32>, %p: i32):
+  abp.return %x : tensor<?xf32>
+} backward {
+^bb0(%dy: tensor<?xf32>):
+  abp.return %dy : tensor<?xf32>
+}
+
+// -----
+
+// expected-error @+1 {{variant 'v' must be a #abp.buckets scheme, got 1 : i64}}
+abp.operator @bad_variant variants {v = 1} forward {
+^bb0(%x: tensor<?xf32>):
+  abp.return %x : tensor<?xf32>
+} backward {
+^bb0(%dy: tensor<?xf32>):
+  abp.return %dy : tensor<?xf32>
+}

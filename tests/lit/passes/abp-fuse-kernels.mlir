@@ -1,0 +1,72 @@
+// RUN: abp-opt %s -split-input-file -abp-fuse-kernels | FileCheck %s
+
+// Forward: a map, a code map and a pack become one kernel reading x once and writing y and the
+// packed codes; the intermediate i8 tensor never leaves registers. Backward: unpack + map fuse
+// the same way. A captured f32 parameter becomes a #abp.scalar argument.
+// CHECK-LABEL: abp.kernel @f_fwd
+// CHECK-SAME: ins = [#abp.dense], outs = [#abp.dense, #abp.packed<1>]
+// CHECK: ^bb0(%[[X:.*]]: f32):
+// CHECK: %[[Y:.*]] = func.call @sq(%[[X]]) : (f32) -> f32
+// CHECK: %[[Z:.*]] = arith.constant 0.000000e+00 : f32
+// CHECK: %[[B:.*]] = arith.cmpf ogt, %[[X]], %[[Z]] : f32
+// CHECK: %[[C:.*]] = arith.extui %[[B]] : i1 to i8
+// CHECK: abp.yield %[[Y]], %[[C]] : f32, i8
+// CHECK-LABEL: abp.kernel @f_bwd
+// CHECK-SAME: ins = [#abp.packed<1>, #abp.dense, #abp.scalar], outs = [#abp.dense]
+// CHECK: ^bb0(%[[CODE:.*]]: i8, %[[G:.*]]: f32, %[[S:.*]]: f32):
+// CHECK: %[[F:.*]] = arith.uitofp %[[CODE]] : i8 to f32
+// CHECK: %[[M:.*]] = arith.mulf %[[F]], %[[G]] : f32
+// CHECK: %[[R:.*]] = arith.mulf %[[M]], %[[S]] : f32
+// CHECK: abp.yield %[[R]] : f32
+// CHECK-LABEL: abp.operator @f
+// CHECK: %[[L:.*]]:2 = abp.launch @f_fwd(%{{.*}}) : (tensor<?xf32>) -> (tensor<?xf32>, !abp.codes<1>)
+// CHECK: abp.return %[[L]]#0 : tensor<?xf32> saves %[[L]]#1, %{{.*}} : !abp.codes<1>, f32
+// CHECK: %[[D:.*]] = abp.launch @f_bwd(%{{.*}}, %{{.*}}, %{{.*}}) : (!abp.codes<1>, tensor<?xf32>, f32) -> tensor<?xf32>
+// CHECK: abp.return %[[D]] : tensor<?xf32>
+// CHECK-NOT: abp.map
+func.func private @sq(%x: f32) -> f32 {
+  %y = arith.mulf %x, %x : f32
+  return %y : f32
+}
+abp.operator @f forward {
+^bb0(%x: tensor<?xf32>, %s: f32):
+  %y = abp.map @sq(%x) : (tensor<?xf32>) -> tensor<?xf32>
+  %m = abp.map(%x) : (tensor<?xf32>) -> tensor<?xi8> {
+  ^bb0(%v: f32):
+    %z = arith.constant 0.0 : f32
+    %b = arith.cmpf ogt, %v, %z : f32
+    %e = arith.extui %b : i1 to i8
+    abp.yield %e : i8
+  }
+  %c = abp.pack %m : tensor<?xi8> -> !abp.codes<1>
+  abp.return %y : tensor<?xf32> saves %c, %s : !abp.codes<1>, f32
+} backward {
+^bb0(%c: !abp.codes<1>, %s: f32, %dy: tensor<?xf32>):
+  %m = abp.unpack %c : !abp.codes<1> -> tensor<?xi8>
+  %dx = abp.map(%m, %dy) : (tensor<?xi8>, tensor<?xf32>) -> tensor<?xf32> {
+  ^bb0(%b: i8, %g: f32):
+    %f = arith.uitofp %b : i8 to f32
+    %r = arith.mulf %f, %g : f32
+    %t = arith.mulf %r, %s : f32
+    abp.yield %t : f32
+  }
+  abp.return %dx : tensor<?xf32>
+}
+
+// -----
+
+// A direction with no elementwise work (identity backward) gets no kernel.
+// CHECK-LABEL: abp.kernel @id_fwd
+// CHECK-NOT: abp.kernel @id_bwd
+// CHECK: abp.operator @id
+abp.operator @id forward {
+^bb0(%x: tensor<?xf32>):
+  %y = abp.map(%x) : (tensor<?xf32>) -> tensor<?xf32> {
+  ^bb0(%v: f32):
+    abp.yield %v : f32
+  }
+  abp.return %y : tensor<?xf32>
+} backward {
+^bb0(%dy: tensor<?xf32>):
+  abp.return %dy : tensor<?xf32>
+}

@@ -1,0 +1,205 @@
+// abp-compile.cpp — the compiler driver: every stage of an operator file can be emitted.
+//
+//   abp-compile FILE --emit=mlir|kernel|cuda|manifest|bundle|ptx|cubin|host [--arch=sm_XX] [-o OUT]
+//
+// mlir: the parsed, verified input; kernel: after abp-pipeline; cuda: the generated source;
+// manifest: its launch manifest; bundle: OUT/NAME.cu + OUT/NAME.json (what the build runs over
+// ops/); ptx/cubin: NVRTC output for --arch (no GPU needed); host: the CPU path's shared object.
+// With ABP_DUMP_DIR set, every stage of the run is also written to $ABP_DUMP_DIR/NAME/.
+#include "codegen/Emitter.h"
+#include "dialect/AbpDialect.h"
+#include "passes/Passes.h"
+#include "tools/HostCompiler.h"
+#include "tools/NvrtcStage.h"
+
+#include "mlir/IR/AsmState.h"
+#include "mlir/IR/MLIRContext.h"
+#include "mlir/Parser/Parser.h"
+#include "mlir/Pass/PassInstrumentation.h"
+#include "mlir/Support/FileUtilities.h"
+#include "llvm/Support/CommandLine.h"
+#include "llvm/Support/FileSystem.h"
+#include "llvm/Support/FormatVariadic.h"
+#include "llvm/Support/InitLLVM.h"
+#include "llvm/Support/Path.h"
+#include "llvm/Support/SourceMgr.h"
+#include "llvm/Support/ToolOutputFile.h"
+
+#include <cstdlib>
+
+using namespace mlir;
+namespace cl = llvm::cl;
+
+namespace {
+enum class Emit { Mlir, Kernel, Cuda, Manifest, Bundle, Ptx, Cubin, Host };
+
+cl::opt<std::string> inputFile(cl::Positional, cl::desc("<operator file.mlir>"), cl::Required);
+cl::opt<Emit> emitLevel(
+    "emit", cl::desc("the stage to emit"), cl::init(Emit::Cuda),
+    cl::values(clEnumValN(Emit::Mlir, "mlir", "the parsed and verified input IR"),
+               clEnumValN(Emit::Kernel, "kernel", "the kernel-form IR after abp-pipeline"),
+               clEnumValN(Emit::Cuda, "cuda", "the generated CUDA C++ source"),
+               clEnumValN(Emit::Manifest, "manifest", "the launch manifest (JSON)"),
+               clEnumValN(Emit::Bundle, "bundle", "NAME.cu and NAME.json into directory -o"),
+               clEnumValN(Emit::Ptx, "ptx", "PTX for --arch, through NVRTC"),
+               clEnumValN(Emit::Cubin, "cubin", "a cubin for --arch, through NVRTC"),
+               clEnumValN(Emit::Host, "host", "the CPU path's shared object (needs -o)")));
+cl::opt<std::string> outputFile("o", cl::desc("output file (directory for --emit=bundle)"),
+                                cl::init("-"));
+cl::opt<std::string> arch("arch", cl::desc("GPU architecture for ptx/cubin, e.g. sm_80"),
+                          cl::init("sm_80"));
+cl::opt<std::string> displayPath(
+    "display-path", cl::desc("the path recorded in the manifest (default: the input path)"),
+    cl::init(""));
+
+/// Writes the IR after every pass to `<dir>/after-NN-<pass>.mlir` (ABP_DUMP_DIR).
+struct DumpAfterPass : PassInstrumentation {
+  explicit DumpAfterPass(std::string dir) : dir(std::move(dir)) {}
+  void runAfterPass(Pass *pass, Operation *op) override {
+    std::string path = llvm::formatv("{0}/after-{1:02}-{2}.mlir", dir, ++count,
+                                     pass->getArgument()).str();
+    std::error_code ec;
+    llvm::raw_fd_ostream os(path, ec);
+    if (!ec)
+      op->print(os);
+  }
+  std::string dir;
+  int count = 0;
+};
+
+/// Remembers the last pass that failed so the driver can name it.
+struct RecordFailure : PassInstrumentation {
+  void runAfterPassFailed(Pass *pass, Operation *) override { failed = pass->getArgument().str(); }
+  std::string failed;
+};
+
+int writeOutput(StringRef text, StringRef path) {
+  std::string error;
+  std::unique_ptr<llvm::ToolOutputFile> out = openOutputFile(path, &error);
+  if (!out) {
+    llvm::errs() << "abp-compile: " << error << "\n";
+    return 1;
+  }
+  out->os() << text;
+  out->keep();
+  return 0;
+}
+
+int writeFile(const std::string &path, StringRef text) { return writeOutput(text, path); }
+} // namespace
+
+int main(int argc, char **argv) {
+  llvm::InitLLVM init(argc, argv);
+  registerAsmPrinterCLOptions();
+  registerMLIRContextCLOptions();
+  cl::ParseCommandLineOptions(argc, argv, "abp compiler driver\n");
+
+  DialectRegistry registry;
+  registry.insert<abp::AbpDialect, arith::ArithDialect, math::MathDialect, func::FuncDialect>();
+  MLIRContext context(registry);
+  context.loadAllAvailableDialects();
+
+  llvm::SourceMgr sourceMgr;
+  SourceMgrDiagnosticHandler diagnostics(sourceMgr, &context);
+  std::string error;
+  std::unique_ptr<llvm::MemoryBuffer> buffer = openInputFile(inputFile, &error);
+  if (!buffer) {
+    llvm::errs() << "abp-compile: " << error << "\n";
+    return 1;
+  }
+  sourceMgr.AddNewSourceBuffer(std::move(buffer), llvm::SMLoc());
+  OwningOpRef<ModuleOp> module = parseSourceFile<ModuleOp>(sourceMgr, &context);
+  if (!module)
+    return 1; // the parser/verifier already reported file:line:col
+
+  std::string stem = llvm::sys::path::stem(inputFile).str();
+  std::string dumpDir;
+  if (const char *dump = std::getenv("ABP_DUMP_DIR"); dump && *dump) {
+    dumpDir = std::string(dump) + "/" + stem;
+    llvm::sys::fs::create_directories(dumpDir);
+    std::string text;
+    llvm::raw_string_ostream os(text);
+    module->print(os);
+    writeFile(dumpDir + "/input.mlir", text);
+  }
+  if (emitLevel == Emit::Mlir) {
+    std::string text;
+    llvm::raw_string_ostream os(text);
+    module->print(os);
+    return writeOutput(text, outputFile);
+  }
+
+  PassManager pm(&context);
+  abp::buildAbpPipeline(pm);
+  auto failure = std::make_unique<RecordFailure>();
+  RecordFailure *failureRef = failure.get();
+  pm.addInstrumentation(std::move(failure));
+  if (!dumpDir.empty())
+    pm.addInstrumentation(std::make_unique<DumpAfterPass>(dumpDir));
+  if (mlir::failed(pm.run(*module))) {
+    llvm::errs() << "abp-compile: pass '" << failureRef->failed << "' failed on " << inputFile
+                 << "\n";
+    return 1;
+  }
+  if (emitLevel == Emit::Kernel) {
+    std::string text;
+    llvm::raw_string_ostream os(text);
+    module->print(os);
+    return writeOutput(text, outputFile);
+  }
+
+  abp::EmitOptions options;
+  options.inputFile = displayPath.empty() ? inputFile.getValue() : displayPath.getValue();
+  options.sourceName = stem + ".cu";
+  options.hostLibrary = stem + ".host.so";
+  FailureOr<abp::EmittedBundle> bundle = abp::emitBundle(*module, options);
+  if (mlir::failed(bundle))
+    return 1;
+  if (!dumpDir.empty()) {
+    writeFile(dumpDir + "/kernel.cu", bundle->source);
+    writeFile(dumpDir + "/manifest.json", bundle->manifest);
+  }
+
+  switch (emitLevel) {
+  case Emit::Cuda:
+    return writeOutput(bundle->source, outputFile);
+  case Emit::Manifest:
+    return writeOutput(bundle->manifest, outputFile);
+  case Emit::Bundle: {
+    if (outputFile == "-") {
+      llvm::errs() << "abp-compile: --emit=bundle needs -o DIRECTORY\n";
+      return 1;
+    }
+    llvm::sys::fs::create_directories(outputFile);
+    // Write the manifest last: the runtime treats a manifest as the sign of a complete bundle.
+    int rc = writeFile(outputFile + "/" + options.sourceName, bundle->source);
+    return rc ? rc : writeFile(outputFile + "/" + stem + ".json", bundle->manifest);
+  }
+  case Emit::Ptx:
+  case Emit::Cubin: {
+    std::string binary, log;
+    if (!abp::tools::compileWithNvrtc(bundle->source, stem, arch, emitLevel == Emit::Ptx,
+                                      binary, log)) {
+      llvm::errs() << log;
+      return 1;
+    }
+    if (!dumpDir.empty())
+      writeFile(dumpDir + (emitLevel == Emit::Ptx ? "/kernel.ptx" : "/kernel.cubin"), binary);
+    return writeOutput(binary, outputFile);
+  }
+  case Emit::Host: {
+    if (outputFile == "-") {
+      llvm::errs() << "abp-compile: --emit=host needs -o FILE.so\n";
+      return 1;
+    }
+    std::string log;
+    if (!abp::tools::compileForHost(bundle->source, outputFile, log)) {
+      llvm::errs() << log;
+      return 1;
+    }
+    return 0;
+  }
+  default:
+    return 0;
+  }
+}
