@@ -14,7 +14,9 @@ include "mlir/Interfaces/ControlFlowInterfaces.td"
 // Operators
 //===----------------------------------------------------------------------===//
 
-def Abp_OperatorOp : Abp_Op<"operator", [Symbol, IsolatedFromAbove]> {
+// Not IsolatedFromAbove: the region verifier checks closure itself, with a diagnostic that says
+// what to do (save the value as a residual) instead of the trait's generic one.
+def Abp_OperatorOp : Abp_Op<"operator", [Symbol]> {
   let summary = "an operator with a forward region, a backward region and explicit residuals";
   let description = [{
     The forward region's block arguments are the operator's inputs: tensors (differentiable) and
