@@ -4,6 +4,7 @@
 #include "mlir/IR/Builders.h"
 #include "mlir/IR/DialectImplementation.h"
 #include "mlir/IR/OpImplementation.h"
+#include "mlir/Interfaces/FoldInterfaces.h"
 #include "llvm/ADT/TypeSwitch.h"
 
 using namespace mlir;
@@ -29,6 +30,16 @@ struct AbpOpAsmInterface : public OpAsmDialectInterface {
     return AliasResult::NoAlias;
   }
 };
+/// Folded constants stay inside the body they were computed in (a map body, a kernel body or an
+/// operator direction) instead of being hoisted to the module: operators are deliberately not
+/// IsolatedFromAbove (their verifier reports cross-direction uses precisely), and kernel bodies
+/// are emitted self-contained.
+struct AbpFoldInterface : public DialectFoldInterface {
+  using DialectFoldInterface::DialectFoldInterface;
+  bool shouldMaterializeInto(Region *region) const final {
+    return isa<OperatorOp, MapOp, KernelOp>(region->getParentOp());
+  }
+};
 } // namespace
 
 void AbpDialect::initialize() {
@@ -38,7 +49,7 @@ void AbpDialect::initialize() {
 #define GET_OP_LIST
 #include "dialect/AbpOps.cpp.inc"
       >();
-  addInterfaces<AbpOpAsmInterface>();
+  addInterfaces<AbpOpAsmInterface, AbpFoldInterface>();
 }
 
 void AbpDialect::registerTypes() {
