@@ -137,7 +137,7 @@ void emitLoop(KernelOp kernel, ArrayRef<Arg> args, int64_t chunk, SourceWriter &
       ref = fmt::format("(abp::u8){}[k]", local);
     call += fmt::format("{}{}", call.empty() ? "" : ", ", ref);
   }
-  out.line("#pragma unroll");
+  out.line("ABP_UNROLL");
   out.line("for (int k = 0; k < N; ++k)");
   out.line("  {}_body({});", name, call);
   for (const Arg &a : args) {
