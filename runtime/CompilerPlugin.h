@@ -21,7 +21,7 @@ typedef int (*AbpCompilerCompileFn)(const char *irText, const char *bufferName, 
 typedef void (*AbpCompilerFreeFn)(char *text);
 }
 
-#define ABP_COMPILER_LIBRARY "libabp_compiler.so"
+#define ABP_COMPILER_LIBRARY_NAME "libabp_compiler.so"
 #define ABP_COMPILER_COMPILE_SYMBOL "abp_compiler_compile"
 #define ABP_COMPILER_FREE_SYMBOL "abp_compiler_free"
 

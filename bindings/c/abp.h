@@ -55,13 +55,35 @@ ABP_API abp_status abp_kernel_get(abp_library *lib, const char *kernel, const ch
 ABP_API abp_status abp_kernel_launch(abp_kernel *kernel, int device, void **args, int nargs,
                                      int64_t n, void *stream);
 
+/* Compiles and loads a kernel for `device` (< 0: resolves its CPU entry) without launching it:
+ * a warm-up, so that the first launch pays no compile. */
+ABP_API abp_status abp_kernel_prepare(abp_kernel *kernel, int device);
+
 /* 1 if a CUDA driver with at least one device is usable, else 0 (never fails). */
 ABP_API int abp_cuda_available(void);
+/* The arch of CUDA device `device` ("sm_90"); the string lives until the process exits. */
+ABP_API abp_status abp_cuda_device_arch(int device, const char **arch);
+/* Device memory and copies through the runtime's driver, for callers without a CUDA framework
+ * (tests under a CPU-only PyTorch). Each makes a context of `device` current, as a launch does. */
+ABP_API abp_status abp_cuda_malloc(int device, size_t bytes, void **ptr);
+ABP_API abp_status abp_cuda_free(int device, void *ptr);
+ABP_API abp_status abp_cuda_memcpy_htod(int device, void *dst, const void *src, size_t bytes);
+ABP_API abp_status abp_cuda_memcpy_dtoh(int device, void *dst, const void *src, size_t bytes);
+/* Waits for all work of the device's current context (cuCtxSynchronize). */
+ABP_API abp_status abp_cuda_synchronize(int device);
 
 /* Compiles a kernel's source for `arch` ("sm_80", ...) to "ptx" or "cubin" without a GPU;
  * writes the size of the result to *size (the bytes are cached and dumped like any compile). */
 ABP_API abp_status abp_compile_for_arch(abp_library *lib, const char *kernel, const char *arch,
                                         const char *kind, size_t *size);
+
+/* Compiles new operator IR (abp dialect text; diagnostics located in `origin`, e.g.
+ * "model.py:12") into a kernel directory — source, manifest and CPU-path library — and returns
+ * its path in *kernel_dir (valid until the next call on this thread); open it with
+ * abp_library_open. Loads libabp_compiler.so at the first call; ABP_ERROR_NOT_FOUND if it is
+ * missing, ABP_ERROR_COMPILE with the file:line:col diagnostics if the IR is rejected. */
+ABP_API abp_status abp_compile_ir(const char *ir_text, const char *origin,
+                                  const char **kernel_dir);
 
 /* Compile-cache statistics as JSON {"memory_hits":..,"disk_hits":..,"misses":..,"compile_ms":..}. */
 ABP_API abp_status abp_cache_stats(const char **json);

@@ -16,7 +16,9 @@
 #define ABP_FN __device__ __forceinline__
 #define ABP_KERNEL extern "C" __global__
 #define ABP_RESTRICT __restrict__
+#define ABP_UNROLL _Pragma("unroll")
 #else
+#define ABP_GPU 0
 #ifndef ABP_HOST
 #define ABP_HOST 1
 #endif
@@ -26,7 +28,16 @@
 #define ABP_FN static inline
 #define ABP_KERNEL extern "C"
 #define ABP_RESTRICT __restrict
+#if defined(__clang__)
+#define ABP_UNROLL _Pragma("unroll")
+#elif defined(__GNUC__)
+#define ABP_UNROLL _Pragma("GCC unroll 16")
+#else
+#define ABP_UNROLL
 #endif
+#endif
+// ABP_UNROLL: "#pragma unroll" that every compiler understands (GCC warns on the CUDA spelling
+// under -Wall); generated code should use it too.
 
 namespace abp {
 
@@ -174,21 +185,46 @@ struct alignas(16) Vec16 {
   u32 w[4];
 };
 
+/// Reads / writes a T at `p` whose alignment the caller guarantees. On the GPU a plain typed
+/// access (one wide instruction); on the host a memcpy, which compiles to the same move without
+/// breaking C++'s aliasing rules.
+template <typename T> ABP_FN T loadRaw(const void *p) {
+#if ABP_GPU
+  return *reinterpret_cast<const T *>(p);
+#else
+  T value;
+  std::memcpy(&value, p, sizeof(T));
+  return value;
+#endif
+}
+template <typename T> ABP_FN void storeRaw(void *p, const T &value) {
+#if ABP_GPU
+  *reinterpret_cast<T *>(p) = value;
+#else
+  std::memcpy(p, &value, sizeof(T));
+#endif
+}
+
 template <int N, typename T>
 ABP_FN void loadChunk(const T *ABP_RESTRICT p, i64 i, i64 n, bool vec, float *out) {
   if (vec) {
     constexpr int kPer = 16 / (int)sizeof(T);
     static_assert(N % kPer == 0, "chunk must be whole 128-bit vectors");
-#pragma unroll
+    ABP_UNROLL
     for (int v = 0; v < N / kPer; ++v) {
+#if ABP_GPU
       Vec16 raw = *reinterpret_cast<const Vec16 *>(p + i + v * kPer);
       const T *e = reinterpret_cast<const T *>(&raw);
-#pragma unroll
+#else
+      T e[kPer];
+      std::memcpy(e, p + i + v * kPer, 16);
+#endif
+      ABP_UNROLL
       for (int k = 0; k < kPer; ++k)
         out[v * kPer + k] = toFloat(e[k]);
     }
   } else {
-#pragma unroll
+    ABP_UNROLL
     for (int k = 0; k < N; ++k)
       out[k] = (i + k < n) ? toFloat(p[i + k]) : 0.0f;
   }
@@ -198,17 +234,25 @@ template <int N, typename T>
 ABP_FN void storeChunk(T *ABP_RESTRICT p, i64 i, i64 n, bool vec, const float *in) {
   if (vec) {
     constexpr int kPer = 16 / (int)sizeof(T);
-#pragma unroll
+    ABP_UNROLL
     for (int v = 0; v < N / kPer; ++v) {
+#if ABP_GPU
       Vec16 raw;
       T *e = reinterpret_cast<T *>(&raw);
-#pragma unroll
+#else
+      T e[kPer];
+#endif
+      ABP_UNROLL
       for (int k = 0; k < kPer; ++k)
         fromFloat(in[v * kPer + k], e[k]);
+#if ABP_GPU
       *reinterpret_cast<Vec16 *>(p + i + v * kPer) = raw;
+#else
+      std::memcpy(p + i + v * kPer, e, 16);
+#endif
     }
   } else {
-#pragma unroll
+    ABP_UNROLL
     for (int k = 0; k < N; ++k)
       if (i + k < n)
         fromFloat(in[k], p[i + k]);
@@ -228,37 +272,38 @@ template <typename T> ABP_FN bool aligned16(const T *p) {
 template <int B, int N> ABP_FN u64 packCodes(const u32 *codes) {
   static_assert(N * B <= 64, "a chunk's codes must fit in 64 bits");
   u64 word = 0;
-#pragma unroll
+  ABP_UNROLL
   for (int k = 0; k < N; ++k)
     word |= (u64)(codes[k] & ((1u << B) - 1u)) << (k * B);
   return word;
 }
 
 template <int B, int N> ABP_FN void unpackCodes(u64 word, u32 *codes) {
-#pragma unroll
+  ABP_UNROLL
   for (int k = 0; k < N; ++k)
     codes[k] = (u32)(word >> (k * B)) & ((1u << B) - 1u);
 }
 
 /// Stores the low NB bytes of `word` at byte offset `at`, or only the bytes that
 /// hold elements below n (tail chunk; bytes past the stream end are not written).
+/// One wide access when the *address* is aligned (the base pointer need not be).
 template <int NB>
 ABP_FN void storePacked(u8 *ABP_RESTRICT p, i64 at, i64 validBytes, u64 word) {
   if (validBytes >= NB) {
-    if (NB == 8 && ((at & 7) == 0)) {
-      *reinterpret_cast<u64 *>(p + at) = word;
+    if (NB == 8 && (((u64)(p + at)) & 7u) == 0) {
+      storeRaw<u64>(p + at, word);
       return;
     }
-    if (NB == 4 && ((at & 3) == 0)) {
-      *reinterpret_cast<u32 *>(p + at) = (u32)word;
+    if (NB == 4 && (((u64)(p + at)) & 3u) == 0) {
+      storeRaw<u32>(p + at, (u32)word);
       return;
     }
-    if (NB == 2 && ((at & 1) == 0)) {
-      *reinterpret_cast<u16 *>(p + at) = (u16)word;
+    if (NB == 2 && (((u64)(p + at)) & 1u) == 0) {
+      storeRaw<u16>(p + at, (u16)word);
       return;
     }
   }
-#pragma unroll
+  ABP_UNROLL
   for (int b = 0; b < NB; ++b)
     if (b < validBytes)
       p[at + b] = (u8)(word >> (8 * b));
@@ -267,15 +312,15 @@ ABP_FN void storePacked(u8 *ABP_RESTRICT p, i64 at, i64 validBytes, u64 word) {
 template <int NB>
 ABP_FN u64 loadPacked(const u8 *ABP_RESTRICT p, i64 at, i64 validBytes) {
   if (validBytes >= NB) {
-    if (NB == 8 && ((at & 7) == 0))
-      return *reinterpret_cast<const u64 *>(p + at);
-    if (NB == 4 && ((at & 3) == 0))
-      return *reinterpret_cast<const u32 *>(p + at);
-    if (NB == 2 && ((at & 1) == 0))
-      return *reinterpret_cast<const u16 *>(p + at);
+    if (NB == 8 && (((u64)(p + at)) & 7u) == 0)
+      return loadRaw<u64>(p + at);
+    if (NB == 4 && (((u64)(p + at)) & 3u) == 0)
+      return loadRaw<u32>(p + at);
+    if (NB == 2 && (((u64)(p + at)) & 1u) == 0)
+      return loadRaw<u16>(p + at);
   }
   u64 word = 0;
-#pragma unroll
+  ABP_UNROLL
   for (int b = 0; b < NB; ++b)
     if (b < validBytes)
       word |= (u64)p[at + b] << (8 * b);
@@ -340,7 +385,7 @@ ABP_FN u32 mulhilo(u32 a, u32 b, u32 &hi) {
 ABP_FN Philox4 philox4x32_10(Philox4 ctr, u32 key0, u32 key1) {
   const u32 kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;
   const u32 kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
-#pragma unroll
+  ABP_UNROLL
   for (int r = 0; r < 10; ++r) {
     u32 hi0, hi1;
     u32 lo0 = mulhilo(kM0, ctr.v[0], hi0);

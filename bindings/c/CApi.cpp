@@ -1,0 +1,224 @@
+// CApi.cpp — the C API (abp.h) over the runtime: every call catches, maps to a status and keeps
+// the message (and a compile failure's log + numbered source) for this thread.
+#include "bindings/c/abp.h"
+
+#include "runtime/Cache.h"
+#include "runtime/Driver.h"
+#include "runtime/Env.h"
+#include "runtime/Error.h"
+#include "runtime/IrCompiler.h"
+#include "runtime/Library.h"
+
+#include <cstdio>
+#include <new>
+
+using namespace abp::rt;
+
+struct abp_library {
+  std::unique_ptr<Library> library;
+};
+
+namespace {
+thread_local std::string lastError;
+thread_local std::string lastDetail;
+thread_local std::string returnedText; // strings returned by value-like calls on this thread
+
+abp_status fail(abp_status status, std::string message, std::string detail = "") {
+  try {
+    lastError = std::move(message);
+    lastDetail = std::move(detail);
+  } catch (...) {
+  }
+  return status;
+}
+
+/// Runs `body`, mapping every exception to a status plus this thread's message.
+template <typename Body> abp_status guarded(Body &&body) noexcept {
+  try {
+    body();
+    return ABP_OK;
+  } catch (const Error &e) {
+    return fail(static_cast<abp_status>(e.code()), e.what(), e.detail());
+  } catch (const std::bad_alloc &) {
+    return fail(ABP_ERROR_INTERNAL, "out of memory");
+  } catch (const std::exception &e) {
+    return fail(ABP_ERROR_INTERNAL, std::string("internal error: ") + e.what());
+  } catch (...) {
+    return fail(ABP_ERROR_INTERNAL, "internal error: unknown exception");
+  }
+}
+
+void require(const void *pointer, const char *name) {
+  if (!pointer)
+    throw Error(ErrorCode::InvalidArgument, std::string(name) + ": must not be NULL");
+}
+
+Kernel &kernelOf(abp_kernel *kernel) {
+  require(kernel, "kernel");
+  return *reinterpret_cast<Kernel *>(kernel);
+}
+
+Library &libraryOf(abp_library *lib) {
+  require(lib, "lib");
+  return *lib->library;
+}
+} // namespace
+
+extern "C" {
+
+const char *abp_last_error(void) { return lastError.c_str(); }
+
+const char *abp_last_error_detail(void) { return lastDetail.c_str(); }
+
+const char *abp_version(void) { return ABP_VERSION_STRING; }
+
+abp_status abp_library_open(const char *kernel_dir, abp_library **out) {
+  return guarded([&] {
+    require(out, "out");
+    *out = nullptr;
+    auto lib = std::make_unique<abp_library>();
+    lib->library = Library::open(kernel_dir ? kernel_dir : "");
+    *out = lib.release();
+  });
+}
+
+void abp_library_close(abp_library *lib) { delete lib; }
+
+abp_status abp_library_operators_json(abp_library *lib, const char **json) {
+  return guarded([&] {
+    Library &library = libraryOf(lib);
+    require(json, "json");
+    *json = library.operatorsJson().c_str();
+  });
+}
+
+abp_status abp_kernel_get(abp_library *lib, const char *kernel, const char *dtype,
+                          abp_kernel **out) {
+  return guarded([&] {
+    Library &library = libraryOf(lib);
+    require(kernel, "kernel");
+    require(dtype, "dtype");
+    require(out, "out");
+    *out = reinterpret_cast<abp_kernel *>(&library.kernel(kernel, dtype));
+  });
+}
+
+abp_status abp_kernel_launch(abp_kernel *kernel, int device, void **args, int nargs, int64_t n,
+                             void *stream) {
+  return guarded([&] { kernelOf(kernel).launch(device, args, nargs, n, stream); });
+}
+
+abp_status abp_kernel_prepare(abp_kernel *kernel, int device) {
+  return guarded([&] { kernelOf(kernel).prepare(device); });
+}
+
+int abp_cuda_available(void) { return Driver::available() ? 1 : 0; }
+
+abp_status abp_cuda_device_arch(int device, const char **arch) {
+  return guarded([&] {
+    require(arch, "arch");
+    *arch = Driver::get().device(device).arch.c_str();
+  });
+}
+
+abp_status abp_cuda_malloc(int device, size_t bytes, void **ptr) {
+  return guarded([&] {
+    require(ptr, "ptr");
+    Driver &driver = Driver::get();
+    driver.contextFor(device);
+    *ptr = reinterpret_cast<void *>(static_cast<uintptr_t>(driver.allocate(bytes)));
+  });
+}
+
+abp_status abp_cuda_free(int device, void *ptr) {
+  return guarded([&] {
+    Driver &driver = Driver::get();
+    driver.contextFor(device);
+    if (ptr)
+      driver.release(static_cast<CUdeviceptr>(reinterpret_cast<uintptr_t>(ptr)));
+  });
+}
+
+abp_status abp_cuda_memcpy_htod(int device, void *dst, const void *src, size_t bytes) {
+  return guarded([&] {
+    require(dst, "dst");
+    require(src, "src");
+    Driver &driver = Driver::get();
+    driver.contextFor(device);
+    driver.copyToDevice(static_cast<CUdeviceptr>(reinterpret_cast<uintptr_t>(dst)), src, bytes);
+  });
+}
+
+abp_status abp_cuda_memcpy_dtoh(int device, void *dst, const void *src, size_t bytes) {
+  return guarded([&] {
+    require(dst, "dst");
+    require(src, "src");
+    Driver &driver = Driver::get();
+    driver.contextFor(device);
+    driver.copyToHost(dst, static_cast<CUdeviceptr>(reinterpret_cast<uintptr_t>(src)), bytes);
+  });
+}
+
+abp_status abp_cuda_synchronize(int device) {
+  return guarded([&] {
+    Driver &driver = Driver::get();
+    driver.contextFor(device);
+    driver.synchronize();
+  });
+}
+
+abp_status abp_compile_for_arch(abp_library *lib, const char *kernel, const char *arch,
+                                const char *kind, size_t *size) {
+  return guarded([&] {
+    Library &library = libraryOf(lib);
+    require(kernel, "kernel");
+    require(arch, "arch");
+    require(kind, "kind");
+    require(size, "size");
+    std::optional<OutputKind> k = parseOutputKind(kind);
+    if (!k || *k == OutputKind::HostLibrary)
+      throw Error(ErrorCode::InvalidArgument,
+                  std::string("kind: '") + kind + "' is not \"ptx\" or \"cubin\"");
+    *size = library.compileForArch(kernel, arch, *k)->binary.size();
+  });
+}
+
+abp_status abp_cache_stats(const char **json) {
+  return guarded([&] {
+    require(json, "json");
+    CacheStats s = Cache::global().stats();
+    char text[256];
+    std::snprintf(text, sizeof text,
+                  "{\"memory_hits\":%llu,\"disk_hits\":%llu,\"misses\":%llu,\"compile_ms\":%.3f}",
+                  static_cast<unsigned long long>(s.memoryHits),
+                  static_cast<unsigned long long>(s.diskHits),
+                  static_cast<unsigned long long>(s.misses), s.compileMs);
+    returnedText = text;
+    *json = returnedText.c_str();
+  });
+}
+
+abp_status abp_compile_ir(const char *ir_text, const char *origin, const char **kernel_dir) {
+  return guarded([&] {
+    require(ir_text, "ir_text");
+    require(kernel_dir, "kernel_dir");
+    returnedText = compileIrToKernelDir(ir_text, origin ? origin : "<ir>");
+    *kernel_dir = returnedText.c_str();
+  });
+}
+
+abp_status abp_cache_clear(void) {
+  return guarded([] { Cache::global().clear(); });
+}
+
+abp_status abp_env_get(const char *name, const char **value) {
+  return guarded([&] {
+    require(name, "name");
+    require(value, "value");
+    env::warnUnknownOnce();
+    returnedText = env::effective(env::lookup(name));
+    *value = returnedText.c_str();
+  });
+}
+
+} // extern "C"

@@ -1,0 +1,119 @@
+// Launch.cpp — grid sizing, launch argument checks and packing (docs/manifest.md).
+#include "runtime/Launch.h"
+
+#include "runtime/Error.h"
+
+#include <cstring>
+
+namespace abp::rt {
+
+LaunchConfig gridFor(int64_t n, int chunk, int block, int64_t maxBlocks) {
+  LaunchConfig config;
+  config.block = block;
+  if (n <= 0 || chunk <= 0 || block <= 0)
+    return config;
+  int64_t chunks = (n + chunk - 1) / chunk;
+  int64_t blocks = (chunks + block - 1) / block;
+  if (maxBlocks > 0 && blocks > maxBlocks)
+    blocks = maxBlocks;
+  config.grid = blocks;
+  return config;
+}
+
+void checkLaunchArgs(const KernelRecord &record, void *const *args, int nargs, int64_t n) {
+  const int expected = static_cast<int>(record.args.size());
+  if (nargs != expected)
+    throw Error(ErrorCode::InvalidArgument,
+                "nargs: kernel " + record.name + " takes " + std::to_string(expected) +
+                    " arguments (docs/manifest.md order), got " + std::to_string(nargs));
+  if (!args)
+    throw Error(ErrorCode::InvalidArgument, "args: NULL argument array for kernel " + record.name);
+  if (n < 0)
+    throw Error(ErrorCode::InvalidArgument,
+                "n: must be >= 0, got " + std::to_string(n) + " (kernel " + record.name + ")");
+  for (int i = 0; i < nargs; ++i)
+    if (!args[i])
+      throw Error(ErrorCode::InvalidArgument, "args[" + std::to_string(i) + "]: NULL (kernel " +
+                                                  record.name + ", role " +
+                                                  argRoleName(record.args[i].role) + ")");
+  int64_t count;
+  std::memcpy(&count, args[nargs - 1], sizeof count);
+  if (count != n)
+    throw Error(ErrorCode::InvalidArgument,
+                "args[" + std::to_string(nargs - 1) + "]: the count argument is " +
+                    std::to_string(count) + " but n is " + std::to_string(n) + " (kernel " +
+                    record.name + ")");
+}
+
+void launchOnHost(HostEntry entry, const LaunchConfig &config, void **args, int64_t n) {
+  if (config.grid <= 0)
+    return;
+  if (n <= kHostInlineElements)
+    entry(args, config.grid, config.block, 0, config.grid);
+  else
+    ThreadPool::global().run(entry, args, config.grid, config.block);
+}
+
+void launchOnDevice(Driver &driver, CUfunction function, const LaunchConfig &config,
+                    CUstream stream, void **args) {
+  if (config.grid <= 0)
+    return;
+  constexpr int64_t kMaxGridX = 2147483647;
+  int64_t grid = config.grid < kMaxGridX ? config.grid : kMaxGridX;
+  driver.launch(function, static_cast<unsigned>(grid), static_cast<unsigned>(config.block), stream,
+                args);
+}
+
+ArgPack::ArgPack(const KernelRecord &record) : record_(record) {
+  for (int i = 0; i < kMaxKernelArgs; ++i)
+    slots_[i] = &values_[i];
+}
+
+const KernelArg &ArgPack::expect(const char *what) {
+  if (next_ >= static_cast<int>(record_.args.size()))
+    throw Error(ErrorCode::InvalidArgument,
+                std::string("argument ") + std::to_string(next_) + " (" + what + "): kernel " +
+                    record_.name + " takes only " + std::to_string(record_.args.size()));
+  return record_.args[static_cast<size_t>(next_)];
+}
+
+static Error roleMismatch(const KernelRecord &record, int index, const char *given) {
+  return Error(ErrorCode::InvalidArgument,
+               "argument " + std::to_string(index) + " of kernel " + record.name + " has role " +
+                   argRoleName(record.args[static_cast<size_t>(index)].role) + ", but " + given +
+                   " was given");
+}
+
+ArgPack &ArgPack::pointer(const void *p) {
+  const KernelArg &arg = expect("a pointer");
+  if (arg.role != ArgRole::In && arg.role != ArgRole::Out)
+    throw roleMismatch(record_, next_, "a pointer");
+  values_[next_++].pointer = p;
+  return *this;
+}
+
+ArgPack &ArgPack::scalar(float value) {
+  const KernelArg &arg = expect("a scalar");
+  if (arg.role != ArgRole::Scalar)
+    throw roleMismatch(record_, next_, "a scalar");
+  values_[next_++].scalar = value;
+  return *this;
+}
+
+ArgPack &ArgPack::count(int64_t n) {
+  const KernelArg &arg = expect("the count");
+  if (arg.role != ArgRole::Count)
+    throw roleMismatch(record_, next_, "the count");
+  values_[next_++].count = n;
+  return *this;
+}
+
+void **ArgPack::data() {
+  if (next_ != static_cast<int>(record_.args.size()))
+    throw Error(ErrorCode::InvalidArgument,
+                "kernel " + record_.name + " takes " + std::to_string(record_.args.size()) +
+                    " arguments, only " + std::to_string(next_) + " were packed");
+  return slots_;
+}
+
+} // namespace abp::rt

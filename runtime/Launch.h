@@ -1,0 +1,77 @@
+// Launch.h — the manifest-driven launch rules: grid size, argument checks, argument packing.
+#ifndef ABP_RUNTIME_LAUNCH_H
+#define ABP_RUNTIME_LAUNCH_H
+
+#include "runtime/Driver.h"
+#include "runtime/HostBackend.h"
+#include "runtime/Manifest.h"
+
+#include <cstdint>
+
+namespace abp::rt {
+
+/// GPU grids are capped at this many blocks per multiprocessor (the kernels grid-stride).
+constexpr int64_t kBlocksPerMultiprocessor = 32;
+/// CPU launches of at most this many elements run on the calling thread.
+constexpr int64_t kHostInlineElements = 1 << 15;
+
+struct LaunchConfig {
+  int64_t grid = 0;  ///< blocks; 0 = nothing to launch
+  int64_t block = 0; ///< threads per block
+};
+
+/// docs/manifest.md's grid rule: `block` threads per block and
+/// min(ceil(ceil(n / chunk) / block), maxBlocks) blocks (maxBlocks <= 0: no cap); n == 0 gives
+/// grid 0.
+LaunchConfig gridFor(int64_t n, int chunk, int block, int64_t maxBlocks);
+
+/// Checks a launch against its kernel record: `nargs` equals the manifest's argument count,
+/// `args` and its entries are non-null, n >= 0 and the count argument (last) equals n.
+/// Throws Error(InvalidArgument) naming the kernel and the argument. Allocates nothing.
+void checkLaunchArgs(const KernelRecord &record, void *const *args, int nargs, int64_t n);
+
+/// Runs a checked launch of `n` elements on the CPU: inline when small, else split over the
+/// global thread pool. Synchronous.
+void launchOnHost(HostEntry entry, const LaunchConfig &config, void **args, int64_t n);
+
+/// cuLaunchKernel of a checked launch on `stream`. Asynchronous.
+void launchOnDevice(Driver &driver, CUfunction function, const LaunchConfig &config,
+                    CUstream stream, void **args);
+
+/// Builds the `void **args` array of a launch from typed values, checking each against the
+/// kernel's manifest roles (pointers for in/out, float for scalar, int64 for count). Holds the
+/// values itself (no allocation), so it must outlive the launch call.
+class ArgPack {
+public:
+  explicit ArgPack(const KernelRecord &record);
+  ArgPack(const ArgPack &) = delete;
+  ArgPack &operator=(const ArgPack &) = delete;
+
+  /// The next in/out argument (a device pointer on the GPU, a host pointer on the CPU).
+  ArgPack &pointer(const void *p);
+  /// The next scalar (f32) argument.
+  ArgPack &scalar(float value);
+  /// The count (last) argument.
+  ArgPack &count(int64_t n);
+
+  /// The argument array; InvalidArgument unless every argument was given.
+  void **data();
+  int size() const { return next_; }
+
+private:
+  const KernelArg &expect(const char *what);
+
+  const KernelRecord &record_;
+  union Value {
+    const void *pointer;
+    float scalar;
+    int64_t count;
+  };
+  Value values_[kMaxKernelArgs];
+  void *slots_[kMaxKernelArgs];
+  int next_ = 0;
+};
+
+} // namespace abp::rt
+
+#endif // ABP_RUNTIME_LAUNCH_H

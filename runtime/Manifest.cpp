@@ -1,0 +1,449 @@
+// Manifest.cpp — parses and validates kernel manifests (docs/manifest.md).
+#include "runtime/Manifest.h"
+
+#include "runtime/Files.h"
+
+#include <cstring>
+#include <set>
+
+namespace abp::rt {
+
+const char *dtypeName(Dtype dtype) {
+  switch (dtype) {
+  case Dtype::F32:
+    return "f32";
+  case Dtype::F16:
+    return "f16";
+  case Dtype::BF16:
+    return "bf16";
+  }
+  return "?";
+}
+
+std::optional<Dtype> parseDtype(std::string_view name) {
+  if (name == "f32")
+    return Dtype::F32;
+  if (name == "f16")
+    return Dtype::F16;
+  if (name == "bf16")
+    return Dtype::BF16;
+  return std::nullopt;
+}
+
+size_t dtypeSize(Dtype dtype) { return dtype == Dtype::F32 ? 4 : 2; }
+
+const char *argRoleName(ArgRole role) {
+  switch (role) {
+  case ArgRole::In:
+    return "in";
+  case ArgRole::Out:
+    return "out";
+  case ArgRole::Scalar:
+    return "scalar";
+  case ArgRole::Count:
+    return "count";
+  }
+  return "?";
+}
+
+const std::string *KernelRecord::symbol(std::string_view dtype) const {
+  for (const auto &[name, sym] : symbols)
+    if (name == dtype)
+      return &sym;
+  return nullptr;
+}
+
+int KernelRecord::numInputs() const {
+  int n = 0;
+  for (const KernelArg &a : args)
+    n += a.role == ArgRole::In || a.role == ArgRole::Scalar;
+  return n;
+}
+
+int KernelRecord::numOutputs() const {
+  int n = 0;
+  for (const KernelArg &a : args)
+    n += a.role == ArgRole::Out;
+  return n;
+}
+
+const KernelRecord *Manifest::findKernel(std::string_view name) const {
+  for (const KernelRecord &k : kernels)
+    if (k.name == name)
+      return &k;
+  return nullptr;
+}
+
+const OperatorRecord *Manifest::findOperator(std::string_view name) const {
+  for (const OperatorRecord &o : operators)
+    if (o.name == name)
+      return &o;
+  return nullptr;
+}
+
+std::string Manifest::directory() const {
+  size_t slash = path.rfind('/');
+  return slash == std::string::npos ? std::string(".") : path.substr(0, slash);
+}
+
+std::string Manifest::sourcePath() const { return directory() + "/" + source; }
+
+std::string Manifest::hostLibraryPath() const {
+  return hostLibrary.empty() ? std::string() : directory() + "/" + hostLibrary;
+}
+
+std::string Manifest::stem() const {
+  size_t slash = path.rfind('/');
+  std::string name = slash == std::string::npos ? path : path.substr(slash + 1);
+  if (name.size() > 5 && name.compare(name.size() - 5, 5, ".json") == 0)
+    name.resize(name.size() - 5);
+  return name;
+}
+
+namespace {
+
+/// Validates one manifest; every error names the file and the field path.
+class Checker {
+public:
+  explicit Checker(const std::string &path) : path_(path) {}
+
+  [[noreturn]] void fail(const std::string &field, const std::string &what) const {
+    throw Error(ErrorCode::InvalidArgument,
+                "manifest " + path_ + ": " + (field.empty() ? "" : field + ": ") + what);
+  }
+
+  const Json &member(const Json &object, const std::string &field, const char *key) const {
+    const Json *value = object.find(key);
+    if (!value)
+      fail(field, std::string("missing required member \"") + key + "\"");
+    return *value;
+  }
+
+  std::string str(const Json &object, const std::string &field, const char *key,
+                  bool nonEmpty) const {
+    const Json &value = member(object, field, key);
+    std::string at = join(field, key);
+    if (!value.isString())
+      fail(at, std::string("expected a string, got ") + Json::kindName(value.kind()));
+    if (nonEmpty && value.asString().empty())
+      fail(at, "expected a non-empty string");
+    return value.asString();
+  }
+
+  int64_t integer(const Json &value, const std::string &at, int64_t lo, int64_t hi) const {
+    if (!value.isInteger() || value.asInteger() < lo || value.asInteger() > hi)
+      fail(at, "expected an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                   "], got " + (value.isNumber() ? value.dump() : Json::kindName(value.kind())));
+    return value.asInteger();
+  }
+
+  int64_t integer(const Json &object, const std::string &field, const char *key, int64_t lo,
+                  int64_t hi) const {
+    return integer(member(object, field, key), join(field, key), lo, hi);
+  }
+
+  const Json::Array &array(const Json &object, const std::string &field, const char *key) const {
+    const Json &value = member(object, field, key);
+    if (!value.isArray())
+      fail(join(field, key), std::string("expected an array, got ") + Json::kindName(value.kind()));
+    return value.asArray();
+  }
+
+  void object(const Json &value, const std::string &at) const {
+    if (!value.isObject())
+      fail(at, std::string("expected an object, got ") + Json::kindName(value.kind()));
+  }
+
+  static std::string join(const std::string &field, const char *key) {
+    return field.empty() ? std::string(key) : field + "." + key;
+  }
+  static std::string index(const std::string &field, size_t i) {
+    return field + "[" + std::to_string(i) + "]";
+  }
+
+private:
+  const std::string &path_;
+};
+
+bool isIdentifier(const std::string &s) {
+  if (s.empty() || (s[0] >= '0' && s[0] <= '9'))
+    return false;
+  for (char c : s)
+    if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_'))
+      return false;
+  return true;
+}
+
+KernelRecord parseKernel(const Checker &check, const Json &value, const std::string &at,
+                         std::set<std::string> &symbolsSeen) {
+  check.object(value, at);
+  KernelRecord k;
+  k.json = value;
+  k.name = check.str(value, at, "name", true);
+  const Json &symbols = check.member(value, at, "symbols");
+  std::string symAt = Checker::join(at, "symbols");
+  if (!symbols.isObject() || symbols.asObject().empty())
+    check.fail(symAt, "expected a non-empty object mapping dtypes to symbols");
+  for (const auto &[dtype, sym] : symbols.asObject()) {
+    std::string field = symAt + "." + dtype;
+    if (!parseDtype(dtype))
+      check.fail(field, "unknown dtype \"" + dtype + "\" (expected f32, f16 or bf16)");
+    if (!sym.isString() || !isIdentifier(sym.asString()))
+      check.fail(field, "expected a C identifier naming the kernel symbol");
+    if (!symbolsSeen.insert(sym.asString()).second)
+      check.fail(field, "symbol \"" + sym.asString() + "\" appears twice in the manifest");
+    k.symbols.emplace_back(dtype, sym.asString());
+  }
+  k.block = static_cast<int>(check.integer(value, at, "block", 1, 1024));
+  k.chunk = static_cast<int>(check.integer(value, at, "chunk", 1, 1024));
+
+  const Json::Array &args = check.array(value, at, "args");
+  std::string argsAt = Checker::join(at, "args");
+  if (args.empty())
+    check.fail(argsAt, "expected at least the count argument");
+  if (args.size() > static_cast<size_t>(kMaxKernelArgs))
+    check.fail(argsAt, "has " + std::to_string(args.size()) + " arguments; at most " +
+                           std::to_string(kMaxKernelArgs) + " are supported");
+  bool seenOut = false;
+  for (size_t i = 0; i < args.size(); ++i) {
+    std::string argAt = Checker::index(argsAt, i);
+    check.object(args[i], argAt);
+    KernelArg arg;
+    std::string role = check.str(args[i], argAt, "role", true);
+    if (role == "in")
+      arg.role = ArgRole::In;
+    else if (role == "out")
+      arg.role = ArgRole::Out;
+    else if (role == "scalar")
+      arg.role = ArgRole::Scalar;
+    else if (role == "count")
+      arg.role = ArgRole::Count;
+    else
+      check.fail(argAt + ".role",
+                 "unknown role \"" + role + "\" (expected in, out, scalar or count)");
+    bool last = i + 1 == args.size();
+    if (arg.role == ArgRole::Count && !last)
+      check.fail(argAt, "the count argument must be last");
+    if (arg.role != ArgRole::Count && last)
+      check.fail(argAt,
+                 "the last argument must be the count (role \"count\"), got role \"" + role + "\"");
+    if (arg.role == ArgRole::Out)
+      seenOut = true;
+    else if (seenOut && arg.role != ArgRole::Count)
+      check.fail(argAt, "inputs and scalars must come before the outputs");
+    if (arg.role == ArgRole::Scalar) {
+      std::string type = check.str(args[i], argAt, "type", true);
+      if (type != "f32")
+        check.fail(argAt + ".type", "unsupported scalar type \"" + type + "\" (expected f32)");
+    }
+    if (arg.role == ArgRole::In || arg.role == ArgRole::Out) {
+      std::string layout = check.str(args[i], argAt, "layout", true);
+      if (layout == "dense") {
+        arg.layout = ArgLayout::Dense;
+      } else if (layout == "packed") {
+        arg.layout = ArgLayout::Packed;
+        arg.bits = static_cast<int>(check.integer(args[i], argAt, "bits", 1, 8));
+        if ((k.chunk * arg.bits) % 8 != 0)
+          check.fail(argAt + ".bits", "chunk (" + std::to_string(k.chunk) + ") * bits (" +
+                                          std::to_string(arg.bits) +
+                                          ") must fill whole bytes (a multiple of 8)");
+      } else {
+        check.fail(argAt + ".layout",
+                   "unknown layout \"" + layout + "\" (expected dense or packed)");
+      }
+    }
+    k.args.push_back(arg);
+  }
+  return k;
+}
+
+/// Splits "residual12" into ("residual", 12); returns false if it is not such a reference.
+bool splitRef(const std::string &ref, std::string &kind, int &index) {
+  static const char *const kKinds[] = {"input", "param", "residual", "grad", "result"};
+  for (const char *k : kKinds) {
+    size_t len = std::strlen(k);
+    if (ref.size() <= len || ref.compare(0, len, k) != 0)
+      continue;
+    std::string digits = ref.substr(len);
+    if (digits.size() > 6 || (digits.size() > 1 && digits[0] == '0'))
+      return false;
+    for (char c : digits)
+      if (c < '0' || c > '9')
+        return false;
+    kind = k;
+    index = std::stoi(digits);
+    return true;
+  }
+  return false;
+}
+
+DirectionRecord parseDirection(const Checker &check, const Json &value, const std::string &at,
+                               const OperatorRecord &op, const std::vector<KernelRecord> &kernels,
+                               size_t expectedProduces) {
+  DirectionRecord d;
+  if (value.isNull())
+    return d; // no work and nothing to describe
+  check.object(value, at);
+  const Json &kernel = check.member(value, at, "kernel");
+  const KernelRecord *record = nullptr;
+  if (!kernel.isNull()) {
+    if (!kernel.isString() || kernel.asString().empty())
+      check.fail(at + ".kernel", "expected a kernel name or null");
+    d.kernel = kernel.asString();
+    for (const KernelRecord &k : kernels)
+      if (k.name == d.kernel)
+        record = &k;
+    if (!record)
+      check.fail(at + ".kernel", "names kernel \"" + d.kernel + "\", which is not in \"kernels\"");
+  }
+  auto refs = [&](const char *key, std::vector<std::string> &out) {
+    const Json::Array &items = check.array(value, at, key);
+    for (size_t i = 0; i < items.size(); ++i) {
+      std::string refAt = Checker::index(Checker::join(at, key), i);
+      if (!items[i].isString())
+        check.fail(refAt, "expected a reference string such as \"input0\"");
+      const std::string &ref = items[i].asString();
+      std::string kind;
+      int index = 0;
+      if (!splitRef(ref, kind, index))
+        check.fail(refAt, "\"" + ref +
+                              "\" is not a reference (inputN, paramN, residualN, gradN, resultN)");
+      int limit = kind == "input"      ? op.inputs
+                  : kind == "param"    ? static_cast<int>(op.params.size())
+                  : kind == "residual" ? static_cast<int>(op.residuals.size())
+                  : kind == "grad"     ? op.outputs
+                                       : (record ? record->numOutputs() : 0);
+      if (index >= limit)
+        check.fail(refAt, "\"" + ref + "\" is out of range (" + std::to_string(limit) + " " + kind +
+                              (limit == 1 ? "" : "s") + " available)");
+      out.push_back(ref);
+    }
+  };
+  refs("args", d.args);
+  refs("produces", d.produces);
+  if (d.produces.size() != expectedProduces)
+    check.fail(at + ".produces", "expected " + std::to_string(expectedProduces) +
+                                     " references, got " + std::to_string(d.produces.size()));
+  if (!record) {
+    if (!d.args.empty())
+      check.fail(at + ".args", "a direction without a kernel takes no arguments");
+    return d;
+  }
+  if (static_cast<int>(d.args.size()) != record->numInputs())
+    check.fail(at + ".args", "kernel \"" + record->name + "\" takes " +
+                                 std::to_string(record->numInputs()) + " inputs and scalars, but " +
+                                 std::to_string(d.args.size()) + " references are given");
+  // Each reference must fit the argument it feeds: tensors to dense inputs, codes to packed
+  // inputs of the same width, parameters and scalar residuals to scalars.
+  for (size_t i = 0; i < d.args.size(); ++i) {
+    std::string kind;
+    int index = 0;
+    splitRef(d.args[i], kind, index);
+    const KernelArg &arg = record->args[i];
+    std::string refAt = Checker::index(at + ".args", i);
+    bool scalarRef =
+        kind == "param" || (kind == "residual" && op.residuals[index].kind == ResidualKind::Scalar);
+    if (scalarRef != (arg.role == ArgRole::Scalar))
+      check.fail(refAt, "\"" + d.args[i] + "\" feeds argument " + std::to_string(i) +
+                            " of kernel \"" + record->name + "\", whose role is " +
+                            argRoleName(arg.role));
+    if (kind == "residual" && op.residuals[index].kind == ResidualKind::Codes &&
+        (arg.layout != ArgLayout::Packed || arg.bits != op.residuals[index].bits))
+      check.fail(refAt, "\"" + d.args[i] + "\" holds " + std::to_string(op.residuals[index].bits) +
+                            "-bit codes, but argument " + std::to_string(i) + " of kernel \"" +
+                            record->name + "\" is not packed with that width");
+  }
+  return d;
+}
+
+OperatorRecord parseOperator(const Checker &check, const Json &value, const std::string &at,
+                             const std::vector<KernelRecord> &kernels) {
+  check.object(value, at);
+  OperatorRecord op;
+  op.json = value;
+  op.name = check.str(value, at, "name", true);
+  op.inputs = static_cast<int>(check.integer(value, at, "inputs", 0, 1024));
+  op.outputs = static_cast<int>(check.integer(value, at, "outputs", 0, 1024));
+  const Json::Array &params = check.array(value, at, "params");
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!params[i].isString())
+      check.fail(Checker::index(at + ".params", i), "expected a parameter name (a string)");
+    op.params.push_back(params[i].asString());
+  }
+  const Json::Array &residuals = check.array(value, at, "residuals");
+  for (size_t i = 0; i < residuals.size(); ++i) {
+    std::string rAt = Checker::index(at + ".residuals", i);
+    check.object(residuals[i], rAt);
+    ResidualRecord r;
+    std::string kind = check.str(residuals[i], rAt, "kind", true);
+    if (kind == "codes") {
+      r.kind = ResidualKind::Codes;
+      r.bits = static_cast<int>(check.integer(residuals[i], rAt, "bits", 1, 8));
+    } else if (kind == "tensor") {
+      r.kind = ResidualKind::Tensor;
+      r.bits = static_cast<int>(check.integer(residuals[i], rAt, "bits", 1, 64));
+    } else if (kind == "scalar") {
+      r.kind = ResidualKind::Scalar;
+    } else {
+      check.fail(rAt + ".kind",
+                 "unknown residual kind \"" + kind + "\" (expected codes, tensor or scalar)");
+    }
+    op.residuals.push_back(r);
+  }
+  const Json &saved = check.member(value, at, "saved_bits_per_element");
+  if (!saved.isNumber() || saved.asNumber() < 0)
+    check.fail(at + ".saved_bits_per_element", "expected a non-negative number");
+  op.savedBitsPerElement = saved.asNumber();
+  check.array(value, at, "tables");
+  op.forward = parseDirection(check, check.member(value, at, "forward"), at + ".forward", op,
+                              kernels, op.outputs + op.residuals.size());
+  op.backward = parseDirection(check, check.member(value, at, "backward"), at + ".backward", op,
+                               kernels, op.inputs);
+  return op;
+}
+
+} // namespace
+
+Manifest parseManifest(std::string_view text, const std::string &path) {
+  Checker check(path);
+  Manifest m;
+  m.path = path;
+  try {
+    m.json = Json::parse(text);
+  } catch (const JsonError &e) {
+    check.fail("", e.what());
+  }
+  const Json &root = m.json;
+  check.object(root, "(document)");
+  const Json &format = check.member(root, "", "format");
+  if (!format.isInteger() || format.asInteger() != kManifestFormatVersion)
+    check.fail("format", "unsupported manifest format " +
+                             (format.isNumber() ? format.dump() : Json::kindName(format.kind())) +
+                             " (this runtime reads format " +
+                             std::to_string(kManifestFormatVersion) + ")");
+  m.format = kManifestFormatVersion;
+  m.file = check.str(root, "", "file", false);
+  m.source = check.str(root, "", "source", true);
+  m.hostLibrary = check.str(root, "", "host_library", false);
+
+  std::set<std::string> symbolsSeen, kernelNames, operatorNames;
+  const Json::Array &kernels = check.array(root, "", "kernels");
+  for (size_t i = 0; i < kernels.size(); ++i) {
+    std::string at = Checker::index("kernels", i);
+    m.kernels.push_back(parseKernel(check, kernels[i], at, symbolsSeen));
+    if (!kernelNames.insert(m.kernels.back().name).second)
+      check.fail(at + ".name", "kernel \"" + m.kernels.back().name + "\" appears twice");
+  }
+  const Json::Array &operators = check.array(root, "", "operators");
+  for (size_t i = 0; i < operators.size(); ++i) {
+    std::string at = Checker::index("operators", i);
+    m.operators.push_back(parseOperator(check, operators[i], at, m.kernels));
+    if (!operatorNames.insert(m.operators.back().name).second)
+      check.fail(at + ".name", "operator \"" + m.operators.back().name + "\" appears twice");
+  }
+  return m;
+}
+
+Manifest loadManifest(const std::string &path) { return parseManifest(readFile(path), path); }
+
+} // namespace abp::rt

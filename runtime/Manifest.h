@@ -1,0 +1,111 @@
+// Manifest.h — the kernel manifest (docs/manifest.md) as validated C++ structs.
+#ifndef ABP_RUNTIME_MANIFEST_H
+#define ABP_RUNTIME_MANIFEST_H
+
+#include "runtime/Json.h"
+
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace abp::rt {
+
+/// The manifest "format" this runtime reads. Changing the format? Bump this, the "format"
+/// that codegen writes (codegen/EmitManifest.cpp) and docs/manifest.md together.
+constexpr int kManifestFormatVersion = 1;
+
+/// The most arguments a kernel may take (launch argument arrays are fixed-size).
+constexpr int kMaxKernelArgs = 64;
+
+/// The storage dtypes kernels are specialised for.
+enum class Dtype { F32, F16, BF16 };
+const char *dtypeName(Dtype dtype);
+std::optional<Dtype> parseDtype(std::string_view name);
+/// Bytes per element of `dtype`.
+size_t dtypeSize(Dtype dtype);
+
+enum class ArgRole { In, Out, Scalar, Count };
+enum class ArgLayout { None, Dense, Packed };
+const char *argRoleName(ArgRole role);
+
+/// One kernel argument, in calling-convention order.
+struct KernelArg {
+  ArgRole role = ArgRole::In;
+  ArgLayout layout = ArgLayout::None; ///< Dense or Packed for In/Out
+  int bits = 0;                       ///< Packed: bits per element, 1..8
+};
+
+/// One entry of "kernels": a kernel with one symbol per dtype.
+struct KernelRecord {
+  std::string name;
+  std::vector<std::pair<std::string, std::string>> symbols; ///< dtype name -> symbol, in order
+  int block = 0;
+  int chunk = 0;
+  std::vector<KernelArg> args; ///< the count is last
+  Json json;                   ///< the record as written
+
+  /// The symbol for a dtype name ("f32"), or nullptr.
+  const std::string *symbol(std::string_view dtype) const;
+  /// How many In/Scalar (Out) arguments the kernel takes.
+  int numInputs() const;
+  int numOutputs() const;
+};
+
+enum class ResidualKind { Codes, Tensor, Scalar };
+
+struct ResidualRecord {
+  ResidualKind kind = ResidualKind::Scalar;
+  int bits = 0; ///< codes: 1..8; tensor: element bits; scalar: 0
+};
+
+/// "forward" / "backward": the kernel to launch (empty if the direction does no work), where its
+/// inputs come from and what the direction produces (references such as "input0", "result1").
+struct DirectionRecord {
+  std::string kernel;
+  std::vector<std::string> args;
+  std::vector<std::string> produces;
+};
+
+struct OperatorRecord {
+  std::string name;
+  int inputs = 0;
+  int outputs = 0;
+  std::vector<std::string> params;
+  std::vector<ResidualRecord> residuals;
+  double savedBitsPerElement = 0;
+  DirectionRecord forward, backward;
+  Json json; ///< the record as written
+};
+
+/// One manifest file (NAME.json) and the bundle it describes.
+struct Manifest {
+  std::string path; ///< the manifest file
+  int format = 0;
+  std::string file;        ///< the .mlir it was compiled from
+  std::string source;      ///< the CUDA source, relative to the manifest's directory
+  std::string hostLibrary; ///< the host library, relative to the manifest's directory ("" = none)
+  std::vector<OperatorRecord> operators;
+  std::vector<KernelRecord> kernels;
+  Json json;
+
+  const KernelRecord *findKernel(std::string_view name) const;
+  const OperatorRecord *findOperator(std::string_view name) const;
+  /// The directory holding the manifest.
+  std::string directory() const;
+  std::string sourcePath() const;
+  std::string hostLibraryPath() const;
+  /// The manifest's file name without ".json" ("gelu"): names the compile unit.
+  std::string stem() const;
+};
+
+/// Parses and validates manifest text; errors (Error, InvalidArgument) name `path` and the
+/// offending field ("kernels[0].args[3].bits: expected an integer in [1, 8], got 9").
+Manifest parseManifest(std::string_view text, const std::string &path);
+/// Reads and parses a manifest file; a missing or unreadable file is an Io error.
+Manifest loadManifest(const std::string &path);
+
+} // namespace abp::rt
+
+#endif // ABP_RUNTIME_MANIFEST_H

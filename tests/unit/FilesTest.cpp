@@ -1,0 +1,101 @@
+// FilesTest.cpp — file helpers and the install-relative locations of kernels and abp_device.h.
+#include "runtime/Files.h"
+#include "runtime/Error.h"
+
+#include "TestSupport.h"
+
+#include <gtest/gtest.h>
+
+#include <climits>
+#include <filesystem>
+#include <set>
+#include <unistd.h>
+
+using namespace abp::rt;
+using abp::test::ScopedEnv;
+using abp::test::TempDir;
+
+TEST(Files, WriteSyncedThenRead) {
+  TempDir dir;
+  std::string data("bin\0ary", 7);
+  writeFileSynced(dir / "f", data);
+  EXPECT_EQ(readFile(dir / "f"), data);
+  writeFileSynced(dir / "f", "short"); // truncates
+  EXPECT_EQ(readFile(dir / "f"), "short");
+  EXPECT_TRUE(isFile(dir / "f"));
+  EXPECT_FALSE(isDirectory(dir / "f"));
+}
+
+TEST(Files, ReadAndWriteErrorsNameThePath) {
+  try {
+    readFile("/nonexistent/x");
+    FAIL();
+  } catch (const Error &e) {
+    EXPECT_EQ(e.code(), ErrorCode::Io);
+    EXPECT_NE(std::string(e.what()).find("/nonexistent/x"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("No such file"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(writeFileSynced("/nonexistent/dir/x", "a"), Error);
+}
+
+TEST(Files, DirectoriesAndRemoval) {
+  TempDir dir;
+  makeDirectories(dir / "a/b/c");
+  EXPECT_TRUE(isDirectory(dir / "a/b/c"));
+  makeDirectories(dir / "a/b/c"); // existing: fine
+  writeFileSynced(dir / "a/b/c/f", "x");
+  syncDirectory(dir / "a/b/c");
+  EXPECT_TRUE(removeTree(dir / "a"));
+  EXPECT_FALSE(isDirectory(dir / "a"));
+  EXPECT_TRUE(removeTree(dir / "never-existed"));
+  writeFileSynced(dir / "file", "x");
+  EXPECT_THROW(makeDirectories(dir / "file/sub"), Error);
+}
+
+TEST(Files, DirectoryOf) {
+  EXPECT_EQ(directoryOf("/a/b/c.json"), "/a/b");
+  EXPECT_EQ(directoryOf("c.json"), ".");
+  EXPECT_EQ(directoryOf("/c.json"), "/");
+}
+
+TEST(Files, RandomHexIsHexAndDistinct) {
+  std::set<std::string> seen;
+  for (int i = 0; i < 100; ++i) {
+    std::string h = randomHex(16);
+    ASSERT_EQ(h.size(), 16u);
+    EXPECT_EQ(h.find_first_not_of("0123456789abcdef"), std::string::npos);
+    seen.insert(h);
+  }
+  EXPECT_EQ(seen.size(), 100u);
+}
+
+TEST(Files, RuntimeBinaryDirIsTheExecutablesDirectory) {
+  // abp_runtime is linked statically into this test, so the "library" is the executable.
+  char self[PATH_MAX] = {};
+  ASSERT_GT(::readlink("/proc/self/exe", self, sizeof self - 1), 0);
+  EXPECT_EQ(runtimeBinaryDir(), directoryOf(self));
+}
+
+TEST(Files, DefaultKernelDirPrefersTheEnvironment) {
+  {
+    ScopedEnv set("ABP_KERNEL_DIR", std::string("/some/kernels"));
+    EXPECT_EQ(defaultKernelDir(), "/some/kernels");
+  }
+  ScopedEnv unset("ABP_KERNEL_DIR", std::nullopt);
+  // <runtime dir>/../kernels when it exists, else the build's kernels/ compiled in.
+  std::string installed = runtimeBinaryDir() + "/../kernels";
+  std::string expected = isDirectory(installed)
+                             ? std::filesystem::path(installed).lexically_normal().string()
+                             : std::string(ABP_TEST_KERNEL_DIR);
+  EXPECT_EQ(defaultKernelDir(), expected);
+}
+
+TEST(Files, DeviceHeaderIsFoundBesideTheBinary) {
+  std::string path = deviceHeaderPath();
+  EXPECT_EQ(path.substr(path.size() - 12), "abp_device.h");
+  // The build copies it to <build>/include/abp/, next to bin/ and lib/.
+  EXPECT_NE(path.find("/include/abp/abp_device.h"), std::string::npos) << path;
+  EXPECT_EQ(deviceHeaderSource(),
+            abp::test::readText(abp::test::sourceDir() + "/../../runtime/device/abp_device.h"));
+  EXPECT_EQ(&deviceHeaderSource(), &deviceHeaderSource()); // read once
+}

@@ -1,0 +1,136 @@
+// LaunchTest.cpp — the grid rule, launch argument checks and the typed argument packer.
+#include "runtime/Launch.h"
+#include "runtime/Error.h"
+
+#include "TestSupport.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <thread>
+
+using namespace abp::rt;
+
+namespace {
+const KernelRecord &scaleRecord() {
+  static Manifest m = loadManifest(abp::test::dataDir() + "/test_kernels.json");
+  return *m.findKernel("test_scale"); // in, scalar, out, count
+}
+
+std::string launchError(void *const *args, int nargs, int64_t n) {
+  try {
+    checkLaunchArgs(scaleRecord(), args, nargs, n);
+  } catch (const Error &e) {
+    EXPECT_EQ(e.code(), ErrorCode::InvalidArgument);
+    return e.what();
+  }
+  ADD_FAILURE() << "accepted";
+  return "";
+}
+} // namespace
+
+TEST(Launch, GridRule) {
+  struct Case {
+    int64_t n;
+    int chunk, block;
+    int64_t maxBlocks, grid;
+  };
+  const Case cases[] = {{0, 8, 256, 0, 0},
+                        {1, 8, 256, 0, 1},
+                        {2048, 8, 256, 0, 1},
+                        {2049, 8, 256, 0, 2},
+                        {8 * 256 * 10, 8, 256, 0, 10},
+                        {int64_t(1) << 40, 8, 256, 132 * 32, 132 * 32},
+                        {int64_t(1) << 30, 8, 256, 0, 524288},
+                        {100, 1, 64, 1, 1},
+                        {-5, 8, 256, 0, 0}};
+  for (const Case &c : cases) {
+    LaunchConfig config = gridFor(c.n, c.chunk, c.block, c.maxBlocks);
+    EXPECT_EQ(config.grid, c.grid) << "n=" << c.n;
+    EXPECT_EQ(config.block, c.block);
+  }
+}
+
+TEST(Launch, ArgumentChecksNameTheArgument) {
+  const void *x = nullptr;
+  float alpha = 1;
+  int64_t n = 10, wrong = 11;
+  void *y = nullptr;
+  void *args[] = {&x, &alpha, &y, &n};
+  EXPECT_NO_THROW(checkLaunchArgs(scaleRecord(), args, 4, 10));
+  EXPECT_NE(launchError(args, 3, 10).find("nargs: kernel test_scale takes 4 arguments"),
+            std::string::npos);
+  EXPECT_NE(launchError(nullptr, 4, 10).find("args: NULL"), std::string::npos);
+  void *withNull[] = {&x, nullptr, &y, &n};
+  EXPECT_NE(launchError(withNull, 4, 10).find("args[1]: NULL (kernel test_scale, role scalar)"),
+            std::string::npos);
+  void *mismatch[] = {&x, &alpha, &y, &wrong};
+  EXPECT_NE(launchError(mismatch, 4, 10).find("args[3]: the count argument is 11 but n is 10"),
+            std::string::npos);
+  EXPECT_NE(launchError(args, 4, -1).find("n: must be >= 0"), std::string::npos);
+}
+
+TEST(Launch, ArgPackChecksRolesInOrder) {
+  float in[4] = {}, out[4] = {};
+  ArgPack pack(scaleRecord());
+  pack.pointer(in).scalar(2.5f).pointer(out).count(4);
+  void **args = pack.data();
+  EXPECT_EQ(pack.size(), 4);
+  EXPECT_EQ(*static_cast<const float *const *>(args[0]), in);
+  EXPECT_EQ(*static_cast<float *>(args[1]), 2.5f);
+  EXPECT_EQ(*static_cast<float *const *>(args[2]), out);
+  EXPECT_EQ(*static_cast<int64_t *>(args[3]), 4);
+  EXPECT_NO_THROW(checkLaunchArgs(scaleRecord(), args, pack.size(), 4));
+
+  ArgPack wrongRole(scaleRecord());
+  wrongRole.pointer(in);
+  try {
+    wrongRole.pointer(out);
+    FAIL();
+  } catch (const Error &e) {
+    EXPECT_NE(std::string(e.what()).find("argument 1 of kernel test_scale has role scalar, but a "
+                                         "pointer was given"),
+              std::string::npos)
+        << e.what();
+  }
+  ArgPack incomplete(scaleRecord());
+  incomplete.pointer(in).scalar(1.0f);
+  EXPECT_THROW(incomplete.data(), Error);
+  ArgPack tooMany(scaleRecord());
+  tooMany.pointer(in).scalar(1.0f).pointer(out).count(4);
+  EXPECT_THROW(tooMany.count(4), Error);
+  ArgPack countEarly(scaleRecord());
+  EXPECT_THROW(countEarly.count(4), Error);
+}
+
+namespace {
+std::atomic<int> calls{0};
+std::atomic<int64_t> blocksRun{0};
+std::thread::id lastThread;
+void countingEntry(void **, int64_t, int64_t, int64_t b0, int64_t b1) {
+  ++calls;
+  blocksRun += b1 - b0;
+  lastThread = std::this_thread::get_id();
+}
+} // namespace
+
+TEST(Launch, HostLaunchRunsSmallLaunchesInlineAndSplitsLargeOnes) {
+  calls = 0;
+  blocksRun = 0;
+  launchOnHost(countingEntry, gridFor(1000, 8, 64, 0), nullptr, 1000);
+  EXPECT_EQ(calls.load(), 1);
+  EXPECT_EQ(blocksRun.load(), 2);
+  EXPECT_EQ(lastThread, std::this_thread::get_id());
+
+  calls = 0;
+  blocksRun = 0;
+  LaunchConfig big = gridFor(kHostInlineElements * 4, 8, 64, 0);
+  launchOnHost(countingEntry, big, nullptr, kHostInlineElements * 4);
+  EXPECT_EQ(blocksRun.load(), big.grid);
+  EXPECT_EQ(calls.load(),
+            static_cast<int>(std::min<int64_t>(big.grid, ThreadPool::global().size())));
+
+  calls = 0;
+  launchOnHost(countingEntry, gridFor(0, 8, 64, 0), nullptr, 0);
+  EXPECT_EQ(calls.load(), 0);
+}

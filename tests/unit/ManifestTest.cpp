@@ -1,0 +1,238 @@
+// ManifestTest.cpp — parsing the fixture manifest, and every validation error naming its field.
+#include "runtime/Manifest.h"
+
+#include "TestSupport.h"
+
+#include <gtest/gtest.h>
+
+#include <functional>
+
+using namespace abp::rt;
+
+namespace {
+std::string fixturePath() { return abp::test::dataDir() + "/test_kernels.json"; }
+std::string fixtureText() { return abp::test::readText(fixturePath()); }
+
+/// The error of parsing the fixture after `edit`; fails the test if it parses.
+std::string rejection(const std::function<void(Json &)> &edit) {
+  Json j = Json::parse(fixtureText());
+  edit(j);
+  try {
+    parseManifest(j.dump(), "/m/x.json");
+  } catch (const Error &e) {
+    EXPECT_EQ(e.code(), ErrorCode::InvalidArgument);
+    return e.what();
+  }
+  ADD_FAILURE() << "accepted: " << j.dump();
+  return "";
+}
+
+Json &member(Json &j, const char *key) {
+  for (auto &m : j.asObject())
+    if (m.first == key)
+      return m.second;
+  throw std::runtime_error(std::string("no member ") + key);
+}
+Json &at(Json &j, size_t i) { return j.asArray().at(i); }
+void erase(Json &object, const char *key) {
+  auto &members = object.asObject();
+  for (auto it = members.begin(); it != members.end(); ++it)
+    if (it->first == key) {
+      members.erase(it);
+      return;
+    }
+}
+} // namespace
+
+TEST(Manifest, ParsesTheFixture) {
+  Manifest m = loadManifest(fixturePath());
+  EXPECT_EQ(m.format, kManifestFormatVersion);
+  EXPECT_EQ(m.file, "tests/unit/data/test_kernels.cu");
+  EXPECT_EQ(m.source, "test_kernels.cu");
+  EXPECT_EQ(m.stem(), "test_kernels");
+  EXPECT_EQ(m.directory(), abp::test::dataDir());
+  EXPECT_EQ(m.sourcePath(), abp::test::dataDir() + "/test_kernels.cu");
+  EXPECT_EQ(m.hostLibraryPath(), abp::test::dataDir() + "/test_kernels.host.so");
+  ASSERT_EQ(m.kernels.size(), 4u);
+  const KernelRecord *codes = m.findKernel("test_sign_codes");
+  ASSERT_NE(codes, nullptr);
+  EXPECT_EQ(codes->block, 64);
+  EXPECT_EQ(codes->chunk, 8);
+  ASSERT_EQ(codes->args.size(), 4u);
+  EXPECT_EQ(codes->args[0].role, ArgRole::In);
+  EXPECT_EQ(codes->args[0].layout, ArgLayout::Dense);
+  EXPECT_EQ(codes->args[2].role, ArgRole::Out);
+  EXPECT_EQ(codes->args[2].layout, ArgLayout::Packed);
+  EXPECT_EQ(codes->args[2].bits, 2);
+  EXPECT_EQ(codes->args[3].role, ArgRole::Count);
+  EXPECT_EQ(codes->numInputs(), 1);
+  EXPECT_EQ(codes->numOutputs(), 2);
+  ASSERT_NE(codes->symbol("bf16"), nullptr);
+  EXPECT_EQ(*codes->symbol("bf16"), "abp_test_sign_codes_bf16");
+  EXPECT_EQ(codes->symbol("f64"), nullptr);
+  EXPECT_EQ(codes->json.find("name")->asString(), "test_sign_codes");
+  EXPECT_EQ(m.findKernel("nope"), nullptr);
+
+  ASSERT_EQ(m.operators.size(), 3u);
+  const OperatorRecord *sign = m.findOperator("test_sign");
+  ASSERT_NE(sign, nullptr);
+  EXPECT_EQ(sign->inputs, 1);
+  EXPECT_EQ(sign->outputs, 1);
+  ASSERT_EQ(sign->residuals.size(), 1u);
+  EXPECT_EQ(sign->residuals[0].kind, ResidualKind::Codes);
+  EXPECT_EQ(sign->residuals[0].bits, 2);
+  EXPECT_EQ(sign->savedBitsPerElement, 2);
+  EXPECT_EQ(sign->forward.kernel, "test_sign_codes");
+  EXPECT_EQ(sign->forward.produces, (std::vector<std::string>{"result0", "result1"}));
+  EXPECT_EQ(sign->backward.args, (std::vector<std::string>{"residual0"}));
+  const OperatorRecord *scale = m.findOperator("test_scale");
+  ASSERT_NE(scale, nullptr);
+  EXPECT_EQ(scale->params, (std::vector<std::string>{"alpha"}));
+  EXPECT_EQ(scale->residuals[0].kind, ResidualKind::Scalar);
+  const OperatorRecord *random = m.findOperator("test_random");
+  ASSERT_NE(random, nullptr);
+  EXPECT_TRUE(random->backward.kernel.empty()); // "backward": null
+  EXPECT_EQ(m.findOperator("nope"), nullptr);
+}
+
+TEST(Manifest, DtypeAndRoleNames) {
+  EXPECT_EQ(parseDtype("f16"), Dtype::F16);
+  EXPECT_EQ(parseDtype("bf16"), Dtype::BF16);
+  EXPECT_EQ(parseDtype("f32"), Dtype::F32);
+  EXPECT_FALSE(parseDtype("f64"));
+  EXPECT_STREQ(dtypeName(Dtype::BF16), "bf16");
+  EXPECT_EQ(dtypeSize(Dtype::F32), 4u);
+  EXPECT_EQ(dtypeSize(Dtype::F16), 2u);
+  EXPECT_EQ(dtypeSize(Dtype::BF16), 2u);
+  EXPECT_STREQ(argRoleName(ArgRole::Scalar), "scalar");
+}
+
+TEST(Manifest, DirectionWithNullKernelIsAccepted) {
+  Json j = Json::parse(fixtureText());
+  Json &backward = member(at(member(j, "operators"), 2), "backward");
+  backward = Json::parse(R"({"kernel": null, "args": [], "produces": []})");
+  Manifest m = parseManifest(j.dump(), "/m/x.json");
+  EXPECT_TRUE(m.findOperator("test_random")->backward.kernel.empty());
+}
+
+TEST(Manifest, RejectsInvalidManifestsNamingFileAndField) {
+  struct Case {
+    std::function<void(Json &)> edit;
+    const char *want;
+  };
+  auto kernelArg = [](Json &j, size_t k, size_t a) -> Json & {
+    return at(member(at(member(j, "kernels"), k), "args"), a);
+  };
+  auto op = [](Json &j, size_t i) -> Json & { return at(member(j, "operators"), i); };
+  const Case cases[] = {
+      {[](Json &j) { member(j, "format") = Json::integer(2); },
+       "format: unsupported manifest format 2 (this runtime reads format 1)"},
+      {[](Json &j) { erase(j, "source"); }, "missing required member \"source\""},
+      {[](Json &j) { member(j, "source") = Json::string(""); }, "source: expected a non-empty"},
+      {[](Json &j) { member(j, "kernels") = Json::object(); }, "kernels: expected an array"},
+      {[&](Json &j) { member(kernelArg(j, 0, 1), "role") = Json::string("inout"); },
+       "kernels[0].args[1].role: unknown role \"inout\""},
+      {[&](Json &j) { member(kernelArg(j, 1, 2), "bits") = Json::integer(9); },
+       "kernels[1].args[2].bits: expected an integer in [1, 8], got 9"},
+      {[&](Json &j) { member(kernelArg(j, 1, 2), "bits") = Json::integer(0); },
+       "kernels[1].args[2].bits: expected an integer in [1, 8], got 0"},
+      {[&](Json &j) { member(kernelArg(j, 1, 2), "bits") = Json::number(1.5); },
+       "kernels[1].args[2].bits: expected an integer in [1, 8], got 1.5"},
+      {[&](Json &j) { std::swap(kernelArg(j, 0, 2), kernelArg(j, 0, 3)); },
+       "kernels[0].args[2]: the count argument must be last"},
+      {[&](Json &j) { member(at(member(j, "kernels"), 2), "args").asArray().pop_back(); },
+       "kernels[2].args[1]: the last argument must be the count"},
+      {[&](Json &j) { std::swap(kernelArg(j, 1, 0), kernelArg(j, 1, 1)); },
+       "kernels[1].args[1]: inputs and scalars must come before the outputs"},
+      {[&](Json &j) { member(kernelArg(j, 0, 1), "type") = Json::string("f64"); },
+       "kernels[0].args[1].type: unsupported scalar type \"f64\""},
+      {[&](Json &j) { member(kernelArg(j, 0, 0), "layout") = Json::string("strided"); },
+       "kernels[0].args[0].layout: unknown layout \"strided\""},
+      {[](Json &j) {
+         member(at(member(j, "kernels"), 0), "symbols").set("f64", Json::string("abp_x"));
+       },
+       "kernels[0].symbols.f64: unknown dtype \"f64\""},
+      {[](Json &j) {
+         member(at(member(j, "kernels"), 0), "symbols").set("f16", Json::string("not an id"));
+       },
+       "kernels[0].symbols.f16: expected a C identifier"},
+      {[](Json &j) {
+         member(at(member(j, "kernels"), 1), "symbols")
+             .set("f16", Json::string("abp_test_scale_f16"));
+       },
+       "appears twice in the manifest"},
+      {[](Json &j) { member(at(member(j, "kernels"), 1), "name") = Json::string("test_scale"); },
+       "kernels[1].name: kernel \"test_scale\" appears twice"},
+      {[](Json &j) { member(at(member(j, "kernels"), 0), "block") = Json::integer(0); },
+       "kernels[0].block: expected an integer in [1, 1024], got 0"},
+      {[](Json &j) { member(at(member(j, "kernels"), 0), "block") = Json::integer(2048); },
+       "kernels[0].block: expected an integer in [1, 1024], got 2048"},
+      {[](Json &j) { member(at(member(j, "kernels"), 1), "chunk") = Json::integer(3); },
+       "kernels[1].args[2].bits: chunk (3) * bits (2) must fill whole bytes"},
+      {[&](Json &j) { member(member(op(j, 0), "forward"), "kernel") = Json::string("nope"); },
+       "operators[0].forward.kernel: names kernel \"nope\", which is not in \"kernels\""},
+      {[&](Json &j) {
+         at(member(member(op(j, 0), "forward"), "args"), 0) = Json::string("input1");
+       },
+       "operators[0].forward.args[0]: \"input1\" is out of range (1 input available)"},
+      {[&](Json &j) { at(member(member(op(j, 0), "forward"), "args"), 0) = Json::string("foo0"); },
+       "\"foo0\" is not a reference"},
+      {[&](Json &j) { member(member(op(j, 0), "forward"), "args").push(Json::string("input0")); },
+       "operators[0].forward.args: kernel \"test_scale\" takes 2 inputs and scalars, but 3"},
+      {[&](Json &j) {
+         std::swap(at(member(member(op(j, 0), "forward"), "args"), 0),
+                   at(member(member(op(j, 0), "forward"), "args"), 1));
+       },
+       "operators[0].forward.args[0]: \"param0\" feeds argument 0 of kernel \"test_scale\", "
+       "whose role is in"},
+      {[&](Json &j) { member(at(member(op(j, 1), "residuals"), 0), "bits") = Json::integer(9); },
+       "operators[1].residuals[0].bits: expected an integer in [1, 8], got 9"},
+      {[&](Json &j) { member(at(member(op(j, 1), "residuals"), 0), "bits") = Json::integer(4); },
+       "operators[1].backward.args[0]: \"residual0\" holds 4-bit codes"},
+      {[&](Json &j) {
+         member(at(member(op(j, 1), "residuals"), 0), "kind") = Json::string("blob");
+       },
+       "operators[1].residuals[0].kind: unknown residual kind \"blob\""},
+      {[&](Json &j) { member(member(op(j, 1), "forward"), "produces").asArray().pop_back(); },
+       "operators[1].forward.produces: expected 2 references, got 1"},
+      {[&](Json &j) { member(op(j, 0), "saved_bits_per_element") = Json::integer(-1); },
+       "operators[0].saved_bits_per_element: expected a non-negative number"},
+      {[&](Json &j) { member(op(j, 2), "name") = Json::string("test_scale"); },
+       "operators[2].name: operator \"test_scale\" appears twice"},
+      {[&](Json &j) { member(op(j, 0), "params") = Json::parse("[1]"); },
+       "operators[0].params[0]: expected a parameter name"},
+  };
+  for (const Case &c : cases) {
+    std::string message = rejection(c.edit);
+    EXPECT_EQ(message.rfind("manifest /m/x.json: ", 0), 0u) << message;
+    EXPECT_NE(message.find(c.want), std::string::npos)
+        << "want: " << c.want << "\ngot:  " << message;
+  }
+}
+
+TEST(Manifest, RejectsBadJsonAndNonObjects) {
+  try {
+    parseManifest("{\"format\": 1,", "/m/bad.json");
+    FAIL() << "accepted truncated JSON";
+  } catch (const Error &e) {
+    EXPECT_NE(std::string(e.what()).find("manifest /m/bad.json: json: "), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("at offset 13"), std::string::npos) << e.what();
+  }
+  try {
+    parseManifest("[]", "/m/array.json");
+    FAIL() << "accepted an array";
+  } catch (const Error &e) {
+    EXPECT_NE(std::string(e.what()).find("expected an object, got an array"), std::string::npos);
+  }
+}
+
+TEST(Manifest, MissingFileIsAnIoError) {
+  try {
+    loadManifest("/nonexistent/dir/x.json");
+    FAIL();
+  } catch (const Error &e) {
+    EXPECT_EQ(e.code(), ErrorCode::Io);
+    EXPECT_NE(std::string(e.what()).find("/nonexistent/dir/x.json"), std::string::npos);
+  }
+}
