@@ -16,7 +16,7 @@ namespace abp {
 #include "passes/Passes.h.inc"
 
 /// Appends the full lowering, from authored operators to kernel form, to `pm`:
-/// verify-residuals → instantiate-variants → lower-quantize → canonicalize → fuse-kernels →
+/// instantiate-variants → verify-residuals → lower-quantize → canonicalize → fuse-kernels →
 /// cse → map-threads.
 void buildAbpPipeline(mlir::OpPassManager &pm);
 

@@ -6,8 +6,9 @@
 using namespace mlir;
 
 void abp::buildAbpPipeline(OpPassManager &pm) {
-  pm.addPass(createAbpVerifyResiduals());
+  // Instantiate first: each instance then gets its own residual check and saved-bits count.
   pm.addPass(createAbpInstantiateVariants());
+  pm.addPass(createAbpVerifyResiduals());
   pm.addPass(createAbpLowerQuantize());
   pm.addPass(createCanonicalizerPass());
   pm.addPass(createAbpFuseKernels());

@@ -1,0 +1,12 @@
+// ops/fewbit/sigmoid.mlir verifies, instantiates its 1..4-bit operators for both weightings, and
+// lowers each to one forward kernel (dense + packed codes) and one backward kernel.
+// RUN: abp-compile %abp_src/ops/fewbit/sigmoid.mlir --emit=kernel | FileCheck %s
+// CHECK-DAG: abp.kernel @sigmoid_b1_fwd attributes {{.*}}outs = [#abp.dense, #abp.packed<1>]
+// CHECK-DAG: abp.kernel @sigmoid_b2_fwd attributes {{.*}}outs = [#abp.dense, #abp.packed<2>]
+// CHECK-DAG: abp.kernel @sigmoid_b3_fwd attributes {{.*}}outs = [#abp.dense, #abp.packed<3>]
+// CHECK-DAG: abp.kernel @sigmoid_b4_fwd attributes {{.*}}outs = [#abp.dense, #abp.packed<4>]
+// CHECK-DAG: abp.kernel @sigmoid_b4_uniform_bwd attributes {{.*}}ins = [#abp.packed<4>, #abp.dense], outs = [#abp.dense]
+// CHECK-DAG: abp.operator @sigmoid_b1 attributes {abp.saved_bits = 1 : i64
+// CHECK-DAG: abp.operator @sigmoid_b3 attributes {abp.saved_bits = 3 : i64
+// CHECK-DAG: abp.operator @sigmoid_b1_uniform attributes {abp.saved_bits = 1 : i64
+// CHECK-DAG: abp.operator @sigmoid_b4_uniform attributes {abp.saved_bits = 4 : i64
