@@ -1,0 +1,104 @@
+"""abp: approximate backprop for PyTorch — activations whose backward saves k-bit codes.
+
+Pure Python over the native runtime's C API (libabp.so, loaded with ctypes at first use from
+$ABP_LIBRARY, else <repo>/build/lib/libabp.so, else the loader's path). CPU tensors run the host
+build of the generated kernels; CUDA tensors run the same source compiled by NVRTC.
+
+    import abp
+    act = abp.nn.GELU(bits=3)          # exact GELU forward, 3-bit derivative codes saved
+    y = abp.functional.regelu2(x)      # ReGELU2: 2 bits per element saved
+    abp.memory.saved_bytes(abp.functional.relu, x)
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List
+
+from . import _custom_ops, _lib, autograd, cache, functional, memory, nn
+from ._errors import AbpError, CompileError, Status
+
+__all__ = [
+    "AbpError",
+    "CompileError",
+    "Status",
+    "autograd",
+    "cache",
+    "functional",
+    "memory",
+    "nn",
+    "cuda_available",
+    "operators",
+    "inspect",
+    "kernel_dir",
+    "version",
+]
+
+
+def version() -> str:
+    """The native runtime's version (abp_version)."""
+    return _lib.version()
+
+
+def cuda_available() -> bool:
+    """True if the runtime can use a CUDA driver with at least one device (False without a GPU)."""
+    return _lib.cuda_available()
+
+
+def kernel_dir() -> Path:
+    """The directory of generated kernels (manifests, sources, host libraries) abp opens."""
+    return _lib.kernel_dir()
+
+
+def operators() -> List[str]:
+    """The names of every operator of the kernel library, sorted."""
+    return sorted(_lib.kernel_library().operators)
+
+
+def inspect(op_name: str) -> Dict[str, Any]:
+    """Everything about operator ``op_name``: its manifest record, its kernels and generated code.
+
+    Returns a dict with
+      ``name``; ``operator``: the manifest's operator record (plus ``kernels``: the kernel records it
+      launches); ``manifest_path`` and ``manifest``: the whole manifest file; ``source_path`` and
+      ``source``: the generated CUDA C++ (the same text the CPU path was compiled from);
+      ``host_library``: the CPU build; ``ir_path`` and ``ir``: the abp IR it was compiled from, when
+      that file is reachable from the repository root (else None).
+    Raises AbpError (status NOT_FOUND) for an unknown operator.
+    """
+    op = _lib.kernel_library().operator(op_name)
+    directory = kernel_dir()
+    for path in sorted(directory.glob("*.json")):
+        manifest = json.loads(path.read_text())
+        if any(o.get("name") == op_name for o in manifest.get("operators", [])):
+            break
+    else:
+        raise AbpError(Status.NOT_FOUND, f"operator {op_name}: no manifest in {directory} declares it")
+    source_path = directory / manifest["source"]
+    ir_path = _lib.REPO_ROOT / manifest["file"] if manifest.get("file") else None
+    host = manifest.get("host_library")
+    return {
+        "name": op_name,
+        "operator": dict(op.raw),
+        "manifest_path": str(path),
+        "manifest": manifest,
+        "source_path": str(source_path),
+        "source": source_path.read_text() if source_path.is_file() else None,
+        "host_library": str(directory / host) if host else None,
+        "ir_path": str(ir_path) if ir_path is not None and ir_path.is_file() else None,
+        "ir": ir_path.read_text() if ir_path is not None and ir_path.is_file() else None,
+    }
+
+
+def _open_for_compile() -> None:
+    # torch >= 2.4: open the kernel library now, which registers every operator with torch.library,
+    # so that torch.compile never traces a registration. Without a built library, defer quietly:
+    # the first call then reports what is missing.
+    if _custom_ops.enabled():
+        try:
+            _lib.kernel_library()
+        except (AbpError, OSError):
+            pass
+
+
+_open_for_compile()

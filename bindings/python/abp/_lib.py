@@ -1,0 +1,249 @@
+"""Loads libabp.so with ctypes, declares the C API (bindings/c/abp.h) and opens the kernel library once."""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import threading
+from ctypes import POINTER, c_char_p, c_float, c_int, c_int64, c_size_t, c_void_p
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from ._errors import AbpError, Status, error_from_status
+from ._manifest import Operator, parse_operators
+
+__all__ = [
+    "library_path_candidates",
+    "native",
+    "check",
+    "KernelLibrary",
+    "kernel_library",
+    "on_open",
+    "kernel_dir",
+    "version",
+    "cuda_available",
+    "cuda_device_arch",
+    "env_get",
+    "cache_stats",
+    "cache_clear",
+    "launch",
+    "c_float",
+    "c_int64",
+    "c_void_p",
+]
+
+# The repository root as seen from bindings/python/abp/_lib.py.
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+# Every function of abp.h: (argtypes, restype). abp_status is an int-sized enum.
+_SIGNATURES: Dict[str, Tuple[List[Any], Any]] = {
+    "abp_last_error": ([], c_char_p),
+    "abp_last_error_detail": ([], c_char_p),
+    "abp_version": ([], c_char_p),
+    "abp_library_open": ([c_char_p, POINTER(c_void_p)], c_int),
+    "abp_library_close": ([c_void_p], None),
+    "abp_library_operators_json": ([c_void_p, POINTER(c_char_p)], c_int),
+    "abp_kernel_get": ([c_void_p, c_char_p, c_char_p, POINTER(c_void_p)], c_int),
+    "abp_kernel_launch": ([c_void_p, c_int, POINTER(c_void_p), c_int, c_int64, c_void_p], c_int),
+    "abp_kernel_prepare": ([c_void_p, c_int], c_int),
+    "abp_cuda_available": ([], c_int),
+    "abp_cuda_device_arch": ([c_int, POINTER(c_char_p)], c_int),
+    "abp_cuda_malloc": ([c_int, c_size_t, POINTER(c_void_p)], c_int),
+    "abp_cuda_free": ([c_int, c_void_p], c_int),
+    "abp_cuda_memcpy_htod": ([c_int, c_void_p, c_void_p, c_size_t], c_int),
+    "abp_cuda_memcpy_dtoh": ([c_int, c_void_p, c_void_p, c_size_t], c_int),
+    "abp_cuda_synchronize": ([c_int], c_int),
+    "abp_compile_for_arch": ([c_void_p, c_char_p, c_char_p, c_char_p, POINTER(c_size_t)], c_int),
+    "abp_cache_stats": ([POINTER(c_char_p)], c_int),
+    "abp_cache_clear": ([], c_int),
+    "abp_env_get": ([c_char_p, POINTER(c_char_p)], c_int),
+}
+
+_lock = threading.RLock()
+_native: Optional[ctypes.CDLL] = None
+_kernel_library: Optional["KernelLibrary"] = None
+# Called once with the kernel library right after it opens (abp._custom_ops registers its ops).
+_open_hooks: List[Callable[["KernelLibrary"], None]] = []
+
+
+def library_path_candidates() -> List[str]:
+    """Where libabp.so is looked for, in order: $ABP_LIBRARY, the build tree, the loader's path."""
+    from_env = os.environ.get("ABP_LIBRARY", "")
+    if from_env:
+        return [from_env]
+    return [str(REPO_ROOT / "build" / "lib" / "libabp.so"), "libabp.so"]
+
+
+def _load() -> ctypes.CDLL:
+    from_env = os.environ.get("ABP_LIBRARY", "")
+    if from_env and not Path(from_env).is_file():
+        raise AbpError(None, f"ABP_LIBRARY={from_env!r} is not a file (it must point at libabp.so)")
+    errors = []
+    for candidate in library_path_candidates():
+        if candidate != "libabp.so" and not Path(candidate).is_file():
+            errors.append(f"{candidate}: no such file")
+            continue
+        try:
+            lib = ctypes.CDLL(candidate)
+        except OSError as e:
+            errors.append(f"{candidate}: {e}")
+            continue
+        for name, (argtypes, restype) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes = argtypes
+            fn.restype = restype
+        return lib
+    raise AbpError(
+        None,
+        "cannot load the abp native library (build it with cmake, or set ABP_LIBRARY to libabp.so): "
+        + "; ".join(errors),
+    )
+
+
+def native() -> ctypes.CDLL:
+    """The loaded libabp.so (loaded at first use; raises AbpError if it cannot be found)."""
+    global _native
+    if _native is None:
+        with _lock:
+            if _native is None:
+                _native = _load()
+    return _native
+
+
+def _text(value: Optional[bytes]) -> str:
+    return value.decode("utf-8", "replace") if value else ""
+
+
+def check(status: int) -> None:
+    """Raises the AbpError (CompileError for compile failures) of a failed C API call on this thread."""
+    if status == Status.OK:
+        return
+    lib = native()
+    raise error_from_status(status, _text(lib.abp_last_error()), _text(lib.abp_last_error_detail()))
+
+
+def version() -> str:
+    """abp_version(): the runtime's version string."""
+    return _text(native().abp_version())
+
+
+def cuda_available() -> bool:
+    """True if the runtime found a CUDA driver with at least one device (never raises for no GPU)."""
+    return bool(native().abp_cuda_available())
+
+
+def cuda_device_arch(device: int) -> str:
+    """The arch of CUDA device `device` ("sm_90")."""
+    out = c_char_p()
+    check(native().abp_cuda_device_arch(int(device), ctypes.byref(out)))
+    return _text(out.value)
+
+
+def env_get(name: str) -> str:
+    """The effective value of a registered ABP_* environment variable (runtime/EnvVars.def)."""
+    out = c_char_p()
+    check(native().abp_env_get(name.encode(), ctypes.byref(out)))
+    return _text(out.value)
+
+
+def cache_stats() -> Dict[str, float]:
+    """Compile-cache counters: memory_hits, disk_hits, misses, compile_ms."""
+    out = c_char_p()
+    check(native().abp_cache_stats(ctypes.byref(out)))
+    return dict(json.loads(_text(out.value)))
+
+
+def cache_clear() -> None:
+    """Removes every on-disk cache entry and empties the in-memory cache."""
+    check(native().abp_cache_clear())
+
+
+def kernel_dir() -> Path:
+    """The kernel directory the runtime opens by default: $ABP_KERNEL_DIR, else kernels/ next to the
+    library's lib/ directory, else the build tree's kernels/ (the same rule as runtime/Files.cpp)."""
+    from_env = os.environ.get("ABP_KERNEL_DIR", "")
+    if from_env:
+        return Path(from_env)
+    lib_path = os.environ.get("ABP_LIBRARY", "") or str(REPO_ROOT / "build" / "lib" / "libabp.so")
+    beside = Path(lib_path).resolve().parent.parent / "kernels"
+    if beside.is_dir():
+        return beside
+    return REPO_ROOT / "build" / "kernels"
+
+
+class KernelLibrary:
+    """The one opened abp_library: the operator registry and a cache of kernel handles."""
+
+    def __init__(self) -> None:
+        lib = native()
+        handle = c_void_p()
+        check(lib.abp_library_open(None, ctypes.byref(handle)))
+        self._handle = handle
+        text = c_char_p()
+        check(lib.abp_library_operators_json(handle, ctypes.byref(text)))
+        self.operators: Dict[str, Operator] = parse_operators(_text(text.value))
+        self._kernels: Dict[Tuple[str, str], c_void_p] = {}
+
+    def operator(self, name: str) -> Operator:
+        """The operator named `name`; AbpError (NOT_FOUND) listing what exists if it is unknown."""
+        op = self.operators.get(name)
+        if op is None:
+            known = ", ".join(sorted(self.operators)) or "none"
+            raise AbpError(
+                Status.NOT_FOUND, f"abp has no operator {name!r} (kernel directory {kernel_dir()}; known: {known})"
+            )
+        return op
+
+    def kernel(self, name: str, dtype: str) -> c_void_p:
+        """The handle of kernel `name` specialised for `dtype` ("f32", "f16", "bf16"), cached."""
+        key = (name, dtype)
+        handle = self._kernels.get(key)
+        if handle is None:
+            handle = c_void_p()
+            check(native().abp_kernel_get(self._handle, name.encode(), dtype.encode(), ctypes.byref(handle)))
+            self._kernels[key] = handle
+        return handle
+
+    def prepare(self, name: str, dtype: str, device: int) -> None:
+        """Compiles/loads a kernel for `device` (< 0: the CPU path) without launching it."""
+        check(native().abp_kernel_prepare(self.kernel(name, dtype), int(device)))
+
+    def compile_for_arch(self, kernel: str, arch: str, kind: str = "ptx") -> int:
+        """Compiles a kernel's source for `arch` to "ptx" or "cubin" without a GPU; returns its size."""
+        size = c_size_t()
+        check(
+            native().abp_compile_for_arch(
+                self._handle, kernel.encode(), arch.encode(), kind.encode(), ctypes.byref(size)
+            )
+        )
+        return int(size.value)
+
+
+def kernel_library() -> KernelLibrary:
+    """The process-wide kernel library, opened at first use (abp_library_open(NULL))."""
+    global _kernel_library
+    if _kernel_library is None:
+        with _lock:
+            if _kernel_library is None:
+                opened = KernelLibrary()
+                _kernel_library = opened
+                for hook in _open_hooks:
+                    hook(opened)
+    return _kernel_library
+
+
+def on_open(hook: Callable[[KernelLibrary], None]) -> None:
+    """Runs `hook(library)` when the kernel library opens (now, if it is open already)."""
+    with _lock:
+        _open_hooks.append(hook)
+        if _kernel_library is not None:
+            hook(_kernel_library)
+
+
+def launch(kernel: c_void_p, device: int, args: Sequence[Any], n: int, stream: Optional[int]) -> None:
+    """abp_kernel_launch with ctypes values (c_void_p / c_float / c_int64) in manifest order."""
+    nargs = len(args)
+    # Each entry points at the argument's value, as for cuLaunchKernel; `args` keeps them alive.
+    array = (c_void_p * nargs)(*[ctypes.addressof(a) for a in args])
+    check(native().abp_kernel_launch(kernel, int(device), array, nargs, int(n), stream))
+

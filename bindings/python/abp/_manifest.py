@@ -1,0 +1,161 @@
+"""Typed records of the operator manifests (docs/manifest.md), parsed from abp_library_operators_json."""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+__all__ = [
+    "KernelArg",
+    "KernelRecord",
+    "Direction",
+    "Residual",
+    "Table",
+    "Operator",
+    "parse_operators",
+    "parse_ref",
+    "packed_bytes",
+]
+
+_REF = re.compile(r"^(input|param|residual|grad|result)(0|[1-9][0-9]{0,5})$")
+
+
+def parse_ref(ref: str) -> Tuple[str, int]:
+    """Splits a manifest reference ("residual1") into its kind and index (("residual", 1))."""
+    m = _REF.match(ref)
+    if m is None:
+        raise ValueError(f"manifest reference {ref!r} is not inputN, paramN, residualN, gradN or resultN")
+    return m.group(1), int(m.group(2))
+
+
+def packed_bytes(bits: int, n: int) -> int:
+    """Bytes of n packed codes of `bits` bits each: ceil(bits * n / 8) (ALGORITHMS.md §2.6)."""
+    return (bits * n + 7) // 8
+
+
+@dataclass(frozen=True)
+class KernelArg:
+    """One kernel argument: role in/out/scalar/count; layout dense/packed for in/out."""
+
+    role: str
+    layout: Optional[str] = None
+    bits: Optional[int] = None
+    type: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class KernelRecord:
+    """One generated kernel (all dtype specialisations) and its calling convention."""
+
+    name: str
+    symbols: Mapping[str, str]
+    block: int
+    chunk: int
+    args: Tuple[KernelArg, ...]
+
+    @property
+    def inputs(self) -> Tuple[KernelArg, ...]:
+        """The `in` and `scalar` arguments, in order (what a direction's `args` feed)."""
+        return tuple(a for a in self.args if a.role in ("in", "scalar"))
+
+    @property
+    def outputs(self) -> Tuple[KernelArg, ...]:
+        """The `out` arguments, in order (`result0`, `result1`, ...)."""
+        return tuple(a for a in self.args if a.role == "out")
+
+
+@dataclass(frozen=True)
+class Direction:
+    """A direction (forward or backward): the kernel, where its inputs come from, what it produces."""
+
+    kernel: Optional[str]
+    args: Tuple[str, ...]
+    produces: Tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Residual:
+    """What forward saves: `codes` (packed, `bits` per element), `tensor` (dense) or `scalar` (f32)."""
+
+    kind: str
+    bits: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Table:
+    """A bucket scheme: inner borders t_0 < ... and levels L_0 ... (fp32 values, as the kernels use them)."""
+
+    borders: Tuple[float, ...]
+    levels: Tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Operator:
+    """One manifest operator plus the records of the kernels it launches."""
+
+    name: str
+    inputs: int
+    outputs: int
+    params: Tuple[str, ...]
+    residuals: Tuple[Residual, ...]
+    saved_bits_per_element: float
+    tables: Tuple[Table, ...]
+    forward: Optional[Direction]
+    backward: Optional[Direction]
+    kernels: Mapping[str, KernelRecord]
+    raw: Mapping[str, Any] = field(compare=False, repr=False)
+
+    def kernel(self, direction: Direction) -> Optional[KernelRecord]:
+        """The kernel record of a direction (None if it launches none)."""
+        return self.kernels[direction.kernel] if direction.kernel is not None else None
+
+
+def _kernel_arg(raw: Mapping[str, Any]) -> KernelArg:
+    return KernelArg(role=raw["role"], layout=raw.get("layout"), bits=raw.get("bits"), type=raw.get("type"))
+
+
+def _kernel(raw: Mapping[str, Any]) -> KernelRecord:
+    return KernelRecord(
+        name=raw["name"],
+        symbols=dict(raw["symbols"]),
+        block=int(raw["block"]),
+        chunk=int(raw["chunk"]),
+        args=tuple(_kernel_arg(a) for a in raw["args"]),
+    )
+
+
+def _direction(raw: Optional[Mapping[str, Any]]) -> Optional[Direction]:
+    if raw is None:
+        return None
+    return Direction(kernel=raw.get("kernel"), args=tuple(raw.get("args", ())), produces=tuple(raw["produces"]))
+
+
+def _operator(raw: Mapping[str, Any]) -> Operator:
+    kernels = {k["name"]: _kernel(k) for k in raw.get("kernels", [])}
+    op = Operator(
+        name=raw["name"],
+        inputs=int(raw["inputs"]),
+        outputs=int(raw["outputs"]),
+        params=tuple(raw.get("params", [])),
+        residuals=tuple(Residual(kind=r["kind"], bits=r.get("bits")) for r in raw.get("residuals", [])),
+        saved_bits_per_element=float(raw.get("saved_bits_per_element", 0)),
+        tables=tuple(
+            Table(borders=tuple(float(b) for b in t["borders"]), levels=tuple(float(v) for v in t["levels"]))
+            for t in raw.get("tables", [])
+        ),
+        forward=_direction(raw.get("forward")),
+        backward=_direction(raw.get("backward")),
+        kernels=kernels,
+        raw=raw,
+    )
+    for direction in (op.forward, op.backward):
+        if direction is not None and direction.kernel is not None and direction.kernel not in kernels:
+            raise ValueError(f"operator {op.name}: kernel {direction.kernel!r} has no record in the manifest")
+    return op
+
+
+def parse_operators(text: str) -> Dict[str, Operator]:
+    """Parses the JSON array of abp_library_operators_json into operators by name."""
+    items: List[Mapping[str, Any]] = json.loads(text)
+    return {raw["name"]: _operator(raw) for raw in items}

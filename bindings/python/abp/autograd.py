@@ -1,0 +1,54 @@
+"""The eager autograd path: one generic torch.autograd.Function that runs any manifest operator."""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Tuple
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from . import _launch, _lib
+
+__all__ = ["OperatorFunction", "apply_eager"]
+
+
+class OperatorFunction(torch.autograd.Function):
+    """Runs operator `op_name` forward, saves only its residuals, and runs its backward.
+
+    What crosses from forward to backward is exactly the manifest's residuals: tensors (packed codes,
+    dense tensors) through ``ctx.save_for_backward`` so that ``saved_tensors_hooks`` see them, and
+    scalar residuals as floats on ``ctx``. The inputs are *not* kept: only their shape, dtype and device.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, op_name: str, params: Tuple[float, ...], *inputs: torch.Tensor) -> Any:  # type: ignore[override]
+        op = _lib.kernel_library().operator(op_name)
+        outputs, residuals = _launch.forward(op, inputs, params)
+        tensors = [r for r in residuals if isinstance(r, torch.Tensor)]
+        ctx.save_for_backward(*tensors)
+        ctx.abp_op = op_name
+        ctx.abp_is_tensor = tuple(isinstance(r, torch.Tensor) for r in residuals)
+        ctx.abp_scalars = tuple(float(r) for r in residuals if not isinstance(r, torch.Tensor))
+        ctx.abp_input_shapes = tuple(x.shape for x in inputs)
+        ctx.abp_output_shape = outputs[0].shape
+        ctx.abp_dtype = inputs[0].dtype
+        ctx.abp_device = inputs[0].device
+        ctx.set_materialize_grads(False)
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
+        op = _lib.kernel_library().operator(ctx.abp_op)
+        tensors = iter(ctx.saved_tensors)
+        scalars = iter(ctx.abp_scalars)
+        residuals = [next(tensors) if is_tensor else next(scalars) for is_tensor in ctx.abp_is_tensor]
+        dxs = _launch.backward(op, residuals, grads, ctx.abp_output_shape, ctx.abp_dtype, ctx.abp_device)
+        shaped = tuple(
+            None if dx is None else dx.reshape(shape) for dx, shape in zip(dxs, ctx.abp_input_shapes)
+        )
+        return (None, None) + shaped
+
+
+def apply_eager(op_name: str, params: Sequence[float], inputs: Sequence[torch.Tensor]) -> Any:
+    """Runs `op_name` through OperatorFunction: one output as a tensor, several as a tuple."""
+    return OperatorFunction.apply(op_name, tuple(params), *inputs)

@@ -1,0 +1,252 @@
+"""Activations with approximate (k-bit) or exact 1-bit backward passes, by their torch.nn.functional names.
+
+Every function computes the exact forward (fp32 maths, stored in the input's dtype) and saves only
+packed codes for the backward (ALGORITHMS.md §2, §4):
+
+- ``regelu2`` / ``resilu2``: 2-bit codes, LowMemoryBP's tables.
+- FewBit continuous activations (``gelu``, ``silu``, ``celu``, ``elu``, ``hardswish``, ``logsigmoid``,
+  ``mish``, ``selu``, ``sigmoid``, ``softplus``, ``softsign``, ``tanh``, ``tanhshrink``): ``bits``-bit
+  codes (1..4); ``weight="normal"`` (default) uses the tables fitted under a standard-normal weight,
+  ``weight="uniform"`` the uniform-weight tables (parity with the published FewBit tables). The
+  tables are fitted for torch's default parameters only.
+- Piecewise-linear activations (``relu``, ``relu6``, ``hardsigmoid``, ``leaky_relu``, ``threshold``,
+  ``hardtanh``, ``hardshrink``, ``softshrink``): their exact derivative in 1 bit per element.
+
+``inplace=`` is accepted for signature compatibility with torch and ignored: abp never writes its
+input (the forward reads x once to produce both y and the codes, and x may have other users).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence, Tuple
+
+from torch import Tensor
+
+from . import _custom_ops, _launch, autograd
+
+__all__ = [
+    "CONTINUOUS",
+    "PIECEWISE",
+    "fewbit_operator",
+    "apply",
+    "regelu2",
+    "resilu2",
+    "gelu",
+    "silu",
+    "celu",
+    "elu",
+    "hardswish",
+    "logsigmoid",
+    "mish",
+    "selu",
+    "sigmoid",
+    "softplus",
+    "softsign",
+    "tanh",
+    "tanhshrink",
+    "relu",
+    "relu6",
+    "hardsigmoid",
+    "leaky_relu",
+    "threshold",
+    "hardtanh",
+    "hardshrink",
+    "softshrink",
+]
+
+#: FewBit continuous activations: operators ``<name>_b<bits>`` and ``<name>_b<bits>_uniform``.
+CONTINUOUS: Tuple[str, ...] = (
+    "gelu",
+    "silu",
+    "celu",
+    "elu",
+    "hardswish",
+    "logsigmoid",
+    "mish",
+    "selu",
+    "sigmoid",
+    "softplus",
+    "softsign",
+    "tanh",
+    "tanhshrink",
+)
+#: Piecewise-linear activations with an exact 1-bit derivative (operator name = function name).
+PIECEWISE: Tuple[str, ...] = (
+    "relu",
+    "relu6",
+    "hardsigmoid",
+    "leaky_relu",
+    "threshold",
+    "hardtanh",
+    "hardshrink",
+    "softshrink",
+)
+_WEIGHTS = ("normal", "uniform")
+
+
+def fewbit_operator(activation: str, bits: int, weight: str = "normal") -> str:
+    """The operator name of a FewBit activation: ``gelu_b3``, ``gelu_b3_uniform``, ...
+
+    Raises ValueError naming ``activation``, ``bits`` (not in 1..4) or ``weight`` (not "normal" or
+    "uniform").
+    """
+    if activation not in CONTINUOUS:
+        raise ValueError(f"activation: expected one of {', '.join(CONTINUOUS)}, got {activation!r}")
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (1, 2, 3, 4):
+        raise ValueError(f"bits: expected 1, 2, 3 or 4 (bits per element of the saved codes), got {bits!r}")
+    if weight not in _WEIGHTS:
+        raise ValueError(f"weight: expected 'normal' or 'uniform' (the table's fitting weight), got {weight!r}")
+    return f"{activation}_b{bits}" + ("_uniform" if weight == "uniform" else "")
+
+
+def apply(op_name: str, input: Tensor, params: Sequence[float] = ()) -> Tensor:
+    """Runs manifest operator ``op_name`` on ``input`` with f32 ``params``, differentiably.
+
+    Eagerly this runs the autograd.Function abp.autograd.OperatorFunction; while torch.compile traces
+    (torch >= 2.4) it calls the ``torch.ops.abp.<op>_fwd`` custom op instead, which the compiled graph
+    keeps. Both launch the same kernels and save the same residuals.
+    """
+    _launch.check_float_tensor("input", input)
+    params = tuple(_launch.check_param(f"params[{i}]", p) for i, p in enumerate(params))
+    if _custom_ops.compiling():
+        return _custom_ops.apply_custom(op_name, params, (input,))
+    return autograd.apply_eager(op_name, params, (input,))
+
+
+def _require_default(function: str, name: str, value: Any, default: float) -> None:
+    if _launch.check_param(name, value) != default:
+        raise ValueError(
+            f"{name}: abp.functional.{function} supports only {name}={default:g} (got {value!r}): its k-bit "
+            f"derivative tables are fitted for torch's default {name}; use torch.nn.functional.{function} "
+            "for other values"
+        )
+
+
+def regelu2(input: Tensor) -> Tensor:
+    """GELU (erf form) forward; ReGELU2 backward from 2-bit codes (ALGORITHMS.md §4)."""
+    return apply("regelu2", input)
+
+
+def resilu2(input: Tensor) -> Tensor:
+    """SiLU forward; ReSiLU2 backward from 2-bit codes (ALGORITHMS.md §4)."""
+    return apply("resilu2", input)
+
+
+def gelu(input: Tensor, approximate: str = "none", *, bits: int = 3, weight: str = "normal") -> Tensor:
+    """GELU (erf form); FewBit ``bits``-bit backward. ``approximate="tanh"`` is not supported."""
+    if approximate != "none":
+        raise ValueError(
+            f"approximate: abp.functional.gelu computes the exact erf form only (approximate='none'), got {approximate!r}"
+        )
+    return apply(fewbit_operator("gelu", bits, weight), input)
+
+
+def silu(input: Tensor, inplace: bool = False, *, bits: int = 3, weight: str = "normal") -> Tensor:
+    """SiLU; FewBit ``bits``-bit backward."""
+    return apply(fewbit_operator("silu", bits, weight), input)
+
+
+def celu(input: Tensor, alpha: float = 1.0, inplace: bool = False, *, bits: int = 3, weight: str = "normal") -> Tensor:
+    """CELU with alpha=1 (the tables' parameter); FewBit ``bits``-bit backward."""
+    _require_default("celu", "alpha", alpha, 1.0)
+    return apply(fewbit_operator("celu", bits, weight), input)
+
+
+def elu(input: Tensor, alpha: float = 1.0, inplace: bool = False, *, bits: int = 3, weight: str = "normal") -> Tensor:
+    """ELU with alpha=1 (the tables' parameter); FewBit ``bits``-bit backward."""
+    _require_default("elu", "alpha", alpha, 1.0)
+    return apply(fewbit_operator("elu", bits, weight), input)
+
+
+def hardswish(input: Tensor, inplace: bool = False, *, bits: int = 3, weight: str = "normal") -> Tensor:
+    """Hardswish; FewBit ``bits``-bit backward."""
+    return apply(fewbit_operator("hardswish", bits, weight), input)
+
+
+def logsigmoid(input: Tensor, *, bits: int = 3, weight: str = "normal") -> Tensor:
+    """LogSigmoid; FewBit ``bits``-bit backward."""
+    return apply(fewbit_operator("logsigmoid", bits, weight), input)
+
+
+def mish(input: Tensor, inplace: bool = False, *, bits: int = 3, weight: str = "normal") -> Tensor:
+    """Mish; FewBit ``bits``-bit backward."""
+    return apply(fewbit_operator("mish", bits, weight), input)
+
+
+def selu(input: Tensor, inplace: bool = False, *, bits: int = 3, weight: str = "normal") -> Tensor:
+    """SELU; FewBit ``bits``-bit backward."""
+    return apply(fewbit_operator("selu", bits, weight), input)
+
+
+def sigmoid(input: Tensor, *, bits: int = 3, weight: str = "normal") -> Tensor:
+    """Sigmoid; FewBit ``bits``-bit backward."""
+    return apply(fewbit_operator("sigmoid", bits, weight), input)
+
+
+def softplus(
+    input: Tensor, beta: float = 1.0, threshold: float = 20.0, *, bits: int = 3, weight: str = "normal"
+) -> Tensor:
+    """Softplus with beta=1, threshold=20 (the tables' parameters); FewBit ``bits``-bit backward."""
+    _require_default("softplus", "beta", beta, 1.0)
+    _require_default("softplus", "threshold", threshold, 20.0)
+    return apply(fewbit_operator("softplus", bits, weight), input)
+
+
+def softsign(input: Tensor, *, bits: int = 3, weight: str = "normal") -> Tensor:
+    """Softsign; FewBit ``bits``-bit backward."""
+    return apply(fewbit_operator("softsign", bits, weight), input)
+
+
+def tanh(input: Tensor, *, bits: int = 3, weight: str = "normal") -> Tensor:
+    """Tanh; FewBit ``bits``-bit backward."""
+    return apply(fewbit_operator("tanh", bits, weight), input)
+
+
+def tanhshrink(input: Tensor, *, bits: int = 3, weight: str = "normal") -> Tensor:
+    """Tanhshrink; FewBit ``bits``-bit backward."""
+    return apply(fewbit_operator("tanhshrink", bits, weight), input)
+
+
+def relu(input: Tensor, inplace: bool = False) -> Tensor:
+    """ReLU; exact backward from 1-bit codes."""
+    return apply("relu", input)
+
+
+def relu6(input: Tensor, inplace: bool = False) -> Tensor:
+    """ReLU6; exact backward from 1-bit codes."""
+    return apply("relu6", input)
+
+
+def hardsigmoid(input: Tensor, inplace: bool = False) -> Tensor:
+    """Hardsigmoid; exact backward from 1-bit codes."""
+    return apply("hardsigmoid", input)
+
+
+def leaky_relu(input: Tensor, negative_slope: float = 0.01, inplace: bool = False) -> Tensor:
+    """LeakyReLU; exact backward from 1-bit codes (the slope is saved as one scalar)."""
+    return apply("leaky_relu", input, (_launch.check_param("negative_slope", negative_slope),))
+
+
+def threshold(input: Tensor, threshold: float, value: float, inplace: bool = False) -> Tensor:
+    """Threshold (y = x if x > threshold else value); exact backward from 1-bit codes."""
+    return apply(
+        "threshold", input, (_launch.check_param("threshold", threshold), _launch.check_param("value", value))
+    )
+
+
+def hardtanh(input: Tensor, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False) -> Tensor:
+    """Hardtanh (clamp to [min_val, max_val]); exact backward from 1-bit codes."""
+    lo = _launch.check_param("min_val", min_val)
+    hi = _launch.check_param("max_val", max_val)
+    if lo > hi:
+        raise ValueError(f"min_val: expected min_val <= max_val, got min_val={min_val!r} > max_val={max_val!r}")
+    return apply("hardtanh", input, (lo, hi))
+
+
+def hardshrink(input: Tensor, lambd: float = 0.5) -> Tensor:
+    """Hardshrink; exact backward from 1-bit codes."""
+    return apply("hardshrink", input, (_launch.check_param("lambd", lambd),))
+
+
+def softshrink(input: Tensor, lambd: float = 0.5) -> Tensor:
+    """Softshrink; exact backward from 1-bit codes."""
+    return apply("softshrink", input, (_launch.check_param("lambd", lambd),))

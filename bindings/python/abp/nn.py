@@ -1,0 +1,346 @@
+"""Drop-in activation modules (torch.nn names) whose backward saves k-bit codes instead of the input.
+
+Each module runs one manifest operator (``.operator``) and exposes the derivative it uses:
+
+- ``.borders`` and ``.levels`` (float32 tensors). For bucket operators (ReGELU2, ReSiLU2, FewBit) these
+  are the manifest's table: code(x) = #{i : borders[i] < x} and dx = levels[code(x)] * dy. For the
+  exact piecewise-linear operators the code is one bit (ALGORITHMS.md §2.1), ``.borders`` are the
+  breakpoints that define it and ``.levels`` are ``[derivative where the bit is 0, where it is 1]``;
+  see each class for the bit.
+
+``inplace=`` is accepted like torch's modules and ignored: abp never writes its input.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _lib, functional
+from ._launch import check_param
+from ._manifest import Operator
+
+__all__ = [
+    "ReGELU2",
+    "ReSiLU2",
+    "GELU",
+    "SiLU",
+    "CELU",
+    "ELU",
+    "Hardswish",
+    "LogSigmoid",
+    "Mish",
+    "SELU",
+    "Sigmoid",
+    "Softplus",
+    "Softsign",
+    "Tanh",
+    "Tanhshrink",
+    "ReLU",
+    "ReLU6",
+    "Hardsigmoid",
+    "LeakyReLU",
+    "Threshold",
+    "Hardtanh",
+    "Hardshrink",
+    "Softshrink",
+]
+
+
+def _f32(values: List[float]) -> Tensor:
+    return torch.tensor(values, dtype=torch.float32)
+
+
+class AbpActivation(torch.nn.Module):
+    """Base class: runs manifest operator ``operator`` with f32 ``params`` on its input."""
+
+    operator: str
+    params: Tuple[float, ...]
+
+    def __init__(self, operator: str, params: Tuple[float, ...] = ()) -> None:
+        super().__init__()
+        self.operator = operator
+        self.params = tuple(float(p) for p in params)
+        # Fails here, with the list of known operators, if the kernel library lacks this one.
+        _lib.kernel_library().operator(operator)
+
+    def _record(self) -> Operator:
+        return _lib.kernel_library().operator(self.operator)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return functional.apply(self.operator, input, self.params)
+
+    @property
+    def saved_bits_per_element(self) -> float:
+        """Bits the backward keeps per input element: the sum over the operator's per-element
+        residuals (codes and dense tensors) of the manifest; scalar residuals add nothing."""
+        return float(sum(r.bits or 0 for r in self._record().residuals if r.kind != "scalar"))
+
+    @property
+    def borders(self) -> Tensor:
+        """The inner borders of the derivative table (float32), as the kernels compare them."""
+        return _f32(list(self._record().tables[0].borders))
+
+    @property
+    def levels(self) -> Tensor:
+        """The derivative levels indexed by the saved code (float32), as the kernels use them."""
+        return _f32(list(self._record().tables[0].levels))
+
+    def extra_repr(self) -> str:
+        return f"operator={self.operator}, saved_bits_per_element={self.saved_bits_per_element:g}"
+
+
+class ReGELU2(AbpActivation):
+    """Exact GELU forward; ReGELU2 backward (2-bit codes, LowMemoryBP; ALGORITHMS.md §4)."""
+
+    def __init__(self) -> None:
+        super().__init__("regelu2")
+
+
+class ReSiLU2(AbpActivation):
+    """Exact SiLU forward; ReSiLU2 backward (2-bit codes, LowMemoryBP; ALGORITHMS.md §4)."""
+
+    def __init__(self) -> None:
+        super().__init__("resilu2")
+
+
+class _FewBit(AbpActivation):
+    """A FewBit continuous activation: exact forward, ``bits``-bit table derivative backward."""
+
+    activation: str = ""
+
+    def __init__(self, *, bits: int = 3, weight: str = "normal") -> None:
+        super().__init__(functional.fewbit_operator(self.activation, bits, weight))
+        self.bits = bits
+        self.weight = weight
+
+    def extra_repr(self) -> str:
+        return f"bits={self.bits}, weight={self.weight!r}, operator={self.operator}"
+
+
+def _require_default(module: str, name: str, value: Any, default: float) -> None:
+    if check_param(name, value) != default:
+        raise ValueError(
+            f"{name}: abp.nn.{module} supports only {name}={default:g} (got {value!r}): its k-bit derivative "
+            f"tables are fitted for torch's default {name}; use torch.nn.{module} for other values"
+        )
+
+
+class GELU(_FewBit):
+    """GELU (erf form); FewBit ``bits``-bit backward. ``approximate`` must be "none"."""
+
+    activation = "gelu"
+
+    def __init__(self, approximate: str = "none", *, bits: int = 3, weight: str = "normal") -> None:
+        if approximate != "none":
+            raise ValueError(f"approximate: abp.nn.GELU computes the erf form only ('none'), got {approximate!r}")
+        super().__init__(bits=bits, weight=weight)
+
+
+class SiLU(_FewBit):
+    """SiLU; FewBit ``bits``-bit backward."""
+
+    activation = "silu"
+
+    def __init__(self, inplace: bool = False, *, bits: int = 3, weight: str = "normal") -> None:
+        super().__init__(bits=bits, weight=weight)
+
+
+class CELU(_FewBit):
+    """CELU (alpha=1 only: the tables' parameter); FewBit ``bits``-bit backward."""
+
+    activation = "celu"
+
+    def __init__(self, alpha: float = 1.0, inplace: bool = False, *, bits: int = 3, weight: str = "normal") -> None:
+        _require_default("CELU", "alpha", alpha, 1.0)
+        super().__init__(bits=bits, weight=weight)
+
+
+class ELU(_FewBit):
+    """ELU (alpha=1 only: the tables' parameter); FewBit ``bits``-bit backward."""
+
+    activation = "elu"
+
+    def __init__(self, alpha: float = 1.0, inplace: bool = False, *, bits: int = 3, weight: str = "normal") -> None:
+        _require_default("ELU", "alpha", alpha, 1.0)
+        super().__init__(bits=bits, weight=weight)
+
+
+class Hardswish(_FewBit):
+    """Hardswish; FewBit ``bits``-bit backward."""
+
+    activation = "hardswish"
+
+    def __init__(self, inplace: bool = False, *, bits: int = 3, weight: str = "normal") -> None:
+        super().__init__(bits=bits, weight=weight)
+
+
+class LogSigmoid(_FewBit):
+    """LogSigmoid; FewBit ``bits``-bit backward."""
+
+    activation = "logsigmoid"
+
+
+class Mish(_FewBit):
+    """Mish; FewBit ``bits``-bit backward."""
+
+    activation = "mish"
+
+    def __init__(self, inplace: bool = False, *, bits: int = 3, weight: str = "normal") -> None:
+        super().__init__(bits=bits, weight=weight)
+
+
+class SELU(_FewBit):
+    """SELU; FewBit ``bits``-bit backward."""
+
+    activation = "selu"
+
+    def __init__(self, inplace: bool = False, *, bits: int = 3, weight: str = "normal") -> None:
+        super().__init__(bits=bits, weight=weight)
+
+
+class Sigmoid(_FewBit):
+    """Sigmoid; FewBit ``bits``-bit backward."""
+
+    activation = "sigmoid"
+
+
+class Softplus(_FewBit):
+    """Softplus (beta=1, threshold=20 only: the tables' parameters); FewBit ``bits``-bit backward."""
+
+    activation = "softplus"
+
+    def __init__(self, beta: float = 1.0, threshold: float = 20.0, *, bits: int = 3, weight: str = "normal") -> None:
+        _require_default("Softplus", "beta", beta, 1.0)
+        _require_default("Softplus", "threshold", threshold, 20.0)
+        super().__init__(bits=bits, weight=weight)
+
+
+class Softsign(_FewBit):
+    """Softsign; FewBit ``bits``-bit backward."""
+
+    activation = "softsign"
+
+
+class Tanh(_FewBit):
+    """Tanh; FewBit ``bits``-bit backward."""
+
+    activation = "tanh"
+
+
+class Tanhshrink(_FewBit):
+    """Tanhshrink; FewBit ``bits``-bit backward."""
+
+    activation = "tanhshrink"
+
+
+class _Piecewise(AbpActivation):
+    """A piecewise-linear activation with its exact derivative in one bit per element."""
+
+    def _table(self) -> Tuple[List[float], List[float]]:
+        raise NotImplementedError
+
+    @property
+    def borders(self) -> Tensor:
+        """The breakpoints that define the saved bit (float32)."""
+        return _f32(self._table()[0])
+
+    @property
+    def levels(self) -> Tensor:
+        """The derivative where the saved bit is 0 and where it is 1 (float32)."""
+        return _f32(self._table()[1])
+
+    def extra_repr(self) -> str:
+        names = self._record().params
+        return ", ".join(f"{n}={v:g}" for n, v in zip(names, self.params))
+
+
+class ReLU(_Piecewise):
+    """ReLU; bit = !(x <= 0) (NaN passes dy, as torch's threshold_backward)."""
+
+    def __init__(self, inplace: bool = False) -> None:
+        super().__init__("relu")
+
+    def _table(self) -> Tuple[List[float], List[float]]:
+        return [0.0], [0.0, 1.0]
+
+
+class ReLU6(_Piecewise):
+    """ReLU6; bit = !(x <= 0 or x >= 6) (torch's hardtanh_backward)."""
+
+    def __init__(self, inplace: bool = False) -> None:
+        super().__init__("relu6")
+
+    def _table(self) -> Tuple[List[float], List[float]]:
+        return [0.0, 6.0], [0.0, 1.0]
+
+
+class Hardsigmoid(_Piecewise):
+    """Hardsigmoid; bit = (-3 < x < 3); dx = dy * (1/6 in fp32) where the bit is set."""
+
+    def __init__(self, inplace: bool = False) -> None:
+        super().__init__("hardsigmoid")
+
+    def _table(self) -> Tuple[List[float], List[float]]:
+        return [-3.0, 3.0], [0.0, 1.0 / 6.0]
+
+
+class LeakyReLU(_Piecewise):
+    """LeakyReLU; bit = (x > 0); dx = dy where set, dy * negative_slope elsewhere."""
+
+    def __init__(self, negative_slope: float = 0.01, inplace: bool = False) -> None:
+        super().__init__("leaky_relu", (check_param("negative_slope", negative_slope),))
+        self.negative_slope = negative_slope
+
+    def _table(self) -> Tuple[List[float], List[float]]:
+        return [0.0], [self.params[0], 1.0]
+
+
+class Threshold(_Piecewise):
+    """Threshold (y = x if x > threshold else value); bit = (x > threshold)."""
+
+    def __init__(self, threshold: float, value: float, inplace: bool = False) -> None:
+        super().__init__("threshold", (check_param("threshold", threshold), check_param("value", value)))
+        self.threshold = threshold
+        self.value = value
+
+    def _table(self) -> Tuple[List[float], List[float]]:
+        return [self.params[0]], [0.0, 1.0]
+
+
+class Hardtanh(_Piecewise):
+    """Hardtanh (clamp to [min_val, max_val]); bit = !(x <= min_val or x >= max_val)."""
+
+    def __init__(self, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False) -> None:
+        lo, hi = check_param("min_val", min_val), check_param("max_val", max_val)
+        if lo > hi:
+            raise ValueError(f"min_val: expected min_val <= max_val, got min_val={min_val!r} > max_val={max_val!r}")
+        super().__init__("hardtanh", (lo, hi))
+        self.min_val = min_val
+        self.max_val = max_val
+
+    def _table(self) -> Tuple[List[float], List[float]]:
+        return [self.params[0], self.params[1]], [0.0, 1.0]
+
+
+class Hardshrink(_Piecewise):
+    """Hardshrink; bit = !(-lambd <= x <= lambd)."""
+
+    def __init__(self, lambd: float = 0.5) -> None:
+        super().__init__("hardshrink", (check_param("lambd", lambd),))
+        self.lambd = lambd
+
+    def _table(self) -> Tuple[List[float], List[float]]:
+        return [-self.params[0], self.params[0]], [0.0, 1.0]
+
+
+class Softshrink(_Piecewise):
+    """Softshrink; bit = !(-lambd <= x <= lambd)."""
+
+    def __init__(self, lambd: float = 0.5) -> None:
+        super().__init__("softshrink", (check_param("lambd", lambd),))
+        self.lambd = lambd
+
+    def _table(self) -> Tuple[List[float], List[float]]:
+        return [-self.params[0], self.params[0]], [0.0, 1.0]

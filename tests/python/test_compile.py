@@ -1,0 +1,117 @@
+"""torch >= 2.4: the torch.library custom ops, and torch.compile keeping them (and their saving)."""
+from __future__ import annotations
+
+from typing import List
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import abp
+from abp import _custom_ops
+from abp_reference import library_or_skip, packed, retains_input, sample_inputs
+
+pytestmark = pytest.mark.skipif(not _custom_ops.supported_torch(), reason="torch.library custom ops need torch >= 2.4")
+
+
+@pytest.fixture(autouse=True)
+def _library() -> None:
+    library_or_skip()
+
+
+def test_every_operator_is_registered_when_the_library_opens():
+    for name in abp.operators():
+        assert _custom_ops.registered(name)
+        assert hasattr(torch.ops.abp, f"{name}_fwd") and hasattr(torch.ops.abp, f"{name}_bwd")
+    schema = str(torch.ops.abp.leaky_relu_fwd.default._schema)
+    assert "Tensor input0, float param0" in schema
+
+
+@pytest.mark.parametrize("op,params", [("regelu2", ()), ("gelu_b3", ()), ("leaky_relu", (0.1,)), ("hardtanh", (-1.0, 2.0))])
+def test_opcheck_validates_schema_fake_and_autograd(op, params):
+    x = torch.randn(37, 5, requires_grad=True)
+    fwd = getattr(torch.ops.abp, f"{op}_fwd").default
+    torch.library.opcheck(fwd, (x, *params))
+    produced = fwd(x.detach(), *params)
+    codes = produced[1]
+    bwd = getattr(torch.ops.abp, f"{op}_bwd").default
+    bwd_args = (codes, torch.randn(37, 5)) + ((params[0],) if op == "leaky_relu" else ())
+    torch.library.opcheck(bwd, bwd_args)
+
+
+@pytest.mark.parametrize("op,params", [("resilu2", ()), ("silu_b2_uniform", ()), ("leaky_relu", (0.25,))])
+def test_custom_op_autograd_equals_the_eager_function(op, params):
+    x = sample_inputs(1000, torch.float32, seed=11).reshape(10, 100).t().requires_grad_()
+    dy = sample_inputs(1000, torch.float32, seed=12).reshape(100, 10)
+    fwd = getattr(torch.ops.abp, f"{op}_fwd").default
+    with abp.memory.SavedTensorsCounter() as counter:
+        y = fwd(x, *params)[0]
+    bits = abp._lib.kernel_library().operator(op).residuals[0].bits
+    assert counter.total_bytes == packed(bits, 1000)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    x2 = x.detach().requires_grad_()
+    y2 = abp.functional.apply(op, x2, params)
+    (dx2,) = torch.autograd.grad(y2, x2, dy)
+    assert torch.equal(y, y2) and torch.equal(dx, dx2) and dx.shape == x.shape
+
+
+def test_custom_op_does_not_keep_its_input():
+    assert not retains_input(lambda x: torch.ops.abp.gelu_b3_fwd.default(x)[0])
+    assert not retains_input(lambda x: torch.ops.abp.leaky_relu_fwd.default(x, 0.3)[0])
+
+
+def _recording_backend(graphs: List[str]):
+    """AOTAutograd with compilers that record the forward and backward graphs and run them as they are."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    try:
+        from torch._functorch.aot_autograd import make_boxed_func
+    except ImportError:  # older layouts
+        from functorch.compile import make_boxed_func
+
+    def compiler(gm: torch.fx.GraphModule, example_inputs):
+        graphs.append(gm.code)
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler)
+
+
+def test_compile_keeps_the_operators_in_one_graph_and_saves_only_codes():
+    torch._dynamo.reset()
+    graphs: List[str] = []
+
+    def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = abp.functional.gelu(x * 2.0, bits=3) + abp.functional.leaky_relu(x, 0.2)
+        return abp.functional.regelu2(h) * w
+
+    compiled = torch.compile(block, backend=_recording_backend(graphs), fullgraph=True)
+    x = sample_inputs(4096, torch.float32, seed=13).requires_grad_()
+    w = torch.randn(4096)
+    with abp.memory.SavedTensorsCounter() as counter:
+        y = compiled(x, w)
+    joined = "\n".join(graphs)
+    for name in ("gelu_b3_fwd", "leaky_relu_fwd", "regelu2_fwd"):
+        assert f"abp.{name}" in joined, joined
+    n = x.numel()
+    # The codes (3 + 1 + 2 bits per element) and w (4 bytes per element, needed for dh = dy * w).
+    assert counter.total_bytes == packed(3, n) + packed(1, n) + packed(2, n) + 4 * n
+
+    y.sum().backward()
+    assert any("abp.regelu2_bwd" in g for g in graphs)
+    x2 = x.detach().requires_grad_()
+    block(x2, w).sum().backward()
+    assert torch.equal(x.grad, x2.grad)
+
+
+def test_compile_a_model_with_abp_modules():
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), abp.nn.GELU(bits=2), torch.nn.Linear(64, 1))
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x = torch.randn(16, 32)
+    loss = F.mse_loss(compiled(x), torch.zeros(16, 1))
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    F.mse_loss(model(x), torch.zeros(16, 1)).backward()
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6)
