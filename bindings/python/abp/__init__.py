@@ -12,8 +12,9 @@ build of the generated kernels; CUDA tensors run the same source compiled by NVR
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from . import _custom_ops, _lib, autograd, cache, functional, memory, nn
 from ._errors import AbpError, CompileError, Status
@@ -32,6 +33,7 @@ __all__ = [
     "inspect",
     "kernel_dir",
     "version",
+    "compile_operators",
 ]
 
 
@@ -88,6 +90,32 @@ def inspect(op_name: str) -> Dict[str, Any]:
         "ir_path": str(ir_path) if ir_path is not None and ir_path.is_file() else None,
         "ir": ir_path.read_text() if ir_path is not None and ir_path.is_file() else None,
     }
+
+
+def compile_operators(ir: str, origin: Optional[str] = None) -> List[str]:
+    """Compiles new operators from abp IR text at run time and returns their names.
+
+    The text is a module of ``abp.operator``s as in ``ops/`` (docs/dialect.md). It goes through
+    the same pipeline and emitter as the op library, in libabp_compiler.so, which the runtime loads
+    only for this; the result (CUDA source, manifest and the CPU path's library) is cached under
+    $ABP_CACHE_DIR/ir by the text's hash. The operators then run like built-in ones:
+    ``abp.functional.apply(name, x, params)``. Diagnostics are located as
+    ``<origin>:<line>:<col>`` with line and column inside `ir`; `origin` defaults to the caller's
+    ``file:line``. Raises AbpError (COMPILE) with those diagnostics if the IR is rejected, and
+    AbpError (INVALID_ARGUMENT) if an operator name is already taken.
+    """
+    if not isinstance(ir, str):
+        raise TypeError(f"ir: expected the IR as a str, got {type(ir).__name__}")
+    if origin is None:
+        caller = sys._getframe(1)
+        origin = f"{caller.f_code.co_filename}:{caller.f_lineno}"
+    directory = _lib.compile_ir(ir, origin)
+    library = _lib.kernel_library()
+    names = library.add_directory(directory)
+    if _custom_ops.enabled():
+        for name in names:
+            _custom_ops.register(library.operator(name))
+    return names
 
 
 def _open_for_compile() -> None:

@@ -26,6 +26,7 @@ __all__ = [
     "env_get",
     "cache_stats",
     "cache_clear",
+    "compile_ir",
     "launch",
     "c_float",
     "c_int64",
@@ -57,6 +58,7 @@ _SIGNATURES: Dict[str, Tuple[List[Any], Any]] = {
     "abp_cache_stats": ([POINTER(c_char_p)], c_int),
     "abp_cache_clear": ([], c_int),
     "abp_env_get": ([c_char_p, POINTER(c_char_p)], c_int),
+    "abp_compile_ir": ([c_char_p, c_char_p, POINTER(c_char_p)], c_int),
 }
 
 _lock = threading.RLock()
@@ -158,6 +160,13 @@ def cache_clear() -> None:
     check(native().abp_cache_clear())
 
 
+def compile_ir(ir_text: str, origin: str) -> Path:
+    """Compiles operator IR through libabp_compiler.so into a kernel directory (abp_compile_ir)."""
+    out = c_char_p()
+    check(native().abp_compile_ir(ir_text.encode(), origin.encode(), ctypes.byref(out)))
+    return Path(_text(out.value))
+
+
 def kernel_dir() -> Path:
     """The kernel directory the runtime opens by default: $ABP_KERNEL_DIR, else kernels/ next to the
     library's lib/ directory, else the build tree's kernels/ (the same rule as runtime/Files.cpp)."""
@@ -183,6 +192,39 @@ class KernelLibrary:
         check(lib.abp_library_operators_json(handle, ctypes.byref(text)))
         self.operators: Dict[str, Operator] = parse_operators(_text(text.value))
         self._kernels: Dict[Tuple[str, str], c_void_p] = {}
+        # Kernels of directories added at run time (compiled IR) live in their own abp_library.
+        self._owner: Dict[str, c_void_p] = {}
+        self._added: Dict[str, c_void_p] = {}
+
+    def add_directory(self, directory: Path) -> List[str]:
+        """Opens another kernel directory (e.g. from compile_ir) and registers its operators.
+
+        Adding the same directory again is a no-op; an operator name that already exists with a
+        different definition raises AbpError (INVALID_ARGUMENT)."""
+        key = str(directory)
+        lib = native()
+        if key in self._added:
+            handle = self._added[key]
+        else:
+            handle = c_void_p()
+            check(lib.abp_library_open(key.encode(), ctypes.byref(handle)))
+        text = c_char_p()
+        check(lib.abp_library_operators_json(handle, ctypes.byref(text)))
+        ops = parse_operators(_text(text.value))
+        if key not in self._added:
+            for name, op in ops.items():
+                if name in self.operators:
+                    lib.abp_library_close(handle)
+                    raise AbpError(
+                        Status.INVALID_ARGUMENT,
+                        f"operator {name!r} from {directory} is already defined; give it another name",
+                    )
+            self._added[key] = handle
+            for name, op in ops.items():
+                self.operators[name] = op
+                for kernel in op.kernels:
+                    self._owner[kernel] = handle
+        return sorted(ops)
 
     def operator(self, name: str) -> Operator:
         """The operator named `name`; AbpError (NOT_FOUND) listing what exists if it is unknown."""
@@ -200,7 +242,8 @@ class KernelLibrary:
         handle = self._kernels.get(key)
         if handle is None:
             handle = c_void_p()
-            check(native().abp_kernel_get(self._handle, name.encode(), dtype.encode(), ctypes.byref(handle)))
+            owner = self._owner.get(name, self._handle)
+            check(native().abp_kernel_get(owner, name.encode(), dtype.encode(), ctypes.byref(handle)))
             self._kernels[key] = handle
         return handle
 
