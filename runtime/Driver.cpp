@@ -3,6 +3,7 @@
 
 #include "runtime/Env.h"
 #include "runtime/Error.h"
+#include "runtime/SymbolResolver.h"
 
 #include <atomic>
 #include <dlfcn.h>
@@ -79,12 +80,7 @@ std::unique_ptr<Driver> Driver::open(const std::string &path) {
                                          "); is the NVIDIA driver installed?");
   }
   auto api = std::make_unique<Api>();
-  std::string missing;
-  auto resolve = [&](auto &fn, const char *name) {
-    fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(::dlsym(handle, name));
-    if (!fn)
-      missing += std::string(missing.empty() ? "" : ", ") + name;
-  };
+  SymbolResolver resolve(handle);
   resolve(api->init, "cuInit");
   resolve(api->driverGetVersion, "cuDriverGetVersion");
   resolve(api->deviceGetCount, "cuDeviceGetCount");
@@ -105,7 +101,7 @@ std::unique_ptr<Driver> Driver::open(const std::string &path) {
   resolve(api->memFree, "cuMemFree_v2");
   resolve(api->memcpyHtoD, "cuMemcpyHtoD_v2");
   resolve(api->memcpyDtoH, "cuMemcpyDtoH_v2");
-  if (!missing.empty()) {
+  if (const std::string &missing = resolve.missing(); !missing.empty()) {
     ::dlclose(handle);
     throw Error(ErrorCode::NoDriver,
                 "no CUDA driver: " + path + " lacks " + missing + " (not a CUDA driver library)");

@@ -6,6 +6,7 @@
 #include "runtime/Error.h"
 #include "runtime/Files.h"
 #include "runtime/Sha256.h"
+#include "runtime/SymbolResolver.h"
 
 #include <dlfcn.h>
 #include <fcntl.h>
@@ -46,13 +47,11 @@ const CompilerLibrary &compilerLibrary() {
                 "ABP_ENABLE_COMPILER=ON (or set ABP_COMPILER_LIBRARY)";
       return;
     }
-    library.compile = reinterpret_cast<AbpCompilerCompileFn>(
-        dlsym(handle, ABP_COMPILER_COMPILE_SYMBOL));
-    library.release =
-        reinterpret_cast<AbpCompilerFreeFn>(dlsym(handle, ABP_COMPILER_FREE_SYMBOL));
-    if (!library.compile || !library.release)
-      failure = "'" + path + "' does not export " ABP_COMPILER_COMPILE_SYMBOL " and "
-                ABP_COMPILER_FREE_SYMBOL;
+    SymbolResolver resolve(handle);
+    resolve(library.compile, ABP_COMPILER_COMPILE_SYMBOL);
+    resolve(library.release, ABP_COMPILER_FREE_SYMBOL);
+    if (!resolve.missing().empty())
+      failure = "'" + path + "' is not the abp compiler library: it lacks " + resolve.missing();
   });
   if (!failure.empty())
     throw Error(ErrorCode::NotFound, failure);

@@ -3,6 +3,7 @@
 
 #include "runtime/Env.h"
 #include "runtime/Error.h"
+#include "runtime/SymbolResolver.h"
 #include "runtime/Files.h"
 
 #include <algorithm>
@@ -70,12 +71,7 @@ std::unique_ptr<Nvrtc> Nvrtc::open(const std::string &path) {
                 "cannot load NVRTC from " + path + ": " + (why ? why : "dlopen failed"));
   }
   auto api = std::make_unique<Api>();
-  std::string missing;
-  auto resolve = [&](auto &fn, const char *name) {
-    fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(::dlsym(handle, name));
-    if (!fn)
-      missing += std::string(missing.empty() ? "" : ", ") + name;
-  };
+  SymbolResolver resolve(handle);
   resolve(api->getErrorString, "nvrtcGetErrorString");
   resolve(api->version, "nvrtcVersion");
   resolve(api->getNumSupportedArchs, "nvrtcGetNumSupportedArchs");
@@ -89,7 +85,7 @@ std::unique_ptr<Nvrtc> Nvrtc::open(const std::string &path) {
   resolve(api->getCUBIN, "nvrtcGetCUBIN");
   resolve(api->getProgramLogSize, "nvrtcGetProgramLogSize");
   resolve(api->getProgramLog, "nvrtcGetProgramLog");
-  if (!missing.empty()) {
+  if (const std::string &missing = resolve.missing(); !missing.empty()) {
     ::dlclose(handle);
     throw Error(ErrorCode::NoNvrtc, path + " is not a usable NVRTC (>= 11.2): missing " + missing);
   }
