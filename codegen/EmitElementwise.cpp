@@ -100,7 +100,10 @@ std::string packedBytes(unsigned bits, const std::string &count) {
 void emitLoop(KernelOp kernel, ArrayRef<Arg> args, int64_t chunk, SourceWriter &out) {
   std::string name = kernel.getSymName().str();
   out.line("template <typename T>");
-  out.line("ABP_FN void {}_loop({}) {{", name, paramList(args, "T"));
+  // Chunks first, first + stride, ... below `last`: a grid-stride loop on the GPU, one
+  // contiguous range per call on the CPU path.
+  out.line("ABP_FN void {}_loop({}, abp::i64 first, abp::i64 stride, abp::i64 last) {{", name,
+           paramList(args, "T"));
   out.indent();
   out.line("constexpr int N = {};", chunk);
   std::string aligned;
@@ -109,7 +112,8 @@ void emitLoop(KernelOp kernel, ArrayRef<Arg> args, int64_t chunk, SourceWriter &
       aligned += fmt::format("{}abp::aligned16({})", aligned.empty() ? "" : " && ", a.name);
   out.line("const bool aligned = {};", aligned.empty() ? "true" : aligned);
   out.line("const abp::i64 chunks = (n + N - 1) / N;");
-  out.line("for (abp::i64 c = abp::globalThread(); c < chunks; c += abp::gridThreads()) {{");
+  out.line("const abp::i64 end = last < chunks ? last : chunks;");
+  out.line("for (abp::i64 c = first; c < end; c += stride) {{");
   out.indent();
   out.line("const abp::i64 i = c * N;");
   out.line("const bool full = i + N <= n;");
@@ -169,13 +173,17 @@ std::string shortHash(const std::string &text) {
 }
 
 void emitEntry(KernelOp kernel, ArrayRef<Arg> args, const Dtype &dtype, const std::string &symbol,
-               SourceWriter &out) {
+               int64_t chunk, SourceWriter &out) {
   std::string name = kernel.getSymName().str();
   out.line("ABP_KERNEL void {}({}) {{", symbol, paramList(args, dtype.cppType));
-  out.line("  {}_loop<{}>({});", name, dtype.cppType, argNames(args));
+  // `last` = n bounds the chunk index from above (n >= chunks); the loop clamps it to chunks.
+  out.line("  {}_loop<{}>({}, abp::globalThread(), abp::gridThreads(), n);", name, dtype.cppType,
+           argNames(args));
   out.line("}}");
-  // The CPU path's entry (docs/manifest.md): runs blocks [b0, b1), each CUDA thread in turn;
-  // elementwise kernels have no barriers, so no fibers are needed.
+  // The CPU path's entry (docs/manifest.md): runs what the threads of blocks [b0, b1) would.
+  // Thread t of a G-thread grid takes chunks t, t + G, ...; elementwise chunks are independent
+  // and there are no barriers, so those blocks' chunks run as one contiguous range per grid
+  // stride instead of thread by thread.
   out.line("#if ABP_HOST");
   out.line("extern \"C\" void {}__host(void **args, abp::i64 grid, abp::i64 block, abp::i64 b0, "
            "abp::i64 b1) {{",
@@ -193,14 +201,10 @@ void emitEntry(KernelOp kernel, ArrayRef<Arg> args, const Dtype &dtype, const st
     out.line("{} {} = *static_cast<{} *>(args[{}]);", type, a.name, type, index++);
   }
   out.line("const abp::i64 n = *static_cast<abp::i64 *>(args[{}]);", index);
-  out.line("for (abp::i64 b = b0; b < b1; ++b)");
-  out.line("  for (abp::i64 t = 0; t < block; ++t) {{");
-  out.line("    abp::hostThread.block = b;");
-  out.line("    abp::hostThread.thread = t;");
-  out.line("    abp::hostThread.blockDim = block;");
-  out.line("    abp::hostThread.gridDim = grid;");
-  out.line("    {}({});", symbol, argNames(args));
-  out.line("  }}");
+  out.line("const abp::i64 chunks = (n + {} - 1) / {};", chunk, chunk);
+  out.line("for (abp::i64 base = 0; base < chunks; base += grid * block)");
+  out.line("  {}_loop<{}>({}, base + b0 * block, 1, base + b1 * block);", name, dtype.cppType,
+           argNames(args));
   out.dedent();
   out.line("}}");
   out.line("#endif");
@@ -225,7 +229,7 @@ LogicalResult abp::emitElementwiseKernel(KernelOp kernel, SourceWriter &out,
   out.line("{}", text.str());
   for (const Dtype &dtype : kernelDtypes()) {
     std::string symbol = fmt::format("abp_{}_{}_{}", name, dtype.name, hash);
-    emitEntry(kernel, args, dtype, symbol, out);
+    emitEntry(kernel, args, dtype, symbol, *kernel.getChunk(), out);
     symbols.push_back(symbol);
   }
   out.blank();

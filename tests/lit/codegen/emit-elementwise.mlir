@@ -15,18 +15,22 @@
 // CHECK: const float v{{[0-9]+}} = fn_scale(a0);
 // CHECK: const bool v{{[0-9]+}} = (a0 > v{{[0-9]+}});
 // CHECK: template <typename T>
-// CHECK: ABP_FN void op_fwd_loop(const T *ABP_RESTRICT a0, T *ABP_RESTRICT r0, abp::u8 *ABP_RESTRICT r1, abp::i64 n) {
+// CHECK: ABP_FN void op_fwd_loop(const T *ABP_RESTRICT a0, T *ABP_RESTRICT r0, abp::u8 *ABP_RESTRICT r1, abp::i64 n, abp::i64 first, abp::i64 stride, abp::i64 last) {
 // CHECK: constexpr int N = 8;
 // CHECK: const bool aligned = abp::aligned16(a0) && abp::aligned16(r0);
-// CHECK: for (abp::i64 c = abp::globalThread(); c < chunks; c += abp::gridThreads()) {
+// CHECK: const abp::i64 end = last < chunks ? last : chunks;
+// CHECK: for (abp::i64 c = first; c < end; c += stride) {
 // CHECK: abp::loadChunk<N>(a0, i, n, vec, e_a0);
 // CHECK: op_fwd_body(e_a0[k], e_r0[k], e_r1[k]);
 // CHECK: abp::storeChunk<N>(r0, i, n, vec, e_r0);
 // CHECK: if (i + k >= n) e_r1[k] = 0;
 // CHECK: abp::storePacked<N * 3 / 8>(r1, c * (N * 3 / 8), full ? N * 3 / 8 : ((n - i) * 3 + 7) / 8, abp::packCodes<3, N>(e_r1));
 // CHECK: ABP_KERNEL void abp_op_fwd_f32_[[H:[0-9a-f]{8}]](const float *ABP_RESTRICT a0, float *ABP_RESTRICT r0, abp::u8 *ABP_RESTRICT r1, abp::i64 n) {
-// CHECK-NEXT: op_fwd_loop<float>(a0, r0, r1, n);
+// CHECK-NEXT: op_fwd_loop<float>(a0, r0, r1, n, abp::globalThread(), abp::gridThreads(), n);
 // CHECK: extern "C" void abp_op_fwd_f32_[[H]]__host(void **args, abp::i64 grid, abp::i64 block, abp::i64 b0, abp::i64 b1) {
+// CHECK: const abp::i64 chunks = (n + 8 - 1) / 8;
+// CHECK-NEXT: for (abp::i64 base = 0; base < chunks; base += grid * block)
+// CHECK-NEXT: op_fwd_loop<float>(a0, r0, r1, n, base + b0 * block, 1, base + b1 * block);
 // CHECK: ABP_KERNEL void abp_op_fwd_f16_[[H]](const abp::f16 *ABP_RESTRICT a0,
 // CHECK: ABP_KERNEL void abp_op_fwd_bf16_[[H]](const abp::bf16 *ABP_RESTRICT a0,
 
