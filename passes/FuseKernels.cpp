@@ -27,7 +27,7 @@ Attribute layoutOfInput(Value value, MLIRContext *ctx) {
 
 /// Fuses the elementwise ops of one direction of `op` into kernel `name`. Returns failure
 /// after emitting a diagnostic when the direction cannot be fused.
-LogicalResult fuseDirection(OperatorOp op, Region &region, StringRef name, ModuleOp module) {
+LogicalResult fuseDirection(OperatorOp op, Region &region, StringRef name) {
   MLIRContext *ctx = op.getContext();
   Block &block = region.front();
   SmallVector<Operation *> fused;
@@ -168,8 +168,8 @@ struct FuseKernels : abp::impl::AbpFuseKernelsBase<FuseKernels> {
     SmallVector<OperatorOp> operators(module.getOps<OperatorOp>());
     for (OperatorOp op : operators) {
       std::string base = op.getSymName().str();
-      if (failed(fuseDirection(op, op.getForward(), base + "_fwd", module)) ||
-          failed(fuseDirection(op, op.getBackward(), base + "_bwd", module)))
+      if (failed(fuseDirection(op, op.getForward(), base + "_fwd")) ||
+          failed(fuseDirection(op, op.getBackward(), base + "_bwd")))
         return signalPassFailure();
     }
   }

@@ -5,13 +5,11 @@
 #include "runtime/Env.h"
 #include "runtime/Error.h"
 #include "runtime/Files.h"
+#include "runtime/HostCompile.h"
 #include "runtime/Sha256.h"
 #include "runtime/SymbolResolver.h"
 
 #include <dlfcn.h>
-#include <fcntl.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -19,9 +17,6 @@
 #include <filesystem>
 #include <memory>
 #include <mutex>
-#include <vector>
-
-extern char **environ;
 
 namespace abp::rt {
 namespace {
@@ -87,47 +82,6 @@ std::string irRoot() {
   return tmp;
 }
 
-/// Runs the host compiler over `source`, producing `output`; throws Error(Compile) with its log.
-void hostCompile(const std::string &stem, const std::string &sourcePath,
-                 const std::string &source, const std::string &output,
-                 const std::string &logPath) {
-  std::string cxx = env::getString(EnvVar::ABP_HOST_CXX);
-  std::string include = "-I" + directoryOf(deviceHeaderPath());
-  // The flags of the build's op library (ops/CMakeLists.txt): no FMA contraction, like NVRTC's
-  // --fmad=false, so CPU and GPU paths round alike.
-  std::vector<std::string> args = {cxx,      "-std=c++17", "-O2",        "-fPIC",
-                                   "-shared", "-ffp-contract=off", "-DABP_HOST=1", include,
-                                   "-x",      "c++",        sourcePath,   "-o", output};
-  std::vector<char *> argv;
-  for (std::string &a : args)
-    argv.push_back(a.data());
-  argv.push_back(nullptr);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 1, logPath.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
-                                   0644);
-  posix_spawn_file_actions_adddup2(&actions, 1, 2);
-  pid_t pid = 0;
-  int rc = posix_spawnp(&pid, cxx.c_str(), &actions, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  int status = 0;
-  if (rc == 0)
-    waitpid(pid, &status, 0);
-  if (rc != 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-    CompileFailure failure;
-    failure.stage = "host-compiler";
-    failure.kernel = stem;
-    failure.arch = "host";
-    failure.options.assign(args.begin() + 1, args.end());
-    failure.result = rc != 0 ? "cannot run '" + cxx + "'" : "exit status " +
-                                                               std::to_string(WEXITSTATUS(status));
-    failure.log = isFile(logPath) ? readFile(logPath) : "";
-    failure.sourceName = stem + ".cu";
-    failure.source = source;
-    throw Error("abp: the host compiler failed on operator IR '" + stem + "'", failure);
-  }
-}
-
 } // namespace
 
 std::string compileIrToKernelDir(const std::string &irText, const std::string &origin) {
@@ -152,9 +106,7 @@ std::string compileIrToKernelDir(const std::string &irText, const std::string &o
   makeDirectories(tmp);
   try {
     writeFileSynced(tmp + "/" + stem + ".cu", source.str());
-    hostCompile(stem, tmp + "/" + stem + ".cu", source.str(), tmp + "/" + stem + ".host.so",
-                tmp + "/host-compile.log");
-    std::remove((tmp + "/host-compile.log").c_str());
+    compileHostLibrary(stem, source.str(), tmp + "/" + stem + ".host.so");
     writeFileSynced(tmp + "/" + stem + ".json", manifest.str()); // last: marks it complete
     syncDirectory(tmp);
   } catch (...) {

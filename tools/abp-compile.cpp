@@ -9,8 +9,8 @@
 #include "codegen/Emitter.h"
 #include "dialect/AbpDialect.h"
 #include "passes/Passes.h"
-#include "tools/HostCompiler.h"
-#include "tools/NvrtcStage.h"
+#include "runtime/HostCompile.h"
+#include "runtime/Nvrtc.h"
 
 #include "mlir/IR/AsmState.h"
 #include "mlir/IR/MLIRContext.h"
@@ -84,8 +84,6 @@ int writeOutput(StringRef text, StringRef path) {
   out->keep();
   return 0;
 }
-
-int writeFile(const std::string &path, StringRef text) { return writeOutput(text, path); }
 } // namespace
 
 int main(int argc, char **argv) {
@@ -120,7 +118,7 @@ int main(int argc, char **argv) {
     std::string text;
     llvm::raw_string_ostream os(text);
     module->print(os);
-    writeFile(dumpDir + "/input.mlir", text);
+    writeOutput(text, dumpDir + "/input.mlir");
   }
   if (emitLevel == Emit::Mlir) {
     std::string text;
@@ -156,8 +154,8 @@ int main(int argc, char **argv) {
   if (mlir::failed(bundle))
     return 1;
   if (!dumpDir.empty()) {
-    writeFile(dumpDir + "/kernel.cu", bundle->source);
-    writeFile(dumpDir + "/manifest.json", bundle->manifest);
+    writeOutput(bundle->source, dumpDir + "/kernel.cu");
+    writeOutput(bundle->manifest, dumpDir + "/manifest.json");
   }
 
   switch (emitLevel) {
@@ -172,19 +170,23 @@ int main(int argc, char **argv) {
     }
     llvm::sys::fs::create_directories(outputFile);
     // Write the manifest last: the runtime treats a manifest as the sign of a complete bundle.
-    int rc = writeFile(outputFile + "/" + options.sourceName, bundle->source);
-    return rc ? rc : writeFile(outputFile + "/" + stem + ".json", bundle->manifest);
+    int rc = writeOutput(bundle->source, outputFile + "/" + options.sourceName);
+    return rc ? rc : writeOutput(bundle->manifest, outputFile + "/" + stem + ".json");
   }
   case Emit::Ptx:
   case Emit::Cubin: {
-    std::string binary, log;
-    if (!abp::tools::compileWithNvrtc(bundle->source, stem, arch, emitLevel == Emit::Ptx,
-                                      binary, log)) {
-      llvm::errs() << log;
+    abp::rt::NvrtcOutput out;
+    std::string log;
+    if (!abp::rt::compileWithNvrtcNoThrow(stem, stem + ".cu", bundle->source, arch,
+                                          emitLevel == Emit::Ptx ? abp::rt::OutputKind::Ptx
+                                                                 : abp::rt::OutputKind::Cubin,
+                                          out, log)) {
+      llvm::errs() << log << "\n";
       return 1;
     }
+    const std::string &binary = out.binary;
     if (!dumpDir.empty())
-      writeFile(dumpDir + (emitLevel == Emit::Ptx ? "/kernel.ptx" : "/kernel.cubin"), binary);
+      writeOutput(binary, dumpDir + (emitLevel == Emit::Ptx ? "/kernel.ptx" : "/kernel.cubin"));
     return writeOutput(binary, outputFile);
   }
   case Emit::Host: {
@@ -193,8 +195,8 @@ int main(int argc, char **argv) {
       return 1;
     }
     std::string log;
-    if (!abp::tools::compileForHost(bundle->source, outputFile, log)) {
-      llvm::errs() << log;
+    if (!abp::rt::compileHostLibraryNoThrow(stem, bundle->source, outputFile, log)) {
+      llvm::errs() << log << "\n";
       return 1;
     }
     return 0;

@@ -4,10 +4,13 @@
 // RUN: abp-compile %s --emit=ptx --arch=sm_90 | FileCheck %s --check-prefix=PTX
 // RUN: abp-compile %s --emit=cubin --arch=sm_80 -o %t.cubin && test -s %t.cubin
 // RUN: abp-compile %s --emit=host -o %t.so && nm -D %t.so | FileCheck %s --check-prefix=HOST
+// RUN: not env ABP_HOST_CXX=/nonexistent abp-compile %s --emit=host -o %t.bad.so 2>&1 | FileCheck %s --check-prefix=NOCXX
 // RUN: rm -rf %t.dump %t.bundle && env ABP_DUMP_DIR=%t.dump abp-compile %s --emit=bundle -o %t.bundle
 // RUN: ls %t.dump/emit-stages | FileCheck %s --check-prefix=DUMP
 // RUN: ls %t.bundle | FileCheck %s --check-prefix=BUNDLE
 
+// NOCXX: abp: the host compiler failed on 'emit-stages'
+// NOCXX: compiler log (cannot run '/nonexistent')
 // MLIR: abp.operator @twice forward
 // MLIR: abp.quantize
 // KERNEL: abp.kernel @twice_fwd attributes {block_size = 256 : i64, chunk = 8 : i64
