@@ -7,7 +7,6 @@
 #include "codegen/Emitter.h"
 #include "codegen/ScalarEmitter.h"
 
-#include "llvm/Support/SHA256.h"
 #include "llvm/Support/raw_ostream.h"
 
 using namespace mlir;
@@ -165,13 +164,6 @@ void emitLoop(KernelOp kernel, ArrayRef<Arg> args, int64_t chunk, SourceWriter &
   out.line("}}");
 }
 
-/// 8 hex digits identifying a kernel's generated code, so a profiler name leads to its source.
-std::string shortHash(const std::string &text) {
-  std::array<uint8_t, 32> digest = llvm::SHA256::hash(
-      ArrayRef<uint8_t>(reinterpret_cast<const uint8_t *>(text.data()), text.size()));
-  return fmt::format("{:02x}{:02x}{:02x}{:02x}", digest[0], digest[1], digest[2], digest[3]);
-}
-
 void emitEntry(KernelOp kernel, ArrayRef<Arg> args, const Dtype &dtype, const std::string &symbol,
                int64_t chunk, SourceWriter &out) {
   std::string name = kernel.getSymName().str();
@@ -212,7 +204,7 @@ void emitEntry(KernelOp kernel, ArrayRef<Arg> args, const Dtype &dtype, const st
 } // namespace
 
 LogicalResult abp::emitElementwiseKernel(KernelOp kernel, SourceWriter &out,
-                                         std::vector<std::string> &symbols) {
+                                         KernelSymbols &symbols) {
   if (!kernel.getChunk() || !kernel.getBlockSize())
     return kernel.emitOpError() << "has no thread mapping; run abp-map-threads first";
   SmallVector<Arg> args = argsOf(kernel);
@@ -230,7 +222,7 @@ LogicalResult abp::emitElementwiseKernel(KernelOp kernel, SourceWriter &out,
   for (const Dtype &dtype : kernelDtypes()) {
     std::string symbol = fmt::format("abp_{}_{}_{}", name, dtype.name, hash);
     emitEntry(kernel, args, dtype, symbol, *kernel.getChunk(), out);
-    symbols.push_back(symbol);
+    symbols.emplace_back(dtype.name, symbol);
   }
   out.blank();
   return success();

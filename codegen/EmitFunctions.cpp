@@ -1,4 +1,5 @@
-// EmitFunctions.cpp — emits the module's scalar func.func definitions as device functions.
+// EmitFunctions.cpp — emits the module's scalar func.func definitions as device function templates
+// over the compute type.
 #include "codegen/Emitter.h"
 #include "codegen/ScalarEmitter.h"
 
@@ -11,18 +12,19 @@ static FailureOr<std::string> signatureOf(func::FuncOp fn) {
     return fn.emitOpError() << "must return exactly one scalar to be emitted by abp codegen";
   std::string params;
   for (auto [i, t] : llvm::enumerate(type.getInputs())) {
-    std::string cpp = ScalarEmitter::cppType(t);
+    std::string cpp = t.isF32() ? "C" : ScalarEmitter::cppType(t);
     if (cpp.empty())
       return fn.emitOpError() << "has argument #" << i << " of type " << t
                               << ", which abp codegen cannot hold";
     params += fmt::format("{}{} a{}", params.empty() ? "" : ", ", cpp, i);
   }
-  std::string result = ScalarEmitter::cppType(type.getResult(0));
+  Type resultType = type.getResult(0);
+  std::string result = resultType.isF32() ? "C" : ScalarEmitter::cppType(resultType);
   if (result.empty())
-    return fn.emitOpError() << "returns " << type.getResult(0)
-                            << ", which abp codegen cannot hold";
-  return fmt::format("ABP_FN {} {}({})", result, ScalarEmitter::functionName(fn.getSymName()),
-                     params);
+    return fn.emitOpError() << "returns " << resultType << ", which abp codegen cannot hold";
+  // A template over the compute type C (float, or double in fp64 row kernels).
+  return fmt::format("template <typename C> ABP_FN {} {}({})", result,
+                     ScalarEmitter::functionName(fn.getSymName()), params);
 }
 
 LogicalResult abp::emitScalarFunctions(ModuleOp module, SourceWriter &out) {
@@ -43,7 +45,7 @@ LogicalResult abp::emitScalarFunctions(ModuleOp module, SourceWriter &out) {
       return fn.emitOpError() << "must have a single block to be emitted by abp codegen";
     out.line("{} {{", *signatureOf(fn));
     out.indent();
-    ScalarEmitter scalars(out);
+    ScalarEmitter scalars(out, "C");
     Block &block = fn.getBody().front();
     for (BlockArgument arg : block.getArguments())
       scalars.bind(arg, "a" + std::to_string(arg.getArgNumber()));

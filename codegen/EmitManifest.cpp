@@ -39,11 +39,20 @@ template <typename Range, typename Fn> std::string list(const Range &range, Fn f
 /// fp32 values exactly as the kernels use them (9 significant digits round-trip a float).
 std::string f32(double v) { return fmt::format("{:.9g}", static_cast<float>(v)); }
 
-std::string residualJson(Type type) {
+/// One residual: packed codes, a shared output (`output`: which one), a per-row statistic (a
+/// tensor of lower rank than the inputs), a dense tensor, or an f32 scalar.
+std::string residualJson(Value saved, ReturnOp ret, int64_t inputRank) {
+  Type type = saved.getType();
   if (auto codes = dyn_cast<CodesType>(type))
     return fmt::format("{{\"kind\": \"codes\", \"bits\": {}}}", codes.getBits());
+  if (auto share = dyn_cast_or_null<ShareSavedOp>(saved.getDefiningOp())) {
+    auto it = llvm::find(ret.getResults(), share.getInput());
+    return fmt::format("{{\"kind\": \"shared\", \"output\": {}}}",
+                       std::distance(ret.getResults().begin(), it));
+  }
   if (auto tensor = dyn_cast<RankedTensorType>(type))
-    return fmt::format("{{\"kind\": \"tensor\", \"bits\": {}}}",
+    return fmt::format("{{\"kind\": \"{}\", \"bits\": {}}}",
+                       tensor.getRank() < inputRank ? "rows" : "tensor",
                        tensor.getElementTypeBitWidth());
   return "{\"kind\": \"scalar\"}";
 }
@@ -73,6 +82,10 @@ std::string directionJson(Region &region, const DirectionNames &base, ArrayRef<V
     for (auto [i, r] : llvm::enumerate(launch.getResults()))
       names.names[r] = fmt::format("result{}", i);
   }
+  // A shared residual is the very output it aliases.
+  for (Operation &op : region.front())
+    if (auto share = dyn_cast<ShareSavedOp>(op))
+      names.names[share.getResult()] = names.of(share.getInput());
   std::string out = fmt::format("{{\"kernel\": {}, \"args\": {}, ", kernel, args);
   return out + fmt::format("{}}}", producedKey.str() + list(produced, [&](Value v) {
     return quote(names.of(v));
@@ -111,9 +124,21 @@ std::string operatorJson(OperatorOp op) {
       return fmt::format("{{\"borders\": {}, \"levels\": {}}}", list(b.getBorders().asArrayRef(), f32),
                          list(b.getLevels().asArrayRef(), f32));
     });
-  int64_t bits = 0;
+  int64_t bits = 0, rowBits = 0;
   if (auto attr = op->getAttrOfType<IntegerAttr>("abp.saved_bits"))
     bits = attr.getInt();
+  if (auto attr = op->getAttrOfType<IntegerAttr>("abp.saved_row_bits"))
+    rowBits = attr.getInt();
+  int64_t inputRank = 0;
+  for (BlockArgument arg : op.getTensorInputs())
+    inputRank = std::max(inputRank, cast<RankedTensorType>(arg.getType()).getRank());
+  // A row-wise operator launches row kernels: its inputs are matrices of rows along the last
+  // dimension.
+  bool rowWise = false;
+  op.walk([&](LaunchOp launch) {
+    auto kernel = SymbolTable::lookupNearestSymbolFrom<KernelOp>(launch, launch.getKernelAttr());
+    rowWise |= kernel && kernel.isRowKernel();
+  });
 
   SmallVector<Value> fwdProduced(fret.getResults());
   fwdProduced.append(fret.getSaved().begin(), fret.getSaved().end());
@@ -127,25 +152,30 @@ std::string operatorJson(OperatorOp op) {
   out += fmt::format("      \"params\": {},\n", list(paramNames, [](const std::string &s) {
                        return quote(s);
                      }));
-  out += fmt::format("      \"residuals\": {},\n",
-                     list(fret.getSaved(), [](Value v) { return residualJson(v.getType()); }));
+  out += fmt::format("      \"row_wise\": {},\n", rowWise ? "true" : "false");
+  out += fmt::format("      \"residuals\": {},\n", list(fret.getSaved(), [&](Value v) {
+                       return residualJson(v, fret, inputRank);
+                     }));
   out += fmt::format("      \"saved_bits_per_element\": {},\n", bits);
+  out += fmt::format("      \"saved_bits_per_row\": {},\n", rowBits);
   out += fmt::format("      \"tables\": {},\n", tables);
   out += fmt::format("      \"forward\": {},\n", fwdJson);
   out += fmt::format("      \"backward\": {}\n", bwdJson);
   return out + "    }";
 }
 
-std::string kernelJson(KernelOp kernel, const std::vector<std::string> &symbols) {
+std::string kernelJson(KernelOp kernel, const KernelSymbols &symbols) {
   std::string syms;
-  for (auto [dtype, symbol] : llvm::zip(kernelDtypes(), symbols))
-    syms += fmt::format("{}\"{}\": {}", syms.empty() ? "" : ", ", dtype.name, quote(symbol));
+  for (const auto &[dtype, symbol] : symbols)
+    syms += fmt::format("{}\"{}\": {}", syms.empty() ? "" : ", ", dtype, quote(symbol));
   auto layout = [](Attribute a, const char *role) {
     if (auto packed = dyn_cast<PackedLayoutAttr>(a))
       return fmt::format("{{\"role\": \"{}\", \"layout\": \"packed\", \"bits\": {}}}", role,
                          packed.getBits());
     if (isa<ScalarLayoutAttr>(a))
       return std::string("{\"role\": \"scalar\", \"type\": \"f32\"}");
+    if (isa<RowsLayoutAttr>(a))
+      return fmt::format("{{\"role\": \"{}\", \"layout\": \"rows\"}}", role);
     return fmt::format("{{\"role\": \"{}\", \"layout\": \"dense\"}}", role);
   };
   std::string args;
@@ -153,18 +183,24 @@ std::string kernelJson(KernelOp kernel, const std::vector<std::string> &symbols)
     args += layout(a, "in") + ", ";
   for (Attribute a : kernel.getOuts())
     args += layout(a, "out") + ", ";
-  args += "{\"role\": \"count\"}";
-  return fmt::format("    {{\"name\": {}, \"symbols\": {{{}}}, \"block\": {}, \"chunk\": {}, "
+  std::string kind = "\"kind\": \"elementwise\", ";
+  if (kernel.isRowKernel()) {
+    args += "{\"role\": \"rows\"}, {\"role\": \"cols\"}";
+    kind = fmt::format("\"kind\": \"rows\", \"warp_max_cols\": {}, ", *kernel.getWarpMaxCols());
+  } else {
+    args += "{\"role\": \"count\"}";
+  }
+  return fmt::format("    {{\"name\": {}, {}\"symbols\": {{{}}}, \"block\": {}, \"chunk\": {}, "
                      "\"args\": [{}]}}",
-                     quote(kernel.getSymName()), syms, *kernel.getBlockSize(),
+                     quote(kernel.getSymName()), kind, syms, *kernel.getBlockSize(),
                      *kernel.getChunk(), args);
 }
 } // namespace
 
 std::string abp::emitManifest(
     ModuleOp module, const EmitOptions &options,
-    const std::vector<std::pair<KernelOp, std::vector<std::string>>> &kernels) {
-  std::string out = "{\n  \"format\": 1,\n";
+    const std::vector<std::pair<KernelOp, KernelSymbols>> &kernels) {
+  std::string out = "{\n  \"format\": 2,\n";
   out += fmt::format("  \"file\": {},\n", quote(options.inputFile));
   out += fmt::format("  \"source\": {},\n", quote(options.sourceName));
   out += fmt::format("  \"host_library\": {},\n", quote(options.hostLibrary));

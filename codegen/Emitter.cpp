@@ -2,13 +2,30 @@
 #include "codegen/Emitter.h"
 #include "codegen/ScalarEmitter.h"
 
+#include "llvm/Support/SHA256.h"
+
 using namespace mlir;
 using namespace abp;
 
 const std::vector<Dtype> &abp::kernelDtypes() {
   static const std::vector<Dtype> dtypes = {
-      {"f32", "float"}, {"f16", "abp::f16"}, {"bf16", "abp::bf16"}};
+      {"f32", "float", "float"}, {"f16", "abp::f16", "float"}, {"bf16", "abp::bf16", "float"}};
   return dtypes;
+}
+
+const std::vector<Dtype> &abp::rowKernelDtypes() {
+  static const std::vector<Dtype> dtypes = [] {
+    std::vector<Dtype> all = kernelDtypes();
+    all.push_back({"f64", "double", "double"});
+    return all;
+  }();
+  return dtypes;
+}
+
+std::string abp::shortHash(const std::string &text) {
+  std::array<uint8_t, 32> digest = llvm::SHA256::hash(
+      ArrayRef<uint8_t>(reinterpret_cast<const uint8_t *>(text.data()), text.size()));
+  return fmt::format("{:02x}{:02x}{:02x}{:02x}", digest[0], digest[1], digest[2], digest[3]);
 }
 
 FailureOr<EmittedBundle> abp::emitBundle(ModuleOp module, const EmitOptions &options) {
@@ -19,7 +36,8 @@ FailureOr<EmittedBundle> abp::emitBundle(ModuleOp module, const EmitOptions &opt
     if (auto oper = dyn_cast<OperatorOp>(op)) {
       bool lowered = true;
       oper.walk([&](Operation *inner) {
-        if (isa<MapOp, PackOp, UnpackOp, QuantizeOp, DequantizeOp>(inner))
+        if (isa<MapOp, PackOp, UnpackOp, QuantizeOp, DequantizeOp, ReduceRowsOp, BroadcastRowsOp>(
+                inner))
           lowered = false;
       });
       if (!lowered)
@@ -36,10 +54,11 @@ FailureOr<EmittedBundle> abp::emitBundle(ModuleOp module, const EmitOptions &opt
   if (failed(emitScalarFunctions(module, out)))
     return failure();
 
-  std::vector<std::pair<KernelOp, std::vector<std::string>>> kernels;
+  std::vector<std::pair<KernelOp, KernelSymbols>> kernels;
   for (KernelOp kernel : module.getOps<KernelOp>()) {
-    std::vector<std::string> symbols;
-    if (failed(emitElementwiseKernel(kernel, out, symbols)))
+    KernelSymbols symbols;
+    if (failed(kernel.isRowKernel() ? emitRowKernel(kernel, out, symbols)
+                                    : emitElementwiseKernel(kernel, out, symbols)))
       return failure();
     kernels.emplace_back(kernel, std::move(symbols));
   }

@@ -11,12 +11,23 @@
 
 namespace abp {
 
-/// The storage dtypes every elementwise kernel is specialised for (math is fp32 in all).
+/// A storage dtype a kernel is specialised for, and the type its math runs in.
 struct Dtype {
-  const char *name;     ///< manifest / Python name: "f32", "f16", "bf16"
-  const char *cppType;  ///< element type in the generated source
+  const char *name;        ///< manifest / Python name: "f32", "f16", "bf16", "f64"
+  const char *cppType;     ///< element type in the generated source
+  const char *computeType; ///< "float", or "double" for f64
 };
+/// Elementwise kernels: f32, f16, bf16 (fp32 math).
 const std::vector<Dtype> &kernelDtypes();
+/// Row kernels: those plus f64 (fp64 math and per-row values), so that fp64 references can
+/// check exact backward formulas tightly.
+const std::vector<Dtype> &rowKernelDtypes();
+
+/// A kernel's symbol per dtype: (dtype name, extern "C" symbol).
+using KernelSymbols = std::vector<std::pair<std::string, std::string>>;
+
+/// 8 hex digits identifying a kernel's generated code, so a profiler name leads to its source.
+std::string shortHash(const std::string &text);
 
 struct EmitOptions {
   std::string inputFile;   ///< recorded in the manifest ("ops/lowmembp/regelu2.mlir")
@@ -39,10 +50,14 @@ mlir::LogicalResult emitScalarFunctions(mlir::ModuleOp module, class SourceWrite
 /// Emits the body function, the dtype-generic loop and the extern "C" entries of one kernel;
 /// returns the symbol per dtype in `symbols` (EmitElementwise.cpp).
 mlir::LogicalResult emitElementwiseKernel(KernelOp kernel, class SourceWriter &out,
-                                          std::vector<std::string> &symbols);
+                                          KernelSymbols &symbols);
+/// Emits a row kernel (`rows`): uniforms, stages, sweeps, GPU and CPU drivers, entries
+/// (EmitRows.cpp).
+mlir::LogicalResult emitRowKernel(KernelOp kernel, class SourceWriter &out,
+                                  KernelSymbols &symbols);
 /// Emits the manifest JSON (EmitManifest.cpp).
 std::string emitManifest(mlir::ModuleOp module, const EmitOptions &options,
-                         const std::vector<std::pair<KernelOp, std::vector<std::string>>> &kernels);
+                         const std::vector<std::pair<KernelOp, KernelSymbols>> &kernels);
 
 } // namespace abp
 

@@ -59,9 +59,13 @@ std::string ScalarEmitter::floatLiteral(float value) {
   return text + "f";
 }
 
+std::string ScalarEmitter::typeName(Type type) const {
+  return type.isF32() ? floatType : cppType(type);
+}
+
 void ScalarEmitter::define(Value result, const std::string &expr) {
   std::string var = fresh();
-  out.line("const {} {} = {};", cppType(result.getType()), var, expr);
+  out.line("const {} {} = {};", typeName(result.getType()), var, expr);
   names[result] = var;
 }
 
@@ -97,7 +101,7 @@ LogicalResult ScalarEmitter::emit(Operation *op) {
   auto binary = [&](const char *sym) {
     std::string e = fmt::format("{} {} {}", n(op->getOperand(0)), sym, n(op->getOperand(1)));
     if (!op->getResult(0).getType().isF32())
-      e = fmt::format("({})({})", cppType(op->getResult(0).getType()), e);
+      e = fmt::format("({})({})", typeName(op->getResult(0).getType()), e);
     define(op->getResult(0), e);
     return success();
   };
@@ -113,7 +117,8 @@ LogicalResult ScalarEmitter::emit(Operation *op) {
       .Case([&](arith::ConstantOp c) -> LogicalResult {
         Attribute value = c.getValue();
         if (auto f = dyn_cast<FloatAttr>(value)) {
-          define(c, floatLiteral(static_cast<float>(f.getValueAsDouble())));
+          std::string literal = floatLiteral(static_cast<float>(f.getValueAsDouble()));
+          define(c, floatType == "float" ? literal : fmt::format("({}){}", floatType, literal));
           return success();
         }
         auto i = cast<IntegerAttr>(value);
@@ -194,11 +199,12 @@ LogicalResult ScalarEmitter::emit(Operation *op) {
         return success();
       })
       .Case([&](arith::UIToFPOp o) {
-        define(o, fmt::format("(float){}", n(o.getIn())));
+        define(o, fmt::format("({}){}", floatType, n(o.getIn())));
         return success();
       })
       .Case([&](arith::SIToFPOp o) {
-        define(o, fmt::format("(float)({}){}", signedType(o.getIn().getType()), n(o.getIn())));
+        define(o, fmt::format("({})({}){}", floatType, signedType(o.getIn().getType()),
+                              n(o.getIn())));
         return success();
       })
       .Case([&](math::ErfOp) { return call("abp::erf"); })
@@ -214,7 +220,8 @@ LogicalResult ScalarEmitter::emit(Operation *op) {
       .Case([&](func::CallOp o) -> LogicalResult {
         if (o.getNumResults() != 1)
           return o.emitOpError() << "abp codegen supports calls with exactly one result";
-        std::string fn = functionName(o.getCallee());
+        // Module functions are templates over the compute type (EmitFunctions.cpp).
+        std::string fn = functionName(o.getCallee()) + "<" + floatType + ">";
         return call(fn.c_str());
       })
       .Default([&](Operation *other) {

@@ -15,7 +15,10 @@ namespace abp {
 /// Emits `const T vN = <expr>;` for each translated op and remembers each value's C++ name.
 class ScalarEmitter {
 public:
-  explicit ScalarEmitter(SourceWriter &out) : out(out) {}
+  /// `floatType` is the C++ compute type f32 values are held in: "float", or a template
+  /// parameter ("C") for code generic over fp32/fp64 compute.
+  explicit ScalarEmitter(SourceWriter &out, std::string floatType = "float")
+      : out(out), floatType(std::move(floatType)) {}
 
   /// Gives `value` the C++ expression `expr` (block arguments, parameters).
   void bind(mlir::Value value, std::string expr) { names[value] = std::move(expr); }
@@ -34,8 +37,11 @@ public:
 private:
   std::string fresh() { return "v" + std::to_string(counter++); }
   void define(mlir::Value result, const std::string &expr);
+  /// cppType with f32 held in the compute type.
+  std::string typeName(mlir::Type type) const;
 
   SourceWriter &out;
+  std::string floatType;
   llvm::DenseMap<mlir::Value, std::string> names;
   int counter = 0;
 };

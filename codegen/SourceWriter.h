@@ -17,8 +17,8 @@ public:
     text.push_back('\n');
   }
   void blank() { text.push_back('\n'); }
-  void indent() { ++indentLevel; }
-  void dedent() { --indentLevel; }
+  void indent(int levels = 1) { indentLevel += levels; }
+  void dedent(int levels = 1) { indentLevel -= levels; }
   const std::string &str() const { return text; }
 
 private:

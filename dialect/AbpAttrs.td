@@ -4,6 +4,7 @@
 
 include "dialect/AbpDialect.td"
 include "mlir/IR/AttrTypeBase.td"
+include "mlir/IR/EnumAttr.td"
 
 def Abp_BucketsAttr : AttrDef<Abp_Dialect, "Buckets"> {
   let mnemonic = "buckets";
@@ -55,6 +56,23 @@ def Abp_ScalarLayoutAttr : AttrDef<Abp_Dialect, "ScalarLayout"> {
     Example: `ins = [#abp.dense, #abp.scalar]` — the body's second argument is the same `f32`
     for every element (e.g. LeakyReLU's slope).
   }];
+}
+
+def Abp_RowsLayoutAttr : AttrDef<Abp_Dialect, "RowsLayout"> {
+  let mnemonic = "rows";
+  let summary = "a row-kernel argument holding one value per row";
+  let description = [{
+    Example: `outs = [#abp.dense, #abp.rows]` — a row kernel writes one element per element of
+    its row-wide output and one value per row of the second (e.g. LayerNorm's 1/σ). Per-row
+    values are stored in the compute type: fp32, or fp64 for fp64 launches.
+  }];
+}
+
+def Abp_ReduceKind : I32EnumAttr<"ReduceKind", "how abp.reduce_rows combines a row", [
+    I32EnumAttrCase<"sum", 0>,
+    I32EnumAttrCase<"mean", 1>
+  ]> {
+  let cppNamespace = "::abp";
 }
 
 #endif // ABP_ATTRS_TD

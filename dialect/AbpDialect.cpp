@@ -11,6 +11,7 @@ using namespace mlir;
 using namespace abp;
 
 #include "dialect/AbpDialect.cpp.inc"
+#include "dialect/AbpEnums.cpp.inc"
 
 #define GET_TYPEDEF_CLASSES
 #include "dialect/AbpTypes.cpp.inc"

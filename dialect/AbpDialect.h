@@ -10,9 +10,12 @@
 #include "mlir/IR/OpDefinition.h"
 #include "mlir/IR/SymbolTable.h"
 #include "mlir/Interfaces/ControlFlowInterfaces.h"
+#include "mlir/Interfaces/InferTypeOpInterface.h"
 #include "mlir/Interfaces/SideEffectInterfaces.h"
 
 #include "dialect/AbpDialect.h.inc"
+
+#include "dialect/AbpEnums.h.inc"
 
 #define GET_TYPEDEF_CLASSES
 #include "dialect/AbpTypes.h.inc"

@@ -59,6 +59,37 @@ static LogicalResult verifyDirectionIsClosed(OperatorOp op, Region &region, Stri
   return failure(result.wasInterrupted());
 }
 
+/// An operator that shares a saved tensor (abp.share_saved) may save nothing else per element:
+/// only per-row statistics (one rank less than its widest tensor input) and f32 parameters. So
+/// its backward provably reads the shared output and those statistics, never the input.
+static LogicalResult verifySharedResiduals(OperatorOp op) {
+  ReturnOp ret = op.getForwardReturn();
+  auto isShared = [](Value v) { return isa_and_nonnull<ShareSavedOp>(v.getDefiningOp()); };
+  if (llvm::none_of(ret.getSaved(), isShared))
+    return success();
+  int64_t inputRank = 0;
+  for (BlockArgument arg : op.getTensorInputs())
+    inputRank = std::max(inputRank, cast<RankedTensorType>(arg.getType()).getRank());
+  for (auto [i, saved] : llvm::enumerate(ret.getSaved())) {
+    if (isShared(saved) || saved.getType().isF32())
+      continue;
+    auto tensor = dyn_cast<RankedTensorType>(saved.getType());
+    if (tensor && tensor.getRank() == inputRank - 1)
+      continue;
+    InFlightDiagnostic diag = ret.emitOpError() << "shares a saved tensor, so residual #" << i
+                                                << " must be a per-row statistic (a rank-"
+                                                << inputRank - 1 << " tensor) or an f32 "
+                                                << "parameter, got " << saved.getType();
+    if (auto arg = dyn_cast<BlockArgument>(saved))
+      diag << "; backward would read forward input #" << arg.getArgNumber()
+           << ", which the shared output is meant to replace";
+    else
+      diag.attachNote(saved.getLoc()) << "the full-size residual is computed here";
+    return diag;
+  }
+  return success();
+}
+
 LogicalResult OperatorOp::verifyRegions() {
   ReturnOp fwdReturn = getForwardReturn();
   ReturnOp bwdReturn = getBackwardReturn();
@@ -107,6 +138,8 @@ LogicalResult OperatorOp::verifyRegions() {
 
   if (failed(verifyDirectionIsClosed(*this, getForward(), "forward")) ||
       failed(verifyDirectionIsClosed(*this, getBackward(), "backward")))
+    return failure();
+  if (failed(verifySharedResiduals(*this)))
     return failure();
 
   if (std::optional<DictionaryAttr> variants = getVariants()) {
@@ -210,6 +243,76 @@ LogicalResult MapOp::verifySymbolUses(SymbolTableCollection &symbolTable) {
 }
 
 //===----------------------------------------------------------------------===//
+// ReduceRowsOp / BroadcastRowsOp
+//===----------------------------------------------------------------------===//
+
+/// Whether `op` sits in the body of a row kernel (where row ops work on per-element scalars).
+static bool inRowKernel(Operation *op) {
+  auto kernel = op->getParentOfType<KernelOp>();
+  return kernel && kernel.isRowKernel();
+}
+
+/// `matrix` is tensor<R x C x f32> and `rows` tensor<R x f32> (R may be dynamic on either side).
+static LogicalResult verifyRowShapes(Operation *op, Type matrix, Type rows) {
+  auto m = dyn_cast<RankedTensorType>(matrix);
+  auto r = dyn_cast<RankedTensorType>(rows);
+  if (!m || !r || m.getRank() != 2 || r.getRank() != 1)
+    return op->emitOpError() << "expects a row-wide tensor<?x?xf32> and a per-row "
+                                "tensor<?xf32>, got "
+                             << matrix << " and " << rows;
+  if (!ShapedType::isDynamic(m.getDimSize(0)) && !ShapedType::isDynamic(r.getDimSize(0)) &&
+      m.getDimSize(0) != r.getDimSize(0))
+    return op->emitOpError() << "expects one value per row: " << matrix << " has "
+                             << m.getDimSize(0) << " rows but " << rows << " has "
+                             << r.getDimSize(0);
+  return success();
+}
+
+LogicalResult ReduceRowsOp::verify() {
+  Type in = getInput().getType(), out = getResult().getType();
+  if (in.isF32() || out.isF32()) {
+    if (!in.isF32() || !out.isF32())
+      return emitOpError() << "in a row kernel maps f32 to f32, got " << in << " -> " << out;
+    if (!inRowKernel(*this))
+      return emitOpError() << "on f32 scalars is only valid in the body of a row kernel "
+                              "(abp.kernel with `rows`); reduce a tensor<?x?xf32> instead";
+    return success();
+  }
+  return verifyRowShapes(*this, in, out);
+}
+
+LogicalResult BroadcastRowsOp::verify() {
+  return verifyRowShapes(*this, getResult().getType(), getInput().getType());
+}
+
+//===----------------------------------------------------------------------===//
+// ShareSavedOp
+//===----------------------------------------------------------------------===//
+
+LogicalResult ShareSavedOp::verify() {
+  auto op = cast<OperatorOp>((*this)->getParentOp());
+  if ((*this)->getParentRegion() != &op.getForward())
+    return emitOpError() << "must be in the forward region: it names a forward output that "
+                            "backward receives as a residual";
+  ReturnOp ret = op.getForwardReturn();
+  if (!ret)
+    return success(); // the operator's verifier reports the missing terminator
+  if (!llvm::is_contained(ret.getResults(), getInput()))
+    return emitOpError() << "must share an output of the operator (a value returned by the "
+                            "forward abp.return), so that the saved tensor is the identical "
+                            "tensor its consumer keeps";
+  for (OpOperand &use : getResult().getUses()) {
+    auto user = dyn_cast<ReturnOp>(use.getOwner());
+    bool savedOperand = user && use.getOperandNumber() >= user.getResults().size();
+    if (!savedOperand)
+      return emitOpError() << "result may only be saved by the forward abp.return, but it is "
+                              "used by "
+                           << use.getOwner()->getName();
+  }
+  return success();
+}
+
+//===----------------------------------------------------------------------===//
 // QuantizeOp / DequantizeOp
 //===----------------------------------------------------------------------===//
 
@@ -243,14 +346,23 @@ static Type bodyTypeOf(Attribute layout, MLIRContext *ctx) {
 LogicalResult KernelOp::verifyRegions() {
   Block &body = getBody().front();
   for (Attribute layout : getIns())
-    if (!isa<DenseLayoutAttr, PackedLayoutAttr, ScalarLayoutAttr>(layout))
-      return emitOpError() << "expects each of 'ins' to be #abp.dense, #abp.packed<b> or "
-                              "#abp.scalar, got "
+    if (!isa<DenseLayoutAttr, PackedLayoutAttr, ScalarLayoutAttr, RowsLayoutAttr>(layout))
+      return emitOpError() << "expects each of 'ins' to be #abp.dense, #abp.packed<b>, "
+                              "#abp.scalar or #abp.rows, got "
                            << layout;
   for (Attribute layout : getOuts())
-    if (!isa<DenseLayoutAttr, PackedLayoutAttr>(layout))
-      return emitOpError() << "expects each of 'outs' to be #abp.dense or #abp.packed<b>, got "
+    if (!isa<DenseLayoutAttr, PackedLayoutAttr, RowsLayoutAttr>(layout))
+      return emitOpError() << "expects each of 'outs' to be #abp.dense, #abp.packed<b> or "
+                              "#abp.rows, got "
                            << layout;
+  for (Attribute layout : llvm::concat<const Attribute>(getIns(), getOuts())) {
+    if (isa<RowsLayoutAttr>(layout) && !isRowKernel())
+      return emitOpError() << "has a #abp.rows argument but is not a row kernel (`rows`)";
+    if (isa<PackedLayoutAttr>(layout) && isRowKernel())
+      return emitOpError() << "is a row kernel; packed codes are not supported in row kernels";
+  }
+  if (getWarpMaxCols() && !isRowKernel())
+    return emitOpError() << "sets warp_max_cols but is not a row kernel (`rows`)";
   if (body.getNumArguments() != getIns().size())
     return emitOpError() << "expects " << getIns().size() << " body argument(s) (one per 'ins'), got "
                          << body.getNumArguments();
@@ -284,6 +396,8 @@ static bool matchesLayout(Type type, Attribute layout) {
   if (isa<ScalarLayoutAttr>(layout))
     return type.isF32();
   auto tensor = dyn_cast<RankedTensorType>(type);
+  if (isa<RowsLayoutAttr>(layout))
+    return tensor && tensor.getElementType().isF32() && tensor.getRank() == 1;
   return tensor && tensor.getElementType().isF32();
 }
 

@@ -9,6 +9,7 @@ include "mlir/IR/SymbolInterfaces.td"
 include "mlir/IR/RegionKindInterface.td"
 include "mlir/Interfaces/SideEffectInterfaces.td"
 include "mlir/Interfaces/ControlFlowInterfaces.td"
+include "mlir/Interfaces/InferTypeOpInterface.td"
 
 //===----------------------------------------------------------------------===//
 // Operators
@@ -127,6 +128,80 @@ def Abp_YieldOp : Abp_Op<"yield", [Pure, Terminator, ReturnLike,
 }
 
 //===----------------------------------------------------------------------===//
+// Row reductions (along the last dimension)
+//===----------------------------------------------------------------------===//
+
+def Abp_ReduceRowsOp : Abp_Op<"reduce_rows", [Pure]> {
+  let summary = "sums or averages every row (the last dimension) of a tensor";
+  let description = [{
+    In an operator: `tensor<?x?xf32> -> tensor<?xf32>`, one value per row. `sum` adds the row's
+    elements, `mean` divides that sum by the row length; both accumulate in the compute type
+    (fp32, or fp64 for fp64 launches). Inside a row kernel (after `abp-fuse-kernels`) the op
+    takes the per-element `f32` and yields the row's `f32` to every element of the row.
+
+    A row kernel reads its inputs once per reduction stage: a statistic that depends on
+    another (LayerNorm's variance on its mean) is computed in a second sweep over the row, so
+    a variance written as `mean((x - mean(x))^2)` is the two-pass algorithm.
+
+    Example:
+    ```mlir
+    %m = abp.reduce_rows mean %x : tensor<?x?xf32> -> tensor<?xf32>
+    ```
+  }];
+  let arguments = (ins Abp_ReduceKind:$kind, AnyTypeOf<[RankedTensorOf<[F32]>, F32]>:$input);
+  let results = (outs AnyTypeOf<[RankedTensorOf<[F32]>, F32]>:$result);
+  let assemblyFormat = "$kind $input attr-dict `:` type($input) `->` type($result)";
+  let hasVerifier = 1;
+}
+
+def Abp_BroadcastRowsOp : Abp_Op<"broadcast_rows", [Pure]> {
+  let summary = "repeats one value per row along the row (the last dimension)";
+  let description = [{
+    Turns a per-row `tensor<?xf32>` into a row-wide `tensor<?x?xf32>` so that an `abp.map`
+    can combine it with row-wide tensors. Free in a fused row kernel: the value is already in
+    every thread of the row.
+
+    Example:
+    ```mlir
+    %mb = abp.broadcast_rows %m : tensor<?xf32> -> tensor<?x?xf32>
+    ```
+  }];
+  let arguments = (ins RankedTensorOf<[F32]>:$input);
+  let results = (outs RankedTensorOf<[F32]>:$result);
+  let assemblyFormat = "$input attr-dict `:` type($input) `->` type($result)";
+  let hasVerifier = 1;
+}
+
+//===----------------------------------------------------------------------===//
+// Residual approximations: share-saved
+//===----------------------------------------------------------------------===//
+
+def Abp_ShareSavedOp : Abp_Op<"share_saved", [Pure, HasParent<"OperatorOp">,
+                                              SameOperandsAndResultType]> {
+  let summary = "saves a forward output that its consumer keeps anyway, at no extra memory";
+  let description = [{
+    The residual aliases the identical tensor (same value, same dtype, same storage) that an
+    output of this operator hands to its consumer, e.g. the Linear after a norm, which saves
+    its input for its own weight gradient. The residual then costs no memory of its own.
+
+    The operand must be an output of the forward `abp.return` and the result may only be
+    saved by it. An operator that shares a saved tensor may save nothing else but per-row
+    statistics (`tensor<?xf32>` when inputs are `tensor<?x?xf32>`): its backward provably
+    needs only the shared output and those statistics, never the input.
+
+    Example (MS-RMSNorm):
+    ```mlir
+    %ys = abp.share_saved %y : tensor<?x?xf32>
+    abp.return %y : tensor<?x?xf32> saves %ys, %r : tensor<?x?xf32>, tensor<?xf32>
+    ```
+  }];
+  let arguments = (ins RankedTensorOf<[F32]>:$input);
+  let results = (outs RankedTensorOf<[F32]>:$result);
+  let assemblyFormat = "$input attr-dict `:` type($input)";
+  let hasVerifier = 1;
+}
+
+//===----------------------------------------------------------------------===//
 // Residual approximations: quantize
 //===----------------------------------------------------------------------===//
 
@@ -195,13 +270,19 @@ def Abp_UnpackOp : Abp_Op<"unpack", [Pure]> {
 //===----------------------------------------------------------------------===//
 
 def Abp_KernelOp : Abp_Op<"kernel", [Symbol, IsolatedFromAbove]> {
-  let summary = "one fused elementwise kernel: argument layouts plus a scalar body";
+  let summary = "one fused kernel (elementwise or row-wise): argument layouts plus a scalar body";
   let description = [{
     The body runs once per element. Its block arguments follow `ins`: `#abp.dense` → `f32`,
     `#abp.packed<b>` → `i8` code, `#abp.scalar` → `f32` parameter; its yields follow `outs`
     (`#abp.dense` ← `f32`, `#abp.packed<b>` ← `i8`). `abp-map-threads` adds the thread
     mapping: `block_size` threads per block and `chunk` consecutive elements per thread and
     grid-stride iteration (a whole number of 128-bit vectors and of packed bytes).
+
+    With `rows`, the kernel works on a matrix one row at a time: dense arguments are rows of
+    the same length, `#abp.rows` arguments hold one value per row (a per-row input is the same
+    `f32` for every element of the row; a per-row output must be yielded a row-uniform
+    value), and `abp.reduce_rows` combines a per-element value over the row. Rows of at most
+    `warp_max_cols` elements are handled by one warp each, longer rows by a whole block.
 
     Example:
     ```mlir
@@ -213,10 +294,15 @@ def Abp_KernelOp : Abp_Op<"kernel", [Symbol, IsolatedFromAbove]> {
     ```
   }];
   let arguments = (ins SymbolNameAttr:$sym_name, ArrayAttr:$ins, ArrayAttr:$outs,
-                       OptionalAttr<I64Attr>:$block_size, OptionalAttr<I64Attr>:$chunk);
+                       OptionalAttr<I64Attr>:$block_size, OptionalAttr<I64Attr>:$chunk,
+                       UnitAttr:$rows, OptionalAttr<I64Attr>:$warp_max_cols);
   let regions = (region SizedRegion<1>:$body);
   let assemblyFormat = "$sym_name attr-dict-with-keyword $body";
   let hasRegionVerifier = 1;
+  let extraClassDeclaration = [{
+    /// Whether the kernel works row by row (`rows`) rather than element by element.
+    bool isRowKernel() { return getRows(); }
+  }];
 }
 
 def Abp_LaunchOp : Abp_Op<"launch", [DeclareOpInterfaceMethods<SymbolUserOpInterface>]> {

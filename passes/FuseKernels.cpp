@@ -1,4 +1,4 @@
-// FuseKernels.cpp — merges each direction's elementwise ops into one abp.kernel + abp.launch.
+// FuseKernels.cpp — merges each direction's ops into one abp.kernel (elementwise or row) + abp.launch.
 #include "passes/Passes.h"
 
 #include "mlir/IR/Builders.h"
@@ -14,14 +14,18 @@ using namespace mlir;
 using namespace abp;
 
 namespace {
-bool isElementwise(Operation *op) { return isa<MapOp, PackOp, UnpackOp>(op); }
+bool isRowOp(Operation *op) { return isa<ReduceRowsOp, BroadcastRowsOp>(op); }
+bool isFusable(Operation *op) { return isa<MapOp, PackOp, UnpackOp>(op) || isRowOp(op); }
 
-/// What the fused kernel reads: a dense tensor, packed codes, or a captured f32 parameter.
-Attribute layoutOfInput(Value value, MLIRContext *ctx) {
+/// What the fused kernel reads or writes: a dense tensor, packed codes, a captured f32
+/// parameter, or (row kernels) one value per row.
+Attribute layoutOf(Value value, bool rowKernel, MLIRContext *ctx) {
   if (auto codes = dyn_cast<CodesType>(value.getType()))
     return PackedLayoutAttr::get(ctx, codes.getBits());
   if (value.getType().isF32())
     return ScalarLayoutAttr::get(ctx);
+  if (rowKernel && cast<RankedTensorType>(value.getType()).getRank() == 1)
+    return RowsLayoutAttr::get(ctx);
   return DenseLayoutAttr::get(ctx);
 }
 
@@ -32,17 +36,21 @@ LogicalResult fuseDirection(OperatorOp op, Region &region, StringRef name) {
   Block &block = region.front();
   SmallVector<Operation *> fused;
   for (Operation &inner : block.without_terminator()) {
-    // Constants hoisted out of map bodies by canonicalization are re-materialized in the kernel.
-    if (inner.hasTrait<OpTrait::ConstantLike>())
+    // Constants hoisted out of map bodies by canonicalization are re-materialized in the kernel;
+    // a shared residual stays an alias of the kernel's output.
+    if (inner.hasTrait<OpTrait::ConstantLike>() || isa<ShareSavedOp>(inner))
       continue;
-    if (!isElementwise(&inner))
-      return inner.emitOpError() << "cannot be fused into an elementwise kernel; only abp.map, "
-                                    "abp.pack and abp.unpack may remain after lowering";
+    if (!isFusable(&inner))
+      return inner.emitOpError() << "cannot be fused into a kernel; only abp.map, abp.pack, "
+                                    "abp.unpack, abp.reduce_rows and abp.broadcast_rows may "
+                                    "remain after lowering";
     fused.push_back(&inner);
   }
   if (fused.empty())
     return success();
   llvm::SmallPtrSet<Operation *, 16> inSet(fused.begin(), fused.end());
+  // Any reduction or broadcast along rows makes this a row kernel: one row at a time.
+  const bool rowKernel = llvm::any_of(fused, isRowOp);
 
   // External values the kernel reads, in first-use order: operands of fused ops not produced by
   // them, and f32 parameters captured by map bodies.
@@ -77,29 +85,31 @@ LogicalResult fuseDirection(OperatorOp op, Region &region, StringRef name) {
     if (tensor && !tensor.getElementType().isF32())
       return emitError(in.getLoc()) << "an i8 code tensor enters a kernel unpacked; "
                                        "store codes with abp.pack";
-    ins.push_back(layoutOfInput(in, ctx));
+    if (rowKernel && isa<CodesType>(in.getType()))
+      return emitError(in.getLoc()) << "packed codes cannot enter a row kernel (not supported "
+                                       "yet); keep quantized residuals out of row operators";
+    ins.push_back(layoutOf(in, rowKernel, ctx));
     argTypes.push_back(isa<CodesType>(in.getType()) ? Type(IntegerType::get(ctx, 8))
                                                     : Type(Float32Type::get(ctx)));
     argLocs.push_back(in.getLoc());
   }
   for (Value out : outputs) {
-    if (auto codes = dyn_cast<CodesType>(out.getType())) {
-      outs.push_back(PackedLayoutAttr::get(ctx, codes.getBits()));
-      continue;
-    }
-    auto tensor = cast<RankedTensorType>(out.getType());
-    if (!tensor.getElementType().isF32())
+    if (rowKernel && isa<CodesType>(out.getType()))
+      return out.getDefiningOp()->emitOpError()
+             << "packs codes in a row kernel, which is not supported yet";
+    auto tensor = dyn_cast<RankedTensorType>(out.getType());
+    if (tensor && !tensor.getElementType().isF32())
       return out.getDefiningOp()->emitOpError()
              << "produces an i8 code tensor that leaves the kernel unpacked; store codes with "
                 "abp.pack";
-    outs.push_back(DenseLayoutAttr::get(ctx));
+    outs.push_back(layoutOf(out, rowKernel, ctx));
   }
 
   // The kernel symbol, placed before the operator.
   OpBuilder moduleBuilder(op);
-  auto kernel = moduleBuilder.create<KernelOp>(op.getLoc(), name, moduleBuilder.getArrayAttr(ins),
-                                               moduleBuilder.getArrayAttr(outs), IntegerAttr(),
-                                               IntegerAttr());
+  auto kernel = moduleBuilder.create<KernelOp>(
+      op.getLoc(), name, moduleBuilder.getArrayAttr(ins), moduleBuilder.getArrayAttr(outs),
+      IntegerAttr(), IntegerAttr(), /*rows=*/rowKernel, IntegerAttr());
   OpBuilder body(ctx);
   Block *entry = body.createBlock(&kernel.getBody(), {}, argTypes, argLocs);
   IRMapping scalars; // tensor/codes/param value -> its per-element scalar in the kernel
@@ -114,6 +124,14 @@ LogicalResult fuseDirection(OperatorOp op, Region &region, StringRef name) {
       scalars.map(pack.getResult(), scalars.lookup(pack.getInput()));
     } else if (auto unpack = dyn_cast<UnpackOp>(inner)) {
       scalars.map(unpack.getResult(), scalars.lookup(unpack.getCodes()));
+    } else if (auto broadcast = dyn_cast<BroadcastRowsOp>(inner)) {
+      // Every element of a row sees its row's value: nothing to compute.
+      scalars.map(broadcast.getResult(), scalars.lookup(broadcast.getInput()));
+    } else if (auto reduce = dyn_cast<ReduceRowsOp>(inner)) {
+      auto f32 = Float32Type::get(ctx);
+      auto rowValue = body.create<ReduceRowsOp>(reduce.getLoc(), f32, reduce.getKindAttr(),
+                                                scalars.lookup(reduce.getInput()));
+      scalars.map(reduce.getResult(), rowValue.getResult());
     } else {
       auto map = cast<MapOp>(inner);
       SmallVector<Value> args;
@@ -144,8 +162,10 @@ LogicalResult fuseDirection(OperatorOp op, Region &region, StringRef name) {
     yielded.push_back(scalars.lookup(out));
   body.create<YieldOp>(op.getLoc(), yielded);
 
-  // One launch replaces the fused ops; every remaining user is the terminator.
-  OpBuilder launchBuilder(block.getTerminator());
+  // One launch replaces the fused ops, right after the last of them (a shared residual that
+  // aliases an output follows it); every remaining user is the terminator or a share_saved.
+  OpBuilder launchBuilder(ctx);
+  launchBuilder.setInsertionPointAfter(fused.back());
   SmallVector<Type> resultTypes;
   for (Value out : outputs)
     resultTypes.push_back(out.getType());

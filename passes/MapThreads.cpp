@@ -1,4 +1,5 @@
-// MapThreads.cpp — picks block size and per-thread chunk of every elementwise kernel.
+// MapThreads.cpp — picks block size and per-thread chunk of every kernel, and the warp/block
+// split of row kernels.
 #include "passes/Passes.h"
 
 #include <numeric>
@@ -37,9 +38,16 @@ struct MapThreads : abp::impl::AbpMapThreadsBase<MapThreads> {
       return signalPassFailure();
     }
     Builder builder(&getContext());
+    if (warpMaxCols < 0) {
+      getOperation().emitError() << "abp-map-threads: warp-max-cols must be >= 0, got "
+                                 << static_cast<int64_t>(warpMaxCols.getValue());
+      return signalPassFailure();
+    }
     getOperation().walk([&](KernelOp kernel) {
       kernel.setChunkAttr(builder.getI64IntegerAttr(chunkFor(kernel)));
       kernel.setBlockSizeAttr(builder.getI64IntegerAttr(blockSize));
+      if (kernel.isRowKernel())
+        kernel.setWarpMaxColsAttr(builder.getI64IntegerAttr(warpMaxCols));
     });
   }
 };

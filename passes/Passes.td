@@ -11,6 +11,9 @@ def AbpVerifyResiduals : Pass<"abp-verify-residuals", "::mlir::ModuleOp"> {
     reads is memory kept for nothing), and the saved bits per element of the operator — the sum
     over per-element residuals (`!abp.codes<b>` counts b, an f32 tensor 32) — is attached as
     `abp.saved_bits`, so memory is visible statically. f32 parameters cost no per-element bits.
+    A residual of lower rank than the operator's inputs (a per-row statistic) counts in
+    `abp.saved_row_bits` instead, and a shared output (`abp.share_saved`) counts nothing: the
+    consumer keeps that tensor anyway.
   }];
 }
 
@@ -45,6 +48,12 @@ def AbpFuseKernels : Pass<"abp-fuse-kernels", "::mlir::ModuleOp"> {
     body per element, and writes only the values that leave the direction, packing codes on the
     fly. Captured f32 parameters become `#abp.scalar` arguments. Values used only inside the
     direction never reach memory.
+
+    A direction with `abp.reduce_rows` or `abp.broadcast_rows` becomes a row kernel (`rows`):
+    its reductions stay in the body as per-element → per-row `f32` ops, broadcasts vanish (a
+    row's value is visible to all its elements), per-row tensors become `#abp.rows`
+    arguments, and the whole direction — statistics, elementwise math and stores — is one
+    kernel. `abp.share_saved` stays in the operator as an alias of the launch's output.
   }];
 }
 
@@ -56,10 +65,14 @@ def AbpMapThreads : Pass<"abp-map-threads", "::mlir::ModuleOp"> {
     dtypes, two at fp32 — and (b) 8 / gcd(bits, 8) for every packed argument, so a thread's codes
     fill whole bytes and no two threads write the same byte; and `block_size` (option). Indices
     are 64-bit and the last, partial chunk takes a bounds-checked scalar path (codegen).
+    Row kernels use the same chunk along each row and record `warp_max_cols` (option).
   }];
   let options = [
     Option<"blockSize", "block-size", "int64_t", /*default=*/"256",
-           "threads per block of every elementwise kernel">
+           "threads per block of every kernel">,
+    Option<"warpMaxCols", "warp-max-cols", "int64_t", /*default=*/"1024",
+           "row kernels: rows of at most this many elements are handled by one warp each "
+           "(block-size / 32 rows per block), longer rows by one whole block">
   ];
 }
 

@@ -1,4 +1,4 @@
-// VerifyResiduals.cpp — checks that every saved residual is used and records saved bits/element.
+// VerifyResiduals.cpp — checks that every saved residual is used and records saved bits per element and per row.
 #include "passes/Passes.h"
 
 #include "llvm/ADT/SmallPtrSet.h"
@@ -18,7 +18,10 @@ struct VerifyResiduals : abp::impl::AbpVerifyResidualsBase<VerifyResiduals> {
       ReturnOp ret = op.getForwardReturn();
       Block &backward = op.getBackward().front();
       llvm::SmallPtrSet<Value, 4> seen;
-      int64_t bits = 0;
+      int64_t bits = 0, rowBits = 0;
+      int64_t inputRank = 0;
+      for (BlockArgument arg : op.getTensorInputs())
+        inputRank = std::max(inputRank, cast<RankedTensorType>(arg.getType()).getRank());
       for (auto [i, saved] : llvm::enumerate(ret.getSaved())) {
         if (!seen.insert(saved).second) {
           ret.emitOpError() << "saves the same value twice (residual #" << i << ")";
@@ -30,10 +33,22 @@ struct VerifyResiduals : abp::impl::AbpVerifyResidualsBase<VerifyResiduals> {
           diag.attachNote(backward.getArgument(i).getLoc()) << "the unused backward argument";
           return signalPassFailure();
         }
-        if (std::optional<unsigned> b = savedBitsPerElement(saved.getType()))
+        // A shared output is the consumer's own tensor: it costs this operator nothing.
+        if (isa_and_nonnull<ShareSavedOp>(saved.getDefiningOp()))
+          continue;
+        std::optional<unsigned> b = savedBitsPerElement(saved.getType());
+        if (!b)
+          continue;
+        auto tensor = dyn_cast<RankedTensorType>(saved.getType());
+        if (tensor && tensor.getRank() < inputRank)
+          rowBits += *b; // one value per row
+        else
           bits += *b;
       }
-      op->setAttr("abp.saved_bits", IntegerAttr::get(IntegerType::get(&getContext(), 64), bits));
+      auto i64 = IntegerType::get(&getContext(), 64);
+      op->setAttr("abp.saved_bits", IntegerAttr::get(i64, bits));
+      if (rowBits)
+        op->setAttr("abp.saved_row_bits", IntegerAttr::get(i64, rowBits));
     });
   }
 };

@@ -3,7 +3,9 @@
 
 #include "runtime/Error.h"
 
+#include <cstdint>
 #include <cstring>
+#include <string>
 
 namespace abp::rt {
 
@@ -18,6 +20,34 @@ LaunchConfig gridFor(int64_t n, int chunk, int block, int64_t maxBlocks) {
     blocks = maxBlocks;
   config.grid = blocks;
   return config;
+}
+
+LaunchConfig gridForRows(int64_t rows, int64_t cols, int block, int64_t warpMaxCols,
+                         int64_t maxBlocks) {
+  LaunchConfig config;
+  config.block = block;
+  if (rows <= 0 || cols < 0 || block < 32)
+    return config;
+  int64_t rowsPerBlock = cols <= warpMaxCols ? block / 32 : 1;
+  int64_t blocks = (rows + rowsPerBlock - 1) / rowsPerBlock;
+  if (maxBlocks > 0 && blocks > maxBlocks)
+    blocks = maxBlocks;
+  config.grid = blocks;
+  return config;
+}
+
+static int64_t argInt64(void *const *args, int i) {
+  int64_t value;
+  std::memcpy(&value, args[i], sizeof value);
+  return value;
+}
+
+LaunchConfig launchConfigFor(const KernelRecord &record, void *const *args, int nargs, int64_t n,
+                             int64_t maxBlocks) {
+  if (record.kind == KernelKind::Rows)
+    return gridForRows(argInt64(args, nargs - 2), argInt64(args, nargs - 1), record.block,
+                       record.warpMaxCols, maxBlocks);
+  return gridFor(n, record.chunk, record.block, maxBlocks);
 }
 
 void checkLaunchArgs(const KernelRecord &record, void *const *args, int nargs, int64_t n) {
@@ -36,8 +66,24 @@ void checkLaunchArgs(const KernelRecord &record, void *const *args, int nargs, i
       throw Error(ErrorCode::InvalidArgument, "args[" + std::to_string(i) + "]: NULL (kernel " +
                                                   record.name + ", role " +
                                                   argRoleName(record.args[i].role) + ")");
-  int64_t count;
-  std::memcpy(&count, args[nargs - 1], sizeof count);
+  if (record.kind == KernelKind::Rows) {
+    int64_t rows = argInt64(args, nargs - 2), cols = argInt64(args, nargs - 1);
+    std::string where = " (kernel " + record.name + ")";
+    if (rows < 0 || cols < 0)
+      throw Error(ErrorCode::InvalidArgument, "args[" + std::to_string(nargs - 2) +
+                                                  "], args[" + std::to_string(nargs - 1) +
+                                                  "]: rows and cols must be >= 0, got " +
+                                                  std::to_string(rows) + " and " +
+                                                  std::to_string(cols) + where);
+    if (cols != 0 && rows > INT64_MAX / cols)
+      throw Error(ErrorCode::InvalidArgument, "rows * cols overflows int64" + where);
+    if (rows * cols != n)
+      throw Error(ErrorCode::InvalidArgument,
+                  "n: must be rows * cols = " + std::to_string(rows * cols) + ", got " +
+                      std::to_string(n) + where);
+    return;
+  }
+  int64_t count = argInt64(args, nargs - 1);
   if (count != n)
     throw Error(ErrorCode::InvalidArgument,
                 "args[" + std::to_string(nargs - 1) + "]: the count argument is " +
@@ -105,6 +151,16 @@ ArgPack &ArgPack::count(int64_t n) {
   if (arg.role != ArgRole::Count)
     throw roleMismatch(record_, next_, "the count");
   values_[next_++].count = n;
+  return *this;
+}
+
+ArgPack &ArgPack::shape(int64_t rows, int64_t cols) {
+  if (expect("the rows").role != ArgRole::Rows)
+    throw roleMismatch(record_, next_, "the rows");
+  values_[next_++].count = rows;
+  if (expect("the cols").role != ArgRole::Cols)
+    throw roleMismatch(record_, next_, "the cols");
+  values_[next_++].count = cols;
   return *this;
 }
 

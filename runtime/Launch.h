@@ -24,9 +24,19 @@ struct LaunchConfig {
 /// min(ceil(ceil(n / chunk) / block), maxBlocks) blocks (maxBlocks <= 0: no cap); n == 0 gives
 /// grid 0.
 LaunchConfig gridFor(int64_t n, int chunk, int block, int64_t maxBlocks);
+/// docs/manifest.md's row-kernel grid rule: rows of at most warpMaxCols columns take one warp
+/// each (block / 32 rows per block), longer rows one block each; at most maxBlocks blocks
+/// (<= 0: no cap). rows == 0 gives grid 0; cols == 0 still launches (per-row outputs of empty
+/// rows are written).
+LaunchConfig gridForRows(int64_t rows, int64_t cols, int block, int64_t warpMaxCols,
+                         int64_t maxBlocks);
+/// The grid of a checked launch of `record` (either kind) with `args`.
+LaunchConfig launchConfigFor(const KernelRecord &record, void *const *args, int nargs, int64_t n,
+                             int64_t maxBlocks);
 
 /// Checks a launch against its kernel record: `nargs` equals the manifest's argument count,
-/// `args` and its entries are non-null, n >= 0 and the count argument (last) equals n.
+/// `args` and its entries are non-null, n >= 0 and the count argument (last) equals n — for
+/// a row kernel, rows and cols (the last two) are >= 0 and rows * cols equals n.
 /// Throws Error(InvalidArgument) naming the kernel and the argument. Allocates nothing.
 void checkLaunchArgs(const KernelRecord &record, void *const *args, int nargs, int64_t n);
 
@@ -53,6 +63,8 @@ public:
   ArgPack &scalar(float value);
   /// The count (last) argument.
   ArgPack &count(int64_t n);
+  /// A row kernel's shape (its last two arguments).
+  ArgPack &shape(int64_t rows, int64_t cols);
 
   /// The argument array; InvalidArgument unless every argument was given.
   void **data();

@@ -188,12 +188,10 @@ const Kernel::Bound &Kernel::bind(int device, CUcontext context) {
 void Kernel::launch(int device, void **args, int nargs, int64_t n, void *stream) {
   checkLaunchArgs(record_, args, nargs, n);
   if (device < 0) {
-    if (n == 0)
-      return;
-    launchOnHost(hostEntry(), gridFor(n, record_.chunk, record_.block, 0), args, n);
+    launchOnHost(hostEntry(), launchConfigFor(record_, args, nargs, n, 0), args, n);
     return;
   }
-  if (n == 0)
+  if (launchConfigFor(record_, args, nargs, n, 0).grid == 0)
     return;
   Driver &driver = Driver::get();
   CUcontext context = driver.contextFor(device);
@@ -206,8 +204,7 @@ void Kernel::launch(int device, void **args, int nargs, int64_t n, void *stream)
       }
   if (!bound)
     bound = &bind(device, context);
-  launchOnDevice(driver, bound->function,
-                 gridFor(n, record_.chunk, record_.block, bound->maxBlocks),
+  launchOnDevice(driver, bound->function, launchConfigFor(record_, args, nargs, n, bound->maxBlocks),
                  static_cast<CUstream>(stream), args);
 }
 

@@ -53,7 +53,7 @@ public:
   /// Launches `n` elements with `args` in manifest order (each entry points at the argument's
   /// value, as for cuLaunchKernel): on the CPU path when device < 0 (synchronous; stream
   /// ignored), else on CUDA device `device` on `stream` (a CUstream; asynchronous). n == 0
-  /// launches nothing. The first launch per context compiles (or finds in the cache) and loads
+  /// launches nothing; for a row kernel n is rows * cols and rows == 0 launches nothing. The first launch per context compiles (or finds in the cache) and loads
   /// the module; later launches do no allocation, no lock and no synchronisation.
   void launch(int device, void **args, int nargs, int64_t n, void *stream);
   /// Compiles and loads the kernel for `device` (< 0: resolves the host symbol) without

@@ -3,6 +3,7 @@
 
 #include "runtime/Files.h"
 
+#include <cstdint>
 #include <cstring>
 #include <set>
 
@@ -16,6 +17,8 @@ const char *dtypeName(Dtype dtype) {
     return "f16";
   case Dtype::BF16:
     return "bf16";
+  case Dtype::F64:
+    return "f64";
   }
   return "?";
 }
@@ -27,10 +30,14 @@ std::optional<Dtype> parseDtype(std::string_view name) {
     return Dtype::F16;
   if (name == "bf16")
     return Dtype::BF16;
+  if (name == "f64")
+    return Dtype::F64;
   return std::nullopt;
 }
 
-size_t dtypeSize(Dtype dtype) { return dtype == Dtype::F32 ? 4 : 2; }
+size_t dtypeSize(Dtype dtype) {
+  return dtype == Dtype::F64 ? 8 : dtype == Dtype::F32 ? 4 : 2;
+}
 
 const char *argRoleName(ArgRole role) {
   switch (role) {
@@ -42,6 +49,10 @@ const char *argRoleName(ArgRole role) {
     return "scalar";
   case ArgRole::Count:
     return "count";
+  case ArgRole::Rows:
+    return "rows";
+  case ArgRole::Cols:
+    return "cols";
   }
   return "?";
 }
@@ -187,20 +198,35 @@ KernelRecord parseKernel(const Checker &check, const Json &value, const std::str
   for (const auto &[dtype, sym] : symbols.asObject()) {
     std::string field = symAt + "." + dtype;
     if (!parseDtype(dtype))
-      check.fail(field, "unknown dtype \"" + dtype + "\" (expected f32, f16 or bf16)");
+      check.fail(field, "unknown dtype \"" + dtype + "\" (expected f32, f16, bf16 or f64)");
     if (!sym.isString() || !isIdentifier(sym.asString()))
       check.fail(field, "expected a C identifier naming the kernel symbol");
     if (!symbolsSeen.insert(sym.asString()).second)
       check.fail(field, "symbol \"" + sym.asString() + "\" appears twice in the manifest");
     k.symbols.emplace_back(dtype, sym.asString());
   }
+  if (const Json *kind = value.find("kind")) {
+    if (!kind->isString() || (kind->asString() != "elementwise" && kind->asString() != "rows"))
+      check.fail(at + ".kind", "expected \"elementwise\" or \"rows\"");
+    if (kind->asString() == "rows")
+      k.kind = KernelKind::Rows;
+  }
+  const bool rows = k.kind == KernelKind::Rows;
   k.block = static_cast<int>(check.integer(value, at, "block", 1, 1024));
   k.chunk = static_cast<int>(check.integer(value, at, "chunk", 1, 1024));
+  if (rows) {
+    if (k.block % 32 != 0)
+      check.fail(at + ".block", "a row kernel needs whole warps, got " + std::to_string(k.block));
+    k.warpMaxCols = check.integer(value, at, "warp_max_cols", 0, INT64_MAX);
+  }
 
   const Json::Array &args = check.array(value, at, "args");
   std::string argsAt = Checker::join(at, "args");
-  if (args.empty())
-    check.fail(argsAt, "expected at least the count argument");
+  // The trailing shape arguments: the count, or (rows, cols).
+  const size_t tail = rows ? 2 : 1;
+  if (args.size() < tail)
+    check.fail(argsAt, rows ? "expected at least the rows and cols arguments"
+                            : "expected at least the count argument");
   if (args.size() > static_cast<size_t>(kMaxKernelArgs))
     check.fail(argsAt, "has " + std::to_string(args.size()) + " arguments; at most " +
                            std::to_string(kMaxKernelArgs) + " are supported");
@@ -218,18 +244,31 @@ KernelRecord parseKernel(const Checker &check, const Json &value, const std::str
       arg.role = ArgRole::Scalar;
     else if (role == "count")
       arg.role = ArgRole::Count;
+    else if (role == "rows")
+      arg.role = ArgRole::Rows;
+    else if (role == "cols")
+      arg.role = ArgRole::Cols;
     else
       check.fail(argAt + ".role",
-                 "unknown role \"" + role + "\" (expected in, out, scalar or count)");
-    bool last = i + 1 == args.size();
-    if (arg.role == ArgRole::Count && !last)
-      check.fail(argAt, "the count argument must be last");
-    if (arg.role != ArgRole::Count && last)
-      check.fail(argAt,
-                 "the last argument must be the count (role \"count\"), got role \"" + role + "\"");
+                 "unknown role \"" + role + "\" (expected in, out, scalar, count, rows or cols)");
+    // The shape arguments close the list: the count, or rows then cols in row kernels.
+    bool inTail = i + tail >= args.size();
+    ArgRole expectedTail = !rows ? ArgRole::Count
+                                 : (i + 2 == args.size() ? ArgRole::Rows : ArgRole::Cols);
+    bool shapeRole =
+        arg.role == ArgRole::Count || arg.role == ArgRole::Rows || arg.role == ArgRole::Cols;
+    if (inTail && arg.role != expectedTail)
+      check.fail(argAt, std::string(rows ? "a row kernel's last two arguments must be rows and "
+                                           "cols"
+                                         : "the last argument must be the count (role "
+                                           "\"count\")") +
+                            ", got role \"" + role + "\"");
+    if (!inTail && shapeRole)
+      check.fail(argAt, std::string("the ") + argRoleName(arg.role) + " argument must be " +
+                            (rows ? "one of the last two" : "last"));
     if (arg.role == ArgRole::Out)
       seenOut = true;
-    else if (seenOut && arg.role != ArgRole::Count)
+    else if (seenOut && !shapeRole)
       check.fail(argAt, "inputs and scalars must come before the outputs");
     if (arg.role == ArgRole::Scalar) {
       std::string type = check.str(args[i], argAt, "type", true);
@@ -247,10 +286,16 @@ KernelRecord parseKernel(const Checker &check, const Json &value, const std::str
           check.fail(argAt + ".bits", "chunk (" + std::to_string(k.chunk) + ") * bits (" +
                                           std::to_string(arg.bits) +
                                           ") must fill whole bytes (a multiple of 8)");
+      } else if (layout == "rows") {
+        if (!rows)
+          check.fail(argAt + ".layout", "the \"rows\" layout is only valid in a row kernel");
+        arg.layout = ArgLayout::Rows;
       } else {
         check.fail(argAt + ".layout",
-                   "unknown layout \"" + layout + "\" (expected dense or packed)");
+                   "unknown layout \"" + layout + "\" (expected dense, packed or rows)");
       }
+      if (rows && arg.layout == ArgLayout::Packed)
+        check.fail(argAt + ".layout", "packed codes are not supported in row kernels");
     }
     k.args.push_back(arg);
   }
@@ -382,11 +427,17 @@ OperatorRecord parseOperator(const Checker &check, const Json &value, const std:
     } else if (kind == "tensor") {
       r.kind = ResidualKind::Tensor;
       r.bits = static_cast<int>(check.integer(residuals[i], rAt, "bits", 1, 64));
+    } else if (kind == "rows") {
+      r.kind = ResidualKind::Rows;
+      r.bits = static_cast<int>(check.integer(residuals[i], rAt, "bits", 1, 64));
+    } else if (kind == "shared") {
+      r.kind = ResidualKind::Shared;
+      r.output = static_cast<int>(check.integer(residuals[i], rAt, "output", 0, op.outputs - 1));
     } else if (kind == "scalar") {
       r.kind = ResidualKind::Scalar;
     } else {
-      check.fail(rAt + ".kind",
-                 "unknown residual kind \"" + kind + "\" (expected codes, tensor or scalar)");
+      check.fail(rAt + ".kind", "unknown residual kind \"" + kind +
+                                    "\" (expected codes, tensor, rows, shared or scalar)");
     }
     op.residuals.push_back(r);
   }
@@ -394,6 +445,16 @@ OperatorRecord parseOperator(const Checker &check, const Json &value, const std:
   if (!saved.isNumber() || saved.asNumber() < 0)
     check.fail(at + ".saved_bits_per_element", "expected a non-negative number");
   op.savedBitsPerElement = saved.asNumber();
+  if (const Json *perRow = value.find("saved_bits_per_row")) {
+    if (!perRow->isNumber() || perRow->asNumber() < 0)
+      check.fail(at + ".saved_bits_per_row", "expected a non-negative number");
+    op.savedBitsPerRow = perRow->asNumber();
+  }
+  if (const Json *rowWise = value.find("row_wise")) {
+    if (!rowWise->isBool())
+      check.fail(at + ".row_wise", "expected true or false");
+    op.rowWise = rowWise->asBool();
+  }
   check.array(value, at, "tables");
   op.forward = parseDirection(check, check.member(value, at, "forward"), at + ".forward", op,
                               kernels, op.outputs + op.residuals.size());
@@ -416,12 +477,12 @@ Manifest parseManifest(std::string_view text, const std::string &path) {
   const Json &root = m.json;
   check.object(root, "(document)");
   const Json &format = check.member(root, "", "format");
-  if (!format.isInteger() || format.asInteger() != kManifestFormatVersion)
+  if (!format.isInteger() || format.asInteger() < 1 || format.asInteger() > kManifestFormatVersion)
     check.fail("format", "unsupported manifest format " +
                              (format.isNumber() ? format.dump() : Json::kindName(format.kind())) +
-                             " (this runtime reads format " +
+                             " (this runtime reads formats 1 to " +
                              std::to_string(kManifestFormatVersion) + ")");
-  m.format = kManifestFormatVersion;
+  m.format = static_cast<int>(format.asInteger());
   m.file = check.str(root, "", "file", false);
   m.source = check.str(root, "", "source", true);
   m.hostLibrary = check.str(root, "", "host_library", false);

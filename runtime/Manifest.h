@@ -14,36 +14,47 @@ namespace abp::rt {
 
 /// The manifest "format" this runtime reads. Changing the format? Bump this, the "format"
 /// that codegen writes (codegen/EmitManifest.cpp) and docs/manifest.md together.
-constexpr int kManifestFormatVersion = 1;
+/// Format 2 added row kernels ("kind": "rows"), the f64 dtype, the "rows" layout and roles,
+/// and "shared"/"rows" residuals; this runtime still reads format 1 (a subset).
+constexpr int kManifestFormatVersion = 2;
 
 /// The most arguments a kernel may take (launch argument arrays are fixed-size).
 constexpr int kMaxKernelArgs = 64;
 
 /// The storage dtypes kernels are specialised for.
-enum class Dtype { F32, F16, BF16 };
+enum class Dtype { F32, F16, BF16, F64 };
 const char *dtypeName(Dtype dtype);
 std::optional<Dtype> parseDtype(std::string_view name);
 /// Bytes per element of `dtype`.
 size_t dtypeSize(Dtype dtype);
 
-enum class ArgRole { In, Out, Scalar, Count };
-enum class ArgLayout { None, Dense, Packed };
+/// Count: an elementwise kernel's element count (last). Rows, Cols: a row kernel's shape (the
+/// last two arguments).
+enum class ArgRole { In, Out, Scalar, Count, Rows, Cols };
+/// Rows: one value per row, in the compute type (f32, or f64 for f64 launches).
+enum class ArgLayout { None, Dense, Packed, Rows };
 const char *argRoleName(ArgRole role);
 
 /// One kernel argument, in calling-convention order.
 struct KernelArg {
   ArgRole role = ArgRole::In;
-  ArgLayout layout = ArgLayout::None; ///< Dense or Packed for In/Out
+  ArgLayout layout = ArgLayout::None; ///< Dense, Packed or Rows for In/Out
   int bits = 0;                       ///< Packed: bits per element, 1..8
 };
+
+/// Elementwise kernels take a count; row kernels take (rows, cols) and run one warp per row
+/// up to warp_max_cols columns, else one block per row.
+enum class KernelKind { Elementwise, Rows };
 
 /// One entry of "kernels": a kernel with one symbol per dtype.
 struct KernelRecord {
   std::string name;
+  KernelKind kind = KernelKind::Elementwise;
   std::vector<std::pair<std::string, std::string>> symbols; ///< dtype name -> symbol, in order
   int block = 0;
   int chunk = 0;
-  std::vector<KernelArg> args; ///< the count is last
+  int64_t warpMaxCols = 0;     ///< row kernels
+  std::vector<KernelArg> args; ///< the count (or rows, cols) is last
   Json json;                   ///< the record as written
 
   /// The symbol for a dtype name ("f32"), or nullptr.
@@ -53,11 +64,14 @@ struct KernelRecord {
   int numOutputs() const;
 };
 
-enum class ResidualKind { Codes, Tensor, Scalar };
+/// Shared: the forward output `output` itself (its consumer keeps it; no memory of its own).
+/// Rows: one value per row.
+enum class ResidualKind { Codes, Tensor, Scalar, Shared, Rows };
 
 struct ResidualRecord {
   ResidualKind kind = ResidualKind::Scalar;
-  int bits = 0; ///< codes: 1..8; tensor: element bits; scalar: 0
+  int bits = 0;   ///< codes: 1..8; tensor, rows: element bits; scalar, shared: 0
+  int output = 0; ///< shared: which forward output
 };
 
 /// "forward" / "backward": the kernel to launch (empty if the direction does no work), where its
@@ -75,6 +89,8 @@ struct OperatorRecord {
   std::vector<std::string> params;
   std::vector<ResidualRecord> residuals;
   double savedBitsPerElement = 0;
+  double savedBitsPerRow = 0;
+  bool rowWise = false; ///< launches row kernels: inputs are rows along the last dimension
   DirectionRecord forward, backward;
   Json json; ///< the record as written
 };

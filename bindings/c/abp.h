@@ -51,7 +51,8 @@ ABP_API abp_status abp_kernel_get(abp_library *lib, const char *kernel, const ch
 
 /* Launches on the CPU path (device < 0; stream ignored) or on CUDA device `device` on `stream`
  * (a CUstream, NULL = legacy default stream), with args in manifest order (each entry points at
- * the argument's value, as for cuLaunchKernel). Asynchronous on the GPU; no allocation, no sync. */
+ * the argument's value, as for cuLaunchKernel). `n` is the element count (a row kernel: rows * cols,
+ * which its last two arguments give). Asynchronous on the GPU; no allocation, no sync. */
 ABP_API abp_status abp_kernel_launch(abp_kernel *kernel, int device, void **args, int nargs,
                                      int64_t n, void *stream);
 

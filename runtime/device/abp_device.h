@@ -76,7 +76,8 @@ ABP_FN i64 gridThreads() { return hostThread.gridDim * hostThread.blockDim; }
 #endif
 
 //===----------------------------------------------------------------------===//
-// Storage types. Math is always fp32; these are only how elements sit in memory.
+// Storage types. Math is fp32 (fp64 for fp64 launches of row kernels); these are only how
+// elements sit in memory.
 //===----------------------------------------------------------------------===//
 struct bf16 {
   u16 bits;
@@ -132,6 +133,9 @@ ABP_FN float toFloat(f16 v) {
 }
 
 ABP_FN void fromFloat(float f, float &out) { out = f; }
+// fp64 launches (row kernels) compute in double: storage and compute types coincide.
+ABP_FN double toFloat(double v) { return v; }
+ABP_FN void fromFloat(double f, double &out) { out = f; }
 ABP_FN void fromFloat(float f, bf16 &out) {
   // Round to nearest even; NaN stays NaN (quiet bit forced so it cannot round to inf).
   u32 u = floatBits(f);
@@ -205,8 +209,9 @@ template <typename T> ABP_FN void storeRaw(void *p, const T &value) {
 #endif
 }
 
-template <int N, typename T>
-ABP_FN void loadChunk(const T *ABP_RESTRICT p, i64 i, i64 n, bool vec, float *out) {
+/// `out` is the compute type: float for fp32/fp16/bf16 storage, double for fp64.
+template <int N, typename T, typename C>
+ABP_FN void loadChunk(const T *ABP_RESTRICT p, i64 i, i64 n, bool vec, C *out) {
   if (vec) {
     constexpr int kPer = 16 / (int)sizeof(T);
     static_assert(N % kPer == 0, "chunk must be whole 128-bit vectors");
@@ -226,12 +231,12 @@ ABP_FN void loadChunk(const T *ABP_RESTRICT p, i64 i, i64 n, bool vec, float *ou
   } else {
     ABP_UNROLL
     for (int k = 0; k < N; ++k)
-      out[k] = (i + k < n) ? toFloat(p[i + k]) : 0.0f;
+      out[k] = (i + k < n) ? (C)toFloat(p[i + k]) : (C)0;
   }
 }
 
-template <int N, typename T>
-ABP_FN void storeChunk(T *ABP_RESTRICT p, i64 i, i64 n, bool vec, const float *in) {
+template <int N, typename T, typename C>
+ABP_FN void storeChunk(T *ABP_RESTRICT p, i64 i, i64 n, bool vec, const C *in) {
   if (vec) {
     constexpr int kPer = 16 / (int)sizeof(T);
     ABP_UNROLL
@@ -344,6 +349,19 @@ ABP_FN float pow(float x, float y) { return ::powf(x, y); }
 ABP_FN float fmax(float x, float y) { return ::fmaxf(x, y); }
 ABP_FN float fmin(float x, float y) { return ::fminf(x, y); }
 ABP_FN bool isnan(float x) { return ::isnan(x); }
+ABP_FN double erf(double x) { return ::erf(x); }
+ABP_FN double exp(double x) { return ::exp(x); }
+ABP_FN double expm1(double x) { return ::expm1(x); }
+ABP_FN double log(double x) { return ::log(x); }
+ABP_FN double log1p(double x) { return ::log1p(x); }
+ABP_FN double tanh(double x) { return ::tanh(x); }
+ABP_FN double sqrt(double x) { return ::sqrt(x); }
+ABP_FN double rsqrt(double x) { return ::rsqrt(x); }
+ABP_FN double abs(double x) { return ::fabs(x); }
+ABP_FN double pow(double x, double y) { return ::pow(x, y); }
+ABP_FN double fmax(double x, double y) { return ::fmax(x, y); }
+ABP_FN double fmin(double x, double y) { return ::fmin(x, y); }
+ABP_FN bool isnan(double x) { return ::isnan(x); }
 #else
 ABP_FN float erf(float x) { return std::erf(x); }
 ABP_FN float exp(float x) { return std::exp(x); }
@@ -358,14 +376,100 @@ ABP_FN float pow(float x, float y) { return std::pow(x, y); }
 ABP_FN float fmax(float x, float y) { return std::fmax(x, y); }
 ABP_FN float fmin(float x, float y) { return std::fmin(x, y); }
 ABP_FN bool isnan(float x) { return std::isnan(x); }
+ABP_FN double erf(double x) { return std::erf(x); }
+ABP_FN double exp(double x) { return std::exp(x); }
+ABP_FN double expm1(double x) { return std::expm1(x); }
+ABP_FN double log(double x) { return std::log(x); }
+ABP_FN double log1p(double x) { return std::log1p(x); }
+ABP_FN double tanh(double x) { return std::tanh(x); }
+ABP_FN double sqrt(double x) { return std::sqrt(x); }
+ABP_FN double rsqrt(double x) { return 1.0 / std::sqrt(x); }
+ABP_FN double abs(double x) { return std::fabs(x); }
+ABP_FN double pow(double x, double y) { return std::pow(x, y); }
+ABP_FN double fmax(double x, double y) { return std::fmax(x, y); }
+ABP_FN double fmin(double x, double y) { return std::fmin(x, y); }
+ABP_FN bool isnan(double x) { return std::isnan(x); }
 #endif
 /// IEEE maximum/minimum (arith.maximumf/minimumf): NaN if either operand is NaN.
-ABP_FN float maximum(float x, float y) {
+template <typename C> ABP_FN C maximum(C x, C y) {
   return (isnan(x) || isnan(y)) ? x + y : (x > y ? x : y);
 }
-ABP_FN float minimum(float x, float y) {
+template <typename C> ABP_FN C minimum(C x, C y) {
   return (isnan(x) || isnan(y)) ? x + y : (x < y ? x : y);
 }
+
+//===----------------------------------------------------------------------===//
+// Row reductions (row kernels). RT threads own one row: RT = 32 is one warp, RT = the block
+// size is the whole block. Each thread holds R partial sums; rowAllReduce leaves every
+// thread of the row with the row's R sums, combined in one fixed order:
+//   1. within each warp, an xor butterfly: for offset 16, 8, 4, 2, 1, v = v + v[lane ^ offset]
+//      (both lanes of a pair compute the same sum, so all 32 lanes end with identical bits);
+//   2. RT > 32: the warps' sums go through shared memory and every warp repeats the butterfly
+//      over them (lanes past the warp count contribute +0).
+// The CPU path cannot run RT threads at once, so row kernels are emitted in phases split at
+// each reduction (loop fission: every thread of the row finishes its phase before the
+// reduction, which is what the barrier guarantees on the GPU) and hostRowAllReduce replays
+// exactly the order above over the phase's per-thread partials: both paths give the same bits.
+//===----------------------------------------------------------------------===//
+#if ABP_GPU
+template <int R, typename C> ABP_FN void warpButterfly(C (&v)[R]) {
+  ABP_UNROLL
+  for (int offset = 16; offset > 0; offset >>= 1)
+    ABP_UNROLL
+    for (int r = 0; r < R; ++r)
+      v[r] = v[r] + __shfl_xor_sync(0xffffffffu, v[r], offset);
+}
+
+/// `scratch` holds at least R * 32 values of shared memory; RT > 32 requires RT == blockDim.x.
+template <int RT, int R, typename C> ABP_FN void rowAllReduce(C (&v)[R], C *scratch) {
+  warpButterfly<R>(v);
+  if (RT > 32) {
+    const int lane = (int)(threadIdx.x & 31u), warp = (int)(threadIdx.x >> 5);
+    __syncthreads(); // every reader of the previous reduction's scratch is done
+    if (lane == 0) {
+      ABP_UNROLL
+      for (int r = 0; r < R; ++r)
+        scratch[r * 32 + warp] = v[r];
+    }
+    __syncthreads();
+    ABP_UNROLL
+    for (int r = 0; r < R; ++r)
+      v[r] = lane < RT / 32 ? scratch[r * 32 + lane] : (C)0;
+    warpButterfly<R>(v);
+  }
+}
+#else
+/// The butterfly of one warp over lanes[0..32), in place: the order of warpButterfly.
+template <int R, typename C> ABP_FN void hostWarpButterfly(C (*lanes)[R]) {
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    C next[32][R];
+    for (int lane = 0; lane < 32; ++lane)
+      for (int r = 0; r < R; ++r)
+        next[lane][r] = lanes[lane][r] + lanes[lane ^ offset][r];
+    for (int lane = 0; lane < 32; ++lane)
+      for (int r = 0; r < R; ++r)
+        lanes[lane][r] = next[lane][r];
+  }
+}
+
+/// rowAllReduce for the RT threads of one row whose partials are v[0..RT): afterwards every
+/// v[t] holds the sums, bit for bit what the GPU's threads hold.
+template <int RT, int R, typename C> ABP_FN void hostRowAllReduce(C (*v)[R]) {
+  static_assert(RT % 32 == 0 && RT >= 32 && RT <= 1024, "RT: whole warps, at most 1024 threads");
+  for (int warp = 0; warp < RT / 32; ++warp)
+    hostWarpButterfly<R>(v + warp * 32);
+  if (RT > 32) {
+    C lanes[32][R];
+    for (int lane = 0; lane < 32; ++lane)
+      for (int r = 0; r < R; ++r)
+        lanes[lane][r] = lane < RT / 32 ? v[lane * 32][r] : (C)0;
+    hostWarpButterfly<R>(lanes);
+    for (int t = 0; t < RT; ++t)
+      for (int r = 0; r < R; ++r)
+        v[t][r] = lanes[t & 31][r];
+  }
+}
+#endif
 
 //===----------------------------------------------------------------------===//
 // Philox-4x32-10 (Salmon et al., SC'11): the one counter-based generator of the

@@ -52,7 +52,7 @@ TEST(CApi, StatusesAndThreadLocalMessages) {
   abp_kernel *k = nullptr;
   EXPECT_EQ(abp_kernel_get(h.lib, "nope", "f32", &k), ABP_ERROR_NOT_FOUND);
   EXPECT_NE(std::string(abp_last_error()).find("no kernel named 'nope'"), std::string::npos);
-  EXPECT_EQ(abp_kernel_get(h.lib, "test_scale", "f64", &k), ABP_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(abp_kernel_get(h.lib, "test_scale", "f128", &k), ABP_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(abp_last_error()).find("dtype"), std::string::npos);
   EXPECT_EQ(abp_kernel_get(nullptr, "test_scale", "f32", &k), ABP_ERROR_INVALID_ARGUMENT);
   EXPECT_STREQ(abp_last_error(), "lib: must not be NULL");

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -386,4 +387,81 @@ TEST(DeviceHeader, HostThreadIndexing) {
   abp::hostThread = abp::HostThread{};
   EXPECT_EQ(abp::globalThread(), 0);
   EXPECT_EQ(abp::gridThreads(), 1);
+}
+
+namespace {
+/// The GPU's combination order, written out independently of the header: an xor butterfly in
+/// each warp, then a butterfly over the warp sums padded with zeros to 32 lanes. Returns lane
+/// 0's result (every lane's is identical).
+template <typename C> C butterflyReference(const std::vector<C> &v, int rt) {
+  auto butterfly = [](std::vector<C> lanes) {
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      std::vector<C> next(32);
+      for (int l = 0; l < 32; ++l)
+        next[l] = lanes[l] + lanes[l ^ offset];
+      lanes = next;
+    }
+    return lanes[0];
+  };
+  std::vector<C> warpSums(32, C(0));
+  for (int w = 0; w < rt / 32; ++w)
+    warpSums[w] = butterfly(std::vector<C>(v.begin() + w * 32, v.begin() + w * 32 + 32));
+  return rt == 32 ? warpSums[0] : butterfly(warpSums);
+}
+} // namespace
+
+TEST(DeviceHeader, HostRowReductionReplaysTheGpuOrderBitForBit) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> dist(-1e4f, 1e4f);
+  auto check = [&](auto rtTag) {
+    constexpr int RT = decltype(rtTag)::value;
+    float partials[RT][2];
+    std::vector<float> a(RT), b(RT);
+    for (int t = 0; t < RT; ++t) {
+      // Magnitudes spread over many binades, so that any other order rounds differently.
+      a[t] = partials[t][0] = dist(rng) * std::ldexp(1.0f, (t * 7) % 40 - 20);
+      b[t] = partials[t][1] = dist(rng);
+    }
+    abp::hostRowAllReduce<RT, 2>(partials);
+    float wantA = butterflyReference(a, RT), wantB = butterflyReference(b, RT);
+    for (int t = 0; t < RT; ++t) {
+      EXPECT_EQ(bitsOf(partials[t][0]), bitsOf(wantA)) << "RT=" << RT << " t=" << t;
+      EXPECT_EQ(bitsOf(partials[t][1]), bitsOf(wantB)) << "RT=" << RT << " t=" << t;
+    }
+    // The order matters: a plain left-to-right sum differs for these inputs.
+    float sequential = 0;
+    for (float x : a)
+      sequential += x;
+    return bitsOf(sequential) != bitsOf(wantA);
+  };
+  bool orderVisible = check(std::integral_constant<int, 32>{});
+  orderVisible |= check(std::integral_constant<int, 256>{});
+  orderVisible |= check(std::integral_constant<int, 1024>{});
+  EXPECT_TRUE(orderVisible) << "the test inputs cannot tell summation orders apart";
+
+  double d[64][1];
+  for (int t = 0; t < 64; ++t)
+    d[t][0] = t + 0.5;
+  abp::hostRowAllReduce<64, 1>(d);
+  for (int t = 0; t < 64; ++t)
+    EXPECT_EQ(d[t][0], 64 * 63 / 2 + 32.0); // exact in double
+}
+
+TEST(DeviceHeader, DoubleStorageAndMath) {
+  double in[8], out[8] = {};
+  for (int k = 0; k < 8; ++k)
+    in[k] = 1.0 / (k + 3); // not representable in float: a float round trip would show
+  double loaded[8];
+  abp::loadChunk<8>(in, 0, 8, true, loaded);
+  abp::storeChunk<8>(out, 0, 8, false, loaded);
+  for (int k = 0; k < 8; ++k)
+    EXPECT_EQ(out[k], in[k]);
+  abp::loadChunk<8>(in, 4, 6, false, loaded); // a tail: two valid elements, zeros after
+  EXPECT_EQ(loaded[0], in[4]);
+  EXPECT_EQ(loaded[1], in[5]);
+  EXPECT_EQ(loaded[2], 0.0);
+  EXPECT_EQ(abp::sqrt(2.0), std::sqrt(2.0));
+  EXPECT_EQ(abp::rsqrt(4.0), 0.5);
+  EXPECT_TRUE(std::isnan(abp::maximum(1.0, std::nan(""))));
+  EXPECT_EQ(abp::minimum(1.0, -2.0), -2.0);
 }

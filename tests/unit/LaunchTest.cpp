@@ -134,3 +134,61 @@ TEST(Launch, HostLaunchRunsSmallLaunchesInlineAndSplitsLargeOnes) {
   launchOnHost(countingEntry, gridFor(0, 8, 64, 0), nullptr, 0);
   EXPECT_EQ(calls.load(), 0);
 }
+
+TEST(Launch, RowGridRule) {
+  // Rows up to warp_max_cols columns: one warp each, block / 32 rows per block; longer: a block.
+  EXPECT_EQ(gridForRows(0, 768, 256, 1024, 0).grid, 0);
+  EXPECT_EQ(gridForRows(1, 768, 256, 1024, 0).grid, 1);
+  EXPECT_EQ(gridForRows(8, 768, 256, 1024, 0).grid, 1);
+  EXPECT_EQ(gridForRows(9, 1024, 256, 1024, 0).grid, 2);
+  EXPECT_EQ(gridForRows(9, 1025, 256, 1024, 0).grid, 9);
+  EXPECT_EQ(gridForRows(4096, 8192, 256, 1024, 132 * 32).grid, 4096);
+  EXPECT_EQ(gridForRows(int64_t(1) << 30, 64, 256, 1024, 132 * 32).grid, 132 * 32);
+  // Empty rows still run (their per-row outputs are written); negative shapes launch nothing.
+  EXPECT_EQ(gridForRows(5, 0, 256, 1024, 0).grid, 1);
+  EXPECT_EQ(gridForRows(-1, 8, 256, 1024, 0).grid, 0);
+  EXPECT_EQ(gridForRows(5, 8, 256, 0, 0).grid, 5); // warp_max_cols 0: always a block per row
+  EXPECT_EQ(gridForRows(5, 8, 256, 1024, 0).block, 256);
+}
+
+namespace {
+/// A row kernel record: in dense, in rows, out dense, rows, cols.
+KernelRecord rowRecord() {
+  Manifest m = parseManifest(R"({"format": 2, "file": "", "source": "r.cu", "host_library": "",
+    "operators": [], "kernels": [{"name": "r", "kind": "rows", "warp_max_cols": 1024,
+    "symbols": {"f64": "abp_r_f64"}, "block": 256, "chunk": 8,
+    "args": [{"role": "in", "layout": "dense"}, {"role": "in", "layout": "rows"},
+             {"role": "out", "layout": "dense"}, {"role": "rows"}, {"role": "cols"}]}]})",
+                             "/m/r.json");
+  return m.kernels.at(0);
+}
+} // namespace
+
+TEST(Launch, RowKernelChecksAndPacking) {
+  KernelRecord record = rowRecord();
+  EXPECT_EQ(record.kind, KernelKind::Rows);
+  EXPECT_EQ(record.warpMaxCols, 1024);
+  EXPECT_EQ(record.args[1].layout, ArgLayout::Rows);
+  double x[6] = {}, r[2] = {}, y[6] = {};
+  ArgPack pack(record);
+  pack.pointer(x).pointer(r).pointer(y).shape(2, 3);
+  void **args = pack.data();
+  EXPECT_NO_THROW(checkLaunchArgs(record, args, pack.size(), 6));
+  EXPECT_EQ(launchConfigFor(record, args, pack.size(), 6, 0).grid, 1);
+  try {
+    checkLaunchArgs(record, args, pack.size(), 7);
+    ADD_FAILURE() << "accepted n != rows * cols";
+  } catch (const Error &e) {
+    EXPECT_NE(std::string(e.what()).find("n: must be rows * cols = 6, got 7"), std::string::npos)
+        << e.what();
+  }
+  ArgPack negative(record);
+  negative.pointer(x).pointer(r).pointer(y).shape(-2, 3);
+  EXPECT_THROW(checkLaunchArgs(record, negative.data(), negative.size(), -6), Error);
+  ArgPack huge(record);
+  huge.pointer(x).pointer(r).pointer(y).shape(int64_t(1) << 40, int64_t(1) << 40);
+  EXPECT_THROW(checkLaunchArgs(record, huge.data(), huge.size(), 0), Error);
+  ArgPack countInstead(record);
+  countInstead.pointer(x).pointer(r).pointer(y);
+  EXPECT_THROW(countInstead.count(6), Error);
+}

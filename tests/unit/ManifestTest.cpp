@@ -46,7 +46,7 @@ void erase(Json &object, const char *key) {
 
 TEST(Manifest, ParsesTheFixture) {
   Manifest m = loadManifest(fixturePath());
-  EXPECT_EQ(m.format, kManifestFormatVersion);
+  EXPECT_EQ(m.format, 1); // the fixture is format 1, which format-2 readers still read
   EXPECT_EQ(m.file, "tests/unit/data/test_kernels.cu");
   EXPECT_EQ(m.source, "test_kernels.cu");
   EXPECT_EQ(m.stem(), "test_kernels");
@@ -99,7 +99,11 @@ TEST(Manifest, DtypeAndRoleNames) {
   EXPECT_EQ(parseDtype("f16"), Dtype::F16);
   EXPECT_EQ(parseDtype("bf16"), Dtype::BF16);
   EXPECT_EQ(parseDtype("f32"), Dtype::F32);
-  EXPECT_FALSE(parseDtype("f64"));
+  EXPECT_EQ(parseDtype("f64"), Dtype::F64);
+  EXPECT_FALSE(parseDtype("f128"));
+  EXPECT_EQ(dtypeSize(Dtype::F64), 8u);
+  EXPECT_STREQ(argRoleName(ArgRole::Rows), "rows");
+  EXPECT_STREQ(argRoleName(ArgRole::Cols), "cols");
   EXPECT_STREQ(dtypeName(Dtype::BF16), "bf16");
   EXPECT_EQ(dtypeSize(Dtype::F32), 4u);
   EXPECT_EQ(dtypeSize(Dtype::F16), 2u);
@@ -125,8 +129,30 @@ TEST(Manifest, RejectsInvalidManifestsNamingFileAndField) {
   };
   auto op = [](Json &j, size_t i) -> Json & { return at(member(j, "operators"), i); };
   const Case cases[] = {
-      {[](Json &j) { member(j, "format") = Json::integer(2); },
-       "format: unsupported manifest format 2 (this runtime reads format 1)"},
+      {[](Json &j) { member(j, "format") = Json::integer(3); },
+       "format: unsupported manifest format 3 (this runtime reads formats 1 to 2)"},
+      {[](Json &j) { member(j, "format") = Json::integer(0); },
+       "format: unsupported manifest format 0"},
+      {[&](Json &j) { member(kernelArg(j, 0, 0), "layout") = Json::string("rows"); },
+       "kernels[0].args[0].layout: the \"rows\" layout is only valid in a row kernel"},
+      {[](Json &j) { at(member(j, "kernels"), 0).set("kind", Json::string("tiles")); },
+       "kernels[0].kind: expected \"elementwise\" or \"rows\""},
+      {[](Json &j) {
+         Json &k = at(member(j, "kernels"), 0);
+         k.set("kind", Json::string("rows"));
+         k.set("warp_max_cols", Json::integer(1024));
+       },
+       "kernels[0].args[2]: a row kernel's last two arguments must be rows and cols"},
+      {[](Json &j) { at(member(j, "kernels"), 0).set("kind", Json::string("rows")); },
+       "kernels[0]: missing required member \"warp_max_cols\""},
+      {[&](Json &j) {
+         Json &r = at(member(op(j, 1), "residuals"), 0);
+         member(r, "kind") = Json::string("shared");
+         r.set("output", Json::integer(3));
+       },
+       "operators[1].residuals[0].output: expected an integer in [0, 0], got 3"},
+      {[&](Json &j) { op(j, 0).set("row_wise", Json::integer(1)); },
+       "operators[0].row_wise: expected true or false"},
       {[](Json &j) { erase(j, "source"); }, "missing required member \"source\""},
       {[](Json &j) { member(j, "source") = Json::string(""); }, "source: expected a non-empty"},
       {[](Json &j) { member(j, "kernels") = Json::object(); }, "kernels: expected an array"},
@@ -149,9 +175,9 @@ TEST(Manifest, RejectsInvalidManifestsNamingFileAndField) {
       {[&](Json &j) { member(kernelArg(j, 0, 0), "layout") = Json::string("strided"); },
        "kernels[0].args[0].layout: unknown layout \"strided\""},
       {[](Json &j) {
-         member(at(member(j, "kernels"), 0), "symbols").set("f64", Json::string("abp_x"));
+         member(at(member(j, "kernels"), 0), "symbols").set("f128", Json::string("abp_x"));
        },
-       "kernels[0].symbols.f64: unknown dtype \"f64\""},
+       "kernels[0].symbols.f128: unknown dtype \"f128\""},
       {[](Json &j) {
          member(at(member(j, "kernels"), 0), "symbols").set("f16", Json::string("not an id"));
        },

@@ -10,6 +10,9 @@ from ._manifest import Direction, KernelRecord, Operator, packed_bytes
 
 __all__ = [
     "DTYPE_NAMES",
+    "ELEMENTWISE_DTYPES",
+    "ROW_DTYPES",
+    "compute_dtype",
     "check_float_tensor",
     "check_inputs",
     "check_param",
@@ -17,21 +20,36 @@ __all__ = [
     "backward",
 ]
 
-# The launch dtypes of every kernel, by their manifest names.
+# The launch dtypes of kernels, by their manifest names (f64: row kernels only).
 DTYPE_NAMES: Dict[torch.dtype, str] = {
     torch.float32: "f32",
     torch.float16: "f16",
     torch.bfloat16: "bf16",
+    torch.float64: "f64",
 }
-_EXPECTED_DTYPES = "torch.float32, torch.float16 or torch.bfloat16"
+#: What elementwise kernels support; row kernels add torch.float64.
+ELEMENTWISE_DTYPES: Tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+ROW_DTYPES: Tuple[torch.dtype, ...] = ELEMENTWISE_DTYPES + (torch.float64,)
 
 
-def check_float_tensor(name: str, value: Any) -> torch.Tensor:
-    """Checks that `value` is a dense CPU or CUDA tensor of a supported floating dtype; names `name`."""
+def _dtype_list(dtypes: Sequence[torch.dtype]) -> str:
+    names = [str(d) for d in dtypes]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype kernels compute in (and store per-row values in) for a launch dtype."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_float_tensor(
+    name: str, value: Any, dtypes: Sequence[torch.dtype] = ELEMENTWISE_DTYPES
+) -> torch.Tensor:
+    """Checks that `value` is a dense CPU or CUDA tensor of one of `dtypes`; names `name`."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
-    if value.dtype not in DTYPE_NAMES:
-        raise TypeError(f"{name}: expected dtype {_EXPECTED_DTYPES}, got {value.dtype}")
+    if value.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype {_dtype_list(dtypes)}, got {value.dtype}")
     if value.layout != torch.strided:
         raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {value.layout}")
     if value.device.type not in ("cpu", "cuda"):
@@ -39,12 +57,14 @@ def check_float_tensor(name: str, value: Any) -> torch.Tensor:
     return value
 
 
-def check_inputs(inputs: Sequence[Any], names: Sequence[str]) -> None:
+def check_inputs(
+    inputs: Sequence[Any], names: Sequence[str], dtypes: Sequence[torch.dtype] = ELEMENTWISE_DTYPES
+) -> None:
     """Checks every input, and that they share one dtype, one device and one element count."""
     if len(inputs) != len(names):
         raise TypeError(f"expected {len(names)} tensor inputs ({', '.join(names)}), got {len(inputs)}")
     for value, name in zip(inputs, names):
-        check_float_tensor(name, value)
+        check_float_tensor(name, value, dtypes)
     first, first_name = inputs[0], names[0]
     for value, name in zip(inputs[1:], names[1:]):
         if value.device != first.device:
@@ -90,7 +110,15 @@ def _launch_kernel(
     device: torch.device,
     shape: torch.Size,
 ) -> List[torch.Tensor]:
-    """Launches `record` with the direction's inputs; returns its freshly allocated outputs."""
+    """Launches `record` with the direction's inputs; returns its freshly allocated outputs.
+
+    A row kernel works on rows of ``shape[-1]`` elements: its per-row arguments hold one value
+    per row (shape ``shape[:-1]``) in the compute dtype.
+    """
+    rows_kernel = record.kind == "rows"
+    cols = int(shape[-1]) if rows_kernel else 0
+    rows = n // cols if rows_kernel and cols > 0 else (_numel(shape[:-1]) if rows_kernel else 0)
+    row_dtype = compute_dtype(dtype)
     args: List[Any] = []
     for ref, spec in zip(direction.args, record.inputs):
         value = values[ref]
@@ -107,6 +135,12 @@ def _launch_kernel(
                     f"{op.name}: {ref} must be {need} contiguous uint8 bytes of {spec.bits}-bit codes for "
                     f"{n} elements, got {value.numel()} {value.dtype} elements"
                 )
+        elif spec.layout == "rows":
+            if value.dtype != row_dtype or value.numel() != rows or not value.is_contiguous():
+                raise ValueError(
+                    f"{op.name}: {ref} must be a contiguous {row_dtype} tensor of one value per row "
+                    f"({rows}), got {value.dtype} with {value.numel()} elements"
+                )
         elif value.dtype != dtype or value.numel() != n or not value.is_contiguous():
             raise ValueError(
                 f"{op.name}: {ref} must be a contiguous {dtype} tensor of {n} elements, got "
@@ -120,17 +154,29 @@ def _launch_kernel(
         if spec.layout == "packed":
             assert spec.bits is not None
             out = torch.empty(packed_bytes(spec.bits, n), dtype=torch.uint8, device=device)
+        elif spec.layout == "rows":
+            out = torch.empty(shape[:-1], dtype=row_dtype, device=device)
         else:
             out = torch.empty(shape, dtype=dtype, device=device)
         results.append(out)
         args.append(_pointer(out))
-    args.append(_lib.c_int64(n))
-    if n > 0:
+    if rows_kernel:
+        args += [_lib.c_int64(rows), _lib.c_int64(cols)]
+    else:
+        args.append(_lib.c_int64(n))
+    if (rows if rows_kernel else n) > 0:
         library = _lib.kernel_library()
         handle = library.kernel(record.name, DTYPE_NAMES[dtype])
         device_index, stream = _device_and_stream(device)
         _lib.launch(handle, device_index, args, n, stream)
     return results
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 def _run(
@@ -163,6 +209,8 @@ def forward(op: Operator, inputs: Sequence[torch.Tensor], params: Sequence[float
     if len(params) != len(op.params):
         raise TypeError(f"{op.name}: expected {len(op.params)} parameters ({', '.join(op.params)}), got {len(params)}")
     first = inputs[0]
+    if op.row_wise and first.dim() == 0:
+        raise ValueError(f"{op.name}: input0 must have at least one dimension (its rows run along the last), got a 0-d tensor")
     values: Dict[str, Any] = {}
     for i, x in enumerate(inputs):
         values[f"input{i}"] = x.contiguous()
@@ -185,19 +233,21 @@ def backward(
     A missing output gradient (None) counts as zeros; gradients are made contiguous and must have
     `shape`, `dtype` and `device` (those of the forward's output).
     """
-    n = 1
-    for d in shape:
-        n *= int(d)
+    n = _numel(shape)
     if op.backward is None:
         return [None] * op.inputs
     values: Dict[str, Any] = {}
     for i, r in enumerate(residuals):
+        # A shared residual is the forward's output, possibly handed on in another dtype
+        # (autocast): the kernel reads it in the launch dtype.
+        if isinstance(r, torch.Tensor) and r.is_floating_point() and r.dtype != dtype and op.residuals[i].kind == "shared":
+            r = r.to(dtype)
         values[f"residual{i}"] = r
     for i, g in enumerate(grads):
         if g is None:
             g = torch.zeros(shape, dtype=dtype, device=device)
         name = "grad_output" if len(grads) == 1 else f"grad_output{i}"
-        check_float_tensor(name, g)
+        check_float_tensor(name, g, ROW_DTYPES if op.row_wise else ELEMENTWISE_DTYPES)
         if g.shape != shape:
             raise ValueError(f"{name}: expected shape {tuple(shape)} (the output's), got {tuple(g.shape)}")
         if g.device != device:

@@ -53,7 +53,8 @@ class KernelRecord:
     block: int
     chunk: int
     args: Tuple[KernelArg, ...]
-
+    kind: str = "elementwise"  # or "rows": args end in (rows, cols) instead of the count
+    warp_max_cols: int = 0
     @property
     def inputs(self) -> Tuple[KernelArg, ...]:
         """The `in` and `scalar` arguments, in order (what a direction's `args` feed)."""
@@ -76,10 +77,12 @@ class Direction:
 
 @dataclass(frozen=True)
 class Residual:
-    """What forward saves: `codes` (packed, `bits` per element), `tensor` (dense) or `scalar` (f32)."""
+    """What forward saves: `codes` (packed, `bits` per element), `tensor` (dense), `rows` (one
+    value per row), `shared` (forward output `output` itself: no memory of its own) or `scalar` (f32)."""
 
     kind: str
     bits: Optional[int] = None
+    output: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,17 @@ class Operator:
     backward: Optional[Direction]
     kernels: Mapping[str, KernelRecord]
     raw: Mapping[str, Any] = field(compare=False, repr=False)
+    saved_bits_per_row: float = 0.0
+    row_wise: bool = False  # launches row kernels: inputs are rows along their last dimension
+
+    @property
+    def dtypes(self) -> Tuple[str, ...]:
+        """The launch dtypes (manifest names) every kernel of the operator supports."""
+        names: Optional[set] = None
+        for record in self.kernels.values():
+            names = set(record.symbols) if names is None else names & set(record.symbols)
+        order = ("f32", "f16", "bf16", "f64")
+        return tuple(d for d in order if names is None or d in names)
 
     def kernel(self, direction: Direction) -> Optional[KernelRecord]:
         """The kernel record of a direction (None if it launches none)."""
@@ -122,6 +136,8 @@ def _kernel(raw: Mapping[str, Any]) -> KernelRecord:
         block=int(raw["block"]),
         chunk=int(raw["chunk"]),
         args=tuple(_kernel_arg(a) for a in raw["args"]),
+        kind=str(raw.get("kind", "elementwise")),
+        warp_max_cols=int(raw.get("warp_max_cols", 0)),
     )
 
 
@@ -138,8 +154,12 @@ def _operator(raw: Mapping[str, Any]) -> Operator:
         inputs=int(raw["inputs"]),
         outputs=int(raw["outputs"]),
         params=tuple(raw.get("params", [])),
-        residuals=tuple(Residual(kind=r["kind"], bits=r.get("bits")) for r in raw.get("residuals", [])),
+        residuals=tuple(
+            Residual(kind=r["kind"], bits=r.get("bits"), output=r.get("output")) for r in raw.get("residuals", [])
+        ),
         saved_bits_per_element=float(raw.get("saved_bits_per_element", 0)),
+        saved_bits_per_row=float(raw.get("saved_bits_per_row", 0)),
+        row_wise=bool(raw.get("row_wise", False)),
         tables=tuple(
             Table(borders=tuple(float(b) for b in t["borders"]), levels=tuple(float(v) for v in t["levels"]))
             for t in raw.get("tables", [])

@@ -15,14 +15,27 @@ class OperatorFunction(torch.autograd.Function):
     """Runs operator `op_name` forward, saves only its residuals, and runs its backward.
 
     What crosses from forward to backward is exactly the manifest's residuals: tensors (packed codes,
-    dense tensors) through ``ctx.save_for_backward`` so that ``saved_tensors_hooks`` see them, and
-    scalar residuals as floats on ``ctx``. The inputs are *not* kept: only their shape, dtype and device.
+    dense tensors, per-row statistics) through ``ctx.save_for_backward`` so that ``saved_tensors_hooks``
+    see them, and scalar residuals as floats on ``ctx``. A *shared* residual is the very output tensor
+    this function returns, so a consumer that saves its input (the next Linear) saves the same storage.
+    The inputs are *not* kept: only their shape, dtype and device.
+
+    ``out_dtype`` (e.g. autocast's bf16 for a norm feeding a Linear) casts the outputs before they are
+    returned and saved: the consumer then saves that tensor itself, not a second, cast copy.
     """
 
     @staticmethod
-    def forward(ctx: Any, op_name: str, params: Tuple[float, ...], *inputs: torch.Tensor) -> Any:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, op_name: str, params: Tuple[float, ...], out_dtype: Optional[torch.dtype], *inputs: torch.Tensor
+    ) -> Any:
         op = _lib.kernel_library().operator(op_name)
         outputs, residuals = _launch.forward(op, inputs, params)
+        if out_dtype is not None and out_dtype != inputs[0].dtype:
+            outputs = [o.to(out_dtype) for o in outputs]
+        for i, residual in enumerate(op.residuals):
+            if residual.kind == "shared":
+                assert residual.output is not None
+                residuals[i] = outputs[residual.output]
         tensors = [r for r in residuals if isinstance(r, torch.Tensor)]
         ctx.save_for_backward(*tensors)
         ctx.abp_op = op_name
@@ -46,9 +59,11 @@ class OperatorFunction(torch.autograd.Function):
         shaped = tuple(
             None if dx is None else dx.reshape(shape) for dx, shape in zip(dxs, ctx.abp_input_shapes)
         )
-        return (None, None) + shaped
+        return (None, None, None) + shaped
 
 
-def apply_eager(op_name: str, params: Sequence[float], inputs: Sequence[torch.Tensor]) -> Any:
+def apply_eager(
+    op_name: str, params: Sequence[float], inputs: Sequence[torch.Tensor], out_dtype: Optional[torch.dtype] = None
+) -> Any:
     """Runs `op_name` through OperatorFunction: one output as a tensor, several as a tuple."""
-    return OperatorFunction.apply(op_name, tuple(params), *inputs)
+    return OperatorFunction.apply(op_name, tuple(params), out_dtype, *inputs)

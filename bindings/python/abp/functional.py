@@ -14,11 +14,17 @@ packed codes for the backward (ALGORITHMS.md §2, §4):
 
 ``inplace=`` is accepted for signature compatibility with torch and ignored: abp never writes its
 input (the forward reads x once to produce both y and the codes, and x may have other users).
+
+Memory-sharing norms (ALGORITHMS.md §5): ``ms_layer_norm`` and ``ms_rms_norm`` normalize over the
+trailing ``normalized_shape`` dimensions without affine parameters and save only their own output
+(which the next Linear keeps anyway) plus one statistic per row; fp32/fp16/bf16/fp64.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence, Tuple
+import math
+from typing import Any, Optional, Sequence, Tuple, Union
 
+import torch
 from torch import Tensor
 
 from . import _custom_ops, _launch, autograd
@@ -51,6 +57,10 @@ __all__ = [
     "hardtanh",
     "hardshrink",
     "softshrink",
+    "ms_layer_norm",
+    "ms_rms_norm",
+    "check_normalized_shape",
+    "check_eps",
 ]
 
 #: FewBit continuous activations: operators ``<name>_b<bits>`` and ``<name>_b<bits>_uniform``.
@@ -98,18 +108,24 @@ def fewbit_operator(activation: str, bits: int, weight: str = "normal") -> str:
     return f"{activation}_b{bits}" + ("_uniform" if weight == "uniform" else "")
 
 
-def apply(op_name: str, input: Tensor, params: Sequence[float] = ()) -> Tensor:
+def apply(op_name: str, input: Tensor, params: Sequence[float] = (), out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """Runs manifest operator ``op_name`` on ``input`` with f32 ``params``, differentiably.
 
     Eagerly this runs the autograd.Function abp.autograd.OperatorFunction; while torch.compile traces
     (torch >= 2.4) it calls the ``torch.ops.abp.<op>_fwd`` custom op instead, which the compiled graph
-    keeps. Both launch the same kernels and save the same residuals.
+    keeps. Both launch the same kernels and save the same residuals. A row-wise operator (a norm)
+    works on rows along the last dimension. ``out_dtype`` casts the output (see OperatorFunction;
+    eager path only).
     """
-    _launch.check_float_tensor("input", input)
+    from . import _lib
+
+    op = _lib.kernel_library().operator(op_name)
+    dtypes = tuple(d for d, name in _launch.DTYPE_NAMES.items() if name in op.dtypes)
+    _launch.check_float_tensor("input", input, dtypes)
     params = tuple(_launch.check_param(f"params[{i}]", p) for i, p in enumerate(params))
     if _custom_ops.compiling():
         return _custom_ops.apply_custom(op_name, params, (input,))
-    return autograd.apply_eager(op_name, params, (input,))
+    return autograd.apply_eager(op_name, params, (input,), out_dtype)
 
 
 def _require_default(function: str, name: str, value: Any, default: float) -> None:
@@ -250,3 +266,77 @@ def hardshrink(input: Tensor, lambd: float = 0.5) -> Tensor:
 def softshrink(input: Tensor, lambd: float = 0.5) -> Tensor:
     """Softshrink; exact backward from 1-bit codes."""
     return apply("softshrink", input, (_launch.check_param("lambd", lambd),))
+
+
+def check_normalized_shape(normalized_shape: Union[int, Sequence[int]]) -> Tuple[int, ...]:
+    """``normalized_shape`` as a tuple of positive ints (an int means one trailing dimension)."""
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape
+    try:
+        shape = tuple(shape)
+    except TypeError:
+        raise TypeError(
+            f"normalized_shape: expected an int or a sequence of ints, got {type(normalized_shape).__name__}"
+        ) from None
+    if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in shape):
+        raise ValueError(f"normalized_shape: expected one or more positive ints, got {normalized_shape!r}")
+    return shape
+
+
+def check_eps(eps: Any) -> float:
+    """``eps`` as a float: finite, > 0, and not 0 once rounded to fp32 (the kernels' parameter type)."""
+    value = _launch.check_param("eps", eps)
+    if not math.isfinite(value) or value <= 0 or float(torch.tensor(value, dtype=torch.float32)) == 0.0:
+        raise ValueError(f"eps: expected a positive, finite number representable in float32, got {eps!r}")
+    return value
+
+
+def _autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
+    """The autocast dtype active for `device`'s type, or None (torch 1.13 and 2.x spellings)."""
+    kind = device.type
+    try:  # torch >= 2.4
+        if torch.is_autocast_enabled(kind):  # type: ignore[call-arg]
+            return torch.get_autocast_dtype(kind)  # type: ignore[attr-defined]
+        return None
+    except TypeError:
+        pass
+    if kind == "cuda" and torch.is_autocast_enabled():
+        return torch.get_autocast_gpu_dtype()
+    if kind == "cpu" and torch.is_autocast_cpu_enabled():
+        return torch.get_autocast_cpu_dtype()
+    return None
+
+
+def _ms_norm(op_name: str, input: Tensor, normalized_shape: Union[int, Sequence[int]], eps: float) -> Tensor:
+    shape = check_normalized_shape(normalized_shape)
+    _launch.check_float_tensor("input", input, _launch.ROW_DTYPES)
+    k = len(shape)
+    if input.dim() < k or tuple(input.shape[-k:]) != shape:
+        raise ValueError(
+            f"input: expected a tensor whose last {k} dimension(s) are {shape} (normalized_shape), "
+            f"got shape {tuple(input.shape)}"
+        )
+    eps = check_eps(eps)
+    cols = math.prod(shape)
+    rows_view = input if k == 1 else input.reshape(*input.shape[: input.dim() - k], cols)
+    # Under autocast the consumer (a Linear) would cast an fp32 output and save that copy; emit
+    # its compute dtype directly so that it saves this very tensor (ALGORITHMS.md §5).
+    out_dtype = _autocast_dtype(input.device) if input.dtype == torch.float32 else None
+    y = apply(op_name, rows_view, (eps,), out_dtype)
+    return y if k == 1 else y.view(input.shape)
+
+
+def ms_layer_norm(input: Tensor, normalized_shape: Union[int, Sequence[int]], eps: float = 1e-5) -> Tensor:
+    """LayerNorm over the trailing ``normalized_shape`` dims, no affine: y = (x - mean) / sqrt(var + eps).
+
+    Backward is exact (ALGORITHMS.md §5) and reads only y — the returned tensor itself, which the next
+    Linear keeps — and 1/sqrt(var + eps), one value per row (fp32; fp64 for fp64 input).
+    """
+    return _ms_norm("ms_layernorm", input, normalized_shape, eps)
+
+
+def ms_rms_norm(input: Tensor, normalized_shape: Union[int, Sequence[int]], eps: float = 1e-6) -> Tensor:
+    """RMSNorm over the trailing ``normalized_shape`` dims, no affine: y = x / sqrt(mean(x^2) + eps).
+
+    Backward is exact and reads only y (the returned tensor) and one value per row.
+    """
+    return _ms_norm("ms_rmsnorm", input, normalized_shape, eps)

@@ -45,6 +45,8 @@ __all__ = [
     "Hardtanh",
     "Hardshrink",
     "Softshrink",
+    "MSLayerNorm",
+    "MSRMSNorm",
 ]
 
 
@@ -344,3 +346,48 @@ class Softshrink(_Piecewise):
 
     def _table(self) -> Tuple[List[float], List[float]]:
         return [-self.params[0], self.params[0]], [0.0, 1.0]
+
+
+class _MSNorm(torch.nn.Module):
+    """Base of the memory-sharing norms: no parameters; backward from the output and one value per row."""
+
+    operator: str
+
+    def __init__(self, normalized_shape: Any, eps: float) -> None:
+        super().__init__()
+        self.normalized_shape: Tuple[int, ...] = functional.check_normalized_shape(normalized_shape)
+        self.eps: float = functional.check_eps(eps)
+
+    @property
+    def saved_bits_per_row(self) -> float:
+        """Bits this module saves per row beyond its output (one fp32 statistic: 32)."""
+        return _lib.kernel_library().operator(self.operator).saved_bits_per_row
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}"
+
+
+class MSLayerNorm(_MSNorm):
+    """LayerNorm without affine whose backward reads only its output (shared with the next Linear)
+    and 1/sigma per row (ALGORITHMS.md §5). Fold gamma/beta into the following Linear layers with
+    ``abp.convert``."""
+
+    operator = "ms_layernorm"
+
+    def __init__(self, normalized_shape: Any, eps: float = 1e-5) -> None:
+        super().__init__(normalized_shape, eps)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return functional.ms_layer_norm(input, self.normalized_shape, self.eps)
+
+
+class MSRMSNorm(_MSNorm):
+    """RMSNorm without affine whose backward reads only its output and one value per row."""
+
+    operator = "ms_rmsnorm"
+
+    def __init__(self, normalized_shape: Any, eps: float = 1e-6) -> None:
+        super().__init__(normalized_shape, eps)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return functional.ms_rms_norm(input, self.normalized_shape, self.eps)

@@ -4,15 +4,15 @@
 // RUN: abp-compile %s --emit=manifest | FileCheck %s --check-prefix=MANIFEST
 
 // CHECK: #include "abp_device.h"
-// CHECK: ABP_FN float fn_scale(float a0);
-// CHECK: ABP_FN float fn_scale(float a0) {
-// CHECK-NEXT: const float v0 = 2.0f;
-// CHECK-NEXT: const float v1 = a0 * v0;
+// CHECK: template <typename C> ABP_FN C fn_scale(C a0);
+// CHECK: template <typename C> ABP_FN C fn_scale(C a0) {
+// CHECK-NEXT: const C v0 = (C)2.0f;
+// CHECK-NEXT: const C v1 = a0 * v0;
 // CHECK-NEXT: return v1;
 
 // CHECK-LABEL: // kernel op_fwd: 8 element(s) per thread and step, 256 threads per block
 // CHECK: ABP_FN void op_fwd_body(float a0, float & r0, abp::u32 & r1) {
-// CHECK: const float v{{[0-9]+}} = fn_scale(a0);
+// CHECK: const float v{{[0-9]+}} = fn_scale<float>(a0);
 // CHECK: const bool v{{[0-9]+}} = (a0 > v{{[0-9]+}});
 // CHECK: template <typename T>
 // CHECK: ABP_FN void op_fwd_loop(const T *ABP_RESTRICT a0, T *ABP_RESTRICT r0, abp::u8 *ABP_RESTRICT r1, abp::i64 n, abp::i64 first, abp::i64 stride, abp::i64 last) {
@@ -40,18 +40,20 @@
 // CHECK: op_bwd_body((abp::u8)e_a0[k], e_a1[k], a2, e_r0[k]);
 // CHECK: ABP_KERNEL void abp_op_bwd_f32_{{[0-9a-f]+}}(const abp::u8 *ABP_RESTRICT a0, const float *ABP_RESTRICT a1, float a2, float *ABP_RESTRICT r0, abp::i64 n) {
 
-// MANIFEST: "format": 1,
+// MANIFEST: "format": 2,
 // MANIFEST: "name": "op",
 // MANIFEST: "inputs": 1,
 // MANIFEST: "outputs": 1,
 // MANIFEST: "params": ["scale"],
+// MANIFEST: "row_wise": false,
 // MANIFEST: "residuals": [{"kind": "codes", "bits": 3}, {"kind": "scalar"}],
 // MANIFEST: "saved_bits_per_element": 3,
+// MANIFEST: "saved_bits_per_row": 0,
 // MANIFEST: "tables": [{"borders": [-3, -2, -1, 0, 1, 2, 3], "levels": [0, 0.100000001, 0.200000003, 0.300000012, 0.400000006, 0.5, 0.600000024, 0.699999988]}],
 // MANIFEST: "forward": {"kernel": "op_fwd", "args": ["input0"], "produces": ["result0", "result1", "param0"]},
 // MANIFEST: "backward": {"kernel": "op_bwd", "args": ["residual0", "grad0", "residual1"], "produces": ["result0"]}
 // MANIFEST: "kernels": [
-// MANIFEST: {"name": "op_fwd", "symbols": {"f32": "abp_op_fwd_f32_{{[0-9a-f]+}}", "f16": "abp_op_fwd_f16_{{[0-9a-f]+}}", "bf16": "abp_op_fwd_bf16_{{[0-9a-f]+}}"}, "block": 256, "chunk": 8, "args": [{"role": "in", "layout": "dense"}, {"role": "out", "layout": "dense"}, {"role": "out", "layout": "packed", "bits": 3}, {"role": "count"}]}
+// MANIFEST: {"name": "op_fwd", "kind": "elementwise", "symbols": {"f32": "abp_op_fwd_f32_{{[0-9a-f]+}}", "f16": "abp_op_fwd_f16_{{[0-9a-f]+}}", "bf16": "abp_op_fwd_bf16_{{[0-9a-f]+}}"}, "block": 256, "chunk": 8, "args": [{"role": "in", "layout": "dense"}, {"role": "out", "layout": "dense"}, {"role": "out", "layout": "packed", "bits": 3}, {"role": "count"}]}
 // MANIFEST: {"name": "op_bwd", {{.*}} "args": [{"role": "in", "layout": "packed", "bits": 3}, {"role": "in", "layout": "dense"}, {"role": "scalar", "type": "f32"}, {"role": "out", "layout": "dense"}, {"role": "count"}]}
 
 #s = #abp.buckets<borders = [-3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0], levels = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]>

@@ -84,7 +84,7 @@ abp.kernel @k attributes {ins = [#abp.packed<2>], outs = [#abp.dense]} {
 
 // -----
 
-// expected-error @+1 {{expects each of 'outs' to be #abp.dense or #abp.packed<b>, got #abp.scalar}}
+// expected-error @+1 {{expects each of 'outs' to be #abp.dense, #abp.packed<b> or #abp.rows, got #abp.scalar}}
 abp.kernel @k attributes {ins = [#abp.dense], outs = [#abp.scalar]} {
 ^bb0(%c: f32):
   abp.yield %c : f32

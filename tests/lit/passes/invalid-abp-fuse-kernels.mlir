@@ -2,7 +2,7 @@
 
 abp.operator @unlowered forward {
 ^bb0(%x: tensor<?xf32>):
-  // expected-error @+1 {{cannot be fused into an elementwise kernel; only abp.map, abp.pack and abp.unpack may remain after lowering}}
+  // expected-error @+1 {{cannot be fused into a kernel; only abp.map, abp.pack, abp.unpack, abp.reduce_rows and abp.broadcast_rows may remain after lowering}}
   %c = abp.quantize %x {scheme = #abp.buckets<borders = [0.0], levels = [0.0, 1.0]>} : tensor<?xf32> -> !abp.codes<1>
   abp.return %x : tensor<?xf32> saves %c : !abp.codes<1>
 } backward {

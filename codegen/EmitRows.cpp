@@ -1,0 +1,587 @@
+// EmitRows.cpp — one thread-mapped row kernel: reductions along rows fused with elementwise math.
+//
+// Shape of the generated code (docs/manifest.md has the calling convention). The body's values
+// are either per-element (they depend on a dense input) or row-uniform (parameters, per-row
+// inputs, reductions and what is computed from those alone). A reduction's *stage* is one more
+// than the stage of the reductions its operand depends on; the kernel runs, for every row:
+//
+//   stage 0 uniforms → sweep 0 (accumulate the stage-1 reductions) → rowAllReduce → stage 1
+//   uniforms → sweep 1 … → final sweep (compute and store the row-wide outputs) → per-row outputs
+//
+// Each sweep re-reads the row's inputs and recomputes the element values it needs, so nothing
+// row-sized is kept between sweeps (any row length works, no shared-memory cap). A row belongs
+// to RT threads: one warp when cols <= warp_max_cols, else the whole block; thread `lane` takes
+// chunks lane, lane + RT, ... of `chunk` consecutive elements (128-bit vectors when aligned).
+//
+// Everything per thread (the sweeps, the uniform stages, the element functions) is emitted once
+// and shared by both drivers: the GPU driver runs the row's RT threads in SIMT with
+// abp::rowAllReduce (warp shuffles, and shared memory + barriers across warps); the CPU driver
+// runs each sweep for every lane in turn — the barrier's guarantee, by loop fission at each
+// reduction — and abp::hostRowAllReduce replays the GPU's combination order exactly.
+#include "codegen/Emitter.h"
+#include "codegen/ScalarEmitter.h"
+
+#include "llvm/ADT/DenseMap.h"
+#include "llvm/ADT/DenseSet.h"
+#include "llvm/ADT/SetVector.h"
+#include "llvm/ADT/SmallPtrSet.h"
+
+using namespace mlir;
+using namespace abp;
+
+namespace {
+enum class ArgKind { Dense, Rows, Scalar };
+
+struct RowArg {
+  ArgKind kind;
+  bool isOutput;
+  std::string name; ///< parameter name in the generated functions
+};
+
+/// The per-element / row-uniform split of a row kernel's body and the stage of every value.
+struct RowAnalysis {
+  llvm::DenseMap<Value, bool> uniform; ///< value -> row-uniform
+  llvm::DenseMap<Value, int> stage;    ///< value -> reductions it (transitively) waits for
+  llvm::DenseMap<Value, std::string> field; ///< row-uniform value -> field of the uniforms struct
+  SmallVector<SmallVector<ReduceRowsOp>> reductions; ///< [stage - 1] -> reductions of that stage
+  int stages = 0;
+};
+
+bool isConstant(Operation *op) { return op->hasTrait<OpTrait::ConstantLike>(); }
+
+FailureOr<RowAnalysis> analyze(KernelOp kernel, ArrayRef<RowArg> args) {
+  RowAnalysis a;
+  Block &body = kernel.getBody().front();
+  int fields = 0;
+  for (auto [arg, spec] : llvm::zip(body.getArguments(), args)) {
+    a.uniform[arg] = spec.kind != ArgKind::Dense;
+    a.stage[arg] = 0;
+    if (spec.kind != ArgKind::Dense)
+      a.field[arg] = fmt::format("u.u{}", fields++);
+  }
+  for (Operation &op : body.without_terminator()) {
+    if (isConstant(&op)) {
+      a.uniform[op.getResult(0)] = true;
+      a.stage[op.getResult(0)] = 0;
+      continue;
+    }
+    bool uniform = true;
+    int stage = 0;
+    for (Value operand : op.getOperands()) {
+      uniform &= a.uniform.lookup(operand);
+      stage = std::max(stage, a.stage.lookup(operand));
+    }
+    if (auto reduce = dyn_cast<ReduceRowsOp>(op)) {
+      if (uniform)
+        return reduce.emitOpError() << "reduces a value that is already the same for the whole "
+                                       "row; reduce a per-element value";
+      uniform = true;
+      ++stage;
+      if (static_cast<int>(a.reductions.size()) < stage)
+        a.reductions.resize(stage);
+      a.reductions[stage - 1].push_back(reduce);
+      a.stages = std::max(a.stages, stage);
+    }
+    for (Value result : op.getResults()) {
+      a.uniform[result] = uniform;
+      a.stage[result] = stage;
+      if (uniform)
+        a.field[result] = fmt::format("u.u{}", fields++);
+    }
+  }
+  auto yield = cast<YieldOp>(body.getTerminator());
+  ArrayRef<RowArg> outs = args.drop_front(body.getNumArguments());
+  for (auto [i, pair] : llvm::enumerate(llvm::zip(yield.getValues(), outs))) {
+    auto [value, spec] = pair;
+    if (spec.kind == ArgKind::Rows && !a.uniform.lookup(value))
+      return yield.emitOpError() << "yields a per-element value to #abp.rows output #" << i
+                                 << "; a per-row output needs a value that is the same for the "
+                                    "whole row (reduce it first)";
+  }
+  return a;
+}
+
+/// Emits, in body order, the ops among `ops` (plus the constants they use) into `scalars`.
+LogicalResult emitOps(ArrayRef<Operation *> ops, ScalarEmitter &scalars) {
+  llvm::SetVector<Operation *> constants;
+  for (Operation *op : ops)
+    for (Value operand : op->getOperands())
+      if (Operation *def = operand.getDefiningOp(); def && isConstant(def))
+        constants.insert(def);
+  for (Operation *c : constants)
+    if (failed(scalars.emit(c)))
+      return failure();
+  for (Operation *op : ops)
+    if (!constants.contains(op) && failed(scalars.emit(op)))
+      return failure();
+  return success();
+}
+
+struct RowKernelEmitter {
+  KernelOp kernel;
+  SmallVector<RowArg> args;
+  RowAnalysis a;
+  std::string name;
+  int64_t chunk, block, warpMaxCols;
+
+  Block &body() { return kernel.getBody().front(); }
+  SmallVector<Value> yields() { return cast<YieldOp>(body().getTerminator()).getValues(); }
+  ArrayRef<RowArg> outArgs() { return ArrayRef<RowArg>(args).drop_front(body().getNumArguments()); }
+  ArrayRef<RowArg> inArgs() { return ArrayRef<RowArg>(args).take_front(body().getNumArguments()); }
+
+  /// The values sweep `p` computes per element: the operands of the stage p+1 reductions, or
+  /// (final sweep, p == stages) the values yielded to dense outputs.
+  SmallVector<Value> targetsOf(int p) {
+    SmallVector<Value> targets;
+    if (p < a.stages) {
+      for (ReduceRowsOp r : a.reductions[p])
+        targets.push_back(r.getInput());
+      return targets;
+    }
+    for (auto [v, spec] : llvm::zip(yields(), outArgs()))
+      if (spec.kind == ArgKind::Dense)
+        targets.push_back(v);
+    return targets;
+  }
+
+  /// The element ops computing `targets` from dense inputs and row-uniform values, in body
+  /// order, and the dense inputs they read.
+  void sliceOf(ArrayRef<Value> targets, SmallVectorImpl<Operation *> &ops,
+               SmallVectorImpl<unsigned> &denseInputs) {
+    llvm::SmallPtrSet<Operation *, 16> needed;
+    llvm::DenseSet<Value> inputs;
+    SmallVector<Value> work(targets.begin(), targets.end());
+    while (!work.empty()) {
+      Value v = work.pop_back_val();
+      if (a.uniform.lookup(v))
+        continue;
+      if (auto arg = dyn_cast<BlockArgument>(v)) {
+        inputs.insert(arg);
+        continue;
+      }
+      Operation *def = v.getDefiningOp();
+      if (!needed.insert(def).second)
+        continue;
+      for (Value operand : def->getOperands())
+        work.push_back(operand);
+    }
+    for (Operation &op : body().without_terminator())
+      if (needed.contains(&op))
+        ops.push_back(&op);
+    for (BlockArgument arg : body().getArguments())
+      if (inputs.contains(arg))
+        denseInputs.push_back(arg.getArgNumber());
+  }
+
+  void bindUniforms(ScalarEmitter &scalars) {
+    for (auto &[value, field] : a.field)
+      scalars.bind(value, field);
+  }
+
+  void emitUniformsStruct(SourceWriter &out) {
+    out.line("template <typename C> struct {}_uniforms {{", name);
+    out.indent();
+    SmallVector<std::string> fields;
+    for (auto &[value, field] : a.field)
+      fields.push_back(field.substr(2));
+    llvm::sort(fields, [](const std::string &l, const std::string &r) {
+      return std::stoi(l.substr(1)) < std::stoi(r.substr(1));
+    });
+    for (const std::string &f : fields)
+      out.line("C {};", f);
+    if (fields.empty())
+      out.line("C unused;");
+    out.dedent();
+    out.line("}};");
+  }
+
+  /// `<name>_stage<s>(u, sums, cols)`: the reductions of stage s from their row sums, then the
+  /// row-uniform ops of stage s.
+  LogicalResult emitStage(int s, SourceWriter &out) {
+    out.line("template <typename C> ABP_FN void {}_stage{}({}_uniforms<C> &u, const C *sums, "
+             "abp::i64 cols) {{",
+             name, s, name);
+    out.indent();
+    out.line("(void)sums;");
+    out.line("(void)cols;");
+    if (s > 0)
+      for (auto [j, r] : llvm::enumerate(a.reductions[s - 1]))
+        out.line("{} = sums[{}]{};", a.field.lookup(r.getResult()), j,
+                 r.getKind() == ReduceKind::mean ? " / (C)cols" : "");
+    SmallVector<Operation *> ops;
+    for (Operation &op : body().without_terminator())
+      if (!isConstant(&op) && !isa<ReduceRowsOp>(op) && a.uniform.lookup(op.getResult(0)) &&
+          a.stage.lookup(op.getResult(0)) == s)
+        ops.push_back(&op);
+    ScalarEmitter scalars(out, "C");
+    bindUniforms(scalars);
+    // Ops of this stage get fresh locals (emit() rebinds their results), then their fields.
+    if (failed(emitOps(ops, scalars)))
+      return failure();
+    for (Operation *op : ops)
+      for (Value result : op->getResults())
+        out.line("{} = {};", a.field.lookup(result), scalars.name(result));
+    out.dedent();
+    out.line("}}");
+    return success();
+  }
+
+  /// `<name>_elem<p>(u, inputs..., outs&...)`: sweep p's per-element computation.
+  LogicalResult emitElement(int p, ArrayRef<Value> targets, ArrayRef<Operation *> ops,
+                            ArrayRef<unsigned> dense, SourceWriter &out) {
+    std::string params = fmt::format("const {}_uniforms<C> &u", name);
+    for (unsigned i : dense)
+      params += fmt::format(", C {}", args[i].name);
+    for (size_t t = 0; t < targets.size(); ++t)
+      params += fmt::format(", C &o{}", t);
+    out.line("template <typename C> ABP_FN void {}_elem{}({}) {{", name, p, params);
+    out.indent();
+    out.line("(void)u;");
+    ScalarEmitter scalars(out, "C");
+    bindUniforms(scalars);
+    for (unsigned i : dense)
+      scalars.bind(body().getArgument(i), args[i].name);
+    if (failed(emitOps(ops, scalars)))
+      return failure();
+    for (auto [t, v] : llvm::enumerate(targets))
+      out.line("o{} = {};", t, scalars.name(v));
+    out.dedent();
+    out.line("}}");
+    return success();
+  }
+
+  /// `<name>_sweep<p><T, C, RT>(u, row pointers..., cols, lane, acc)`: one thread's pass over
+  /// its chunks of the row. Reduction sweeps add into acc[]; the final sweep stores outputs.
+  void emitSweep(int p, size_t numTargets, ArrayRef<unsigned> dense, SourceWriter &out) {
+    bool final = p == a.stages;
+    SmallVector<unsigned> stores; // indices into args of dense outputs (final sweep)
+    if (final)
+      for (auto [i, spec] : llvm::enumerate(args))
+        if (spec.isOutput && spec.kind == ArgKind::Dense)
+          stores.push_back(i);
+    std::string params = fmt::format("const {}_uniforms<C> &u", name);
+    for (unsigned i : dense)
+      params += fmt::format(", const T *ABP_RESTRICT {}", args[i].name);
+    for (unsigned i : stores)
+      params += fmt::format(", T *ABP_RESTRICT {}", args[i].name);
+    params += ", abp::i64 cols, int lane";
+    if (!final)
+      params += ", C *acc";
+    out.line("template <typename T, typename C, int RT>");
+    out.line("ABP_FN void {}_sweep{}({}) {{", name, p, params);
+    out.indent();
+    out.line("constexpr int N = {};", chunk);
+    std::string aligned;
+    for (unsigned i : llvm::concat<const unsigned>(dense, stores))
+      aligned += fmt::format("{}abp::aligned16({})", aligned.empty() ? "" : " && ", args[i].name);
+    out.line("const bool aligned = {};", aligned.empty() ? "true" : aligned);
+    out.line("for (abp::i64 j = (abp::i64)lane * N; j < cols; j += (abp::i64)RT * N) {{");
+    out.indent();
+    out.line("const bool full = j + N <= cols;");
+    out.line("const bool vec = aligned && full;");
+    out.line("(void)vec;");
+    for (unsigned i : dense) {
+      out.line("C e_{}[N];", args[i].name);
+      out.line("abp::loadChunk<N>({}, j, cols, vec, e_{});", args[i].name, args[i].name);
+    }
+    for (unsigned i : stores)
+      out.line("C e_{}[N];", args[i].name);
+    out.line("ABP_UNROLL");
+    out.line("for (int k = 0; k < N; ++k) {{");
+    out.indent();
+    std::string call;
+    for (unsigned i : dense)
+      call += fmt::format(", e_{}[k]", args[i].name);
+    if (final) {
+      for (unsigned i : stores)
+        call += fmt::format(", e_{}[k]", args[i].name);
+      out.line("{}_elem{}<C>(u{});", name, p, call);
+    } else {
+      // Elements past the row's end must not reach the sums.
+      out.line("if (!full && j + k >= cols)");
+      out.line("  break;");
+      std::string locals;
+      for (size_t t = 0; t < numTargets; ++t) {
+        locals += fmt::format("{}o{}", locals.empty() ? "" : ", ", t);
+        call += fmt::format(", o{}", t);
+      }
+      out.line("C {};", locals);
+      out.line("{}_elem{}<C>(u{});", name, p, call);
+      for (size_t t = 0; t < numTargets; ++t)
+        out.line("acc[{}] += o{};", t, t);
+    }
+    out.dedent();
+    out.line("}}");
+    for (unsigned i : stores)
+      out.line("abp::storeChunk<N>({}, j, cols, vec, e_{});", args[i].name, args[i].name);
+    out.dedent();
+    out.line("}}");
+    out.dedent();
+    out.line("}}");
+  }
+
+  /// The sweeps' dense inputs, per sweep (filled by emitPerThread).
+  SmallVector<SmallVector<unsigned>> sweepInputs;
+
+  LogicalResult emitPerThread(SourceWriter &out) {
+    emitUniformsStruct(out);
+    for (int s = 0; s <= a.stages; ++s)
+      if (failed(emitStage(s, out)))
+        return failure();
+    for (int p = 0; p <= a.stages; ++p) {
+      SmallVector<Value> targets = targetsOf(p);
+      SmallVector<Operation *> ops;
+      SmallVector<unsigned> dense;
+      sliceOf(targets, ops, dense);
+      sweepInputs.push_back(dense);
+      if (p == a.stages && targets.empty())
+        continue; // no row-wide output: no final sweep
+      if (failed(emitElement(p, targets, ops, dense, out)))
+        return failure();
+      emitSweep(p, targets.size(), dense, out);
+    }
+    return success();
+  }
+
+  int maxReductions() {
+    size_t r = 1;
+    for (auto &stage : a.reductions)
+      r = std::max(r, stage.size());
+    return static_cast<int>(r);
+  }
+
+  /// The statements processing one row `row` (shared text of both drivers; `host` selects how
+  /// the row's RT threads run).
+  void emitRowBody(bool host, SourceWriter &out) {
+    out.line("{}_uniforms<C> u;", name);
+    for (auto [i, spec] : llvm::enumerate(inArgs())) {
+      Value arg = body().getArgument(i);
+      if (spec.kind == ArgKind::Scalar)
+        out.line("{} = (C){};", a.field.lookup(arg), spec.name);
+      else if (spec.kind == ArgKind::Rows)
+        out.line("{} = {}[row];", a.field.lookup(arg), spec.name);
+    }
+    out.line("{}_stage0<C>(u, nullptr, cols);", name);
+    out.line("const abp::i64 base = row * cols;");
+    auto rowPointers = [&](ArrayRef<unsigned> indices) {
+      std::string s;
+      for (unsigned i : indices)
+        s += fmt::format(", {} + base", args[i].name);
+      return s;
+    };
+    for (int p = 0; p < a.stages; ++p) {
+      size_t r = a.reductions[p].size();
+      std::string ptrs = rowPointers(sweepInputs[p]);
+      out.line("{{");
+      out.indent();
+      if (host) {
+        out.line("C acc[RT][{}] = {{}};", r);
+        out.line("for (int lane = 0; lane < RT; ++lane)");
+        out.line("  {}_sweep{}<T, C, RT>(u{}, cols, lane, acc[lane]);", name, p, ptrs);
+        out.line("abp::hostRowAllReduce<RT, {}>(acc);", r);
+        out.line("{}_stage{}<C>(u, acc[0], cols);", name, p + 1);
+      } else {
+        out.line("C acc[{}] = {{}};", r);
+        out.line("{}_sweep{}<T, C, RT>(u{}, cols, lane, acc);", name, p, ptrs);
+        out.line("abp::rowAllReduce<RT, {}>(acc, scratch);", r);
+        out.line("{}_stage{}<C>(u, acc, cols);", name, p + 1);
+      }
+      out.dedent();
+      out.line("}}");
+    }
+    SmallVector<unsigned> stores;
+    for (auto [i, spec] : llvm::enumerate(args))
+      if (spec.isOutput && spec.kind == ArgKind::Dense)
+        stores.push_back(i);
+    if (!stores.empty()) {
+      std::string ptrs = rowPointers(sweepInputs[a.stages]) + rowPointers(stores);
+      if (host)
+        out.line("for (int lane = 0; lane < RT; ++lane)");
+      out.line("{}{}_sweep{}<T, C, RT>(u{}, cols, lane);", host ? "  " : "", name, a.stages,
+               ptrs);
+    }
+    SmallVector<std::pair<std::string, std::string>> rowStores;
+    for (auto [v, spec] : llvm::zip(yields(), outArgs()))
+      if (spec.kind == ArgKind::Rows)
+        rowStores.emplace_back(spec.name, a.field.lookup(v));
+    if (!rowStores.empty()) {
+      if (!host)
+        out.line("if (lane == 0) {{");
+      for (auto &[ptr, field] : rowStores)
+        out.line("{}{}[row] = {};", host ? "" : "  ", ptr, field);
+      if (!host)
+        out.line("}}");
+    }
+  }
+
+  std::string paramList(const Dtype &d) {
+    std::string params;
+    for (const RowArg &spec : args) {
+      std::string type;
+      if (spec.kind == ArgKind::Dense)
+        type = fmt::format("{}{} *ABP_RESTRICT", spec.isOutput ? "" : "const ", d.cppType);
+      else if (spec.kind == ArgKind::Rows)
+        type = fmt::format("{}{} *ABP_RESTRICT", spec.isOutput ? "" : "const ", d.computeType);
+      else
+        type = "float";
+      params += fmt::format("{} {}, ", type, spec.name);
+    }
+    return params + "abp::i64 rows, abp::i64 cols";
+  }
+
+  std::string templateParamList() {
+    std::string params;
+    for (const RowArg &spec : args) {
+      std::string type;
+      if (spec.kind == ArgKind::Dense)
+        type = fmt::format("{}T *ABP_RESTRICT", spec.isOutput ? "" : "const ");
+      else if (spec.kind == ArgKind::Rows)
+        type = fmt::format("{}C *ABP_RESTRICT", spec.isOutput ? "" : "const ");
+      else
+        type = "float";
+      params += fmt::format("{} {}, ", type, spec.name);
+    }
+    return params + "abp::i64 rows, abp::i64 cols";
+  }
+
+  std::string argNames() {
+    std::string names;
+    for (const RowArg &spec : args)
+      names += spec.name + ", ";
+    return names + "rows, cols";
+  }
+
+  void emitDrivers(SourceWriter &out) {
+    // GPU: the RT threads of a row run together; G rows per block.
+    out.line("#if ABP_GPU");
+    out.line("template <typename T, typename C, int RT>");
+    out.line("ABP_FN void {}_rows({}, C *scratch) {{", name, templateParamList());
+    out.indent();
+    out.line("(void)scratch;");
+    out.line("constexpr int G = {} / RT;", block);
+    out.line("const int lane = (int)(threadIdx.x % RT);");
+    out.line("const abp::i64 group = (abp::i64)(threadIdx.x / RT);");
+    out.line("for (abp::i64 row = (abp::i64)blockIdx.x * G + group; row < rows; "
+             "row += (abp::i64)gridDim.x * G) {{");
+    out.indent();
+    emitRowBody(/*host=*/false, out);
+    out.dedent();
+    out.line("}}");
+    out.dedent();
+    out.line("}}");
+    out.line("#endif");
+    // CPU: blocks [b0, b1) of a `grid`-block launch; each row's lanes run phase by phase.
+    out.line("#if ABP_HOST");
+    out.line("template <typename T, typename C, int RT>");
+    out.line("static void {}_hostRows({}, abp::i64 grid, abp::i64 b0, abp::i64 b1) {{", name,
+             templateParamList());
+    out.indent();
+    out.line("constexpr int G = {} / RT;", block);
+    out.line("for (abp::i64 b = b0; b < b1; ++b)");
+    out.line("  for (int group = 0; group < G; ++group)");
+    out.line("    for (abp::i64 row = b * G + group; row < rows; row += grid * G) {{");
+    out.indent(3);
+    emitRowBody(/*host=*/true, out);
+    out.dedent(3);
+    out.line("    }}");
+    out.dedent();
+    out.line("}}");
+    out.line("#endif");
+  }
+
+  void emitEntry(const Dtype &d, const std::string &symbol, SourceWriter &out) {
+    std::string targs = fmt::format("{}, {}", d.cppType, d.computeType);
+    out.line("#if ABP_GPU");
+    out.line("ABP_KERNEL void {}({}) {{", symbol, paramList(d));
+    out.indent();
+    out.line("__shared__ {} scratch[{}];", d.computeType, maxReductions() * 32);
+    out.line("if (cols <= {})", warpMaxCols);
+    out.line("  {}_rows<{}, 32>({}, scratch);", name, targs, argNames());
+    out.line("else");
+    out.line("  {}_rows<{}, {}>({}, scratch);", name, targs, block, argNames());
+    out.dedent();
+    out.line("}}");
+    out.line("#endif");
+    out.line("#if ABP_HOST");
+    out.line("extern \"C\" void {}__host(void **args, abp::i64 grid, abp::i64 block, abp::i64 b0, "
+             "abp::i64 b1) {{",
+             symbol);
+    out.indent();
+    out.line("(void)block;");
+    size_t index = 0;
+    for (const RowArg &spec : args) {
+      std::string type;
+      if (spec.kind == ArgKind::Dense)
+        type = fmt::format("{}{} *", spec.isOutput ? "" : "const ", d.cppType);
+      else if (spec.kind == ArgKind::Rows)
+        type = fmt::format("{}{} *", spec.isOutput ? "" : "const ", d.computeType);
+      else
+        type = "float";
+      out.line("{} {} = *static_cast<{} *>(args[{}]);", type, spec.name, type, index++);
+    }
+    out.line("const abp::i64 rows = *static_cast<abp::i64 *>(args[{}]);", index++);
+    out.line("const abp::i64 cols = *static_cast<abp::i64 *>(args[{}]);", index);
+    out.line("if (cols <= {})", warpMaxCols);
+    out.line("  {}_hostRows<{}, 32>({}, grid, b0, b1);", name, targs, argNames());
+    out.line("else");
+    out.line("  {}_hostRows<{}, {}>({}, grid, b0, b1);", name, targs, block, argNames());
+    out.dedent();
+    out.line("}}");
+    out.line("#endif");
+  }
+};
+
+SmallVector<RowArg> rowArgsOf(KernelOp kernel) {
+  SmallVector<RowArg> args;
+  auto add = [&](Attribute layout, bool isOutput, size_t index) {
+    ArgKind kind = isa<RowsLayoutAttr>(layout)     ? ArgKind::Rows
+                   : isa<ScalarLayoutAttr>(layout) ? ArgKind::Scalar
+                                                   : ArgKind::Dense;
+    args.push_back({kind, isOutput, fmt::format("{}{}", isOutput ? "r" : "a", index)});
+  };
+  for (auto [i, layout] : llvm::enumerate(kernel.getIns()))
+    add(layout, false, i);
+  for (auto [i, layout] : llvm::enumerate(kernel.getOuts()))
+    add(layout, true, i);
+  return args;
+}
+} // namespace
+
+LogicalResult abp::emitRowKernel(KernelOp kernel, SourceWriter &out,
+                                 std::vector<std::pair<std::string, std::string>> &symbols) {
+  if (!kernel.getChunk() || !kernel.getBlockSize() || !kernel.getWarpMaxCols())
+    return kernel.emitOpError() << "has no thread mapping; run abp-map-threads first";
+  int64_t block = *kernel.getBlockSize();
+  if (block % 32 != 0)
+    return kernel.emitOpError() << "is a row kernel and needs whole warps per block, got "
+                                << block << " threads";
+  RowKernelEmitter e;
+  e.kernel = kernel;
+  e.args = rowArgsOf(kernel);
+  e.name = kernel.getSymName().str();
+  e.chunk = *kernel.getChunk();
+  e.block = block;
+  e.warpMaxCols = *kernel.getWarpMaxCols();
+  FailureOr<RowAnalysis> analysis = analyze(kernel, e.args);
+  if (failed(analysis))
+    return failure();
+  e.a = std::move(*analysis);
+
+  SourceWriter text;
+  text.line("// row kernel {}: {} reduction stage(s); rows of <= {} elements per warp, longer "
+            "rows per block of {} threads; {} element(s) per thread and step",
+            e.name, e.a.stages, e.warpMaxCols, block, e.chunk);
+  if (failed(e.emitPerThread(text)))
+    return failure();
+  e.emitDrivers(text);
+  std::string hash = shortHash(text.str());
+
+  out.line("{}", text.str());
+  for (const Dtype &dtype : rowKernelDtypes()) {
+    std::string symbol = fmt::format("abp_{}_{}_{}", e.name, dtype.name, hash);
+    e.emitEntry(dtype, symbol, out);
+    symbols.emplace_back(dtype.name, symbol);
+  }
+  out.blank();
+  return success();
+}
