@@ -59,7 +59,8 @@ class _Plan:
 
     op: Operator
     # For each residual: ("tensor", k) = the k-th tensor the fwd op returns after the outputs,
-    # or ("param", k) = the operator's k-th parameter (a scalar residual).
+    # ("output", k) = forward output k itself (a shared residual: custom ops may not return
+    # aliases, so it is saved from the outputs), or ("param", k) = the operator's k-th parameter.
     residual_sources: Tuple[Tuple[str, int], ...]
     tensor_residuals: Tuple[int, ...]  # indices of the residuals that are tensors
     scalar_residuals: Tuple[int, ...]  # indices of the residuals that are scalars
@@ -88,6 +89,9 @@ def _residual_sources(op: Operator) -> Tuple[Tuple[str, int], ...]:
             if kind != "param":
                 raise RuntimeError(f"operator {op.name}: scalar residual{i} is {ref}, not a parameter")
             sources.append(("param", index))
+        elif residual.kind == "shared":
+            assert residual.output is not None
+            sources.append(("output", residual.output))
         else:
             sources.append(("tensor", tensors))
             tensors += 1
@@ -104,6 +108,8 @@ def _fake_residual(op: Operator, index: int, like: torch.Tensor) -> torch.Tensor
     if residual.kind == "codes":
         assert residual.bits is not None
         return like.new_empty(packed_bytes(residual.bits, like.numel()), dtype=torch.uint8)
+    if residual.kind == "rows":
+        return like.new_empty(like.shape[:-1], dtype=_launch.compute_dtype(like.dtype))
     return like.new_empty(like.shape)
 
 
@@ -122,6 +128,8 @@ def _define(op: Operator) -> _Plan:
     sources = _residual_sources(op)
     tensor_residuals = tuple(i for i, s in enumerate(sources) if s[0] == "tensor")
     scalar_residuals = tuple(i for i, s in enumerate(sources) if s[0] == "param")
+    # The bwd op takes every tensor residual (returned or shared) in residual order.
+    saved_residuals = tuple(i for i, s in enumerate(sources) if s[0] != "param")
     n_in, n_out, n_params = op.inputs, op.outputs, len(op.params)
     name = op.name
 
@@ -149,16 +157,16 @@ def _define(op: Operator) -> _Plan:
 
     # abp::<op>_bwd(Tensor residual..., Tensor grad0, ..., float scalar residual...) -> grads
     bwd_args = (
-        [f"Tensor residual{i}" for i in tensor_residuals]
+        [f"Tensor residual{i}" for i in saved_residuals]
         + [f"Tensor grad{i}" for i in range(n_out)]
         + [f"float residual{i}" for i in scalar_residuals]
     )
 
     def bwd_impl(*args: Any) -> Any:
-        tensors = iter(args[: len(tensor_residuals)])
-        grads = args[len(tensor_residuals) : len(tensor_residuals) + n_out]
-        scalars = iter(args[len(tensor_residuals) + n_out :])
-        residuals = [next(tensors) if s[0] == "tensor" else next(scalars) for s in sources]
+        tensors = iter(args[: len(saved_residuals)])
+        grads = args[len(saved_residuals) : len(saved_residuals) + n_out]
+        scalars = iter(args[len(saved_residuals) + n_out :])
+        residuals = [next(scalars) if s[0] == "param" else next(tensors) for s in sources]
         first = grads[0]
         dxs = _launch.backward(op, residuals, grads, first.shape, first.dtype, first.device)
         dxs = [torch.zeros_like(first) if dx is None else dx for dx in dxs]
@@ -169,13 +177,16 @@ def _define(op: Operator) -> _Plan:
 
     @bwd.register_fake
     def _(*args: Any) -> Any:
-        first = args[len(tensor_residuals)]
+        first = args[len(saved_residuals)]
         dxs = [first.new_empty(first.shape) for _ in range(n_in)]
         return dxs[0] if len(dxs) == 1 else tuple(dxs)
 
     def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
         produced = output if isinstance(output, tuple) else (output,)
-        ctx.save_for_backward(*produced[n_out:])
+        returned = iter(produced[n_out:])
+        ctx.save_for_backward(
+            *[produced[sources[i][1]] if sources[i][0] == "output" else next(returned) for i in saved_residuals]
+        )
         ctx.abp_scalars = tuple(float(inputs[n_in + sources[i][1]]) for i in scalar_residuals)
         ctx.abp_input_shapes = tuple(inputs[i].shape for i in range(n_in))
 

@@ -22,6 +22,7 @@ trailing ``normalized_shape`` dimensions without affine parameters and save only
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any, Optional, Sequence, Tuple, Union
 
 import torch
@@ -285,7 +286,11 @@ def check_normalized_shape(normalized_shape: Union[int, Sequence[int]]) -> Tuple
 def check_eps(eps: Any) -> float:
     """``eps`` as a float: finite, > 0, and not 0 once rounded to fp32 (the kernels' parameter type)."""
     value = _launch.check_param("eps", eps)
-    if not math.isfinite(value) or value <= 0 or float(torch.tensor(value, dtype=torch.float32)) == 0.0:
+    try:
+        as_f32 = struct.unpack("f", struct.pack("f", value))[0] if math.isfinite(value) else math.nan
+    except OverflowError:
+        as_f32 = math.inf
+    if not (value > 0 and math.isfinite(as_f32) and as_f32 > 0):
         raise ValueError(f"eps: expected a positive, finite number representable in float32, got {eps!r}")
     return value
 

@@ -39,3 +39,15 @@ abp.kernel @only_8bit attributes {ins = [#abp.packed<8>], outs = [#abp.packed<8>
 ^bb0(%c: i8):
   abp.yield %c : i8
 }
+
+// -----
+
+// Row kernels also get warp_max_cols (rows up to it run one per warp).
+// CHECK-LABEL: abp.kernel @r
+// CHECK-SAME: block_size = 256 : i64, chunk = 8 : i64
+// CHECK-SAME: rows, warp_max_cols = 1024 : i64
+abp.kernel @r attributes {ins = [#abp.dense], outs = [#abp.rows], rows} {
+^bb0(%x: f32):
+  %s = abp.reduce_rows sum %x : f32 -> f32
+  abp.yield %s : f32
+}
