@@ -17,10 +17,13 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from . import _custom_ops, _lib, autograd, cache, functional, memory, nn
+from .convert import Change, convert
 from ._errors import AbpError, CompileError, Status
 
 __all__ = [
     "AbpError",
+    "Change",
+    "convert",
     "CompileError",
     "Status",
     "autograd",

@@ -2,11 +2,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-__all__ = ["SavedTensor", "SavedTensorsCounter", "distinct_bytes", "saved_bytes", "storage_key"]
+__all__ = [
+    "MemoryReport",
+    "SavedTensor",
+    "SavedTensorsCounter",
+    "distinct_bytes",
+    "report",
+    "saved_bytes",
+    "storage_key",
+]
 
 
 def storage_key(t: torch.Tensor) -> Tuple[str, int, int]:
@@ -96,3 +104,110 @@ def saved_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
     with SavedTensorsCounter() as counter:
         fn(*args, **kwargs)
     return counter.total_bytes
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """What one training step's forward saves for backward, per module (``report``).
+
+    ``per_module`` maps a module's qualified name ("" = outside any submodule) to the bytes of the
+    storages first saved while it was the innermost running module; a storage saved again later
+    (a Linear saving the norm output the norm already saved) is not counted again, so the values
+    add up to ``total_bytes``. Parameters are left out: they are kept anyway. With a baseline, the
+    same numbers for it.
+    """
+
+    total_bytes: int
+    per_module: Dict[str, int]
+    baseline_total_bytes: Optional[int] = None
+    baseline_per_module: Optional[Dict[str, int]] = None
+
+    def __str__(self) -> str:
+        names = list(self.per_module)
+        if self.baseline_per_module is not None:
+            names += [n for n in self.baseline_per_module if n not in self.per_module]
+        lines = [f"{'module':<40} {'saved bytes':>14}" + (f" {'baseline':>14}" if self.baseline_per_module is not None else "")]
+        for name in names:
+            line = f"{name or '(top level)':<40} {self.per_module.get(name, 0):>14,}"
+            if self.baseline_per_module is not None:
+                line += f" {self.baseline_per_module.get(name, 0):>14,}"
+            lines.append(line)
+        total = f"{'total':<40} {self.total_bytes:>14,}"
+        if self.baseline_total_bytes is not None:
+            total += f" {self.baseline_total_bytes:>14,}"
+        return "\n".join(lines + [total])
+
+
+def _measure(model: torch.nn.Module, inputs: Tuple[Any, ...], loss_fn: Optional[Callable[[Any], torch.Tensor]]) -> Tuple[int, Dict[str, int]]:
+    counter = SavedTensorsCounter()
+    stack: List[str] = []
+
+    def enter(name: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            stack.append(name)
+            counter.tag = name
+
+        return hook
+
+    def leave(module: torch.nn.Module, args: Any, output: Any) -> None:
+        stack.pop()
+        counter.tag = stack[-1] if stack else ""
+
+    handles = []
+    for name, module in model.named_modules():
+        if name:
+            handles.append(module.register_forward_pre_hook(enter(name)))
+            handles.append(module.register_forward_hook(leave))
+    parameters = {storage_key(p)[:2] for p in model.parameters()}
+    try:
+        counter.tag = ""
+        with counter:
+            output = model(*inputs)
+        loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
+        loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+    seen: Dict[Tuple[str, int], int] = {}
+    per_module: Dict[str, int] = {}
+    for s in counter.tensors:
+        key = (s.device, s.storage_ptr)
+        if key in parameters:
+            continue
+        tag = s.tag or ""
+        per_module.setdefault(tag, 0)
+        if key not in seen:
+            seen[key] = s.storage_bytes
+            per_module[tag] += s.storage_bytes
+    return sum(seen.values()), per_module
+
+
+def _default_loss(output: Any) -> torch.Tensor:
+    tensors = [output] if isinstance(output, torch.Tensor) else [t for t in output if isinstance(t, torch.Tensor)]
+    if not tensors:
+        raise TypeError("report: the model returned no tensor; pass loss_fn= to turn its output into a loss")
+    return sum(t.float().sum() for t in tensors)  # type: ignore[return-value]
+
+
+def report(
+    model: torch.nn.Module,
+    inputs: Union[torch.Tensor, Sequence[Any]],
+    *,
+    baseline: Optional[torch.nn.Module] = None,
+    loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
+) -> MemoryReport:
+    """Runs one forward and backward of ``model(*inputs)`` and reports the bytes saved for backward
+    per module, each storage counted once (``MemoryReport``). ``baseline`` (e.g. the model before
+    ``abp.convert``) is measured the same way on the same inputs. The loss is ``loss_fn(output)``,
+    by default the sum of the output(s); gradients accumulate into the models' ``.grad``.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if baseline is not None and not isinstance(baseline, torch.nn.Module):
+        raise TypeError(f"baseline: expected a torch.nn.Module or None, got {type(baseline).__name__}")
+    args = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    total, per_module = _measure(model, args, loss_fn)
+    if baseline is None:
+        return MemoryReport(total, per_module)
+    base_total, base_per_module = _measure(baseline, args, loss_fn)
+    return MemoryReport(total, per_module, base_total, base_per_module)
