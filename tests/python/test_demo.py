@@ -33,3 +33,20 @@ def test_demo_trains_three_variants_and_prints_their_bytes():
     assert "16.0 KiB" in rows["torch GELU (exact)"]
     assert "1.0 KiB" in rows["abp ReGELU2 (2-bit)"] and "16.0x less" in rows["abp ReGELU2 (2-bit)"]
     assert "1.5 KiB" in rows["abp GELU bits=3"] and "10.7x less" in rows["abp GELU bits=3"]
+
+
+def test_lowmembp_demo_converts_trains_and_saves_less():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(abp.__file__).parent.parent), env.get("PYTHONPATH", "")]))
+    args = ["--steps", "2", "--batch", "8", "--seq", "8", "--dim", "16", "--depth", "1", "--device", "cpu"]
+    result = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "lowmembp_demo.py"), *args],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "replaced  blocks.0.norm1       LayerNorm -> MSLayerNorm" in out, out
+    assert "folded    head" in out and "refused" not in out, out
+    saved = [line for line in out.splitlines() if line.startswith("saved for backward per step")]
+    assert saved and "x less" in saved[0], out
+    assert "as written  final loss" in out and "lowmembp    final loss" in out, out
