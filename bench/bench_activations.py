@@ -30,30 +30,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bindings", "python"))
 import abp  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import median_time  # noqa: E402
+
 
 def timer(device: torch.device) -> Callable[[Callable[[], None], int], float]:
     """Returns a function timing `fn` (seconds per call, median of `reps` after warm-up)."""
-
-    def run(fn: Callable[[], None], reps: int) -> float:
-        for _ in range(3):
-            fn()
-        samples = []
-        for _ in range(reps):
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize()
-                samples.append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                samples.append(time.perf_counter() - t0)
-        samples.sort()
-        return samples[len(samples) // 2]
-
-    return run
+    return lambda fn, reps: median_time(fn, device, reps)
 
 
 def bits_of(name: str) -> int:

@@ -19,7 +19,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from typing import Callable, Dict, List
 
 import torch
@@ -29,26 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bindings", "python"))
 import abp  # noqa: E402
 
-
-def median_time(fn: Callable[[], None], device: torch.device, reps: int) -> float:
-    """Seconds per call of `fn`: median of `reps` timed calls after 3 warm-up calls."""
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            samples.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t0)
-    samples.sort()
-    return samples[len(samples) // 2]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import median_time  # noqa: E402
 
 
 def torch_rms_norm(x: torch.Tensor, cols: int, eps: float) -> torch.Tensor:

@@ -414,33 +414,21 @@ struct RowKernelEmitter {
     }
   }
 
-  std::string paramList(const Dtype &d) {
-    std::string params;
-    for (const RowArg &spec : args) {
-      std::string type;
-      if (spec.kind == ArgKind::Dense)
-        type = fmt::format("{}{} *ABP_RESTRICT", spec.isOutput ? "" : "const ", d.cppType);
-      else if (spec.kind == ArgKind::Rows)
-        type = fmt::format("{}{} *ABP_RESTRICT", spec.isOutput ? "" : "const ", d.computeType);
-      else
-        type = "float";
-      params += fmt::format("{} {}, ", type, spec.name);
-    }
-    return params + "abp::i64 rows, abp::i64 cols";
+  /// The C++ type of argument `spec` with element type `elem` and per-row type `row`
+  /// (template parameters "T"/"C", or a dtype's concrete types); `pointer` is the declarator.
+  static std::string argType(const RowArg &spec, const std::string &elem, const std::string &row,
+                             const char *pointer) {
+    if (spec.kind == ArgKind::Scalar)
+      return "float";
+    return fmt::format("{}{} {}", spec.isOutput ? "" : "const ",
+                       spec.kind == ArgKind::Dense ? elem : row, pointer);
   }
 
-  std::string templateParamList() {
+  /// The driver / entry parameter list: arguments in manifest order, then rows and cols.
+  std::string paramList(const std::string &elem, const std::string &row) {
     std::string params;
-    for (const RowArg &spec : args) {
-      std::string type;
-      if (spec.kind == ArgKind::Dense)
-        type = fmt::format("{}T *ABP_RESTRICT", spec.isOutput ? "" : "const ");
-      else if (spec.kind == ArgKind::Rows)
-        type = fmt::format("{}C *ABP_RESTRICT", spec.isOutput ? "" : "const ");
-      else
-        type = "float";
-      params += fmt::format("{} {}, ", type, spec.name);
-    }
+    for (const RowArg &spec : args)
+      params += fmt::format("{} {}, ", argType(spec, elem, row, "*ABP_RESTRICT"), spec.name);
     return params + "abp::i64 rows, abp::i64 cols";
   }
 
@@ -455,7 +443,7 @@ struct RowKernelEmitter {
     // GPU: the RT threads of a row run together; G rows per block.
     out.line("#if ABP_GPU");
     out.line("template <typename T, typename C, int RT>");
-    out.line("ABP_FN void {}_rows({}, C *scratch) {{", name, templateParamList());
+    out.line("ABP_FN void {}_rows({}, C *scratch) {{", name, paramList("T", "C"));
     out.indent();
     out.line("(void)scratch;");
     out.line("constexpr int G = {} / RT;", block);
@@ -474,7 +462,7 @@ struct RowKernelEmitter {
     out.line("#if ABP_HOST");
     out.line("template <typename T, typename C, int RT>");
     out.line("static void {}_hostRows({}, abp::i64 grid, abp::i64 b0, abp::i64 b1) {{", name,
-             templateParamList());
+             paramList("T", "C"));
     out.indent();
     out.line("constexpr int G = {} / RT;", block);
     out.line("for (abp::i64 b = b0; b < b1; ++b)");
@@ -492,7 +480,7 @@ struct RowKernelEmitter {
   void emitEntry(const Dtype &d, const std::string &symbol, SourceWriter &out) {
     std::string targs = fmt::format("{}, {}", d.cppType, d.computeType);
     out.line("#if ABP_GPU");
-    out.line("ABP_KERNEL void {}({}) {{", symbol, paramList(d));
+    out.line("ABP_KERNEL void {}({}) {{", symbol, paramList(d.cppType, d.computeType));
     out.indent();
     out.line("__shared__ {} scratch[{}];", d.computeType, maxReductions() * 32);
     out.line("if (cols <= {})", warpMaxCols);
@@ -510,13 +498,7 @@ struct RowKernelEmitter {
     out.line("(void)block;");
     size_t index = 0;
     for (const RowArg &spec : args) {
-      std::string type;
-      if (spec.kind == ArgKind::Dense)
-        type = fmt::format("{}{} *", spec.isOutput ? "" : "const ", d.cppType);
-      else if (spec.kind == ArgKind::Rows)
-        type = fmt::format("{}{} *", spec.isOutput ? "" : "const ", d.computeType);
-      else
-        type = "float";
+      std::string type = argType(spec, d.cppType, d.computeType, "*");
       out.line("{} {} = *static_cast<{} *>(args[{}]);", type, spec.name, type, index++);
     }
     out.line("const abp::i64 rows = *static_cast<abp::i64 *>(args[{}]);", index++);

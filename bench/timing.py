@@ -1,0 +1,28 @@
+"""Timing shared by the benchmarks: median of timed calls after warm-up (CUDA events on a GPU)."""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+
+def median_time(fn: Callable[[], None], device: torch.device, reps: int) -> float:
+    """Seconds per call of `fn`: median of `reps` timed calls after 3 warm-up calls."""
+    for _ in range(3):
+        fn()
+    samples = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+    samples.sort()
+    return samples[len(samples) // 2]
