@@ -251,7 +251,7 @@ struct RowKernelEmitter {
   }
 
   /// `<name>_sweep<p><T, C, RT>(u, row pointers..., cols, lane, acc)`: one thread's pass over
-  /// its chunks of the row. Reduction sweeps add into acc[]; the final sweep stores outputs.
+  /// its chunks of the row. Reduction sweeps combine into acc[]; the final sweep stores outputs.
   void emitSweep(int p, size_t numTargets, ArrayRef<unsigned> dense, SourceWriter &out) {
     bool final = p == a.stages;
     SmallVector<unsigned> stores; // indices into args of dense outputs (final sweep)
@@ -297,7 +297,7 @@ struct RowKernelEmitter {
         call += fmt::format(", e_{}[k]", args[i].name);
       out.line("{}_elem{}<C>(u{});", name, p, call);
     } else {
-      // Elements past the row's end must not reach the sums.
+      // Elements past the row's end must not reach the partials.
       out.line("if (!full && j + k >= cols)");
       out.line("  break;");
       std::string locals;
@@ -307,8 +307,12 @@ struct RowKernelEmitter {
       }
       out.line("C {};", locals);
       out.line("{}_elem{}<C>(u{});", name, p, call);
-      for (size_t t = 0; t < numTargets; ++t)
-        out.line("acc[{}] += o{};", t, t);
+      for (auto [t, r] : llvm::enumerate(a.reductions[p])) {
+        if (deviceOp(r) == "abp::kReduceSum")
+          out.line("acc[{}] += o{};", t, t);
+        else
+          out.line("acc[{}] = abp::reduceCombine({}, acc[{}], o{});", t, deviceOp(r), t, t);
+      }
     }
     out.dedent();
     out.line("}}");
@@ -343,6 +347,34 @@ struct RowKernelEmitter {
     return success();
   }
 
+  /// The device header's combiner of a reduction (a mean is a sum, divided in its stage).
+  static std::string deviceOp(ReduceRowsOp r) {
+    switch (r.getKind()) {
+    case ReduceKind::max:
+      return "abp::kReduceMax";
+    case ReduceKind::min:
+      return "abp::kReduceMin";
+    default:
+      return "abp::kReduceSum";
+    }
+  }
+
+  /// "abp::kReduceSum, abp::kReduceMax, ..." for the reductions of sweep `p`.
+  std::string deviceOps(int p) {
+    std::string ops;
+    for (ReduceRowsOp r : a.reductions[p])
+      ops += (ops.empty() ? "" : ", ") + deviceOp(r);
+    return ops;
+  }
+
+  /// The identities the partials of sweep `p` start from.
+  std::string identities(int p) {
+    std::string init;
+    for (ReduceRowsOp r : a.reductions[p])
+      init += fmt::format("{}abp::reduceIdentity<C>({})", init.empty() ? "" : ", ", deviceOp(r));
+    return init;
+  }
+
   int maxReductions() {
     size_t r = 1;
     for (auto &stage : a.reductions)
@@ -375,15 +407,19 @@ struct RowKernelEmitter {
       out.line("{{");
       out.indent();
       if (host) {
-        out.line("C acc[RT][{}] = {{}};", r);
-        out.line("for (int lane = 0; lane < RT; ++lane)");
+        out.line("C acc[RT][{}];", r);
+        out.line("for (int lane = 0; lane < RT; ++lane) {{");
+        out.line("  const C init[{}] = {{{}}};", r, identities(p));
+        out.line("  for (int i = 0; i < {}; ++i)", r);
+        out.line("    acc[lane][i] = init[i];");
         out.line("  {}_sweep{}<T, C, RT>(u{}, cols, lane, acc[lane]);", name, p, ptrs);
-        out.line("abp::hostRowAllReduce<RT, {}>(acc);", r);
+        out.line("}}");
+        out.line("abp::hostRowAllReduce<RT, {}>(acc);", deviceOps(p));
         out.line("{}_stage{}<C>(u, acc[0], cols);", name, p + 1);
       } else {
-        out.line("C acc[{}] = {{}};", r);
+        out.line("C acc[{}] = {{{}}};", r, identities(p));
         out.line("{}_sweep{}<T, C, RT>(u{}, cols, lane, acc);", name, p, ptrs);
-        out.line("abp::rowAllReduce<RT, {}>(acc, scratch);", r);
+        out.line("abp::rowAllReduce<RT, {}>(acc, scratch);", deviceOps(p));
         out.line("{}_stage{}<C>(u, acc, cols);", name, p + 1);
       }
       out.dedent();

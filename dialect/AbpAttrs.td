@@ -70,7 +70,9 @@ def Abp_RowsLayoutAttr : AttrDef<Abp_Dialect, "RowsLayout"> {
 
 def Abp_ReduceKind : I32EnumAttr<"ReduceKind", "how abp.reduce_rows combines a row", [
     I32EnumAttrCase<"sum", 0>,
-    I32EnumAttrCase<"mean", 1>
+    I32EnumAttrCase<"mean", 1>,
+    I32EnumAttrCase<"max", 2>,
+    I32EnumAttrCase<"min", 3>
   ]> {
   let cppNamespace = "::abp";
 }

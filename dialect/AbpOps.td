@@ -132,11 +132,12 @@ def Abp_YieldOp : Abp_Op<"yield", [Pure, Terminator, ReturnLike,
 //===----------------------------------------------------------------------===//
 
 def Abp_ReduceRowsOp : Abp_Op<"reduce_rows", [Pure]> {
-  let summary = "sums or averages every row (the last dimension) of a tensor";
+  let summary = "sums, averages or takes the maximum or minimum of every row (the last dimension)";
   let description = [{
     In an operator: `tensor<?x?xf32> -> tensor<?xf32>`, one value per row. `sum` adds the row's
     elements, `mean` divides that sum by the row length; both accumulate in the compute type
-    (fp32, or fp64 for fp64 launches). Inside a row kernel (after `abp-fuse-kernels`) the op
+    (fp32, or fp64 for fp64 launches). `max` and `min` propagate NaN (a NaN anywhere in the row
+    is the result); an empty row gives 0, -inf and +inf respectively. Inside a row kernel (after `abp-fuse-kernels`) the op
     takes the per-element `f32` and yields the row's `f32` to every element of the row.
 
     A row kernel reads its inputs once per reduction stage: a statistic that depends on

@@ -400,29 +400,47 @@ template <typename C> ABP_FN C minimum(C x, C y) {
 
 //===----------------------------------------------------------------------===//
 // Row reductions (row kernels). RT threads own one row: RT = 32 is one warp, RT = the block
-// size is the whole block. Each thread holds R partial sums; rowAllReduce leaves every
-// thread of the row with the row's R sums, combined in one fixed order:
-//   1. within each warp, an xor butterfly: for offset 16, 8, 4, 2, 1, v = v + v[lane ^ offset]
-//      (both lanes of a pair compute the same sum, so all 32 lanes end with identical bits);
-//   2. RT > 32: the warps' sums go through shared memory and every warp repeats the butterfly
-//      over them (lanes past the warp count contribute +0).
+// size is the whole block. Each thread holds R partials (sums, maxima or minima); rowAllReduce
+// leaves every thread of the row with the row's R results, combined in one fixed order:
+//   1. within each warp, an xor butterfly: for offset 16, 8, 4, 2, 1, v = v ⊕ v[lane ^ offset]
+//      (⊕ is commutative, so both lanes of a pair compute the same value and all 32 lanes end
+//      with identical bits);
+//   2. RT > 32: the warps' results go through shared memory and every warp repeats the
+//      butterfly over them (lanes past the warp count contribute the identity: 0, -inf, +inf).
 // The CPU path cannot run RT threads at once, so row kernels are emitted in phases split at
 // each reduction (loop fission: every thread of the row finishes its phase before the
 // reduction, which is what the barrier guarantees on the GPU) and hostRowAllReduce replays
 // exactly the order above over the phase's per-thread partials: both paths give the same bits.
 //===----------------------------------------------------------------------===//
+/// How a row reduction combines two partials (abp.reduce_rows kinds; mean is a sum, divided later).
+enum ReduceOp { kReduceSum = 0, kReduceMax = 1, kReduceMin = 2 };
+
+/// The partial a thread starts from: the combiner's identity (0, -inf, +inf).
+template <typename C> ABP_FN C reduceIdentity(int op) {
+  return op == kReduceSum ? (C)0 : op == kReduceMax ? (C)bitsFloat(0xff800000u) : (C)bitsFloat(0x7f800000u);
+}
+/// Combines two partials; max/min propagate NaN (a NaN anywhere in the row reaches the result).
+template <typename C> ABP_FN C reduceCombine(int op, C a, C b) {
+  return op == kReduceSum ? a + b : op == kReduceMax ? maximum(a, b) : minimum(a, b);
+}
+
 #if ABP_GPU
-template <int R, typename C> ABP_FN void warpButterfly(C (&v)[R]) {
+template <int... Ops, typename C> ABP_FN void warpButterfly(C (&v)[sizeof...(Ops)]) {
+  constexpr int kOps[] = {Ops...};
   ABP_UNROLL
   for (int offset = 16; offset > 0; offset >>= 1)
     ABP_UNROLL
-    for (int r = 0; r < R; ++r)
-      v[r] = v[r] + __shfl_xor_sync(0xffffffffu, v[r], offset);
+    for (int r = 0; r < (int)sizeof...(Ops); ++r)
+      v[r] = reduceCombine(kOps[r], v[r], __shfl_xor_sync(0xffffffffu, v[r], offset));
 }
 
 /// `scratch` holds at least R * 32 values of shared memory; RT > 32 requires RT == blockDim.x.
-template <int RT, int R, typename C> ABP_FN void rowAllReduce(C (&v)[R], C *scratch) {
-  warpButterfly<R>(v);
+/// Ops: one ReduceOp per value.
+template <int RT, int... Ops, typename C>
+ABP_FN void rowAllReduce(C (&v)[sizeof...(Ops)], C *scratch) {
+  constexpr int R = (int)sizeof...(Ops);
+  constexpr int kOps[] = {Ops...};
+  warpButterfly<Ops...>(v);
   if (RT > 32) {
     const int lane = (int)(threadIdx.x & 31u), warp = (int)(threadIdx.x >> 5);
     __syncthreads(); // every reader of the previous reduction's scratch is done
@@ -434,18 +452,18 @@ template <int RT, int R, typename C> ABP_FN void rowAllReduce(C (&v)[R], C *scra
     __syncthreads();
     ABP_UNROLL
     for (int r = 0; r < R; ++r)
-      v[r] = lane < RT / 32 ? scratch[r * 32 + lane] : (C)0;
-    warpButterfly<R>(v);
+      v[r] = lane < RT / 32 ? scratch[r * 32 + lane] : reduceIdentity<C>(kOps[r]);
+    warpButterfly<Ops...>(v);
   }
 }
 #else
 /// The butterfly of one warp over lanes[0..32), in place: the order of warpButterfly.
-template <int R, typename C> ABP_FN void hostWarpButterfly(C (*lanes)[R]) {
+template <int R, typename C> ABP_FN void hostWarpButterfly(C (*lanes)[R], const int *ops) {
   for (int offset = 16; offset > 0; offset >>= 1) {
     C next[32][R];
     for (int lane = 0; lane < 32; ++lane)
       for (int r = 0; r < R; ++r)
-        next[lane][r] = lanes[lane][r] + lanes[lane ^ offset][r];
+        next[lane][r] = reduceCombine(ops[r], lanes[lane][r], lanes[lane ^ offset][r]);
     for (int lane = 0; lane < 32; ++lane)
       for (int r = 0; r < R; ++r)
         lanes[lane][r] = next[lane][r];
@@ -453,17 +471,19 @@ template <int R, typename C> ABP_FN void hostWarpButterfly(C (*lanes)[R]) {
 }
 
 /// rowAllReduce for the RT threads of one row whose partials are v[0..RT): afterwards every
-/// v[t] holds the sums, bit for bit what the GPU's threads hold.
-template <int RT, int R, typename C> ABP_FN void hostRowAllReduce(C (*v)[R]) {
+/// v[t] holds the results, bit for bit what the GPU's threads hold.
+template <int RT, int... Ops, typename C> ABP_FN void hostRowAllReduce(C (*v)[sizeof...(Ops)]) {
   static_assert(RT % 32 == 0 && RT >= 32 && RT <= 1024, "RT: whole warps, at most 1024 threads");
+  constexpr int R = (int)sizeof...(Ops);
+  const int ops[] = {Ops...};
   for (int warp = 0; warp < RT / 32; ++warp)
-    hostWarpButterfly<R>(v + warp * 32);
+    hostWarpButterfly<R>(v + warp * 32, ops);
   if (RT > 32) {
     C lanes[32][R];
     for (int lane = 0; lane < 32; ++lane)
       for (int r = 0; r < R; ++r)
-        lanes[lane][r] = lane < RT / 32 ? v[lane * 32][r] : (C)0;
-    hostWarpButterfly<R>(lanes);
+        lanes[lane][r] = lane < RT / 32 ? v[lane * 32][r] : reduceIdentity<C>(ops[r]);
+    hostWarpButterfly<R>(lanes, ops);
     for (int t = 0; t < RT; ++t)
       for (int r = 0; r < R; ++r)
         v[t][r] = lanes[t & 31][r];

@@ -259,3 +259,41 @@ def test_bad_inputs_give_clear_errors():
     # Elementwise operators keep their own dtype set: fp64 is for row kernels only.
     with pytest.raises(TypeError, match="input: expected dtype torch.float32, torch.float16 or torch.bfloat16, got torch.float64"):
         abp.functional.regelu2(torch.randn(4, dtype=torch.float64))
+
+
+ROW_RANGE_IR = """
+abp.operator @test_row_range forward {
+^bb0(%x: tensor<?x?xf32>):
+  %mx = abp.reduce_rows max %x : tensor<?x?xf32> -> tensor<?xf32>
+  %mn = abp.reduce_rows min %x : tensor<?x?xf32> -> tensor<?xf32>
+  %mxb = abp.broadcast_rows %mx : tensor<?xf32> -> tensor<?x?xf32>
+  %mnb = abp.broadcast_rows %mn : tensor<?xf32> -> tensor<?x?xf32>
+  %y = abp.map(%x, %mxb, %mnb) : (tensor<?x?xf32>, tensor<?x?xf32>, tensor<?x?xf32>) -> tensor<?x?xf32> {
+  ^bb0(%a: f32, %b: f32, %c: f32):
+    %d = arith.subf %a, %b : f32
+    %e = arith.addf %d, %c : f32
+    abp.yield %e : f32
+  }
+  abp.return %y : tensor<?x?xf32>
+} backward {
+^bb0(%g: tensor<?x?xf32>):
+  abp.return %g : tensor<?x?xf32>
+}
+"""
+
+
+@pytest.mark.parametrize("cols", [1, 9, 1000, 1025, 5000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_row_max_and_min_reductions(cols, dtype):
+    if "test_row_range" not in abp.operators():
+        abp.compile_operators(ROW_RANGE_IR)
+    gen = torch.Generator().manual_seed(cols)
+    x = torch.randn(6, cols, generator=gen, dtype=dtype) * 100
+    x[2, cols // 2] = math.nan
+    if cols > 1:
+        x[3, 0] = math.inf
+    y = abp.functional.apply("test_row_range", x)
+    want = x - x.amax(-1, keepdim=True) + x.amin(-1, keepdim=True)
+    assert torch.isnan(y[2]).all(), "max/min propagate a NaN to its whole row"
+    rows = [0, 1, 4, 5] + ([3] if cols > 1 else [])
+    assert torch.equal(torch.nan_to_num(y[rows]), torch.nan_to_num(want[rows]))

@@ -422,7 +422,7 @@ TEST(DeviceHeader, HostRowReductionReplaysTheGpuOrderBitForBit) {
       a[t] = partials[t][0] = dist(rng) * std::ldexp(1.0f, (t * 7) % 40 - 20);
       b[t] = partials[t][1] = dist(rng);
     }
-    abp::hostRowAllReduce<RT, 2>(partials);
+    abp::hostRowAllReduce<RT, abp::kReduceSum, abp::kReduceSum>(partials);
     float wantA = butterflyReference(a, RT), wantB = butterflyReference(b, RT);
     for (int t = 0; t < RT; ++t) {
       EXPECT_EQ(bitsOf(partials[t][0]), bitsOf(wantA)) << "RT=" << RT << " t=" << t;
@@ -442,9 +442,41 @@ TEST(DeviceHeader, HostRowReductionReplaysTheGpuOrderBitForBit) {
   double d[64][1];
   for (int t = 0; t < 64; ++t)
     d[t][0] = t + 0.5;
-  abp::hostRowAllReduce<64, 1>(d);
+  abp::hostRowAllReduce<64, abp::kReduceSum>(d);
   for (int t = 0; t < 64; ++t)
     EXPECT_EQ(d[t][0], 64 * 63 / 2 + 32.0); // exact in double
+}
+
+TEST(DeviceHeader, HostRowMaxAndMinPropagateNanAndStartFromTheirIdentities) {
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> dist(-100.0f, 100.0f);
+  float v[256][3];
+  float mx = -INFINITY, mn = INFINITY, sum = 0;
+  for (int t = 0; t < 256; ++t) {
+    v[t][0] = dist(rng);
+    v[t][1] = dist(rng);
+    v[t][2] = 1.0f;
+    mx = std::max(mx, v[t][0]);
+    mn = std::min(mn, v[t][1]);
+  }
+  abp::hostRowAllReduce<256, abp::kReduceMax, abp::kReduceMin, abp::kReduceSum>(v);
+  for (int t = 0; t < 256; ++t) {
+    EXPECT_EQ(v[t][0], mx);
+    EXPECT_EQ(v[t][1], mn);
+    EXPECT_EQ(v[t][2], 256.0f);
+  }
+  float w[32][2];
+  for (int t = 0; t < 32; ++t) {
+    w[t][0] = w[t][1] = float(t);
+  }
+  w[17][0] = std::nanf("");
+  abp::hostRowAllReduce<32, abp::kReduceMax, abp::kReduceMin>(w);
+  EXPECT_TRUE(std::isnan(w[0][0])) << "a NaN anywhere in the row is the max";
+  EXPECT_EQ(w[0][1], 0.0f);
+  EXPECT_EQ(abp::reduceIdentity<float>(abp::kReduceMax), -INFINITY);
+  EXPECT_EQ(abp::reduceIdentity<double>(abp::kReduceMin), INFINITY);
+  EXPECT_EQ(abp::reduceIdentity<float>(abp::kReduceSum), 0.0f);
+  (void)sum;
 }
 
 TEST(DeviceHeader, DoubleStorageAndMath) {

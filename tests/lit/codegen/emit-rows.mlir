@@ -22,12 +22,12 @@
 // CHECK: abp::storeChunk<N>(r1, j, cols, vec, e_r1);
 // CHECK: #if ABP_GPU
 // CHECK: ABP_FN void ln_fwd_rows(
-// CHECK: abp::rowAllReduce<RT, 1>(acc, scratch);
+// CHECK: abp::rowAllReduce<RT, abp::kReduceSum>(acc, scratch);
 // CHECK: if (lane == 0) {
 // CHECK: #if ABP_HOST
 // CHECK: static void ln_fwd_hostRows(
 // CHECK: for (int lane = 0; lane < RT; ++lane)
-// CHECK: abp::hostRowAllReduce<RT, 1>(acc);
+// CHECK: abp::hostRowAllReduce<RT, abp::kReduceSum>(acc);
 // CHECK: ABP_KERNEL void abp_ln_fwd_f32_[[H:[0-9a-f]+]](const float *ABP_RESTRICT a0, float a1, float *ABP_RESTRICT r0, float *ABP_RESTRICT r1, abp::i64 rows, abp::i64 cols) {
 // CHECK: __shared__ float scratch[32];
 // CHECK: if (cols <= 1024)
