@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from . import _custom_ops, _lib, autograd, cache, functional, memory, nn
+from . import convert as convert_  # the module (RECIPES, Change); `abp.convert` is the function
 from .convert import Change, convert
 from ._errors import AbpError, CompileError, Status
 
@@ -24,6 +25,7 @@ __all__ = [
     "AbpError",
     "Change",
     "convert",
+    "convert_",
     "CompileError",
     "Status",
     "autograd",

@@ -10,6 +10,9 @@ abp activations). It never silently changes the model's function:
 - folding needs the norm's output to feed only Linear layers, each called once, with unshared
   weights (found with torch.fx); anything else (post-LN blocks, a norm feeding a residual add or a
   slice, tied weights, an untraceable model) leaves that norm alone and says why;
+- nothing is replaced or folded into that would lose behaviour: a module with hooks or
+  parametrizations, a Linear subclass with its own forward, a norm whose parameters forward also
+  reads directly;
 - the folded weights are computed in float64: ``W' = W diag(gamma)``, ``b' = b + W beta``.
 
 In full fine-tuning the fold is a re-parameterisation: gamma is no longer trained separately.
@@ -22,6 +25,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from . import nn as abp_nn
 
@@ -150,15 +154,59 @@ def _probe_mismatch(module: nn.Module, norm: _Norm) -> Optional[str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Module checks: what a replacement or a fold would silently drop
+# ---------------------------------------------------------------------------------------------
+
+
+def _hooks_of(module: nn.Module) -> List[str]:
+    """The kinds of hooks registered on `module` itself (they would not survive a replacement)."""
+    kinds = [("forward pre-hooks", "_forward_pre_hooks"), ("forward hooks", "_forward_hooks"),
+             ("backward hooks", "_backward_hooks"), ("backward pre-hooks", "_backward_pre_hooks")]
+    return [label for label, attr in kinds if getattr(module, attr, None)]
+
+
+def _norm_refusal(module: nn.Module) -> Optional[str]:
+    """Why `module` must not be replaced even if it computes the norm (None if it may).
+
+    A replacement has neither hooks nor parametrizations: dropping them would change what runs.
+    """
+    if parametrize.is_parametrized(module):
+        return "its parameters are parametrized (torch.nn.utils.parametrize); the replacement has none"
+    hooks = _hooks_of(module)
+    if hooks:
+        return f"it has {' and '.join(hooks)}, which the replacement would not carry"
+    return None
+
+
+def _linear_refusal(name: str, linear: nn.Linear) -> Optional[str]:
+    """Why writing W' and b' into `linear` would not fold the norm into what it computes (None if it would).
+
+    Folding writes ``linear.weight`` / ``linear.bias``; that is only the function ``F.linear(x, W', b')``
+    if the module runs nn.Linear's forward on its input, and those parameters are what it multiplies by.
+    """
+    if parametrize.is_parametrized(linear):
+        return f"Linear `{name}` has parametrized weights (torch.nn.utils.parametrize): its weight is computed, not stored"
+    if type(linear).forward is not nn.Linear.forward or "forward" in vars(linear):
+        return f"Linear `{name}` ({type(linear).__name__}) has its own forward; its weight alone may not be what it applies"
+    if linear._forward_pre_hooks:
+        return f"Linear `{name}` has forward pre-hooks (e.g. weight_norm), which may recompute its weight or change its input"
+    for attr in ("weight", "bias"):
+        if attr not in linear._parameters and getattr(linear, attr, None) is not None:
+            return f"Linear `{name}` {attr} is not a Parameter of its own (a computed or registered-elsewhere tensor)"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
 # Graph analysis (torch.fx)
 # ---------------------------------------------------------------------------------------------
 
 
 class _Tracer(torch.fx.Tracer):
-    """Keeps recognised norms (also custom RMSNorm classes) as leaves, so their calls are visible."""
+    """Keeps recognised norms (also custom RMSNorm classes) and every Linear, subclasses included, as
+    leaves: the fold is decided on module calls, and a Linear subclass must be seen as one to be judged."""
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return _norm_of(m) is not None or super().is_leaf_module(m, module_qualified_name)
+        return isinstance(m, nn.Linear) or _norm_of(m) is not None or super().is_leaf_module(m, module_qualified_name)
 
 
 def _describe_user(node: torch.fx.Node, modules: Dict[str, nn.Module]) -> str:
@@ -177,6 +225,14 @@ def _reads_only_metadata(node: torch.fx.Node) -> bool:
     return node.op == "call_method" and node.target in ("size", "dim")
 
 
+def _leaf_ancestor(graph: torch.fx.Graph, name: str) -> Optional[str]:
+    """The module called as one opaque torch.fx leaf that contains submodule `name`, if any."""
+    for node in graph.nodes:
+        if node.op == "call_module" and name.startswith(f"{node.target}."):
+            return str(node.target)
+    return None
+
+
 def _parameter_owners(model: nn.Module) -> Dict[int, List[str]]:
     """id(parameter) -> every qualified name it is registered under (shared weights have several)."""
     owners: Dict[int, List[str]] = {}
@@ -192,8 +248,17 @@ def _fold_targets(
 ) -> Tuple[Optional[List[str]], str]:
     """The Linear layers to fold norm `name` into, or None and the reason it cannot be folded."""
     calls = [n for n in graph.nodes if n.op == "call_module" and n.target == name]
+    if not calls:
+        leaf = _leaf_ancestor(graph, name)
+        if leaf is not None:
+            return None, (f"it runs inside `{leaf}` ({type(modules[leaf]).__name__}), which torch.fx keeps as one "
+                          "opaque call, so its consumers cannot be seen")
+        return None, "it is not called in the traced forward"
     if len(calls) != 1:
         return None, f"it is called {len(calls)} times in the traced graph; folding needs exactly one call"
+    reads = [str(n.target) for n in graph.nodes if n.op == "get_attr" and str(n.target).startswith(f"{name}.")]
+    if reads:
+        return None, f"forward also reads `{reads[0]}` directly, which the replacement does not have"
     if len(norm.shape) != 1:
         return None, f"normalized_shape {norm.shape} spans several dimensions; a Linear consumes only the last"
     users = list(calls[0].users)
@@ -211,6 +276,9 @@ def _fold_targets(
         linear_calls = [n for n in graph.nodes if n.op == "call_module" and n.target == user.target]
         if len(linear_calls) != 1:
             return None, f"Linear `{user.target}` is called {len(linear_calls)} times; folding would change its other calls"
+        refusal = _linear_refusal(str(user.target), module)
+        if refusal is not None:
+            return None, refusal
         if module.in_features != norm.shape[0]:
             return None, f"Linear `{user.target}` has in_features {module.in_features}, not {norm.shape[0]}"
         for p in (module.weight, module.bias):
@@ -227,39 +295,136 @@ def _fold_targets(
 # ---------------------------------------------------------------------------------------------
 
 
-def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, attr = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, attr, new)
+def _paths(model: nn.Module) -> Dict[int, List[str]]:
+    """id(module) -> every qualified name it is registered under (a shared module has several)."""
+    paths: Dict[int, List[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        paths.setdefault(id(module), []).append(name)
+    return paths
 
 
-def _fold_into(model: nn.Module, linear_name: str, norm: _Norm) -> str:
-    """W' = W diag(gamma), b' = b + W beta, in float64; adds a bias when beta needs one."""
-    linear = model.get_submodule(linear_name)
-    assert isinstance(linear, nn.Linear)
+def _replace(model: nn.Module, paths: List[str], new: nn.Module) -> None:
+    """Puts `new` at every path of one module, so a module registered twice is not left half-converted."""
+    for name in paths:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, new)
+
+
+def _also_at(paths: List[str]) -> str:
+    return f" (also registered as {', '.join(f'`{p}`' for p in paths[1:])})" if len(paths) > 1 else ""
+
+
+def _fold_into(linear: nn.Linear, norm: _Norm) -> str:
+    """W' = W diag(gamma), b' = b + W beta, in float64 and cast back; adds a bias when beta needs one.
+
+    The Linear keeps its Parameter objects (an optimizer holding them stays valid); a missing bias is
+    registered on the same module, trainable like its weight.
+    """
     with torch.no_grad():
         w = linear.weight.detach().to(torch.float64)
-        new_w = w * norm.weight.detach().to(torch.float64, copy=False).to(w.device)[None, :] if norm.weight is not None else w
+        new_w = w
+        if norm.weight is not None:
+            new_w = w * norm.weight.detach().to(device=w.device, dtype=torch.float64)[None, :]
         new_b: Optional[Tensor] = linear.bias.detach().to(torch.float64) if linear.bias is not None else None
         if norm.bias is not None and bool((norm.bias != 0).any()):
-            shift = w @ norm.bias.detach().to(torch.float64).to(w.device)
+            shift = w @ norm.bias.detach().to(device=w.device, dtype=torch.float64)
             new_b = shift if new_b is None else new_b + shift
-        target = linear
-        if new_b is not None and linear.bias is None:
-            target = nn.Linear(linear.in_features, linear.out_features, bias=True,
-                               device=linear.weight.device, dtype=linear.weight.dtype)
-            target.weight.requires_grad_(linear.weight.requires_grad)
-            target.bias.requires_grad_(linear.weight.requires_grad)
-            _set_module(model, linear_name, target)
-        target.weight.copy_(new_w.to(target.weight.dtype))
+        added = new_b is not None and linear.bias is None
+        if added:
+            bias = torch.empty(linear.out_features, dtype=linear.weight.dtype, device=linear.weight.device)
+            linear.register_parameter("bias", nn.Parameter(bias, requires_grad=linear.weight.requires_grad))
+        linear.weight.copy_(new_w.to(linear.weight.dtype))
         if new_b is not None:
-            target.bias.copy_(new_b.to(target.bias.dtype))
-    added = " (bias added for beta)" if target is not linear else ""
-    return f"folded gamma{' and beta' if norm.bias is not None else ''} in float64{added}"
+            linear.bias.copy_(new_b.to(linear.bias.dtype))
+    parts = "gamma and beta" if norm.bias is not None else "gamma"
+    return f"folded {parts} in float64{' (bias added for beta)' if added else ''}"
 
 
 def _ms_norm(norm: _Norm) -> nn.Module:
     return abp_nn.MSLayerNorm(norm.shape, norm.eps) if norm.kind == "layer" else abp_nn.MSRMSNorm(norm.shape, norm.eps)
+
+
+def _trace(model: nn.Module) -> Tuple[Optional[torch.fx.Graph], str]:
+    """The model's torch.fx graph (recognised norms as leaves), or None and why it failed."""
+    try:
+        return _Tracer().trace(model), ""
+    except Exception as e:  # data-dependent control flow, unsupported ops, ...
+        return None, f"the model could not be traced by torch.fx ({type(e).__name__}: {e})"
+
+
+def _convert_norm(
+    model: nn.Module, name: str, norm: _Norm, graph: Optional[torch.fx.Graph], trace_error: str,
+    modules: Dict[str, nn.Module], owners: Dict[int, List[str]], paths: List[str],
+) -> List[Change]:
+    """Replaces one recognised norm (folding its affine parameters) or says why not."""
+    module = modules[name]
+    kind = type(module).__name__
+
+    def refused(reason: str) -> List[Change]:
+        return [Change(name, "refused", reason)]
+
+    refusal = _norm_refusal(module)  # before the probe, which would run the module's hooks
+    if refusal is not None:
+        return refused(f"{kind} not replaced: {refusal}")
+    mismatch = _probe_mismatch(module, norm)
+    if mismatch is not None:
+        return refused(f"{kind} does not compute {norm.kind}norm: {mismatch}")
+    try:
+        replacement = _ms_norm(norm)
+    except (TypeError, ValueError) as e:
+        return refused(f"no memory-sharing norm for it: {e}")
+    new_kind = type(replacement).__name__
+    if norm.weight is None and norm.bias is None:
+        _replace(model, paths, replacement)
+        return [Change(name, "replaced", f"{kind} -> {new_kind} (no affine){_also_at(paths)}")]
+    if graph is None:
+        return refused(f"its affine parameters cannot be folded: {trace_error}")
+    targets, reason = _fold_targets(graph, name, norm, modules, owners)
+    if targets is None:
+        return refused(f"its affine parameters cannot be folded: {reason}")
+    changes = [Change(t, "folded", f"{_fold_into(modules[t], norm)} from `{name}`") for t in targets]  # type: ignore[arg-type]
+    _replace(model, paths, replacement)
+    changes.append(Change(name, "replaced", f"{kind} -> {new_kind} (affine folded into {', '.join(targets)}){_also_at(paths)}"))
+    return changes
+
+
+def _convert_norms(model: nn.Module) -> List[Change]:
+    modules = dict(model.named_modules())
+    norms = {name: n for name, m in modules.items() if name and (n := _norm_of(m)) is not None}
+    graph: Optional[torch.fx.Graph] = None
+    trace_error = ""
+    if any(n.weight is not None or n.bias is not None for n in norms.values()):
+        graph, trace_error = _trace(model)
+    owners = _parameter_owners(model)
+    paths = _paths(model)
+    changes: List[Change] = []
+    for name, norm in norms.items():
+        changes += _convert_norm(model, name, norm, graph, trace_error, modules, owners, paths[id(modules[name])])
+    return changes
+
+
+def _convert_activations(model: nn.Module, kind: str, op_name: str) -> List[Change]:
+    """Replaces every ``nn.GELU`` (erf form) or ``nn.SiLU`` by the abp module for `op_name`.
+
+    Only the exact torch classes: a subclass may compute something else.
+    """
+    cls = nn.GELU if kind == "gelu" else nn.SiLU
+    paths = _paths(model)
+    changes: List[Change] = []
+    for name, module in list(model.named_modules()):
+        if type(module) is not cls:
+            continue
+        if kind == "gelu" and getattr(module, "approximate", "none") != "none":
+            changes.append(Change(name, "refused", f"GELU(approximate={module.approximate!r}) differs from the erf GELU that {op_name} computes"))
+            continue
+        if _hooks_of(module):
+            changes.append(Change(name, "refused", f"{cls.__name__} not replaced: it has {' and '.join(_hooks_of(module))}, which the replacement would not carry"))
+            continue
+        replacement = _activation_module(kind, op_name)
+        _replace(model, paths[id(module)], replacement)
+        changes.append(Change(name, "replaced", f"{cls.__name__} -> {type(replacement).__name__} ({op_name}){_also_at(paths[id(module)])}"))
+    return changes
 
 
 def convert(model: nn.Module, recipe: str = "lowmembp", *, inplace: bool = False, **overrides: Any) -> Tuple[nn.Module, List[Change]]:
@@ -268,66 +433,25 @@ def convert(model: nn.Module, recipe: str = "lowmembp", *, inplace: bool = False
     Overrides: ``norms=False`` keeps every norm; ``gelu=`` / ``silu=`` choose the replacement
     activation by abp operator name (``"regelu2"`` / ``"resilu2"`` by default, ``"gelu_b3"``,
     ``"silu_b2_uniform"``, ...) or switch it off with ``None``. With ``inplace=False`` (default)
-    the model is deep-copied first.
+    the model is deep-copied first, so the original stays usable as a baseline.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if recipe not in RECIPES:
         raise ValueError(f"recipe: expected one of {', '.join(RECIPES)}, got {recipe!r}")
+    if not isinstance(inplace, bool):
+        raise TypeError(f"inplace: expected True or False, got {inplace!r}")
     options = _check_overrides(overrides)
     if not inplace:
-        model = copy.deepcopy(model)
+        try:
+            model = copy.deepcopy(model)
+        except Exception as e:  # e.g. old-style weight_norm keeps a non-leaf weight tensor
+            raise RuntimeError(f"model: could not be deep-copied ({type(e).__name__}: {e}); "
+                               "pass inplace=True to convert it in place") from e
     changes: List[Change] = []
-    modules = dict(model.named_modules())
-
     if options["norms"]:
-        norms = {name: n for name, m in modules.items() if name and (n := _norm_of(m)) is not None}
-        graph: Optional[torch.fx.Graph] = None
-        trace_error = ""
-        if any(n.weight is not None or n.bias is not None for n in norms.values()):
-            try:
-                graph = _Tracer().trace(model)
-            except Exception as e:  # data-dependent control flow, unsupported ops, ...
-                trace_error = f"the model could not be traced by torch.fx ({type(e).__name__}: {e})"
-        owners = _parameter_owners(model)
-        for name, norm in norms.items():
-            module = modules[name]
-            mismatch = _probe_mismatch(module, norm)
-            if mismatch is not None:
-                changes.append(Change(name, "refused", f"{type(module).__name__} does not compute {norm.kind}norm: {mismatch}"))
-                continue
-            try:
-                replacement = _ms_norm(norm)
-            except (TypeError, ValueError) as e:
-                changes.append(Change(name, "refused", f"no memory-sharing norm for it: {e}"))
-                continue
-            if norm.weight is None and norm.bias is None:
-                _set_module(model, name, replacement)
-                changes.append(Change(name, "replaced", f"{type(module).__name__} -> {type(replacement).__name__} (no affine)"))
-                continue
-            if graph is None:
-                changes.append(Change(name, "refused", f"its affine parameters cannot be folded: {trace_error}"))
-                continue
-            targets, reason = _fold_targets(graph, name, norm, modules, owners)
-            if targets is None:
-                changes.append(Change(name, "refused", f"its affine parameters cannot be folded: {reason}"))
-                continue
-            for target in targets:
-                changes.append(Change(target, "folded", f"{_fold_into(model, target, norm)} from `{name}`"))
-            _set_module(model, name, replacement)
-            changes.append(Change(name, "replaced", f"{type(module).__name__} -> {type(replacement).__name__} (affine folded into {', '.join(targets)})"))
-
-    for kind, cls in (("gelu", nn.GELU), ("silu", nn.SiLU)):
-        op_name = options[kind]
-        if op_name is None:
-            continue
-        for name, module in list(model.named_modules()):
-            if type(module) is not cls:
-                continue
-            if kind == "gelu" and getattr(module, "approximate", "none") != "none":
-                changes.append(Change(name, "refused", f"GELU(approximate={module.approximate!r}) differs from the erf GELU that {op_name} computes"))
-                continue
-            replacement = _activation_module(kind, op_name)
-            _set_module(model, name, replacement)
-            changes.append(Change(name, "replaced", f"{cls.__name__} -> {type(replacement).__name__} ({op_name})"))
+        changes += _convert_norms(model)
+    for kind in ("gelu", "silu"):
+        if options[kind] is not None:
+            changes += _convert_activations(model, kind, options[kind])
     return model, changes

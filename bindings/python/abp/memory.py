@@ -113,8 +113,8 @@ class MemoryReport:
     ``per_module`` maps a module's qualified name ("" = outside any submodule) to the bytes of the
     storages first saved while it was the innermost running module; a storage saved again later
     (a Linear saving the norm output the norm already saved) is not counted again, so the values
-    add up to ``total_bytes``. Parameters are left out: they are kept anyway. With a baseline, the
-    same numbers for it.
+    add up to ``total_bytes``. Parameters and buffers are left out: the modules keep them anyway.
+    With a baseline, the same numbers for it.
     """
 
     total_bytes: int
@@ -138,8 +138,11 @@ class MemoryReport:
         return "\n".join(lines + [total])
 
 
-def _measure(model: torch.nn.Module, inputs: Tuple[Any, ...], loss_fn: Optional[Callable[[Any], torch.Tensor]]) -> Tuple[int, Dict[str, int]]:
-    counter = SavedTensorsCounter()
+def _innermost_module_tags(model: torch.nn.Module, counter: SavedTensorsCounter) -> List[Any]:
+    """Hooks keeping ``counter.tag`` = the qualified name of the innermost module running ("" = none).
+
+    A stack, not the last module entered: after a child returns, saves belong to its parent again.
+    """
     stack: List[str] = []
 
     def enter(name: str) -> Callable[..., None]:
@@ -158,21 +161,46 @@ def _measure(model: torch.nn.Module, inputs: Tuple[Any, ...], loss_fn: Optional[
         if name:
             handles.append(module.register_forward_pre_hook(enter(name)))
             handles.append(module.register_forward_hook(leave))
-    parameters = {storage_key(p)[:2] for p in model.parameters()}
+    return handles
+
+
+def _grad_leaves(model: torch.nn.Module, inputs: Tuple[Any, ...]) -> List[torch.Tensor]:
+    """Tensors whose ``.grad`` backward may write: the model's parameters and the leaf inputs."""
+    leaves = list(model.parameters())
+    leaves += [t for t in inputs if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad]
+    return leaves
+
+
+def _measure(model: torch.nn.Module, inputs: Tuple[Any, ...], loss_fn: Optional[Callable[[Any], torch.Tensor]]) -> Tuple[int, Dict[str, int]]:
+    """(total, per module) bytes saved by one forward of ``model(*inputs)``; runs backward to free them.
+
+    ``.grad`` of the parameters and inputs is restored afterwards: a report must not disturb training.
+    """
+    counter = SavedTensorsCounter()
+    handles = _innermost_module_tags(model, counter)
+    # Kept by the module anyway, whether or not autograd also saves them.
+    kept = {storage_key(t)[:2] for t in list(model.parameters()) + list(model.buffers())}
+    leaves = _grad_leaves(model, inputs)
+    grads = [t.grad for t in leaves]
+    for t in leaves:  # backward would otherwise accumulate into the existing .grad tensors in place
+        t.grad = None
     try:
         counter.tag = ""
         with counter:
             output = model(*inputs)
         loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
-        loss.backward()
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            loss.backward()
     finally:
         for h in handles:
             h.remove()
+        for t, g in zip(leaves, grads):
+            t.grad = g
     seen: Dict[Tuple[str, int], int] = {}
     per_module: Dict[str, int] = {}
     for s in counter.tensors:
         key = (s.device, s.storage_ptr)
-        if key in parameters:
+        if key in kept:
             continue
         tag = s.tag or ""
         per_module.setdefault(tag, 0)
@@ -199,13 +227,19 @@ def report(
     """Runs one forward and backward of ``model(*inputs)`` and reports the bytes saved for backward
     per module, each storage counted once (``MemoryReport``). ``baseline`` (e.g. the model before
     ``abp.convert``) is measured the same way on the same inputs. The loss is ``loss_fn(output)``,
-    by default the sum of the output(s); gradients accumulate into the models' ``.grad``.
+    by default the sum of the output(s) in float32; backward only frees what forward saved: the
+    ``.grad`` of parameters and inputs is left as it was.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if baseline is not None and not isinstance(baseline, torch.nn.Module):
         raise TypeError(f"baseline: expected a torch.nn.Module or None, got {type(baseline).__name__}")
-    args = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    if isinstance(inputs, torch.Tensor):
+        args: Tuple[Any, ...] = (inputs,)
+    elif isinstance(inputs, (tuple, list)):
+        args = tuple(inputs)
+    else:
+        raise TypeError(f"inputs: expected a tensor or a tuple of positional arguments, got {type(inputs).__name__}")
     total, per_module = _measure(model, args, loss_fn)
     if baseline is None:
         return MemoryReport(total, per_module)

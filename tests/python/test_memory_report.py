@@ -1,0 +1,132 @@
+"""abp.memory.report: bytes saved for backward per module, each storage once, on plain torch models.
+
+Expected numbers come from what torch's autograd saves for the ops used (a Linear saves its input, a
+ReLU its output, ``sin`` its input, ``x * buffer`` the buffer); parameters and buffers never count.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import pytest
+import torch
+from torch import nn
+
+import abp
+
+F32 = 4
+
+
+class Parent(nn.Module):
+    """Saves in a child (the Linear), then in itself after the child returned (sin saves its input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.child(x).sin()
+
+
+class TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = Parent()
+        self.register_buffer("scale", torch.full((8,), 2.0))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.p(x) * y.cos() * self.scale  # top level: saves y, sin(...), cos(y) and the buffer
+
+
+def test_shared_storage_counts_once_parameters_are_left_out():
+    seq = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    x = torch.randn(5, 8, requires_grad=True)
+    r = abp.memory.report(seq, x)
+    # Linear 0 saves x (its weight is a parameter); ReLU saves its output, which Linear 2 saves again.
+    assert r.per_module == {"0": 5 * 8 * F32, "1": 5 * 8 * F32, "2": 0}
+    assert r.total_bytes == 2 * 5 * 8 * F32 == sum(r.per_module.values())
+    assert r.baseline_total_bytes is None and r.baseline_per_module is None
+
+
+def test_innermost_module_tuple_inputs_top_level_and_buffers():
+    model = TwoInputs()
+    x, y = torch.randn(3, 8, requires_grad=True), torch.randn(3, 8, requires_grad=True)
+    r = abp.memory.report(model, (x, y))
+    row = 3 * 8 * F32
+    assert r.per_module["p.child"] == row  # x
+    assert r.per_module["p"] == row  # the child's output, saved by sin after the child returned
+    # Top level: y by cos, sin(...) and cos(y) by their product; "* scale" saves only the buffer
+    # (the product is not needed: the buffer takes no gradient), which the module keeps anyway.
+    assert r.per_module[""] == 3 * row
+    assert r.total_bytes == 5 * row
+    assert "(top level)" in str(r)
+    with abp.memory.SavedTensorsCounter() as counter:  # the buffer was saved: left out, not missed
+        model(x, y)
+    assert any(s.shape == (8,) and s.storage_ptr == model.scale.data_ptr() for s in counter.tensors)
+
+
+def test_backward_runs_and_grads_are_left_as_they_were():
+    seq = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    x = torch.randn(5, 8, requires_grad=True)
+    before = torch.full_like(seq[0].weight, 7.0)
+    seq[0].weight.grad = before
+    calls: List[torch.Size] = []
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        out.register_hook(lambda g: calls.append(g.shape))
+        return out.pow(2).sum()
+
+    abp.memory.report(seq, x, loss_fn=loss_fn)
+    assert calls == [torch.Size([5, 4])], "the report ran backward through the loss"
+    assert seq[0].weight.grad is before and bool((before == 7.0).all())
+    assert seq[2].weight.grad is None and x.grad is None
+
+
+def test_nothing_requires_grad_saves_nothing():
+    seq = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).requires_grad_(False)
+    r = abp.memory.report(seq, torch.randn(2, 8))
+    assert r.total_bytes == 0 and sum(r.per_module.values()) == 0
+
+
+def test_baseline_is_measured_on_the_same_inputs():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    baseline = nn.Sequential(nn.Linear(8, 8), nn.Sigmoid(), nn.Linear(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    r = abp.memory.report(model, x, baseline=baseline)
+    row = 4 * 8 * F32
+    assert (r.total_bytes, r.baseline_total_bytes) == (2 * row, 2 * row)
+    assert r.baseline_per_module == {"0": row, "1": row, "2": 0}
+    text = str(r)
+    assert "baseline" in text.splitlines()[0] and len(text.splitlines()) == 1 + 3 + 1  # header, 3 modules, total
+
+
+def test_output_tuple_is_summed_and_a_model_without_tensor_output_needs_loss_fn():
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor):
+            return self.a(x), self.b(x).exp()
+
+    x = torch.randn(2, 4, requires_grad=True)
+    r = abp.memory.report(Pair(), x)
+    assert r.per_module == {"a": 2 * 4 * F32, "b": 0, "": 2 * 4 * F32}  # x (shared by a, b); exp's result
+
+    class NoTensor(nn.Module):
+        def forward(self, x: torch.Tensor):
+            return {"y": x.neg()}  # neg saves nothing
+
+    with pytest.raises(TypeError, match="pass loss_fn="):
+        abp.memory.report(NoTensor(), x)
+    r = abp.memory.report(NoTensor(), x, loss_fn=lambda out: out["y"].sum())
+    assert r.total_bytes == 0
+
+
+def test_argument_errors():
+    x = torch.randn(2, 2)
+    with pytest.raises(TypeError, match="model: expected a torch.nn.Module"):
+        abp.memory.report(lambda t: t, x)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="baseline: expected a torch.nn.Module or None"):
+        abp.memory.report(nn.Linear(2, 2), x, baseline="original")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="inputs: expected a tensor or a tuple of positional arguments, got dict"):
+        abp.memory.report(nn.Linear(2, 2), {"x": x})  # type: ignore[arg-type]
