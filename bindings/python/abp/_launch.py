@@ -1,6 +1,7 @@
 """Runs one direction of a manifest operator on torch tensors: checks, allocates, packs args, launches."""
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -117,7 +118,7 @@ def _launch_kernel(
     """
     rows_kernel = record.kind == "rows"
     cols = int(shape[-1]) if rows_kernel else 0
-    rows = n // cols if rows_kernel and cols > 0 else (_numel(shape[:-1]) if rows_kernel else 0)
+    rows = math.prod(shape[:-1]) if rows_kernel else 0
     row_dtype = compute_dtype(dtype)
     args: List[Any] = []
     for ref, spec in zip(direction.args, record.inputs):
@@ -170,13 +171,6 @@ def _launch_kernel(
         device_index, stream = _device_and_stream(device)
         _lib.launch(handle, device_index, args, n, stream)
     return results
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def _run(
@@ -233,7 +227,7 @@ def backward(
     A missing output gradient (None) counts as zeros; gradients are made contiguous and must have
     `shape`, `dtype` and `device` (those of the forward's output).
     """
-    n = _numel(shape)
+    n = math.prod(shape)
     if op.backward is None:
         return [None] * op.inputs
     values: Dict[str, Any] = {}
