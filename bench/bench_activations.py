@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(ROOT, "bindings", "python"))
 import abp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import median_time  # noqa: E402
+from timing import commit_id, median_time  # noqa: E402
 
 
 def timer(device: torch.device) -> Callable[[Callable[[], None], int], float]:
@@ -151,8 +151,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     use_compile = not args.no_compile and hasattr(torch, "compile") and device.type == "cuda"
     sizes = [1 << int(s) for s in args.log2_sizes.split(",")]
-    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip()
+    commit = commit_id(ROOT)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     results: Dict[str, object] = {
         "device": name, "date": datetime.date.today().isoformat(), "commit": commit,

@@ -17,7 +17,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 from typing import Callable, Dict, List
 
@@ -29,7 +28,7 @@ sys.path.insert(0, os.path.join(ROOT, "bindings", "python"))
 import abp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import median_time  # noqa: E402
+from timing import commit_id, median_time  # noqa: E402
 
 
 def torch_rms_norm(x: torch.Tensor, cols: int, eps: float) -> torch.Tensor:
@@ -98,8 +97,7 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     use_compile = not args.no_compile and hasattr(torch, "compile") and device.type == "cuda"
-    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip()
+    commit = commit_id(ROOT)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     bw = copy_bandwidth(device, args.reps)
     results: Dict[str, object] = {

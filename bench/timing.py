@@ -1,6 +1,8 @@
 """Timing shared by the benchmarks: median of timed calls after warm-up (CUDA events on a GPU)."""
 from __future__ import annotations
 
+import os
+import subprocess
 import time
 from typing import Callable
 
@@ -26,3 +28,10 @@ def median_time(fn: Callable[[], None], device: torch.device, reps: int) -> floa
             samples.append(time.perf_counter() - t0)
     samples.sort()
     return samples[len(samples) // 2]
+
+
+def commit_id(root: str) -> str:
+    """The commit the numbers belong to: $ABP_COMMIT (set where the tree travels without .git,
+    e.g. to a lent GPU machine), else `git rev-parse --short HEAD`."""
+    return os.environ.get("ABP_COMMIT") or subprocess.run(
+        ["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
