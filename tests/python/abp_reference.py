@@ -100,6 +100,16 @@ def library_or_skip() -> None:
         pytest.skip(f"abp native library not available (build it, or set ABP_LIBRARY): {e}")
 
 
+def compiler_or_skip() -> None:
+    """Skips where the run-time IR compiler (libabp_compiler.so, linked against LLVM/MLIR) was not
+    carried along, e.g. on a GPU machine that only has the MLIR-free runtime; CI builds it, so
+    there the tests run."""
+    path = os.environ.get("ABP_COMPILER_LIBRARY") or os.path.join(
+        os.path.dirname(os.environ.get("ABP_LIBRARY", "")), "libabp_compiler.so")
+    if os.environ.get("ABP_LIBRARY") and not os.path.exists(path):
+        pytest.skip(f"the IR compiler library {path} is not here (built with MLIR; not carried)")
+
+
 @functools.lru_cache(maxsize=None)
 def manifest_table(op: str) -> Tuple[List[float], List[float]]:
     """The first table of `op` as written in its manifest file (read directly, not via the registry)."""
@@ -147,17 +157,18 @@ def ulp(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     return torch.pow(2.0, power.float())
 
 
-def assert_forward_close(actual: torch.Tensor, expected32: torch.Tensor, x: torch.Tensor, exact: bool) -> None:
-    """abp's forward vs torch's fp32 result `expected32` (rounded to actual's dtype).
+def assert_forward_close(actual: torch.Tensor, expected: torch.Tensor, x: torch.Tensor, exact: bool) -> None:
+    """abp's forward vs torch's result `expected` (rounded to actual's dtype).
 
-    Piecewise (`exact`): equal, NaNs in the same places. Transcendental: within 2 ulp of the expected
-    value in fp32 (1 ulp of the dtype for fp16/bf16, after torch's fp32 result is rounded to it), plus
-    2^-23 * max(1, |x|): the erf/exp forms lose relative precision where 1 + erf(x/sqrt 2) or 1 + e^x
-    cancels, in torch as in abp, so ulps of a tiny result carry no meaning there.
+    Piecewise (`exact`): equal, NaNs in the same places (`expected` is torch's fp32 result).
+    Transcendental: `expected` is torch's op in fp64, the reference METHOD.md asks for: torch's own
+    fp32 kernels differ between versions and devices by more than abp does from the truth (torch
+    2.11's fp32 GELU is 6e-7 off at x = -3.79). Within 2 ulp of it in fp32 (1 ulp of the dtype for
+    fp16/bf16), plus 2^-23 * max(1, |x|): the erf form loses relative precision where
+    1 + erf(x/sqrt 2) cancels, so ulps of a tiny result carry no meaning there.
     """
     assert actual.dtype == x.dtype and actual.shape == x.shape
-    expected = expected32.to(actual.dtype)
-    a, e = actual.float(), expected.float()
+    a, e = actual.float(), expected.to(actual.dtype).float()
     nan_a, nan_e = torch.isnan(a), torch.isnan(e)
     assert torch.equal(nan_a, nan_e), f"NaN mismatch at x={x[nan_a != nan_e][:8].tolist()}"
     finite = ~nan_e

@@ -72,7 +72,7 @@ def test_bucket_forward_matches_torch_and_backward_is_table_rule(op, fn, torch_f
     borders, levels = table()
     x = sample_inputs(3000, dtype, extra=EDGE_POINTS + borders.tolist(), seed=1).requires_grad_()
     y = fn(x)
-    assert_forward_close(y.detach(), torch_fn(x.detach().float()), x.detach(), exact=False)
+    assert_forward_close(y.detach(), torch_fn(x.detach().double()), x.detach(), exact=False)
     dy = sample_inputs(x.numel(), dtype, seed=2)
     (dx,) = torch.autograd.grad(y, x, dy)
     assert_bitwise_equal(dx, bucket_backward(x.detach(), dy, borders, levels), f"{op} backward")
@@ -99,7 +99,7 @@ def test_bucket_nonfinite_values(op, fn, torch_fn, table):
     x = torch.tensor([math.nan, math.inf, -math.inf, 0.25, -8.0, 8.0], requires_grad=True)
     y = fn(x)
     # Forward: whatever torch's exact activation returns, NaN and +-inf included.
-    assert_forward_close(y.detach(), torch_fn(x.detach()), x.detach(), exact=False)
+    assert_forward_close(y.detach(), torch_fn(x.detach().double()), x.detach(), exact=False)
     (dx,) = torch.autograd.grad(y, x, torch.ones_like(x))
     assert dx[0] == levels[0], "NaN takes code 0"
     assert dx[1] == levels[top], "+inf takes the top code"

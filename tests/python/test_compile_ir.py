@@ -17,6 +17,7 @@ import torch
 
 import abp
 from abp import AbpError, Status
+from abp_reference import compiler_or_skip
 
 CUBE_IR = """
 #t = #abp.buckets<borders = [-1.0, 0.0, 1.0], levels = [3.0, 0.5, 0.25, 3.0]>
@@ -45,6 +46,7 @@ abp.operator @test_cube forward {
 
 @pytest.fixture(scope="module")
 def cube() -> str:
+    compiler_or_skip()
     names = abp.compile_operators(CUBE_IR, origin="cube.mlir")
     assert names == ["test_cube"]
     return names[0]
@@ -79,6 +81,7 @@ def test_compiling_again_is_idempotent(cube: str) -> None:
 
 
 def test_bad_ir_reports_origin_line_and_column() -> None:
+    compiler_or_skip()
     bad = CUBE_IR.replace("@test_cube", "@test_bad").replace("levels = [3.0, 0.5, 0.25, 3.0]", "levels = [3.0, 0.5, 0.25]")
     with pytest.raises(AbpError) as info:
         abp.compile_operators(bad, origin="model.py:42")
@@ -88,6 +91,7 @@ def test_bad_ir_reports_origin_line_and_column() -> None:
 
 
 def test_name_clash_with_the_op_library_is_refused() -> None:
+    compiler_or_skip()
     clash = CUBE_IR.replace("@test_cube", "@relu")
     with pytest.raises(AbpError) as info:
         abp.compile_operators(clash, origin="clash.mlir")

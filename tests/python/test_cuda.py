@@ -68,7 +68,7 @@ def test_cuda_bucket_forward_backward_and_codes_equal_the_cpu_path(op, fn, torch
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         y = fn(x)
     assert y.device.type == "cuda" and len(saved) == 1 and saved[0].numel() == packed(int(math.log2(levels.numel())), x.numel())
-    assert_forward_close(y.detach().cpu(), torch_fn(x_cpu.float()), x_cpu, exact=False)
+    assert_forward_close(y.detach().cpu(), torch_fn(x_cpu.double()), x_cpu, exact=False)
     (dx,) = torch.autograd.grad(y, x, dy_cpu.to(CUDA))
     assert_bitwise_equal(dx.cpu(), bucket_backward(x_cpu, dy_cpu, borders, levels), f"{op} backward on CUDA")
     # CPU and GPU produce the same codes, byte for byte (ALGORITHMS.md §9.5).

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import abp
-from abp_reference import library_or_skip
+from abp_reference import compiler_or_skip, library_or_skip
 
 
 @pytest.fixture(autouse=True)
@@ -286,6 +286,7 @@ abp.operator @test_row_range forward {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_row_max_and_min_reductions(cols, dtype):
     if "test_row_range" not in abp.operators():
+        compiler_or_skip()
         abp.compile_operators(ROW_RANGE_IR)
     gen = torch.Generator().manual_seed(cols)
     x = torch.randn(6, cols, generator=gen, dtype=dtype) * 100

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <unistd.h>
 #include <vector>
 
 using namespace abp::rt;
@@ -31,7 +32,8 @@ TEST(Driver, MissingLibraryIsNoDriver) {
 
 TEST(Driver, StubLibraryIsNoDriver) {
   std::string stub = ABP_TEST_CUDA_STUB;
-  if (stub.empty())
+  // The path is the build machine's; a carried test binary may run where it does not exist.
+  if (stub.empty() || access(stub.c_str(), R_OK) != 0)
     GTEST_SKIP() << "the CUDA toolkit has no stubs/libcuda.so here";
   std::string message = openError(stub);
   EXPECT_EQ(message.rfind("no CUDA driver", 0), 0u) << message;
