@@ -17,8 +17,16 @@ struct Arg {
   enum Kind { Dense, Packed, Scalar } kind;
   unsigned bits = 0;
   bool isOutput = false;
-  std::string name; ///< parameter name in the generated functions
+  bool isInt = false; ///< Scalar: an i64 parameter (a seed or offset) rather than an f32
+  std::string name;   ///< parameter name in the generated functions
 };
+
+/// Whether the body draws random numbers (abp.uniform): it then takes the element's flat index
+/// and the thread's Philox cache.
+bool drawsRandom(KernelOp kernel) {
+  return llvm::any_of(kernel.getBody().front().without_terminator(),
+                      [](Operation &op) { return isa<UniformOp>(op); });
+}
 
 SmallVector<Arg> argsOf(KernelOp kernel) {
   SmallVector<Arg> args;
@@ -32,6 +40,7 @@ SmallVector<Arg> argsOf(KernelOp kernel) {
     } else {
       a.kind = isa<ScalarLayoutAttr>(layout) ? Arg::Scalar : Arg::Dense;
     }
+    a.isInt = a.kind == Arg::Scalar && kernel.getBody().getArgument(index).getType().isInteger(64);
     args.push_back(a);
   };
   for (auto [i, layout] : llvm::enumerate(kernel.getIns()))
@@ -51,7 +60,7 @@ std::string paramList(ArrayRef<Arg> args, StringRef elem) {
     else if (a.kind == Arg::Packed)
       type = fmt::format("{}abp::u8 *ABP_RESTRICT", a.isOutput ? "" : "const ");
     else
-      type = "float";
+      type = a.isInt ? "abp::u64" : "float";
     params += fmt::format("{} {}, ", type, a.name);
   }
   return params + "abp::i64 n";
@@ -68,14 +77,17 @@ std::string argNames(ArrayRef<Arg> args) {
 LogicalResult emitBody(KernelOp kernel, ArrayRef<Arg> args, SourceWriter &out) {
   std::string params;
   for (const Arg &a : args) {
-    std::string type = a.kind == Arg::Packed ? "abp::u8" : "float";
+    std::string type = a.kind == Arg::Packed ? "abp::u8" : a.isInt ? "abp::u64" : "float";
     if (a.isOutput)
       type = a.kind == Arg::Packed ? "abp::u32 &" : "float &";
     params += fmt::format("{}{} {}", params.empty() ? "" : ", ", type, a.name);
   }
+  if (drawsRandom(kernel))
+    params += ", abp::i64 idx, abp::PhiloxCache &rng";
   out.line("ABP_FN void {}_body({}) {{", kernel.getSymName().str(), params);
   out.indent();
   ScalarEmitter scalars(out);
+  scalars.setElementIndex("idx", "rng");
   Block &body = kernel.getBody().front();
   for (auto [arg, a] : llvm::zip(body.getArguments(), args.take_front(body.getNumArguments())))
     scalars.bind(arg, a.name);
@@ -112,6 +124,8 @@ void emitLoop(KernelOp kernel, ArrayRef<Arg> args, int64_t chunk, SourceWriter &
   out.line("const bool aligned = {};", aligned.empty() ? "true" : aligned);
   out.line("const abp::i64 chunks = (n + N - 1) / N;");
   out.line("const abp::i64 end = last < chunks ? last : chunks;");
+  if (drawsRandom(kernel))
+    out.line("abp::PhiloxCache rng;");
   out.line("for (abp::i64 c = first; c < end; c += stride) {{");
   out.indent();
   out.line("const abp::i64 i = c * N;");
@@ -140,6 +154,8 @@ void emitLoop(KernelOp kernel, ArrayRef<Arg> args, int64_t chunk, SourceWriter &
       ref = fmt::format("(abp::u8){}[k]", local);
     call += fmt::format("{}{}", call.empty() ? "" : ", ", ref);
   }
+  if (drawsRandom(kernel))
+    call += ", i + k, rng";
   out.line("ABP_UNROLL");
   out.line("for (int k = 0; k < N; ++k)");
   out.line("  {}_body({});", name, call);
@@ -189,7 +205,7 @@ void emitEntry(KernelOp kernel, ArrayRef<Arg> args, const Dtype &dtype, const st
     else if (a.kind == Arg::Packed)
       type = fmt::format("{}abp::u8 *", a.isOutput ? "" : "const ");
     else
-      type = "float";
+      type = a.isInt ? "abp::u64" : "float";
     out.line("{} {} = *static_cast<{} *>(args[{}]);", type, a.name, type, index++);
   }
   out.line("const abp::i64 n = *static_cast<abp::i64 *>(args[{}]);", index);

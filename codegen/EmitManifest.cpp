@@ -101,8 +101,8 @@ std::string operatorJson(OperatorOp op) {
   DirectionNames fnames;
   int inputs = 0, params = 0;
   for (BlockArgument arg : fwd.getArguments())
-    fnames.names[arg] = arg.getType().isF32() ? fmt::format("param{}", params++)
-                                              : fmt::format("input{}", inputs++);
+    fnames.names[arg] = !isa<RankedTensorType>(arg.getType()) ? fmt::format("param{}", params++)
+                                                               : fmt::format("input{}", inputs++);
   DirectionNames bnames;
   size_t numSaved = fret.getSaved().size();
   for (BlockArgument arg : bwd.getArguments())
@@ -168,21 +168,23 @@ std::string kernelJson(KernelOp kernel, const KernelSymbols &symbols) {
   std::string syms;
   for (const auto &[dtype, symbol] : symbols)
     syms += fmt::format("{}\"{}\": {}", syms.empty() ? "" : ", ", dtype, quote(symbol));
-  auto layout = [](Attribute a, const char *role) {
+  Block &body = kernel.getBody().front();
+  auto layout = [&](Attribute a, const char *role, size_t index) {
     if (auto packed = dyn_cast<PackedLayoutAttr>(a))
       return fmt::format("{{\"role\": \"{}\", \"layout\": \"packed\", \"bits\": {}}}", role,
                          packed.getBits());
     if (isa<ScalarLayoutAttr>(a))
-      return std::string("{\"role\": \"scalar\", \"type\": \"f32\"}");
+      return fmt::format("{{\"role\": \"scalar\", \"type\": \"{}\"}}",
+                         body.getArgument(index).getType().isInteger(64) ? "i64" : "f32");
     if (isa<RowsLayoutAttr>(a))
       return fmt::format("{{\"role\": \"{}\", \"layout\": \"rows\"}}", role);
     return fmt::format("{{\"role\": \"{}\", \"layout\": \"dense\"}}", role);
   };
   std::string args;
-  for (Attribute a : kernel.getIns())
-    args += layout(a, "in") + ", ";
-  for (Attribute a : kernel.getOuts())
-    args += layout(a, "out") + ", ";
+  for (auto [i, a] : llvm::enumerate(kernel.getIns()))
+    args += layout(a, "in", i) + ", ";
+  for (auto [i, a] : llvm::enumerate(kernel.getOuts()))
+    args += layout(a, "out", i) + ", ";
   std::string kind = "\"kind\": \"elementwise\", ";
   if (kernel.isRowKernel()) {
     args += "{\"role\": \"rows\"}, {\"role\": \"cols\"}";

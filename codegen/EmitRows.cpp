@@ -30,12 +30,16 @@ using namespace mlir;
 using namespace abp;
 
 namespace {
-enum class ArgKind { Dense, Rows, Scalar };
+enum class ArgKind { Dense, Packed, Rows, Scalar };
 
 struct RowArg {
   ArgKind kind;
   bool isOutput;
   std::string name; ///< parameter name in the generated functions
+  unsigned bits = 0;    ///< Packed: bits per code
+  bool isInt = false;   ///< Scalar: an i64 parameter (a seed or offset) rather than an f32
+  /// One value per element of the row (dense values or packed codes).
+  bool perElement() const { return kind == ArgKind::Dense || kind == ArgKind::Packed; }
 };
 
 /// The per-element / row-uniform split of a row kernel's body and the stage of every value.
@@ -54,9 +58,9 @@ FailureOr<RowAnalysis> analyze(KernelOp kernel, ArrayRef<RowArg> args) {
   Block &body = kernel.getBody().front();
   int fields = 0;
   for (auto [arg, spec] : llvm::zip(body.getArguments(), args)) {
-    a.uniform[arg] = spec.kind != ArgKind::Dense;
+    a.uniform[arg] = !spec.perElement();
     a.stage[arg] = 0;
-    if (spec.kind != ArgKind::Dense)
+    if (!spec.perElement())
       a.field[arg] = fmt::format("u.u{}", fields++);
   }
   for (Operation &op : body.without_terminator()) {
@@ -71,6 +75,8 @@ FailureOr<RowAnalysis> analyze(KernelOp kernel, ArrayRef<RowArg> args) {
       uniform &= a.uniform.lookup(operand);
       stage = std::max(stage, a.stage.lookup(operand));
     }
+    if (isa<UniformOp>(op))
+      uniform = false; // a draw per element, although seed and offset are the row's
     if (auto reduce = dyn_cast<ReduceRowsOp>(op)) {
       if (uniform)
         return reduce.emitOpError() << "reduces a value that is already the same for the whole "
@@ -125,6 +131,11 @@ struct RowKernelEmitter {
   int64_t chunk, block, warpMaxCols;
 
   Block &body() { return kernel.getBody().front(); }
+  /// Whether the body draws random numbers (abp.uniform): element functions then take the
+  /// element's flat index and the thread's Philox cache.
+  bool drawsRandom() {
+    return llvm::any_of(body().without_terminator(), [](Operation &op) { return isa<UniformOp>(op); });
+  }
   SmallVector<Value> yields() { return cast<YieldOp>(body().getTerminator()).getValues(); }
   ArrayRef<RowArg> outArgs() { return ArrayRef<RowArg>(args).drop_front(body().getNumArguments()); }
   ArrayRef<RowArg> inArgs() { return ArrayRef<RowArg>(args).take_front(body().getNumArguments()); }
@@ -139,7 +150,7 @@ struct RowKernelEmitter {
       return targets;
     }
     for (auto [v, spec] : llvm::zip(yields(), outArgs()))
-      if (spec.kind == ArgKind::Dense)
+      if (spec.perElement())
         targets.push_back(v);
     return targets;
   }
@@ -181,14 +192,16 @@ struct RowKernelEmitter {
   void emitUniformsStruct(SourceWriter &out) {
     out.line("template <typename C> struct {}_uniforms {{", name);
     out.indent();
-    SmallVector<std::string> fields;
+    SmallVector<std::pair<std::string, std::string>> fields; // (name, C++ type)
     for (auto &[value, field] : a.field)
-      fields.push_back(field.substr(2));
-    llvm::sort(fields, [](const std::string &l, const std::string &r) {
-      return std::stoi(l.substr(1)) < std::stoi(r.substr(1));
+      fields.emplace_back(field.substr(2), value.getType().isF32()
+                                               ? std::string("C")
+                                               : ScalarEmitter::cppType(value.getType()));
+    llvm::sort(fields, [](const auto &l, const auto &r) {
+      return std::stoi(l.first.substr(1)) < std::stoi(r.first.substr(1));
     });
-    for (const std::string &f : fields)
-      out.line("C {};", f);
+    for (const auto &[f, type] : fields)
+      out.line("{} {};", type, f);
     if (fields.empty())
       out.line("C unused;");
     out.dedent();
@@ -231,13 +244,20 @@ struct RowKernelEmitter {
                             ArrayRef<unsigned> dense, SourceWriter &out) {
     std::string params = fmt::format("const {}_uniforms<C> &u", name);
     for (unsigned i : dense)
-      params += fmt::format(", C {}", args[i].name);
-    for (size_t t = 0; t < targets.size(); ++t)
-      params += fmt::format(", C &o{}", t);
+      params += fmt::format(", {} {}", args[i].kind == ArgKind::Packed ? "abp::u8" : "C", args[i].name);
+    if (drawsRandom())
+      params += ", abp::i64 idx, abp::PhiloxCache &rng";
+    for (auto [t, v] : llvm::enumerate(targets))
+      params += fmt::format(", {} &o{}", v.getType().isF32() ? "C" : "abp::u32", t);
     out.line("template <typename C> ABP_FN void {}_elem{}({}) {{", name, p, params);
     out.indent();
     out.line("(void)u;");
+    if (drawsRandom()) {
+      out.line("(void)idx;");
+      out.line("(void)rng;");
+    }
     ScalarEmitter scalars(out, "C");
+    scalars.setElementIndex("idx", "rng");
     bindUniforms(scalars);
     for (unsigned i : dense)
       scalars.bind(body().getArgument(i), args[i].name);
@@ -252,19 +272,26 @@ struct RowKernelEmitter {
 
   /// `<name>_sweep<p><T, C, RT>(u, row pointers..., cols, lane, acc)`: one thread's pass over
   /// its chunks of the row. Reduction sweeps combine into acc[]; the final sweep stores outputs.
+  /// The C++ pointer type of a per-element argument in a sweep (`T` elements or packed bytes).
+  std::string sweepPointer(const RowArg &spec) {
+    std::string elem = spec.kind == ArgKind::Packed ? "abp::u8" : "T";
+    return fmt::format("{}{} *ABP_RESTRICT", spec.isOutput ? "" : "const ", elem);
+  }
+
   void emitSweep(int p, size_t numTargets, ArrayRef<unsigned> dense, SourceWriter &out) {
     bool final = p == a.stages;
-    SmallVector<unsigned> stores; // indices into args of dense outputs (final sweep)
+    bool random = drawsRandom();
+    SmallVector<unsigned> stores; // indices into args of per-element outputs (final sweep)
     if (final)
       for (auto [i, spec] : llvm::enumerate(args))
-        if (spec.isOutput && spec.kind == ArgKind::Dense)
+        if (spec.isOutput && spec.perElement())
           stores.push_back(i);
     std::string params = fmt::format("const {}_uniforms<C> &u", name);
-    for (unsigned i : dense)
-      params += fmt::format(", const T *ABP_RESTRICT {}", args[i].name);
-    for (unsigned i : stores)
-      params += fmt::format(", T *ABP_RESTRICT {}", args[i].name);
+    for (unsigned i : llvm::concat<const unsigned>(dense, stores))
+      params += fmt::format(", {} {}", sweepPointer(args[i]), args[i].name);
     params += ", abp::i64 cols, int lane";
+    if (random)
+      params += ", abp::i64 base";
     if (!final)
       params += ", C *acc";
     out.line("template <typename T, typename C, int RT>");
@@ -273,25 +300,45 @@ struct RowKernelEmitter {
     out.line("constexpr int N = {};", chunk);
     std::string aligned;
     for (unsigned i : llvm::concat<const unsigned>(dense, stores))
-      aligned += fmt::format("{}abp::aligned16({})", aligned.empty() ? "" : " && ", args[i].name);
+      if (args[i].kind == ArgKind::Dense)
+        aligned += fmt::format("{}abp::aligned16({})", aligned.empty() ? "" : " && ", args[i].name);
     out.line("const bool aligned = {};", aligned.empty() ? "true" : aligned);
+    if (random)
+      out.line("abp::PhiloxCache rng;");
     out.line("for (abp::i64 j = (abp::i64)lane * N; j < cols; j += (abp::i64)RT * N) {{");
     out.indent();
     out.line("const bool full = j + N <= cols;");
     out.line("const bool vec = aligned && full;");
     out.line("(void)vec;");
+    // Packed codes: a chunk's N codes are N*B/8 whole bytes at byte j*B/8 of the row (the
+    // launch guarantees rows start on a byte); the row's last chunk holds only its valid bytes.
+    auto packedBytes = [](unsigned bits) { return fmt::format("N * {} / 8", bits); };
+    auto validBytes = [&](unsigned bits) {
+      return fmt::format("full ? {} : ((cols - j) * {} + 7) / 8", packedBytes(bits), bits);
+    };
     for (unsigned i : dense) {
-      out.line("C e_{}[N];", args[i].name);
-      out.line("abp::loadChunk<N>({}, j, cols, vec, e_{});", args[i].name, args[i].name);
+      const RowArg &spec = args[i];
+      if (spec.kind == ArgKind::Packed) {
+        out.line("abp::u32 e_{}[N];", spec.name);
+        out.line("abp::unpackCodes<{}, N>(abp::loadPacked<{}>({}, j * {} / 8, {}), e_{});",
+                 spec.bits, packedBytes(spec.bits), spec.name, spec.bits, validBytes(spec.bits),
+                 spec.name);
+        continue;
+      }
+      out.line("C e_{}[N];", spec.name);
+      out.line("abp::loadChunk<N>({}, j, cols, vec, e_{});", spec.name, spec.name);
     }
     for (unsigned i : stores)
-      out.line("C e_{}[N];", args[i].name);
+      out.line("{} e_{}[N];", args[i].kind == ArgKind::Packed ? "abp::u32" : "C", args[i].name);
     out.line("ABP_UNROLL");
     out.line("for (int k = 0; k < N; ++k) {{");
     out.indent();
     std::string call;
     for (unsigned i : dense)
-      call += fmt::format(", e_{}[k]", args[i].name);
+      call += args[i].kind == ArgKind::Packed ? fmt::format(", (abp::u8)e_{}[k]", args[i].name)
+                                              : fmt::format(", e_{}[k]", args[i].name);
+    if (random)
+      call += ", base + j + k, rng";
     if (final) {
       for (unsigned i : stores)
         call += fmt::format(", e_{}[k]", args[i].name);
@@ -316,8 +363,19 @@ struct RowKernelEmitter {
     }
     out.dedent();
     out.line("}}");
-    for (unsigned i : stores)
-      out.line("abp::storeChunk<N>({}, j, cols, vec, e_{});", args[i].name, args[i].name);
+    for (unsigned i : stores) {
+      const RowArg &spec = args[i];
+      if (spec.kind == ArgKind::Dense) {
+        out.line("abp::storeChunk<N>({}, j, cols, vec, e_{});", spec.name, spec.name);
+        continue;
+      }
+      out.line("if (!full)  // codes past the row's end are zero: the stream's tail bits are zero");
+      out.line("  for (int k = 0; k < N; ++k)");
+      out.line("    if (j + k >= cols) e_{}[k] = 0;", spec.name);
+      out.line("abp::storePacked<{}>({}, j * {} / 8, {}, abp::packCodes<{}, N>(e_{}));",
+               packedBytes(spec.bits), spec.name, spec.bits, validBytes(spec.bits), spec.bits,
+               spec.name);
+    }
     out.dedent();
     out.line("}}");
     out.dedent();
@@ -389,18 +447,22 @@ struct RowKernelEmitter {
     for (auto [i, spec] : llvm::enumerate(inArgs())) {
       Value arg = body().getArgument(i);
       if (spec.kind == ArgKind::Scalar)
-        out.line("{} = (C){};", a.field.lookup(arg), spec.name);
+        out.line("{} = {}{};", a.field.lookup(arg), spec.isInt ? "" : "(C)", spec.name);
       else if (spec.kind == ArgKind::Rows)
         out.line("{} = {}[row];", a.field.lookup(arg), spec.name);
     }
     out.line("{}_stage0<C>(u, nullptr, cols);", name);
     out.line("const abp::i64 base = row * cols;");
+    // A row of packed codes starts at byte base * B / 8 (whole: see checkLaunchArgs).
     auto rowPointers = [&](ArrayRef<unsigned> indices) {
       std::string s;
       for (unsigned i : indices)
-        s += fmt::format(", {} + base", args[i].name);
+        s += args[i].kind == ArgKind::Packed
+                 ? fmt::format(", {} + base * {} / 8", args[i].name, args[i].bits)
+                 : fmt::format(", {} + base", args[i].name);
       return s;
     };
+    const std::string baseArg = drawsRandom() ? ", base" : "";
     for (int p = 0; p < a.stages; ++p) {
       size_t r = a.reductions[p].size();
       std::string ptrs = rowPointers(sweepInputs[p]);
@@ -412,13 +474,13 @@ struct RowKernelEmitter {
         out.line("  const C init[{}] = {{{}}};", r, identities(p));
         out.line("  for (int i = 0; i < {}; ++i)", r);
         out.line("    acc[lane][i] = init[i];");
-        out.line("  {}_sweep{}<T, C, RT>(u{}, cols, lane, acc[lane]);", name, p, ptrs);
+        out.line("  {}_sweep{}<T, C, RT>(u{}, cols, lane{}, acc[lane]);", name, p, ptrs, baseArg);
         out.line("}}");
         out.line("abp::hostRowAllReduce<RT, {}>(acc);", deviceOps(p));
         out.line("{}_stage{}<C>(u, acc[0], cols);", name, p + 1);
       } else {
         out.line("C acc[{}] = {{{}}};", r, identities(p));
-        out.line("{}_sweep{}<T, C, RT>(u{}, cols, lane, acc);", name, p, ptrs);
+        out.line("{}_sweep{}<T, C, RT>(u{}, cols, lane{}, acc);", name, p, ptrs, baseArg);
         out.line("abp::rowAllReduce<RT, {}>(acc, scratch);", deviceOps(p));
         out.line("{}_stage{}<C>(u, acc, cols);", name, p + 1);
       }
@@ -427,14 +489,14 @@ struct RowKernelEmitter {
     }
     SmallVector<unsigned> stores;
     for (auto [i, spec] : llvm::enumerate(args))
-      if (spec.isOutput && spec.kind == ArgKind::Dense)
+      if (spec.isOutput && spec.perElement())
         stores.push_back(i);
     if (!stores.empty()) {
       std::string ptrs = rowPointers(sweepInputs[a.stages]) + rowPointers(stores);
       if (host)
         out.line("for (int lane = 0; lane < RT; ++lane)");
-      out.line("{}{}_sweep{}<T, C, RT>(u{}, cols, lane);", host ? "  " : "", name, a.stages,
-               ptrs);
+      out.line("{}{}_sweep{}<T, C, RT>(u{}, cols, lane{});", host ? "  " : "", name, a.stages,
+               ptrs, baseArg);
     }
     SmallVector<std::pair<std::string, std::string>> rowStores;
     for (auto [v, spec] : llvm::zip(yields(), outArgs()))
@@ -455,9 +517,11 @@ struct RowKernelEmitter {
   static std::string argType(const RowArg &spec, const std::string &elem, const std::string &row,
                              const char *pointer) {
     if (spec.kind == ArgKind::Scalar)
-      return "float";
-    return fmt::format("{}{} {}", spec.isOutput ? "" : "const ",
-                       spec.kind == ArgKind::Dense ? elem : row, pointer);
+      return spec.isInt ? "abp::u64" : "float";
+    const std::string &type = spec.kind == ArgKind::Dense    ? elem
+                              : spec.kind == ArgKind::Packed ? std::string("abp::u8")
+                                                             : row;
+    return fmt::format("{}{} {}", spec.isOutput ? "" : "const ", type, pointer);
   }
 
   /// The driver / entry parameter list: arguments in manifest order, then rows and cols.
@@ -551,11 +615,17 @@ struct RowKernelEmitter {
 
 SmallVector<RowArg> rowArgsOf(KernelOp kernel) {
   SmallVector<RowArg> args;
+  Block &body = kernel.getBody().front();
   auto add = [&](Attribute layout, bool isOutput, size_t index) {
     ArgKind kind = isa<RowsLayoutAttr>(layout)     ? ArgKind::Rows
                    : isa<ScalarLayoutAttr>(layout) ? ArgKind::Scalar
+                   : isa<PackedLayoutAttr>(layout) ? ArgKind::Packed
                                                    : ArgKind::Dense;
-    args.push_back({kind, isOutput, fmt::format("{}{}", isOutput ? "r" : "a", index)});
+    RowArg arg{kind, isOutput, fmt::format("{}{}", isOutput ? "r" : "a", index)};
+    if (auto packed = dyn_cast<PackedLayoutAttr>(layout))
+      arg.bits = packed.getBits();
+    arg.isInt = kind == ArgKind::Scalar && body.getArgument(index).getType().isInteger(64);
+    args.push_back(arg);
   };
   for (auto [i, layout] : llvm::enumerate(kernel.getIns()))
     add(layout, false, i);

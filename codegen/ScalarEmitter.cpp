@@ -1,5 +1,6 @@
 // ScalarEmitter.cpp — the op → C++ expression table of generated elementwise bodies.
 #include "codegen/ScalarEmitter.h"
+#include "dialect/AbpDialect.h"
 
 #include "mlir/Dialect/Arith/IR/Arith.h"
 #include "mlir/Dialect/Func/IR/FuncOps.h"
@@ -207,6 +208,19 @@ LogicalResult ScalarEmitter::emit(Operation *op) {
                               n(o.getIn())));
         return success();
       })
+      .Case([&](arith::FPToUIOp o) {
+        define(o, fmt::format("abp::toUnsignedSat<{}>({})", cppType(o.getType()), n(o.getIn())));
+        return success();
+      })
+      .Case([&](UniformOp o) -> LogicalResult {
+        if (elementIndex.empty())
+          return o.emitOpError() << "needs the element's index, which this kernel body does not "
+                                    "have";
+        define(o, fmt::format("({})abp::uniformAt({}, {}, {} + {})", floatType, philoxCache,
+                              n(o.getSeed()), n(o.getOffset()), elementIndex));
+        return success();
+      })
+      .Case([&](math::FloorOp) { return call("abp::floor"); })
       .Case([&](math::ErfOp) { return call("abp::erf"); })
       .Case([&](math::ExpOp) { return call("abp::exp"); })
       .Case([&](math::ExpM1Op) { return call("abp::expm1"); })
@@ -227,7 +241,7 @@ LogicalResult ScalarEmitter::emit(Operation *op) {
       .Default([&](Operation *other) {
         return other->emitOpError() << "has no translation in abp codegen (supported: arith "
                                        "float/int arithmetic, compares, selects and casts; math "
-                                       "erf/exp/expm1/log/log1p/tanh/sqrt/rsqrt/absf/powf; "
-                                       "func.call)";
+                                       "erf/exp/expm1/log/log1p/tanh/sqrt/rsqrt/absf/powf/"
+                                       "floor; func.call; abp.uniform)";
       });
 }

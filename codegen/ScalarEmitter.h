@@ -20,6 +20,12 @@ public:
   explicit ScalarEmitter(SourceWriter &out, std::string floatType = "float")
       : out(out), floatType(std::move(floatType)) {}
 
+  /// Where abp.uniform finds the element's flat index and the thread's abp::PhiloxCache (C++
+  /// names in scope of the emitted code); without them abp.uniform is an error.
+  void setElementIndex(std::string index, std::string cache) {
+    elementIndex = std::move(index);
+    philoxCache = std::move(cache);
+  }
   /// Gives `value` the C++ expression `expr` (block arguments, parameters).
   void bind(mlir::Value value, std::string expr) { names[value] = std::move(expr); }
   /// The C++ expression naming `value`; it must have been bound or emitted.
@@ -43,6 +49,7 @@ private:
   SourceWriter &out;
   std::string floatType;
   llvm::DenseMap<mlir::Value, std::string> names;
+  std::string elementIndex, philoxCache;
   int counter = 0;
 };
 

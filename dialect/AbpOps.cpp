@@ -99,9 +99,11 @@ LogicalResult OperatorOp::verifyRegions() {
     return bwdReturn.emitOpError() << "in backward cannot save residuals";
 
   for (BlockArgument arg : getForward().front().getArguments())
-    if (!isa<RankedTensorType>(arg.getType()) && !arg.getType().isF32())
+    if (!isa<RankedTensorType>(arg.getType()) && !arg.getType().isF32() &&
+        !arg.getType().isInteger(64))
       return emitOpError() << "forward argument #" << arg.getArgNumber()
-                           << " must be a ranked tensor or an f32 parameter, got "
+                           << " must be a ranked tensor, an f32 parameter or an i64 parameter "
+                              "(a seed or offset), got "
                            << arg.getType();
 
   // Backward arguments: the residuals, then one gradient per forward output.
@@ -333,14 +335,44 @@ LogicalResult DequantizeOp::verify() {
 }
 
 //===----------------------------------------------------------------------===//
+// UniformOp / QuantizeGroupsOp / DequantizeGroupsOp
+//===----------------------------------------------------------------------===//
+
+LogicalResult UniformOp::verify() {
+  if (getResult().getType().isF32() && !(*this)->getParentOfType<KernelOp>())
+    return emitOpError() << "yields an f32 draw only in a kernel body, where each element has "
+                            "its index; in an operator it yields a tensor";
+  return success();
+}
+
+LogicalResult QuantizeGroupsOp::verify() {
+  if (failed(verifyRowShapes(*this, getInput().getType(), getMins().getType())) ||
+      failed(verifyRowShapes(*this, getInput().getType(), getScales().getType())))
+    return failure();
+  return success();
+}
+
+LogicalResult DequantizeGroupsOp::verify() {
+  if (failed(verifyRowShapes(*this, getResult().getType(), getMins().getType())) ||
+      failed(verifyRowShapes(*this, getResult().getType(), getScales().getType())))
+    return failure();
+  return success();
+}
+
+//===----------------------------------------------------------------------===//
 // KernelOp / LaunchOp
 //===----------------------------------------------------------------------===//
 
-/// The scalar type the kernel body sees for an argument layout.
+/// The scalar type the kernel body sees for an argument layout (a scalar may also be i64).
 static Type bodyTypeOf(Attribute layout, MLIRContext *ctx) {
   if (isa<PackedLayoutAttr>(layout))
     return IntegerType::get(ctx, 8);
   return Float32Type::get(ctx);
+}
+
+/// Whether a kernel body argument of type `type` fits layout `layout`.
+static bool bodyTypeFits(Type type, Attribute layout, MLIRContext *ctx) {
+  return type == bodyTypeOf(layout, ctx) || (isa<ScalarLayoutAttr>(layout) && type.isInteger(64));
 }
 
 LogicalResult KernelOp::verifyRegions() {
@@ -358,8 +390,6 @@ LogicalResult KernelOp::verifyRegions() {
   for (Attribute layout : llvm::concat<const Attribute>(getIns(), getOuts())) {
     if (isa<RowsLayoutAttr>(layout) && !isRowKernel())
       return emitOpError() << "has a #abp.rows argument but is not a row kernel (`rows`)";
-    if (isa<PackedLayoutAttr>(layout) && isRowKernel())
-      return emitOpError() << "is a row kernel; packed codes are not supported in row kernels";
   }
   if (getWarpMaxCols() && !isRowKernel())
     return emitOpError() << "sets warp_max_cols but is not a row kernel (`rows`)";
@@ -367,10 +397,11 @@ LogicalResult KernelOp::verifyRegions() {
     return emitOpError() << "expects " << getIns().size() << " body argument(s) (one per 'ins'), got "
                          << body.getNumArguments();
   for (auto [i, arg] : llvm::enumerate(body.getArguments()))
-    if (arg.getType() != bodyTypeOf(getIns()[i], getContext()))
+    if (!bodyTypeFits(arg.getType(), getIns()[i], getContext()))
       return emitOpError() << "body argument #" << i << " must be "
-                           << bodyTypeOf(getIns()[i], getContext()) << " for layout "
-                           << getIns()[i] << ", got " << arg.getType();
+                           << bodyTypeOf(getIns()[i], getContext())
+                           << (isa<ScalarLayoutAttr>(getIns()[i]) ? " or i64" : "")
+                           << " for layout " << getIns()[i] << ", got " << arg.getType();
   auto yield = dyn_cast<YieldOp>(body.getTerminator());
   if (!yield || yield.getValues().size() != getOuts().size())
     return emitOpError() << "expects the body to yield one value per 'outs' ("
@@ -394,7 +425,7 @@ static bool matchesLayout(Type type, Attribute layout) {
     return codes && codes.getBits() == packed.getBits();
   }
   if (isa<ScalarLayoutAttr>(layout))
-    return type.isF32();
+    return type.isF32() || type.isInteger(64);
   auto tensor = dyn_cast<RankedTensorType>(type);
   if (isa<RowsLayoutAttr>(layout))
     return tensor && tensor.getElementType().isF32() && tensor.getRank() == 1;

@@ -267,6 +267,83 @@ def Abp_UnpackOp : Abp_Op<"unpack", [Pure]> {
 }
 
 //===----------------------------------------------------------------------===//
+// Residual approximations: per-group affine quantize (GACT / ActNN)
+//===----------------------------------------------------------------------===//
+
+def Abp_UniformOp : Abp_Op<"uniform", [Pure]> {
+  let summary = "one U[0, 1) draw per element from the shared Philox stream";
+  let description = [{
+    Element e of the result (its flat index in the launch) is
+    `(w >> 8) * 2^-24` where `w` is word `c mod 4` of Philox-4x32-10 applied to the counter
+    `(c / 4)` (128-bit, low words first) under the 64-bit key `seed`, with `c = offset + e`.
+    The draw is a pure function of (seed, offset + e): the same on the GPU and the CPU path, and
+    a caller splitting a tensor over several launches keeps each element's draw by passing the
+    launch's first flat index as `offset`. In an operator the result is a tensor of the
+    shape the kernel works on; in a kernel body it is the element's `f32` draw.
+
+    Example:
+    ```mlir
+    %u = abp.uniform %seed, %offset : i64, i64 -> tensor<?x?xf32>
+    ```
+  }];
+  let arguments = (ins I64:$seed, I64:$offset);
+  let results = (outs AnyTypeOf<[RankedTensorOf<[F32]>, F32]>:$result);
+  let assemblyFormat = "$seed `,` $offset attr-dict `:` type($seed) `,` type($offset) `->` type($result)";
+  let hasVerifier = 1;
+}
+
+def Abp_QuantizeGroupsOp : Abp_Op<"quantize_groups", [Pure]> {
+  let summary = "per-row affine codes with stochastic rounding (a row is a group)";
+  let description = [{
+    With b the width of the result's codes, for each row (group) with minimum m and maximum M:
+    `s = (2^b - 1) / (M - m + 2e-6)` (NaN
+    when M - m is not finite, so a group holding NaN or ±inf decodes to all NaN) and, per
+    element, `q = min(floor((x - m) * s + u), 2^b - 1)` with `u` from `abp.uniform` (seed,
+    offset); a NaN `q` is stored as 0. Computed in the compute type (fp32) without
+    contraction, so the GPU and the CPU path store the same codes. The clamp only matters
+    where the sum rounds up to 2^b in fp32. Lowered by `abp-lower-quantize` to reductions,
+    `abp.uniform`, an `abp.map` and `abp.pack`; one row kernel after fusion.
+
+    Example:
+    ```mlir
+    %c, %m, %s = abp.quantize_groups %x, %seed, %offset
+        : tensor<?x?xf32>, i64, i64 -> !abp.codes<2>, tensor<?xf32>, tensor<?xf32>
+    ```
+  }];
+  let arguments = (ins RankedTensorOf<[F32]>:$input, I64:$seed, I64:$offset);
+  let results = (outs Abp_CodesType:$codes, RankedTensorOf<[F32]>:$mins,
+                      RankedTensorOf<[F32]>:$scales);
+  let assemblyFormat = [{
+    $input `,` $seed `,` $offset attr-dict `:` type($input) `,` type($seed) `,` type($offset)
+    `->` qualified(type($codes)) `,` type($mins) `,` type($scales)
+  }];
+  let hasVerifier = 1;
+}
+
+def Abp_DequantizeGroupsOp : Abp_Op<"dequantize_groups", [Pure]> {
+  let summary = "decodes per-row affine codes: q / s + m";
+  let description = [{
+    The inverse of `abp.quantize_groups`: element (r, j) is `q / s_r + m_r` in the compute
+    type. Unbiased: E[q / s + m] = x. Lowered by `abp-lower-quantize` to `abp.unpack`,
+    broadcasts and an `abp.map`.
+
+    Example:
+    ```mlir
+    %x = abp.dequantize_groups %c, %m, %s
+        : !abp.codes<2>, tensor<?xf32>, tensor<?xf32> -> tensor<?x?xf32>
+    ```
+  }];
+  let arguments = (ins Abp_CodesType:$codes, RankedTensorOf<[F32]>:$mins,
+                       RankedTensorOf<[F32]>:$scales);
+  let results = (outs RankedTensorOf<[F32]>:$result);
+  let assemblyFormat = [{
+    $codes `,` $mins `,` $scales attr-dict `:` qualified(type($codes)) `,` type($mins) `,`
+    type($scales) `->` type($result)
+  }];
+  let hasVerifier = 1;
+}
+
+//===----------------------------------------------------------------------===//
 // Kernel form (after abp-fuse-kernels)
 //===----------------------------------------------------------------------===//
 

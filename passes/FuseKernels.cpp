@@ -15,14 +15,16 @@ using namespace abp;
 
 namespace {
 bool isRowOp(Operation *op) { return isa<ReduceRowsOp, BroadcastRowsOp>(op); }
-bool isFusable(Operation *op) { return isa<MapOp, PackOp, UnpackOp>(op) || isRowOp(op); }
+bool isFusable(Operation *op) {
+  return isa<MapOp, PackOp, UnpackOp, UniformOp>(op) || isRowOp(op);
+}
 
-/// What the fused kernel reads or writes: a dense tensor, packed codes, a captured f32
+/// What the fused kernel reads or writes: a dense tensor, packed codes, a captured f32 or i64
 /// parameter, or (row kernels) one value per row.
 Attribute layoutOf(Value value, bool rowKernel, MLIRContext *ctx) {
   if (auto codes = dyn_cast<CodesType>(value.getType()))
     return PackedLayoutAttr::get(ctx, codes.getBits());
-  if (value.getType().isF32())
+  if (value.getType().isF32() || value.getType().isInteger(64))
     return ScalarLayoutAttr::get(ctx);
   if (rowKernel && cast<RankedTensorType>(value.getType()).getRank() == 1)
     return RowsLayoutAttr::get(ctx);
@@ -42,8 +44,8 @@ LogicalResult fuseDirection(OperatorOp op, Region &region, StringRef name) {
       continue;
     if (!isFusable(&inner))
       return inner.emitOpError() << "cannot be fused into a kernel; only abp.map, abp.pack, "
-                                    "abp.unpack, abp.reduce_rows and abp.broadcast_rows may "
-                                    "remain after lowering";
+                                    "abp.unpack, abp.uniform, abp.reduce_rows and "
+                                    "abp.broadcast_rows may remain after lowering";
     fused.push_back(&inner);
   }
   if (fused.empty())
@@ -85,18 +87,13 @@ LogicalResult fuseDirection(OperatorOp op, Region &region, StringRef name) {
     if (tensor && !tensor.getElementType().isF32())
       return emitError(in.getLoc()) << "an i8 code tensor enters a kernel unpacked; "
                                        "store codes with abp.pack";
-    if (rowKernel && isa<CodesType>(in.getType()))
-      return emitError(in.getLoc()) << "packed codes cannot enter a row kernel (not supported "
-                                       "yet); keep quantized residuals out of row operators";
     ins.push_back(layoutOf(in, rowKernel, ctx));
     argTypes.push_back(isa<CodesType>(in.getType()) ? Type(IntegerType::get(ctx, 8))
+                       : in.getType().isInteger(64) ? in.getType()
                                                     : Type(Float32Type::get(ctx)));
     argLocs.push_back(in.getLoc());
   }
   for (Value out : outputs) {
-    if (rowKernel && isa<CodesType>(out.getType()))
-      return out.getDefiningOp()->emitOpError()
-             << "packs codes in a row kernel, which is not supported yet";
     auto tensor = dyn_cast<RankedTensorType>(out.getType());
     if (tensor && !tensor.getElementType().isF32())
       return out.getDefiningOp()->emitOpError()
@@ -127,6 +124,11 @@ LogicalResult fuseDirection(OperatorOp op, Region &region, StringRef name) {
     } else if (auto broadcast = dyn_cast<BroadcastRowsOp>(inner)) {
       // Every element of a row sees its row's value: nothing to compute.
       scalars.map(broadcast.getResult(), scalars.lookup(broadcast.getInput()));
+    } else if (auto uniform = dyn_cast<UniformOp>(inner)) {
+      auto draw = body.create<UniformOp>(uniform.getLoc(), Float32Type::get(ctx),
+                                         scalars.lookup(uniform.getSeed()),
+                                         scalars.lookup(uniform.getOffset()));
+      scalars.map(uniform.getResult(), draw.getResult());
     } else if (auto reduce = dyn_cast<ReduceRowsOp>(inner)) {
       auto f32 = Float32Type::get(ctx);
       auto rowValue = body.create<ReduceRowsOp>(reduce.getLoc(), f32, reduce.getKindAttr(),

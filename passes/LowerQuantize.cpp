@@ -1,8 +1,12 @@
-// LowerQuantize.cpp — bucket quantize/dequantize → code-computing maps plus pack/unpack.
+// LowerQuantize.cpp — bucket and per-group (GACT) quantize/dequantize → reductions, Philox draws,
+// code-computing maps plus pack/unpack.
 #include "passes/Passes.h"
 
+#include "mlir/Dialect/Math/IR/Math.h"
 #include "mlir/IR/Builders.h"
 #include "llvm/ADT/SetVector.h"
+
+#include <limits>
 
 namespace abp {
 #define GEN_PASS_DEF_ABPLOWERQUANTIZE
@@ -70,6 +74,89 @@ void lowerDequantize(DequantizeOp op) {
   op.erase();
 }
 
+/// An `abp.map` over `inputs` (all of `shape`) with one `resultElem` result; `build` fills the
+/// body from its scalar arguments and returns the yielded value.
+Value buildMap(OpBuilder &builder, Location loc, ValueRange inputs, Type resultElem,
+               function_ref<Value(OpBuilder &, ValueRange)> build) {
+  auto shape = cast<RankedTensorType>(inputs.front().getType()).getShape();
+  auto resultType = RankedTensorType::get(shape, resultElem);
+  auto map = builder.create<MapOp>(loc, TypeRange{resultType}, FlatSymbolRefAttr(), inputs);
+  SmallVector<Type> argTypes;
+  for (Value in : inputs)
+    argTypes.push_back(cast<RankedTensorType>(in.getType()).getElementType());
+  OpBuilder body(builder.getContext());
+  Block *block = body.createBlock(&map.getBody(), {}, argTypes,
+                                  SmallVector<Location>(inputs.size(), loc));
+  Value result = build(body, block->getArguments());
+  body.create<YieldOp>(loc, ValueRange{result});
+  return map.getResult(0);
+}
+
+Value f32Constant(OpBuilder &b, Location loc, float value) {
+  return b.create<arith::ConstantOp>(loc, b.getF32FloatAttr(value));
+}
+
+/// GACT (ALGORITHMS.md §6.2), a row per group: m = min, M = max, s = (2^b - 1) / (M - m + 2e-6)
+/// (NaN unless M - m is finite), q = min(floor((x - m) * s + u), 2^b - 1), stored as 0 if NaN.
+void lowerQuantizeGroups(QuantizeGroupsOp op) {
+  OpBuilder b(op);
+  Location loc = op.getLoc();
+  auto rowsType = cast<RankedTensorType>(op.getMins().getType());
+  auto matrixType = cast<RankedTensorType>(op.getInput().getType());
+  const float top = static_cast<float>((1u << op.getCodes().getType().getBits()) - 1u);
+  Value x = op.getInput();
+  Value mins = b.create<ReduceRowsOp>(loc, rowsType, ReduceKind::min, x);
+  Value maxs = b.create<ReduceRowsOp>(loc, rowsType, ReduceKind::max, x);
+  Value scales = buildMap(b, loc, {mins, maxs}, b.getF32Type(), [&](OpBuilder &m, ValueRange a) {
+    Value range = m.create<arith::SubFOp>(loc, a[1], a[0]);
+    Value magnitude = m.create<math::AbsFOp>(loc, range);
+    Value inf = f32Constant(m, loc, std::numeric_limits<float>::infinity());
+    Value finite = m.create<arith::CmpFOp>(loc, arith::CmpFPredicate::OLT, magnitude, inf);
+    Value padded = m.create<arith::AddFOp>(loc, range, f32Constant(m, loc, 2e-6f));
+    Value scale = m.create<arith::DivFOp>(loc, f32Constant(m, loc, top), padded);
+    Value nan = f32Constant(m, loc, std::numeric_limits<float>::quiet_NaN());
+    return m.create<arith::SelectOp>(loc, finite, scale, nan);
+  });
+  Value minsWide = b.create<BroadcastRowsOp>(loc, matrixType, mins);
+  Value scalesWide = b.create<BroadcastRowsOp>(loc, matrixType, scales);
+  Value draws = b.create<UniformOp>(loc, matrixType, op.getSeed(), op.getOffset());
+  Value codes = buildMap(b, loc, {x, minsWide, scalesWide, draws}, b.getI8Type(),
+                         [&](OpBuilder &m, ValueRange a) -> Value {
+                           Value shifted = m.create<arith::SubFOp>(loc, a[0], a[1]);
+                           Value scaled = m.create<arith::MulFOp>(loc, shifted, a[2]);
+                           Value dithered = m.create<arith::AddFOp>(loc, scaled, a[3]);
+                           Value q = m.create<math::FloorOp>(loc, dithered);
+                           // minimumf would keep a NaN; fptoui saturates NaN (and < 0) to 0.
+                           Value clamped =
+                               m.create<arith::MinimumFOp>(loc, q, f32Constant(m, loc, top));
+                           return m.create<arith::FPToUIOp>(loc, m.getI8Type(), clamped);
+                         });
+  Value packed = b.create<PackOp>(loc, op.getCodes().getType(), codes);
+  op.getCodes().replaceAllUsesWith(packed);
+  op.getMins().replaceAllUsesWith(mins);
+  op.getScales().replaceAllUsesWith(scales);
+  op.erase();
+}
+
+/// x = q / s + m per row (ALGORITHMS.md §6.2).
+void lowerDequantizeGroups(DequantizeGroupsOp op) {
+  OpBuilder b(op);
+  Location loc = op.getLoc();
+  auto matrixType = cast<RankedTensorType>(op.getType());
+  auto codesType = RankedTensorType::get(matrixType.getShape(), b.getI8Type());
+  Value codes = b.create<UnpackOp>(loc, codesType, op.getCodes());
+  Value minsWide = b.create<BroadcastRowsOp>(loc, matrixType, op.getMins());
+  Value scalesWide = b.create<BroadcastRowsOp>(loc, matrixType, op.getScales());
+  Value x = buildMap(b, loc, {codes, minsWide, scalesWide}, b.getF32Type(),
+                     [&](OpBuilder &m, ValueRange a) -> Value {
+                       Value q = m.create<arith::UIToFPOp>(loc, m.getF32Type(), a[0]);
+                       Value unscaled = m.create<arith::DivFOp>(loc, q, a[2]);
+                       return m.create<arith::AddFOp>(loc, unscaled, a[1]);
+                     });
+  op.replaceAllUsesWith(x);
+  op.erase();
+}
+
 struct LowerQuantize : abp::impl::AbpLowerQuantizeBase<LowerQuantize> {
   /// Keeps each operator's bucket schemes as `abp.schemes` once the ops carrying them are gone:
   /// the manifest exports them (Python's `.borders` / `.levels`).
@@ -93,6 +180,14 @@ struct LowerQuantize : abp::impl::AbpLowerQuantizeBase<LowerQuantize> {
       lowerQuantize(op);
     for (DequantizeOp op : dequantizes)
       lowerDequantize(op);
+    SmallVector<QuantizeGroupsOp> groupQuantizes;
+    SmallVector<DequantizeGroupsOp> groupDequantizes;
+    getOperation().walk([&](QuantizeGroupsOp op) { groupQuantizes.push_back(op); });
+    getOperation().walk([&](DequantizeGroupsOp op) { groupDequantizes.push_back(op); });
+    for (QuantizeGroupsOp op : groupQuantizes)
+      lowerQuantizeGroups(op);
+    for (DequantizeGroupsOp op : groupDequantizes)
+      lowerDequantizeGroups(op);
   }
 };
 } // namespace

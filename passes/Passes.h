@@ -3,6 +3,7 @@
 #define ABP_PASSES_PASSES_H
 
 #include "dialect/AbpDialect.h"
+#include "mlir/Dialect/Math/IR/Math.h"
 #include "mlir/IR/BuiltinOps.h"
 #include "mlir/Pass/Pass.h"
 #include "mlir/Pass/PassManager.h"

@@ -28,14 +28,16 @@ def AbpInstantiateVariants : Pass<"abp-instantiate-variants", "::mlir::ModuleOp"
 }
 
 def AbpLowerQuantize : Pass<"abp-lower-quantize", "::mlir::ModuleOp"> {
-  let summary = "Lowers bucket quantize/dequantize to code maps and pack/unpack";
+  let summary = "Lowers bucket and per-group quantize/dequantize to code maps and pack/unpack";
   let description = [{
     `abp.quantize %x {scheme}` becomes an `abp.map` computing `Σ_i [x > t_i]` as i8 (borders
     rounded to fp32; NaN compares false, so it gets code 0) followed by `abp.pack`;
     `abp.dequantize %c {scheme}` becomes `abp.unpack` and an `abp.map` selecting `levels[code]`
-    as fp32 constants.
+    as fp32 constants. `abp.quantize_groups` becomes per-row min/max reductions, the scale map,
+    `abp.uniform`, the stochastic-rounding code map and `abp.pack`; `abp.dequantize_groups`
+    becomes `abp.unpack` and the `q / s + m` map (ALGORITHMS.md §6.2).
   }];
-  let dependentDialects = ["::mlir::arith::ArithDialect"];
+  let dependentDialects = ["::mlir::arith::ArithDialect", "::mlir::math::MathDialect"];
 }
 
 def AbpFuseKernels : Pass<"abp-fuse-kernels", "::mlir::ModuleOp"> {

@@ -81,6 +81,16 @@ void checkLaunchArgs(const KernelRecord &record, void *const *args, int nargs, i
       throw Error(ErrorCode::InvalidArgument,
                   "n: must be rows * cols = " + std::to_string(rows * cols) + ", got " +
                       std::to_string(n) + where);
+    // Packed codes of row r start at bit r * cols * bits: a whole byte unless it is one row.
+    for (int i = 0; i < nargs; ++i) {
+      const KernelArg &arg = record.args[static_cast<size_t>(i)];
+      if (arg.layout == ArgLayout::Packed && rows > 1 && (cols * arg.bits) % 8 != 0)
+        throw Error(ErrorCode::InvalidArgument,
+                    "args[" + std::to_string(i) + "]: " + std::to_string(arg.bits) +
+                        "-bit codes of rows of " + std::to_string(cols) +
+                        " columns do not start on a byte; cols * bits must be a multiple of 8 "
+                        "when there is more than one row" + where);
+    }
     return;
   }
   int64_t count = argInt64(args, nargs - 1);
@@ -138,10 +148,18 @@ ArgPack &ArgPack::pointer(const void *p) {
   return *this;
 }
 
+ArgPack &ArgPack::scalarInt(int64_t value) {
+  const KernelArg &arg = expect("an i64 scalar");
+  if (arg.role != ArgRole::Scalar || arg.scalarType != ScalarType::I64)
+    throw roleMismatch(record_, next_, "an i64 scalar");
+  values_[next_++].count = value;
+  return *this;
+}
+
 ArgPack &ArgPack::scalar(float value) {
   const KernelArg &arg = expect("a scalar");
-  if (arg.role != ArgRole::Scalar)
-    throw roleMismatch(record_, next_, "a scalar");
+  if (arg.role != ArgRole::Scalar || arg.scalarType != ScalarType::F32)
+    throw roleMismatch(record_, next_, "an f32 scalar");
   values_[next_++].scalar = value;
   return *this;
 }

@@ -59,8 +59,9 @@ public:
 
   /// The next in/out argument (a device pointer on the GPU, a host pointer on the CPU).
   ArgPack &pointer(const void *p);
-  /// The next scalar (f32) argument.
+  /// The next scalar argument: an f32 parameter, or an i64 one (the manifest says which).
   ArgPack &scalar(float value);
+  ArgPack &scalarInt(int64_t value);
   /// The count (last) argument.
   ArgPack &count(int64_t n);
   /// A row kernel's shape (its last two arguments).
@@ -77,7 +78,7 @@ private:
   union Value {
     const void *pointer;
     float scalar;
-    int64_t count;
+    int64_t count; ///< also i64 scalars
   };
   Value values_[kMaxKernelArgs];
   void *slots_[kMaxKernelArgs];

@@ -272,8 +272,11 @@ KernelRecord parseKernel(const Checker &check, const Json &value, const std::str
       check.fail(argAt, "inputs and scalars must come before the outputs");
     if (arg.role == ArgRole::Scalar) {
       std::string type = check.str(args[i], argAt, "type", true);
-      if (type != "f32")
-        check.fail(argAt + ".type", "unsupported scalar type \"" + type + "\" (expected f32)");
+      if (type == "i64")
+        arg.scalarType = ScalarType::I64;
+      else if (type != "f32")
+        check.fail(argAt + ".type",
+                   "unsupported scalar type \"" + type + "\" (expected f32 or i64)");
     }
     if (arg.role == ArgRole::In || arg.role == ArgRole::Out) {
       std::string layout = check.str(args[i], argAt, "layout", true);
@@ -294,8 +297,6 @@ KernelRecord parseKernel(const Checker &check, const Json &value, const std::str
         check.fail(argAt + ".layout",
                    "unknown layout \"" + layout + "\" (expected dense, packed or rows)");
       }
-      if (rows && arg.layout == ArgLayout::Packed)
-        check.fail(argAt + ".layout", "packed codes are not supported in row kernels");
     }
     k.args.push_back(arg);
   }

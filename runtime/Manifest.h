@@ -36,10 +36,14 @@ enum class ArgLayout { None, Dense, Packed, Rows };
 const char *argRoleName(ArgRole role);
 
 /// One kernel argument, in calling-convention order.
+/// The type of a scalar argument: an f32 parameter, or an i64 one (a seed or an offset).
+enum class ScalarType { F32, I64 };
+
 struct KernelArg {
   ArgRole role = ArgRole::In;
   ArgLayout layout = ArgLayout::None; ///< Dense, Packed or Rows for In/Out
   int bits = 0;                       ///< Packed: bits per element, 1..8
+  ScalarType scalarType = ScalarType::F32; ///< Scalar
 };
 
 /// Elementwise kernels take a count; row kernels take (rows, cols) and run one warp per row

@@ -349,6 +349,7 @@ ABP_FN float pow(float x, float y) { return ::powf(x, y); }
 ABP_FN float fmax(float x, float y) { return ::fmaxf(x, y); }
 ABP_FN float fmin(float x, float y) { return ::fminf(x, y); }
 ABP_FN bool isnan(float x) { return ::isnan(x); }
+ABP_FN float floor(float x) { return ::floorf(x); }
 ABP_FN double erf(double x) { return ::erf(x); }
 ABP_FN double exp(double x) { return ::exp(x); }
 ABP_FN double expm1(double x) { return ::expm1(x); }
@@ -362,6 +363,7 @@ ABP_FN double pow(double x, double y) { return ::pow(x, y); }
 ABP_FN double fmax(double x, double y) { return ::fmax(x, y); }
 ABP_FN double fmin(double x, double y) { return ::fmin(x, y); }
 ABP_FN bool isnan(double x) { return ::isnan(x); }
+ABP_FN double floor(double x) { return ::floor(x); }
 #else
 ABP_FN float erf(float x) { return std::erf(x); }
 ABP_FN float exp(float x) { return std::exp(x); }
@@ -376,6 +378,7 @@ ABP_FN float pow(float x, float y) { return std::pow(x, y); }
 ABP_FN float fmax(float x, float y) { return std::fmax(x, y); }
 ABP_FN float fmin(float x, float y) { return std::fmin(x, y); }
 ABP_FN bool isnan(float x) { return std::isnan(x); }
+ABP_FN float floor(float x) { return std::floor(x); }
 ABP_FN double erf(double x) { return std::erf(x); }
 ABP_FN double exp(double x) { return std::exp(x); }
 ABP_FN double expm1(double x) { return std::expm1(x); }
@@ -389,7 +392,14 @@ ABP_FN double pow(double x, double y) { return std::pow(x, y); }
 ABP_FN double fmax(double x, double y) { return std::fmax(x, y); }
 ABP_FN double fmin(double x, double y) { return std::fmin(x, y); }
 ABP_FN bool isnan(double x) { return std::isnan(x); }
+ABP_FN double floor(double x) { return std::floor(x); }
 #endif
+/// arith.fptoui, saturating: NaN and x <= 0 give 0, x >= U's maximum gives the maximum (C++'s
+/// conversion of an out-of-range float is undefined; LLVM's is poison).
+template <typename U, typename F> ABP_FN U toUnsignedSat(F x) {
+  const F top = (F)(U)~(U)0;
+  return !(x > (F)0) ? (U)0 : (x >= top ? (U)~(U)0 : (U)x);
+}
 /// IEEE maximum/minimum (arith.maximumf/minimumf): NaN if either operand is NaN.
 template <typename C> ABP_FN C maximum(C x, C y) {
   return (isnan(x) || isnan(y)) ? x + y : (x > y ? x : y);
@@ -524,6 +534,28 @@ ABP_FN Philox4 philox4x32_10(Philox4 ctr, u32 key0, u32 key1) {
     key1 += kW1;
   }
   return ctr;
+}
+
+/// The last Philox block a thread drew, so that the four words of one block serve four
+/// consecutive elements (abp.uniform) instead of one Philox call per element.
+struct PhiloxCache {
+  u64 seed = 0;
+  u64 block = ~(u64)0;
+  Philox4 words;
+};
+
+/// abp.uniform: a draw in [0, 1) for position c of the stream keyed by `seed`: word c mod 4 of
+/// Philox-4x32-10 at counter (c / 4, 0) under key (seed low, seed high), top 24 bits scaled by
+/// 2^-24 (exact in fp32).
+ABP_FN float uniformAt(PhiloxCache &cache, u64 seed, u64 c) {
+  const u64 block = c >> 2;
+  if (block != cache.block || seed != cache.seed) {
+    Philox4 ctr = {{(u32)block, (u32)(block >> 32), 0u, 0u}};
+    cache.words = philox4x32_10(ctr, (u32)seed, (u32)(seed >> 32));
+    cache.block = block;
+    cache.seed = seed;
+  }
+  return (float)(cache.words.v[c & 3u] >> 8) * (1.0f / 16777216.0f);
 }
 
 /// A uniform float in (0, 1] from 32 random bits (never 0, so log() is safe).

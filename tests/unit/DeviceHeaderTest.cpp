@@ -497,3 +497,41 @@ TEST(DeviceHeader, DoubleStorageAndMath) {
   EXPECT_TRUE(std::isnan(abp::maximum(1.0, std::nan(""))));
   EXPECT_EQ(abp::minimum(1.0, -2.0), -2.0);
 }
+
+TEST(DeviceHeader, UniformAtIsWordCModFourOfPhiloxAtCDivFour) {
+  const abp::u64 seed = 0x0123456789abcdefull;
+  abp::PhiloxCache cache;
+  // Any visiting order gives every position its own word: the cache is only a shortcut.
+  const abp::u64 positions[] = {0, 1, 2, 3, 4, 7, 5, (abp::u64)1 << 33, ((abp::u64)1 << 33) + 3,
+                                ~(abp::u64)0, 6, 0};
+  for (abp::u64 c : positions) {
+    abp::u64 block = c >> 2;
+    abp::Philox4 ctr = {{(abp::u32)block, (abp::u32)(block >> 32), 0u, 0u}};
+    abp::u32 word = abp::philox4x32_10(ctr, (abp::u32)seed, (abp::u32)(seed >> 32)).v[c & 3];
+    float expected = (float)(word >> 8) / 16777216.0f;
+    EXPECT_EQ(abp::uniformAt(cache, seed, c), expected) << "position " << c;
+  }
+  // A different key misses the cache even at the same block.
+  abp::PhiloxCache fresh;
+  EXPECT_EQ(abp::uniformAt(cache, seed + 1, 0), abp::uniformAt(fresh, seed + 1, 0));
+  EXPECT_NE(abp::uniformAt(cache, seed + 1, 0), abp::uniformAt(cache, seed, 0));
+  // [0, 1): the largest draw is 1 - 2^-24.
+  for (abp::u64 c = 0; c < 4096; ++c) {
+    float u = abp::uniformAt(cache, 42, c);
+    EXPECT_GE(u, 0.0f);
+    EXPECT_LT(u, 1.0f);
+  }
+}
+
+TEST(DeviceHeader, ToUnsignedSaturatesAndMapsNanToZero) {
+  EXPECT_EQ(abp::toUnsignedSat<abp::u8>(3.0f), 3u);
+  EXPECT_EQ(abp::toUnsignedSat<abp::u8>(3.99f), 3u);
+  EXPECT_EQ(abp::toUnsignedSat<abp::u8>(255.0f), 255u);
+  EXPECT_EQ(abp::toUnsignedSat<abp::u8>(300.0f), 255u);
+  EXPECT_EQ(abp::toUnsignedSat<abp::u8>(-2.0f), 0u);
+  EXPECT_EQ(abp::toUnsignedSat<abp::u8>(std::nanf("")), 0u);
+  EXPECT_EQ(abp::toUnsignedSat<abp::u8>(INFINITY), 255u);
+  EXPECT_EQ(abp::toUnsignedSat<abp::u32>(5.0), 5u);
+  EXPECT_EQ(abp::toUnsignedSat<abp::u8>(abp::floor(2.5f)), 2u);
+  EXPECT_EQ(abp::floor(-0.5), -1.0);
+}

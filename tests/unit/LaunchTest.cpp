@@ -192,3 +192,57 @@ TEST(Launch, RowKernelChecksAndPacking) {
   countInstead.pointer(x).pointer(r).pointer(y);
   EXPECT_THROW(countInstead.count(6), Error);
 }
+
+namespace {
+/// A GACT-like row kernel: x, an i64 seed, then per-row minima and 2-bit codes.
+KernelRecord codedRowRecord() {
+  Manifest m = parseManifest(R"({"format": 2, "file": "c.mlir", "source": "c.cu",
+    "host_library": "c.host.so", "operators": [], "kernels": [{"name": "c_fwd", "kind": "rows",
+    "warp_max_cols": 1024, "symbols": {"f32": "abp_c_fwd_f32"}, "block": 256, "chunk": 8,
+    "args": [{"role": "in", "layout": "dense"}, {"role": "scalar", "type": "i64"},
+             {"role": "out", "layout": "rows"}, {"role": "out", "layout": "packed", "bits": 2},
+             {"role": "rows"}, {"role": "cols"}]}]})",
+                             "/m/c.json");
+  return m.kernels.at(0);
+}
+} // namespace
+
+TEST(Launch, I64ScalarsAndPackedCodesInRowKernels) {
+  KernelRecord record = codedRowRecord();
+  EXPECT_EQ(record.args[1].scalarType, ScalarType::I64);
+  EXPECT_EQ(record.args[3].layout, ArgLayout::Packed);
+  float x[12] = {}, m[3] = {};
+  uint8_t codes[3] = {};
+  ArgPack pack(record);
+  pack.pointer(x).scalarInt(int64_t(1) << 40).pointer(m).pointer(codes).shape(3, 4);
+  void **args = pack.data();
+  EXPECT_EQ(*static_cast<int64_t *>(args[1]), int64_t(1) << 40);
+  EXPECT_NO_THROW(checkLaunchArgs(record, args, pack.size(), 12));
+
+  ArgPack floatSeed(record);
+  floatSeed.pointer(x);
+  try {
+    floatSeed.scalar(1.0f);
+    ADD_FAILURE() << "an f32 was accepted for an i64 scalar";
+  } catch (const Error &e) {
+    EXPECT_NE(std::string(e.what()).find("has role scalar, but an f32 scalar was given"),
+              std::string::npos)
+        << e.what();
+  }
+  // 3 columns of 2-bit codes: row 1 would start at bit 6, inside a byte.
+  ArgPack ragged(record);
+  ragged.pointer(x).scalarInt(7).pointer(m).pointer(codes).shape(4, 3);
+  try {
+    checkLaunchArgs(record, ragged.data(), ragged.size(), 12);
+    ADD_FAILURE() << "accepted rows that do not start on a byte";
+  } catch (const Error &e) {
+    EXPECT_NE(std::string(e.what()).find("args[3]: 2-bit codes of rows of 3 columns do not start "
+                                         "on a byte"),
+              std::string::npos)
+        << e.what();
+  }
+  // A single row may have any length: its codes start at byte 0.
+  ArgPack oneRow(record);
+  oneRow.pointer(x).scalarInt(7).pointer(m).pointer(codes).shape(1, 11);
+  EXPECT_NO_THROW(checkLaunchArgs(record, oneRow.data(), oneRow.size(), 11));
+}

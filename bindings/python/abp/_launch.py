@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -110,8 +110,10 @@ def _launch_kernel(
     dtype: torch.dtype,
     device: torch.device,
     shape: torch.Size,
+    out: Optional[Sequence[torch.Tensor]] = None,
 ) -> List[torch.Tensor]:
-    """Launches `record` with the direction's inputs; returns its freshly allocated outputs.
+    """Launches `record` with the direction's inputs; returns its outputs, freshly allocated
+    unless `out` gives them (contiguous tensors of the right size, e.g. views into a larger buffer).
 
     A row kernel works on rows of ``shape[-1]`` elements: its per-row arguments hold one value
     per row (shape ``shape[:-1]``) in the compute dtype.
@@ -124,7 +126,7 @@ def _launch_kernel(
     for ref, spec in zip(direction.args, record.inputs):
         value = values[ref]
         if spec.role == "scalar":
-            args.append(_lib.c_float(float(value)))
+            args.append(_lib.c_int64(int(value)) if spec.type == "i64" else _lib.c_float(float(value)))
             continue
         if not isinstance(value, torch.Tensor):
             raise RuntimeError(f"{op.name}: {ref} feeds tensor argument of {record.name} but is {type(value).__name__}")
@@ -151,16 +153,26 @@ def _launch_kernel(
             raise ValueError(f"{op.name}: {ref} is on {value.device}, expected {device}")
         args.append(_pointer(value))
     results: List[torch.Tensor] = []
-    for spec in record.outputs:
+    for i, spec in enumerate(record.outputs):
         if spec.layout == "packed":
             assert spec.bits is not None
-            out = torch.empty(packed_bytes(spec.bits, n), dtype=torch.uint8, device=device)
+            out_shape, out_dtype = (packed_bytes(spec.bits, n),), torch.uint8
         elif spec.layout == "rows":
-            out = torch.empty(shape[:-1], dtype=row_dtype, device=device)
+            out_shape, out_dtype = tuple(shape[:-1]), row_dtype
         else:
-            out = torch.empty(shape, dtype=dtype, device=device)
-        results.append(out)
-        args.append(_pointer(out))
+            out_shape, out_dtype = tuple(shape), dtype
+        size = math.prod(out_shape)
+        if out is None:
+            result = torch.empty(out_shape, dtype=out_dtype, device=device)
+        else:
+            result = out[i]
+            if result.dtype != out_dtype or result.numel() != size or not result.is_contiguous() or result.device != device:
+                raise ValueError(
+                    f"{op.name}: output {i} of {record.name} must be a contiguous {out_dtype} tensor of {size} "
+                    f"elements on {device}, got {result.dtype} with {result.numel()} elements on {result.device}"
+                )
+        results.append(result)
+        args.append(_pointer(result))
     if rows_kernel:
         args += [_lib.c_int64(rows), _lib.c_int64(cols)]
     else:
@@ -181,10 +193,11 @@ def _run(
     dtype: torch.dtype,
     device: torch.device,
     shape: torch.Size,
+    out: Optional[Sequence[torch.Tensor]] = None,
 ) -> List[Any]:
     record = op.kernel(direction)
     if record is not None:
-        for i, result in enumerate(_launch_kernel(op, record, direction, values, n, dtype, device, shape)):
+        for i, result in enumerate(_launch_kernel(op, record, direction, values, n, dtype, device, shape, out)):
             values[f"result{i}"] = result
     missing = [ref for ref in direction.produces if ref not in values]
     if missing:
@@ -192,11 +205,18 @@ def _run(
     return [values[ref] for ref in direction.produces]
 
 
-def forward(op: Operator, inputs: Sequence[torch.Tensor], params: Sequence[float]) -> Tuple[List[torch.Tensor], List[Any]]:
+def forward(
+    op: Operator,
+    inputs: Sequence[torch.Tensor],
+    params: Sequence[Union[float, int]],
+    out: Optional[Sequence[torch.Tensor]] = None,
+) -> Tuple[List[torch.Tensor], List[Any]]:
     """Runs the forward of `op` (inputs already checked); returns (outputs, residuals).
 
-    Dense outputs are new contiguous tensors of the inputs' shape; codes are ceil(bits * n / 8) uint8
-    bytes; a scalar residual is a float. No reference to the inputs is kept.
+    Dense outputs are new contiguous tensors of the inputs' shape (or the kernel's outputs given in
+    `out`); codes are ceil(bits * n / 8) uint8 bytes; a scalar residual is a float. Parameters are
+    passed as the kernel declares them (f32, or i64 for seeds and offsets). No reference to the
+    inputs is kept.
     """
     if op.forward is None:
         raise RuntimeError(f"operator {op.name} has no forward direction")
@@ -209,8 +229,8 @@ def forward(op: Operator, inputs: Sequence[torch.Tensor], params: Sequence[float
     for i, x in enumerate(inputs):
         values[f"input{i}"] = x.contiguous()
     for i, p in enumerate(params):
-        values[f"param{i}"] = float(p)
-    produced = _run(op, op.forward, values, first.numel(), first.dtype, first.device, first.shape)
+        values[f"param{i}"] = p
+    produced = _run(op, op.forward, values, first.numel(), first.dtype, first.device, first.shape, out)
     return produced[: op.outputs], produced[op.outputs :]
 
 
@@ -221,8 +241,10 @@ def backward(
     shape: torch.Size,
     dtype: torch.dtype,
     device: torch.device,
+    out: Optional[Sequence[torch.Tensor]] = None,
 ) -> List[Optional[torch.Tensor]]:
-    """Runs the backward of `op`; returns one gradient (of `shape`) per tensor input.
+    """Runs the backward of `op`; returns one gradient (of `shape`) per tensor input (written into
+    `out` where given).
 
     A missing output gradient (None) counts as zeros; gradients are made contiguous and must have
     `shape`, `dtype` and `device` (those of the forward's output).
@@ -249,4 +271,4 @@ def backward(
         if g.dtype != dtype:
             g = g.to(dtype)
         values[f"grad{i}"] = g.contiguous()
-    return list(_run(op, op.backward, values, n, dtype, device, shape))
+    return list(_run(op, op.backward, values, n, dtype, device, shape, out))

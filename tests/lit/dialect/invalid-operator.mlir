@@ -68,7 +68,7 @@ abp.operator @saves_in_backward forward {
 
 // -----
 
-// expected-error @+1 {{forward argument #1 must be a ranked tensor or an f32 parameter, got 'i32'}}
+// expected-error @+1 {{forward argument #1 must be a ranked tensor, an f32 parameter or an i64 parameter (a seed or offset), got 'i32'}}
 abp.operator @bad_param forward {
 ^bb0(%x: tensor<?xf32>, %p: i32):
   abp.return %x : tensor<?xf32>

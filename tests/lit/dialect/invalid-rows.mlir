@@ -53,11 +53,3 @@ abp.kernel @rows_layout attributes {ins = [#abp.rows], outs = [#abp.dense]} {
   abp.yield %x : f32
 }
 
-// -----
-
-// expected-error @+1 {{is a row kernel; packed codes are not supported in row kernels}}
-abp.kernel @packed_rows attributes {ins = [#abp.packed<1>], outs = [#abp.dense], rows} {
-^bb0(%c: i8):
-  %f = arith.uitofp %c : i8 to f32
-  abp.yield %f : f32
-}

@@ -63,3 +63,37 @@ abp.operator @rms forward {
   }
   abp.return %dx : tensor<?x?xf32>
 }
+
+// Packed codes enter and leave row kernels, i64 parameters become #abp.scalar arguments of
+// type i64, and abp.uniform becomes the element's f32 draw.
+// CHECK-LABEL: abp.kernel @coded_fwd
+// CHECK-SAME: ins = [#abp.dense, #abp.scalar, #abp.scalar], outs = [#abp.rows, #abp.packed<8>], rows
+// CHECK: ^bb0(%{{.*}}: f32, %[[SEED:.*]]: i64, %[[OFF:.*]]: i64):
+// CHECK: abp.uniform %[[SEED]], %[[OFF]] : i64, i64 -> f32
+// CHECK-LABEL: abp.kernel @coded_bwd
+// CHECK-SAME: ins = [#abp.packed<8>, #abp.rows, #abp.dense], outs = [#abp.dense], rows
+abp.operator @coded forward {
+^bb0(%x: tensor<?x?xf32>, %seed: i64, %offset: i64):
+  %m = abp.reduce_rows max %x : tensor<?x?xf32> -> tensor<?xf32>
+  %u = abp.uniform %seed, %offset : i64, i64 -> tensor<?x?xf32>
+  %q = abp.map(%x, %u) : (tensor<?x?xf32>, tensor<?x?xf32>) -> tensor<?x?xi8> {
+  ^bb0(%a: f32, %r: f32):
+    %s = arith.addf %a, %r : f32
+    %c = arith.fptoui %s : f32 to i8
+    abp.yield %c : i8
+  }
+  %c = abp.pack %q : tensor<?x?xi8> -> !abp.codes<8>
+  abp.return %x : tensor<?x?xf32> saves %c, %m : !abp.codes<8>, tensor<?xf32>
+} backward {
+^bb0(%c: !abp.codes<8>, %m: tensor<?xf32>, %g: tensor<?x?xf32>):
+  %q = abp.unpack %c : !abp.codes<8> -> tensor<?x?xi8>
+  %mb = abp.broadcast_rows %m : tensor<?xf32> -> tensor<?x?xf32>
+  %dx = abp.map(%q, %mb, %g) : (tensor<?x?xi8>, tensor<?x?xf32>, tensor<?x?xf32>) -> tensor<?x?xf32> {
+  ^bb0(%k: i8, %v: f32, %d: f32):
+    %f = arith.uitofp %k : i8 to f32
+    %p = arith.mulf %f, %v : f32
+    %r = arith.mulf %p, %d : f32
+    abp.yield %r : f32
+  }
+  abp.return %dx : tensor<?x?xf32>
+}

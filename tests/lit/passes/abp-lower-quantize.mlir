@@ -44,3 +44,44 @@ abp.operator @q forward {
   %d = abp.dequantize %c {scheme = #s} : !abp.codes<2> -> tensor<?xf32>
   abp.return %d : tensor<?xf32>
 }
+
+// quantize_groups: per-row min and max, the scale s = (2^b - 1) / (M - m + 2e-6) (NaN unless
+// M - m is finite), Philox draws, q = min(floor((x - m) * s + u), 2^b - 1) as i8, then pack.
+// dequantize_groups: unpack, broadcast m and s, q / s + m.
+// CHECK-LABEL: abp.operator @g
+// CHECK: %[[MIN:.*]] = abp.reduce_rows min %[[X:.*]] : tensor<?x?xf32> -> tensor<?xf32>
+// CHECK: %[[MAX:.*]] = abp.reduce_rows max %[[X]] : tensor<?x?xf32> -> tensor<?xf32>
+// CHECK: %[[S:.*]] = abp.map(%[[MIN]], %[[MAX]])
+// CHECK: arith.cmpf olt
+// CHECK: arith.constant 2.000000e-06 : f32
+// CHECK: arith.constant 1.500000e+01 : f32
+// CHECK: arith.divf
+// CHECK: arith.constant 0x7FC00000 : f32
+// CHECK: arith.select
+// CHECK: %[[MB:.*]] = abp.broadcast_rows %[[MIN]]
+// CHECK: %[[SB:.*]] = abp.broadcast_rows %[[S]]
+// CHECK: %[[U:.*]] = abp.uniform %{{.*}}, %{{.*}} : i64, i64 -> tensor<?x?xf32>
+// CHECK: abp.map(%[[X]], %[[MB]], %[[SB]], %[[U]]) {{.*}} -> tensor<?x?xi8>
+// CHECK: arith.subf
+// CHECK-NEXT: arith.mulf
+// CHECK-NEXT: arith.addf
+// CHECK-NEXT: math.floor
+// CHECK: arith.minimumf
+// CHECK-NEXT: arith.fptoui %{{.*}} : f32 to i8
+// CHECK: abp.pack %{{.*}} : tensor<?x?xi8> -> !abp.codes<4>
+// CHECK: } backward {
+// CHECK: abp.unpack %{{.*}} : !abp.codes<4> -> tensor<?x?xi8>
+// CHECK: arith.uitofp
+// CHECK-NEXT: arith.divf
+// CHECK-NEXT: arith.addf
+abp.operator @g forward {
+^bb0(%x: tensor<?x?xf32>, %seed: i64, %offset: i64):
+  %c, %m, %s = abp.quantize_groups %x, %seed, %offset
+      : tensor<?x?xf32>, i64, i64 -> !abp.codes<4>, tensor<?xf32>, tensor<?xf32>
+  abp.return saves %c, %m, %s : !abp.codes<4>, tensor<?xf32>, tensor<?xf32>
+} backward {
+^bb0(%c: !abp.codes<4>, %m: tensor<?xf32>, %s: tensor<?xf32>):
+  %x = abp.dequantize_groups %c, %m, %s
+      : !abp.codes<4>, tensor<?xf32>, tensor<?xf32> -> tensor<?x?xf32>
+  abp.return %x : tensor<?x?xf32>
+}
