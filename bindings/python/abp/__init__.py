@@ -16,8 +16,9 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from . import _custom_ops, _lib, autograd, cache, functional, memory, nn
+from . import _custom_ops, _lib, autograd, cache, compress, functional, memory, nn
 from . import convert as convert_  # the module (RECIPES, Change); `abp.convert` is the function
+from .compress import compress_saved
 from .convert import Change, convert
 from ._errors import AbpError, CompileError, Status
 
@@ -30,6 +31,8 @@ __all__ = [
     "Status",
     "autograd",
     "cache",
+    "compress",
+    "compress_saved",
     "functional",
     "memory",
     "nn",

@@ -13,6 +13,7 @@ packed to 1 bit, exactly.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -207,8 +208,13 @@ class compress_saved:
     the width per tensor: this is how `abp.CompressionController` applies its allocation. Seeds
     come from `generator` (torch's default generator if None), one per saved tensor.
 
-    After the block, `stats` holds the count and bytes of what was saved: ``tensors``,
-    ``compressed``, ``bytes_in`` (the tensors as they were) and ``bytes_stored``.
+    A tensor saved twice (a ReLU's output that the next Linear saves as its input) is compressed
+    once: both saves get the same CompressedTensor, so backward reads one reconstruction.
+
+    After the block, `stats` holds the count and bytes of what was saved, each distinct tensor
+    counted once: ``tensors`` and ``bytes_in`` (all saved tensors as they were), ``bytes_stored``
+    (what is kept instead), and ``compressed`` with ``bytes_compressed`` (the compressed ones and
+    the bytes of their codes and group headers).
     """
 
     def __init__(
@@ -235,6 +241,8 @@ class compress_saved:
         self.generator = generator
         self.stats: Dict[str, int] = {}
         self._hooks: Optional[Any] = None
+        # The tensors packed in this block by identity, so a second save reuses the first's codes.
+        self._packed: Dict[Tuple[Any, ...], Any] = {}
 
     def _choose(self, t: torch.Tensor) -> int:
         if self.bits_for is None:
@@ -244,8 +252,23 @@ class compress_saved:
             return 32
         return _check_bits(bits, "bits_for(tensor)")
 
+    @staticmethod
+    def _identity(t: torch.Tensor) -> Tuple[Any, ...]:
+        return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version)
+
     def pack(self, t: torch.Tensor) -> Any:
         """The saved_tensors_hooks pack hook: a CompressedTensor, or `t` itself if not eligible."""
+        key = self._identity(t)
+        seen = self._packed.get(key)
+        # The same tensor object (a weak reference: memory freed and reused is another tensor).
+        if seen is not None and seen[0]() is t:
+            return seen[1] or t
+        result = self._pack_new(t)
+        # Only the codes are kept here; a tensor stored as is is remembered by identity alone.
+        self._packed[key] = (weakref.ref(t), result if isinstance(result, CompressedTensor) else None)
+        return result
+
+    def _pack_new(self, t: torch.Tensor) -> Any:
         self.stats["tensors"] += 1
         self.stats["bytes_in"] += t.numel() * t.element_size()
         wanted = eligible(t, self.min_numel) and (self.filter is None or bool(self.filter(t)))
@@ -257,6 +280,7 @@ class compress_saved:
             self.stats["bytes_stored"] += t.numel() * t.element_size()
             return t
         self.stats["compressed"] += 1
+        self.stats["bytes_compressed"] += c.nbytes
         self.stats["bytes_stored"] += c.nbytes
         return c
 
@@ -266,7 +290,8 @@ class compress_saved:
         return dequantize(saved) if isinstance(saved, CompressedTensor) else saved
 
     def __enter__(self) -> "compress_saved":
-        self.stats = {"tensors": 0, "compressed": 0, "bytes_in": 0, "bytes_stored": 0}
+        self.stats = {"tensors": 0, "compressed": 0, "bytes_in": 0, "bytes_stored": 0, "bytes_compressed": 0}
+        self._packed = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._hooks.__enter__()
         return self
@@ -275,3 +300,4 @@ class compress_saved:
         hooks, self._hooks = self._hooks, None
         assert hooks is not None
         hooks.__exit__(*exc)
+        self._packed = {}  # the graph keeps what it saved; this block holds nothing after it

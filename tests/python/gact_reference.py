@@ -1,0 +1,94 @@
+"""Independent references for the GACT codec tests: Philox-4x32-10 and the per-group scheme in numpy.
+
+Written from the definitions (Salmon et al. SC'11 for Philox; ALGORITHMS.md §6.2 and the
+abp.uniform / abp.quantize_groups docs for the rest), not from the generated kernels, so the tests
+compare two implementations. fp32 arithmetic in numpy rounds every operation once, with no fused
+multiply-add, which is also what the kernels are compiled to do.
+"""
+from __future__ import annotations
+
+import math
+from typing import Tuple
+
+import numpy as np
+import torch
+
+_MASK = np.uint64(0xFFFFFFFF)
+
+
+def philox4x32_10(counters: np.ndarray, key0: int, key1: int) -> np.ndarray:
+    """Philox-4x32-10 of each row of `counters` (shape (n, 4), uint32) under the key; (n, 4) uint32."""
+    c = [counters[:, i].astype(np.uint64) for i in range(4)]
+    k0, k1 = np.uint64(key0), np.uint64(key1)
+    m0, m1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+    w0, w1 = np.uint64(0x9E3779B9), np.uint64(0xBB67AE85)
+    for _ in range(10):
+        p0, p1 = m0 * c[0], m1 * c[2]
+        hi0, lo0 = p0 >> np.uint64(32), p0 & _MASK
+        hi1, lo1 = p1 >> np.uint64(32), p1 & _MASK
+        c = [hi1 ^ c[1] ^ k0, lo1, hi0 ^ c[3] ^ k1, lo0]
+        k0, k1 = (k0 + w0) & _MASK, (k1 + w1) & _MASK
+    return np.stack(c, axis=1).astype(np.uint32)
+
+
+def uniform_at(seed: int, positions: np.ndarray) -> np.ndarray:
+    """abp.uniform: word c mod 4 of Philox at counter (c / 4, 0) under key (seed lo, seed hi),
+    as (w >> 8) * 2^-24 in fp32."""
+    positions = positions.astype(np.uint64)
+    blocks = positions >> np.uint64(2)
+    counters = np.zeros((positions.size, 4), dtype=np.uint32)
+    counters[:, 0] = (blocks & _MASK).astype(np.uint32)
+    counters[:, 1] = (blocks >> np.uint64(32)).astype(np.uint32)
+    words = philox4x32_10(counters, seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF)
+    word = words[np.arange(positions.size), (positions & np.uint64(3)).astype(np.int64)]
+    return (word >> np.uint32(8)).astype(np.float32) * np.float32(1.0 / 16777216.0)
+
+
+def quantize_groups(x: torch.Tensor, bits: int, group_size: int, seed: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(codes per element, per-group minima, per-group scales) of the flattened `x`, in the compute
+    type (fp32; fp64 for fp64 tensors); the last group holds the remainder."""
+    ctype = np.float64 if x.dtype == torch.float64 else np.float32
+    flat = x.detach().reshape(-1).to(torch.float64 if ctype is np.float64 else torch.float32).numpy()
+    n = flat.size
+    groups = math.ceil(n / group_size)
+    top = ctype((1 << bits) - 1)
+    u = uniform_at(seed, np.arange(n, dtype=np.uint64)).astype(ctype)
+    codes = np.zeros(n, dtype=np.uint8)
+    mins = np.zeros(groups, dtype=ctype)
+    scales = np.zeros(groups, dtype=ctype)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        for g in range(groups):
+            sl = slice(g * group_size, min(n, (g + 1) * group_size))
+            v = flat[sl]
+            lo = ctype(np.nan) if np.isnan(v).any() else v.min()
+            hi = ctype(np.nan) if np.isnan(v).any() else v.max()
+            rng = ctype(hi - lo)
+            s = top / ctype(rng + ctype(np.float32(2e-6))) if abs(rng) < np.inf else ctype(np.nan)
+            mins[g], scales[g] = lo, s
+            q = np.floor(((v - lo) * s).astype(ctype) + u[sl])
+            q = np.where(np.isnan(q), 0, np.minimum(q, top))
+            codes[sl] = q.astype(np.uint8)
+    return codes, mins, scales
+
+
+def dequantize_groups(codes: np.ndarray, mins: np.ndarray, scales: np.ndarray, group_size: int) -> np.ndarray:
+    """q / s + m per element, in the dtype of `mins`."""
+    g = np.arange(codes.size) // group_size
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (codes.astype(mins.dtype) / scales[g]).astype(mins.dtype) + mins[g]
+
+
+def variance(x: torch.Tensor, bits: int, group_size: int) -> np.ndarray:
+    """Var[x̂] per element: φ(1 - φ) / s² with φ = frac((x - m) s), in fp64 (ALGORITHMS.md §6.2)."""
+    flat = x.detach().reshape(-1).double().numpy()
+    n = flat.size
+    out = np.zeros(n)
+    top = (1 << bits) - 1
+    for g in range(math.ceil(n / group_size)):
+        sl = slice(g * group_size, min(n, (g + 1) * group_size))
+        v = flat[sl]
+        s = top / (v.max() - v.min() + 2e-6)
+        t = (v - v.min()) * s
+        phi = t - np.floor(t)
+        out[sl] = phi * (1 - phi) / s**2
+    return out
