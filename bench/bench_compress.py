@@ -123,6 +123,38 @@ def training_step(device: torch.device, batch: int, seq: int, d: int, layers: in
     return results
 
 
+def profile_step(device: torch.device, batch: int, seq: int, d: int, layers: int) -> None:
+    """Where a 4-bit compressed step spends its time: Python (cProfile) and the device (torch.profiler)."""
+    import cProfile
+    import pstats
+
+    model = encoder(device, d, layers)
+    x = torch.randn(batch, seq, d, device=device)
+    step = step_fn(model, x, lambda: C.compress_saved(bits=4))
+    for _ in range(3):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(5):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(3):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=15))
+
+
 def nonlinear_bias(device: torch.device, runs: int) -> Dict[str, Any]:
     torch.manual_seed(0)
     lin = torch.nn.Linear(256, 256).to(device)
@@ -156,6 +188,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--profile", action="store_true", help="also profile a 4-bit compressed step")
     args = parser.parse_args()
     device = torch.device(args.device)
     gpu = device.type == "cuda"
@@ -169,6 +202,8 @@ def main() -> None:
     print("training step", flush=True)
     results["step"] = training_step(device, batch, 256 if gpu else 64, 768 if gpu else 128, 6 if gpu else 2,
                                     args.reps if gpu else 3)
+    if args.profile:
+        profile_step(device, batch, 256 if gpu else 64, 768 if gpu else 128, 6 if gpu else 2)
     print("nonlinear bias", flush=True)
     results["bias"] = nonlinear_bias(device, 64 if gpu else 16)
     out = args.out or os.path.join(ROOT, "bench", "results",

@@ -555,7 +555,13 @@ ABP_FN float uniformAt(PhiloxCache &cache, u64 seed, u64 c) {
     cache.block = block;
     cache.seed = seed;
   }
-  return (float)(cache.words.v[c & 3u] >> 8) * (1.0f / 16777216.0f);
+  // Selects, not words.v[c & 3]: a run-time index would put the words in local memory.
+  const u32 at = (u32)(c & 3u);
+  const u32 word = at == 0u   ? cache.words.v[0]
+                   : at == 1u ? cache.words.v[1]
+                   : at == 2u ? cache.words.v[2]
+                              : cache.words.v[3];
+  return (float)(word >> 8) * (1.0f / 16777216.0f);
 }
 
 /// A uniform float in (0, 1] from 32 random bits (never 0, so log() is safe).

@@ -44,7 +44,9 @@ def uniform_at(seed: int, positions: np.ndarray) -> np.ndarray:
     return (word >> np.uint32(8)).astype(np.float32) * np.float32(1.0 / 16777216.0)
 
 
-def quantize_groups(x: torch.Tensor, bits: int, group_size: int, seed: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+def quantize_groups(
+    x: torch.Tensor, bits: int, group_size: int, seed: int, offset: int = 0
+) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(codes per element, per-group minima, per-group scales) of the flattened `x`, in the compute
     type (fp32; fp64 for fp64 tensors); the last group holds the remainder."""
     ctype = np.float64 if x.dtype == torch.float64 else np.float32
@@ -52,7 +54,7 @@ def quantize_groups(x: torch.Tensor, bits: int, group_size: int, seed: int) -> T
     n = flat.size
     groups = math.ceil(n / group_size)
     top = ctype((1 << bits) - 1)
-    u = uniform_at(seed, np.arange(n, dtype=np.uint64)).astype(ctype)
+    u = uniform_at(seed, np.arange(n, dtype=np.uint64) + np.uint64(offset)).astype(ctype)
     codes = np.zeros(n, dtype=np.uint8)
     mins = np.zeros(groups, dtype=ctype)
     scales = np.zeros(groups, dtype=ctype)

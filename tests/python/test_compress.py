@@ -65,6 +65,26 @@ def test_draws_follow_the_flat_index_across_the_tail_launch():
     assert np.array_equal(codes_of(c), ref.quantize_groups(x, 8, 64, 99)[0])
 
 
+def test_offset_moves_the_stream_so_tensors_sharing_a_seed_draw_independently():
+    x = torch.randn(600)
+    c = C.quantize(x, 4, 64, seed=5, offset=(1 << 40) + 3)
+    assert np.array_equal(codes_of(c), ref.quantize_groups(x, 4, 64, 5, (1 << 40) + 3)[0])
+    # compress_saved: one key per block, consecutive counters per tensor.
+    torch.manual_seed(9)
+    seed = C.draw_seed()
+    a, b = torch.randn(32, 512), torch.randn(32, 256)
+    torch.manual_seed(9)
+    saved = []
+    with C.compress_saved(bits=4) as block:
+        block.pack(a)
+        block.pack(b)
+        saved = list(block._packed.values())
+    assert np.array_equal(codes_of(saved[0][1]), ref.quantize_groups(a, 4, 256, seed, 0)[0])
+    assert np.array_equal(codes_of(saved[1][1]), ref.quantize_groups(b, 4, 256, seed, a.numel())[0])
+    with pytest.raises(ValueError, match=r"offset: expected an int in \[0, 2\*\*63\)"):
+        C.quantize(x, 2, offset=-5)
+
+
 def test_philox_reference_matches_the_published_known_answer():
     out = ref.philox4x32_10(np.array([[0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344]], dtype=np.uint32),
                             0xA4093822, 0x299F31D0)

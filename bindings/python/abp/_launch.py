@@ -14,6 +14,7 @@ __all__ = [
     "ELEMENTWISE_DTYPES",
     "ROW_DTYPES",
     "compute_dtype",
+    "device_and_stream",
     "check_float_tensor",
     "check_inputs",
     "check_param",
@@ -89,7 +90,8 @@ def check_param(name: str, value: Any) -> float:
     return float(value)
 
 
-def _device_and_stream(device: torch.device) -> Tuple[int, Optional[int]]:
+def device_and_stream(device: torch.device) -> Tuple[int, Optional[int]]:
+    """(device index, or -1 for the CPU path; the current CUDA stream handle, or None)."""
     if device.type == "cpu":
         return -1, None
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -180,7 +182,7 @@ def _launch_kernel(
     if (rows if rows_kernel else n) > 0:
         library = _lib.kernel_library()
         handle = library.kernel(record.name, DTYPE_NAMES[dtype])
-        device_index, stream = _device_and_stream(device)
+        device_index, stream = device_and_stream(device)
         _lib.launch(handle, device_index, args, n, stream)
     return results
 

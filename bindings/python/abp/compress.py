@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import _launch, _lib
+from ._manifest import packed_bytes
 
 __all__ = [
     "BITS",
@@ -101,18 +102,84 @@ def _check_group_size(group_size: Any) -> int:
     return group_size
 
 
+class _Codec:
+    """The two kernels of operator gact_b<bits> for one dtype, resolved once.
+
+    quantize/dequantize launch them directly: on small tensors the generic launch path's per-call
+    work (manifest lookups, checks, three allocations) costs more than the kernels. The argument
+    order still comes from the manifest; it is checked here, once, against what this code fills.
+    """
+
+    _cache: Dict[Tuple[int, torch.dtype], "_Codec"] = {}
+
+    @classmethod
+    def get(cls, bits: int, dtype: torch.dtype) -> "_Codec":
+        codec = cls._cache.get((bits, dtype))
+        if codec is None:
+            codec = cls._cache[(bits, dtype)] = cls(bits, dtype)
+        return codec
+
+    def __init__(self, bits: int, dtype: torch.dtype) -> None:
+        library = _lib.kernel_library()
+        op = library.operator(f"gact_b{bits}")
+        fwd, bwd = op.forward, op.backward
+        if fwd is None or bwd is None or fwd.kernel is None or bwd.kernel is None:
+            raise RuntimeError(f"operator {op.name}: expected a forward and a backward kernel")
+        fwd_record, bwd_record = op.kernels[fwd.kernel], op.kernels[bwd.kernel]
+        # Forward results in residual order (codes, minima, scales), as kernel output indices.
+        self.result_of_residual = [int(ref[len("result"):]) for ref in fwd.produces]
+        layouts = [fwd_record.outputs[i].layout for i in self.result_of_residual]
+        if layouts != ["packed", "rows", "rows"] or sorted(fwd.args) != ["input0", "param0", "param1"] or \
+                list(bwd.args) != ["residual0", "residual1", "residual2"] or bwd.produces != ("result0",):
+            raise RuntimeError(f"operator {op.name}: unexpected kernel interface {fwd.args} -> {fwd.produces}, "
+                               f"{bwd.args} -> {bwd.produces} (abp.compress expects ops/gact/gact.mlir's)")
+        self.forward_inputs = tuple(fwd.args)
+        self.bits = bits
+        self.meta_dtype = _launch.compute_dtype(dtype)
+        self.meta_size = torch.empty(0, dtype=self.meta_dtype).element_size()
+        name = _launch.DTYPE_NAMES[dtype]
+        self.forward_kernel = library.kernel(fwd_record.name, name)
+        self.backward_kernel = library.kernel(bwd_record.name, name)
+
+    def quantize(self, x2d: torch.Tensor, seed: int, offset: int, device: int, stream: Optional[int]) -> _Part:
+        rows, cols = x2d.shape
+        n = rows * cols
+        head = rows * self.meta_size
+        # One allocation: minima, scales, then the codes.
+        buffer = torch.empty(2 * head + packed_bytes(self.bits, n), dtype=torch.uint8, device=x2d.device)
+        mins, scales = buffer[:head].view(self.meta_dtype), buffer[head : 2 * head].view(self.meta_dtype)
+        codes = buffer[2 * head :]
+        values = {"input0": _lib.c_void_p(x2d.data_ptr()), "param0": _lib.c_int64(seed), "param1": _lib.c_int64(offset)}
+        args: List[Any] = [values[ref] for ref in self.forward_inputs]
+        outputs: List[Any] = [None, None, None]
+        for residual, tensor in zip(self.result_of_residual, (codes, mins, scales)):
+            outputs[residual] = tensor
+        args += [_lib.c_void_p(t.data_ptr()) for t in outputs]
+        args += [_lib.c_int64(rows), _lib.c_int64(cols)]
+        _lib.launch(self.forward_kernel, device, args, n, stream)
+        return _Part(codes, mins, scales, n, cols)
+
+    def dequantize(self, part: _Part, out: torch.Tensor, device: int, stream: Optional[int]) -> None:
+        rows, cols = part.numel // part.group_size, part.group_size
+        args = [_lib.c_void_p(t.data_ptr()) for t in (part.codes, part.mins, part.scales, out)]
+        args += [_lib.c_int64(rows), _lib.c_int64(cols)]
+        _lib.launch(self.backward_kernel, device, args, part.numel, stream)
+
+
 def quantize(
     x: torch.Tensor,
     bits: int = 2,
     group_size: int = 256,
     *,
     seed: Optional[int] = None,
+    offset: int = 0,
     generator: Optional[torch.Generator] = None,
 ) -> CompressedTensor:
     """Compresses `x` (fp32, fp16, bf16 or fp64; any shape, any strides) to `bits`-bit group codes.
 
     The random stream is Philox keyed by `seed` (drawn from `generator`, or torch's default
-    generator, when None), with the element's flat index as its counter.
+    generator, when None); element e of the flattened `x` draws at counter `offset + e`, so
+    tensors sharing a seed at disjoint offsets draw independent numbers.
     """
     _launch.check_float_tensor("x", x, _FLOAT_DTYPES)
     bits = _check_bits(bits)
@@ -121,19 +188,23 @@ def quantize(
         seed = draw_seed(generator)
     elif isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise ValueError(f"seed: expected an int in [0, 2**63), got {seed!r}")
-    op = _lib.kernel_library().operator(f"gact_b{bits}")
+    if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < 2**63:
+        raise ValueError(f"offset: expected an int in [0, 2**63), got {offset!r}")
+    codec = _Codec.get(bits, x.dtype)
     flat = x.detach().reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
     n = flat.numel()
     full = n // group_size
+    device, stream = _launch.device_and_stream(x.device)
     parts: List[_Part] = []
-    # Whole groups in one launch, the tail group (if any) in a second: the Philox counter of an
-    # element stays its flat index (the offset parameter), and both parts pack to whole bytes.
-    for start, rows, cols in ((0, full, group_size), (full * group_size, 1, n - full * group_size)):
-        if rows == 0 or cols == 0:
-            continue
-        chunk = flat[start : start + rows * cols].reshape(rows, cols)
-        _, (codes, mins, scales) = _launch.forward(op, [chunk], [seed, start])
-        parts.append(_Part(codes, mins, scales, rows * cols, cols))
+    # Whole groups in one launch, the tail group (if any) in a second that continues the stream
+    # at its first flat index; both parts pack to whole bytes.
+    if full:
+        parts.append(codec.quantize(flat[: full * group_size].view(full, group_size), seed, offset, device, stream))
+    if n > full * group_size:
+        tail = flat[full * group_size :].view(1, n - full * group_size)
+        parts.append(codec.quantize(tail, seed, offset + full * group_size, device, stream))
     return CompressedTensor("groups", bits, group_size, tuple(x.shape), x.dtype, x.device, tuple(parts))
 
 
@@ -145,14 +216,12 @@ def dequantize(c: CompressedTensor) -> torch.Tensor:
         assert c.mask is not None
         bits = (c.mask.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8, device=c.device)) & 1
         return bits.reshape(-1)[: c.numel].to(torch.bool).reshape(c.shape)
-    op = _lib.kernel_library().operator(f"gact_b{c.bits}")
+    codec = _Codec.get(c.bits, c.dtype)
     out = torch.empty(c.numel, dtype=c.dtype, device=c.device)
+    device, stream = _launch.device_and_stream(c.device)
     start = 0
     for part in c.parts:
-        rows, cols = part.numel // part.group_size, part.group_size
-        view = out[start : start + part.numel]
-        _launch.backward(op, [part.codes, part.mins, part.scales], [], torch.Size((rows, cols)), c.dtype, c.device,
-                         out=[view])
+        codec.dequantize(part, out[start : start + part.numel], device, stream)
         start += part.numel
     return out.reshape(c.shape)
 
@@ -205,8 +274,9 @@ class compress_saved:
     Every eligible saved tensor (see `eligible`, or a custom ``filter(tensor) -> bool``) is stored
     as `bits`-bit group codes when saved and dequantized when backward reads it; bool masks are
     packed to 1 bit. `bits_for(tensor) -> int` (1, 2, 4, 8, or 32 for "keep as is") overrides
-    the width per tensor: this is how `abp.CompressionController` applies its allocation. Seeds
-    come from `generator` (torch's default generator if None), one per saved tensor.
+    the width per tensor: this is how `abp.CompressionController` applies its allocation. Each
+    block draws one Philox key from `generator` (torch's default generator if None) when it first
+    compresses a tensor; its tensors use consecutive stretches of that key's counters.
 
     A tensor saved twice (a ReLU's output that the next Linear saves as its input) is compressed
     once: both saves get the same CompressedTensor, so backward reads one reconstruction.
@@ -243,6 +313,8 @@ class compress_saved:
         self._hooks: Optional[Any] = None
         # The tensors packed in this block by identity, so a second save reuses the first's codes.
         self._packed: Dict[Tuple[Any, ...], Any] = {}
+        self._seed: Optional[int] = None
+        self._offset = 0
 
     def _choose(self, t: torch.Tensor) -> int:
         if self.bits_for is None:
@@ -275,7 +347,10 @@ class compress_saved:
         if wanted and t.dtype == torch.bool:
             c = _pack_mask(t)
         elif wanted and (bits := self._choose(t)) != 32:
-            c = quantize(t, bits, self.group_size, generator=self.generator)
+            if self._seed is None:
+                self._seed = draw_seed(self.generator)
+            c = quantize(t, bits, self.group_size, seed=self._seed, offset=self._offset)
+            self._offset += t.numel()
         else:
             self.stats["bytes_stored"] += t.numel() * t.element_size()
             return t
@@ -291,6 +366,11 @@ class compress_saved:
 
     def __enter__(self) -> "compress_saved":
         self.stats = {"tensors": 0, "compressed": 0, "bytes_in": 0, "bytes_stored": 0, "bytes_compressed": 0}
+        # One key per block, drawn (at its first compression, as torch's own random ops draw
+        # theirs) from the generator; each tensor takes the next stretch of counters, so tensors
+        # and blocks draw independent numbers.
+        self._seed = None
+        self._offset = 0
         self._packed = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._hooks.__enter__()
