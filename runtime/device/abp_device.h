@@ -511,9 +511,15 @@ struct Philox4 {
 };
 
 ABP_FN u32 mulhilo(u32 a, u32 b, u32 &hi) {
+#if ABP_GPU
+  // Two 32-bit multiplies; the portable (u64)a * b below compiles to an emulated 64-bit multiply.
+  hi = __umulhi(a, b);
+  return a * b;
+#else
   u64 p = (u64)a * (u64)b;
   hi = (u32)(p >> 32);
   return (u32)p;
+#endif
 }
 
 ABP_FN Philox4 philox4x32_10(Philox4 ctr, u32 key0, u32 key1) {

@@ -95,8 +95,12 @@ def device_and_stream(device: torch.device) -> Tuple[int, Optional[int]]:
     if device.type == "cpu":
         return -1, None
     index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = torch.cuda.current_stream(index).cuda_stream
+    # The raw handle without building a torch.cuda.Stream (a few microseconds per launch).
+    stream = _RAW_STREAM(index) if _RAW_STREAM is not None else torch.cuda.current_stream(index).cuda_stream
     return index, (stream or None)
+
+
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _pointer(t: torch.Tensor) -> _lib.c_void_p:

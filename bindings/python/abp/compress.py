@@ -133,7 +133,8 @@ class _Codec:
                 list(bwd.args) != ["residual0", "residual1", "residual2"] or bwd.produces != ("result0",):
             raise RuntimeError(f"operator {op.name}: unexpected kernel interface {fwd.args} -> {fwd.produces}, "
                                f"{bwd.args} -> {bwd.produces} (abp.compress expects ops/gact/gact.mlir's)")
-        self.forward_inputs = tuple(fwd.args)
+        # Kernel input i takes (x, seed, offset)[forward_inputs[i]].
+        self.forward_inputs = tuple(("input0", "param0", "param1").index(ref) for ref in fwd.args)
         self.bits = bits
         self.meta_dtype = _launch.compute_dtype(dtype)
         self.meta_size = torch.empty(0, dtype=self.meta_dtype).element_size()
@@ -149,8 +150,8 @@ class _Codec:
         buffer = torch.empty(2 * head + packed_bytes(self.bits, n), dtype=torch.uint8, device=x2d.device)
         mins, scales = buffer[:head].view(self.meta_dtype), buffer[head : 2 * head].view(self.meta_dtype)
         codes = buffer[2 * head :]
-        values = {"input0": _lib.c_void_p(x2d.data_ptr()), "param0": _lib.c_int64(seed), "param1": _lib.c_int64(offset)}
-        args: List[Any] = [values[ref] for ref in self.forward_inputs]
+        values = (_lib.c_void_p(x2d.data_ptr()), _lib.c_int64(seed), _lib.c_int64(offset))
+        args: List[Any] = [values[i] for i in self.forward_inputs]
         outputs: List[Any] = [None, None, None]
         for residual, tensor in zip(self.result_of_residual, (codes, mins, scales)):
             outputs[residual] = tensor
@@ -190,10 +191,14 @@ def quantize(
         raise ValueError(f"seed: expected an int in [0, 2**63), got {seed!r}")
     if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < 2**63:
         raise ValueError(f"offset: expected an int in [0, 2**63), got {offset!r}")
+    return _quantize(x, bits, group_size, seed, offset)
+
+
+def _quantize(x: torch.Tensor, bits: int, group_size: int, seed: int, offset: int) -> CompressedTensor:
+    """quantize() after its argument checks (the saved-tensor hook's path)."""
     codec = _Codec.get(bits, x.dtype)
-    flat = x.detach().reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
+    flat = x.detach()
+    flat = flat.view(-1) if flat.is_contiguous() else flat.reshape(-1)
     n = flat.numel()
     full = n // group_size
     device, stream = _launch.device_and_stream(x.device)
@@ -349,7 +354,7 @@ class compress_saved:
         elif wanted and (bits := self._choose(t)) != 32:
             if self._seed is None:
                 self._seed = draw_seed(self.generator)
-            c = quantize(t, bits, self.group_size, seed=self._seed, offset=self._offset)
+            c = _quantize(t, bits, self.group_size, self._seed, self._offset)
             self._offset += t.numel()
         else:
             self.stats["bytes_stored"] += t.numel() * t.element_size()
