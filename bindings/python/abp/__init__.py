@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional
 from . import _custom_ops, _lib, autograd, cache, compress, functional, memory, nn
 from . import convert as convert_  # the module (RECIPES, Change); `abp.convert` is the function
 from .compress import compress_saved
+from .controller import CompressionController, TensorKey, allocate_bits
 from .convert import Change, convert
 from ._errors import AbpError, CompileError, Status
 
@@ -33,6 +34,9 @@ __all__ = [
     "cache",
     "compress",
     "compress_saved",
+    "CompressionController",
+    "TensorKey",
+    "allocate_bits",
     "functional",
     "memory",
     "nn",

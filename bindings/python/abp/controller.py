@@ -1,0 +1,730 @@
+"""Adaptive per-tensor bit widths for compressed saved activations (GACT, ALGORITHMS.md §6.3).
+
+`allocate_bits` is the greedy solver of §6.3: given each saved tensor's sensitivity C_l and element
+count D_l, it picks b_l ∈ {32, 8, 4, 2, 1} (32 = stored raw, zero variance) to reduce the
+linearised gradient variance Σ_l C_l/(2^{b_l} − 1)² under the memory budget Σ_l b_l·D_l ≤
+B_avg·Σ_l D_l.
+
+`CompressionController` drives `abp.compress.compress_saved` with such an allocation during
+training. Wrap each training step's forward and backward in ``with controller:``::
+
+    controller = abp.CompressionController(model, avg_bits=2.0)
+    for x, y in loader:
+        optimizer.zero_grad()
+        with controller:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+        optimizer.step()
+
+Each saved tensor is identified by a `TensorKey`: the innermost submodule of `model` running when
+it was saved, its shape and dtype, and how many earlier tensors of the step had that same
+(module, shape, dtype). Unlike GACT's save-order ids, a tensor skipped or added in one branch does
+not shift the keys of the others. At step 0 and then every `interval` steps the controller
+re-estimates every key's sensitivity by replaying the step's model calls (see the class docstring)
+and re-allocates the bits.
+"""
+from __future__ import annotations
+
+import contextlib
+import heapq
+import math
+import numbers
+import operator
+from dataclasses import dataclass, field
+from fractions import Fraction
+from functools import partial
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from .compress import compress_saved
+
+__all__ = ["CompressionController", "TensorKey", "allocate_bits", "RUNGS"]
+
+#: The ladder of widths, widest first; 32 means "store the tensor raw" (no quantisation variance).
+RUNGS: Tuple[int, ...] = (32, 8, 4, 2, 1)
+#: Sensitivities that are not finite or exceed this count as this much (ALGORITHMS.md §6.3).
+MAX_SENSITIVITY = 1e10
+#: The module path of tensors saved while no submodule of the model runs (the loss, for example).
+OUTSIDE = "<outside>"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The allocation problem.
+
+
+def _variance(c: float, bits: int) -> float:
+    """The linearised variance C/(2^b − 1)² of one tensor at `bits` (zero when stored raw)."""
+    return 0.0 if bits == 32 else c / float((1 << bits) - 1) ** 2
+
+
+def _lowering_cost(c: float, d: int, rung: int) -> float:
+    """Variance added per bit saved by lowering a tensor from RUNGS[rung] to RUNGS[rung + 1]."""
+    high, low = RUNGS[rung], RUNGS[rung + 1]
+    return (_variance(c, low) - _variance(c, high)) / (d * (high - low))
+
+
+def _greedy(sensitivities: Sequence[float], numels: Sequence[int], budget: int) -> List[int]:
+    """The §6.3 greedy for an integer budget of Σ b·D bits; inputs already validated."""
+    # Clamp as GACT does: a NaN, an infinity or an absurd value means "very sensitive", and keeps
+    # the heap's costs finite and comparable.
+    c = [MAX_SENSITIVITY if not math.isfinite(v) or v > MAX_SENSITIVITY else v for v in sensitivities]
+    rung = [0] * len(c)
+    total = 32 * sum(numels)
+    # (cost, index): equal costs are broken by the smaller index, so the result is deterministic.
+    heap = [(_lowering_cost(c[i], numels[i], 0), i) for i in range(len(c))]
+    heapq.heapify(heap)
+    while total > budget:
+        if not heap:
+            raise ValueError(f"avg_bits: the budget of {budget} bits is below 1 bit per element")
+        _, i = heapq.heappop(heap)
+        total -= numels[i] * (RUNGS[rung[i]] - RUNGS[rung[i] + 1])
+        rung[i] += 1
+        # The per-bit cost of the next rung down is never smaller than this one's (the ladder is
+        # convex), so a tensor's rungs leave the heap in order and one entry per tensor suffices.
+        if rung[i] + 1 < len(RUNGS):
+            heapq.heappush(heap, (_lowering_cost(c[i], numels[i], rung[i]), i))
+    return [RUNGS[r] for r in rung]
+
+
+def _check_avg_bits(avg_bits: Any, low: float, low_inclusive: bool) -> float:
+    if isinstance(avg_bits, bool) or not isinstance(avg_bits, numbers.Real):
+        raise TypeError(f"avg_bits: expected a number, got {type(avg_bits).__name__}")
+    value = float(avg_bits)
+    too_low = value < low if low_inclusive else value <= low
+    if math.isnan(value) or too_low:
+        bound = f">= {low:g}" if low_inclusive else f"> {low:g}"
+        raise ValueError(f"avg_bits: expected a number {bound}, got {avg_bits!r}")
+    return value
+
+
+def _budget(avg_bits: float, total_numel: int) -> int:
+    """floor(avg_bits · Σ D), exactly: Σ b·D is an integer, so this is the same constraint, and
+    no rounding of the product can let an allocation exceed avg_bits."""
+    if avg_bits >= 32:
+        return 32 * total_numel
+    return math.floor(Fraction(avg_bits) * total_numel)
+
+
+def allocate_bits(sensitivities: Sequence[float], numels: Sequence[int], avg_bits: float) -> List[int]:
+    """Bits per tensor, each in (32, 8, 4, 2, 1), by the greedy of ALGORITHMS.md §6.3.
+
+    Starts with every tensor at 32 (raw); while Σ b_l·D_l > avg_bits·Σ D_l, lowers by one rung the
+    tensor with the smallest [C/(2^{b'}−1)² − C/(2^b−1)²] / (D·(b − b')), ties going to the
+    smaller index. The result never exceeds the budget; it may undershoot it, since the rungs are
+    coarse. Sensitivities that are NaN, infinite or above 1e10 count as 1e10.
+
+    Raises TypeError or ValueError naming the argument for a sensitivity that is not a number or
+    is negative, a numel that is not an int > 0, lengths that differ, or an avg_bits that is not a
+    positive number; ValueError if avg_bits < 1 (no allocation can meet it).
+    """
+    c: List[float] = []
+    for i, v in enumerate(_as_list(sensitivities, "sensitivities")):
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            v = v.item()
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise TypeError(f"sensitivities[{i}]: expected a number, got {type(v).__name__}")
+        v = float(v)
+        if v < 0:  # NaN and -inf fall through to the clamp, as GACT treats them
+            if math.isfinite(v):
+                raise ValueError(f"sensitivities[{i}]: expected a number >= 0, got {v!r}")
+        c.append(v)
+    d: List[int] = []
+    for i, n in enumerate(_as_list(numels, "numels")):
+        if isinstance(n, bool):
+            raise TypeError(f"numels[{i}]: expected an int, got bool")
+        try:
+            n = operator.index(n)
+        except TypeError:
+            raise TypeError(f"numels[{i}]: expected an int, got {type(n).__name__}") from None
+        if n <= 0:
+            raise ValueError(f"numels[{i}]: expected an int > 0, got {n}")
+        d.append(n)
+    if len(c) != len(d):
+        raise ValueError(f"numels: expected one per sensitivity ({len(c)}), got {len(d)}")
+    avg = _check_avg_bits(avg_bits, 0.0, low_inclusive=False)
+    if not d:
+        return []
+    if avg < 1:
+        raise ValueError(f"avg_bits: {avg_bits!r} is below 1 bit per element, which no allocation meets")
+    return _greedy(c, d, _budget(avg, sum(d)))
+
+
+def _as_list(values: Any, name: str) -> List[Any]:
+    """A sequence, a 1-D tensor or any other iterable (a numpy array) as a list; not a string."""
+    if isinstance(values, torch.Tensor):
+        return list(values.reshape(-1).tolist())
+    if not isinstance(values, (str, bytes)):
+        try:
+            return list(values)
+        except TypeError:
+            pass
+    raise TypeError(f"{name}: expected a sequence, got {type(values).__name__}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The controller.
+
+
+@dataclass(frozen=True)
+class TensorKey:
+    """The identity of a saved tensor within a training step.
+
+    `module` is the innermost submodule of the model running when the tensor was saved (its
+    `named_modules()` path: "" for the model itself, "<outside>" outside every submodule), and
+    `index` counts the earlier tensors of the step with the same (module, shape, dtype).
+    ``str(key)`` reads like ``encoder.0.fc1:(64, 128):torch.float32#0``.
+    """
+
+    module: str
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    index: int
+
+    def __str__(self) -> str:
+        return f"{self.module}:{self.shape}:{self.dtype}#{self.index}"
+
+
+_RngState = Tuple[torch.Tensor, Optional[List[torch.Tensor]]]
+_AutocastState = Tuple[Tuple[str, bool, torch.dtype], ...]
+_BufferSnapshot = List[Tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class _Call:
+    """One call of the model at a probe step: what its replays need, freed after the estimate."""
+
+    args: Tuple[Any, ...]
+    kwargs: Dict[str, Any]
+    requires_grad: List[bool]  # per input tensor, in _tensors order
+    was_leaf: List[bool]  # per input tensor: a leaf (a tensor compress_saved treats as a parameter)
+    rng: _RngState
+    buffers: _BufferSnapshot
+    modes: List[bool]
+    autocast: _AutocastState
+    grads: List[Optional[torch.Tensor]] = field(default_factory=list)  # dL/d(output), per output
+    handles: List[Any] = field(default_factory=list)
+    closed: bool = False
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.args, self.kwargs, self.buffers, self.grads, self.handles = (), {}, [], [], []
+        self.closed = True
+
+
+def _tensors(tree: Any) -> List[torch.Tensor]:
+    """The tensors in nested tuples, lists and dicts, in order, each object once."""
+    found: List[torch.Tensor] = []
+    seen: set = set()
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            if id(x) not in seen:
+                seen.add(id(x))
+                found.append(x)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+
+    walk(tree)
+    return found
+
+
+def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """`tree` with every tensor replaced by fn(tensor) (the same object gives the same result)."""
+    memo: Dict[int, Any] = {}
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            if id(x) not in memo:
+                memo[id(x)] = fn(x)
+            return memo[id(x)]
+        if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
+            return type(x)(*(walk(v) for v in x))
+        if isinstance(x, (list, tuple)):
+            return type(x)(walk(v) for v in x)
+        if isinstance(x, dict):
+            items = [(k, walk(v)) for k, v in x.items()]
+            try:
+                return type(x)(items)
+            except TypeError:
+                return dict(items)
+        return x
+
+    return walk(tree)
+
+
+def _get_rng() -> _RngState:
+    # CUDA's generators only if CUDA is already in use: never initialise it for a CPU model.
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng(state: _RngState) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
+
+
+def _autocast_state() -> _AutocastState:
+    if hasattr(torch, "get_autocast_dtype"):  # torch >= 2.4 deprecates the per-device getters
+        return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
+    return (("cpu", torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()),
+            ("cuda", torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()))
+
+
+@contextlib.contextmanager
+def _autocast(state: _AutocastState) -> Iterator[None]:
+    """Autocast as it was when the call was recorded (the replay runs outside the user's block)."""
+    now = {d: enabled for d, enabled, _ in _autocast_state()}
+    with contextlib.ExitStack() as stack:
+        for device, enabled, dtype in state:
+            if enabled:
+                stack.enter_context(torch.autocast(device, dtype=dtype))
+            elif now[device]:
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
+
+
+def _snapshot_buffers(model: torch.nn.Module) -> _BufferSnapshot:
+    return [(m, name, b, b.detach().clone())
+            for m in model.modules() for name, b in m._buffers.items() if b is not None]
+
+
+def _restore_buffers(snapshot: _BufferSnapshot) -> None:
+    with torch.no_grad():
+        for module, name, buffer, saved in snapshot:
+            module._buffers[name] = buffer  # the original object, in case forward replaced it
+            buffer.copy_(saved)
+
+
+def _squared_distance(a: Sequence[Optional[torch.Tensor]], b: Sequence[Optional[torch.Tensor]]) -> float:
+    """Σ ‖a_i − b_i‖² in fp64; None (an unused parameter) counts as zero."""
+    total = 0.0
+    for x, y in zip(a, b):
+        if x is None and y is None:
+            continue
+        diff = y if x is None else x if y is None else x - y
+        total += float(diff.detach().double().pow(2).sum())
+    return total
+
+
+_MISSING = object()
+
+
+class CompressionController:
+    """Compresses a model's saved activations at per-tensor widths chosen by sensitivity (GACT).
+
+    ``with controller:`` around each training step's forward *and* backward (``loss.backward()``
+    inside the block; ``optimizer.step()`` may be inside or outside) enters
+    ``abp.compress.compress_saved`` with `group_size`, `min_numel`, `filter` and `generator`,
+    storing each eligible saved tensor at the width allocated to its `TensorKey` (32 = raw). Each
+    block's exit counts one step.
+
+    **Initial width.** Before the first estimate, and for keys absent from the last one, a tensor
+    gets the largest of (8, 4, 2, 1) that is ≤ `avg_bits`. So step 0 already saves at the target
+    width (GACT's started at 4 bits for a 2-bit target, ALGORITHMS.md §6.6), and the budget is
+    never exceeded: GACT's rule "4 if B ≤ 4" overshoots a 3-bit budget by a third.
+
+    **Sensitivity estimate** (at step 0, then every `interval` steps, after the user's backward,
+    in the exit of that step's block). During such a step the controller records each call of
+    `model` (its inputs, copied; the RNG states, buffers, train/eval modes and autocast state at
+    the call) and hooks the outputs to capture dL/d(output) from the user's backward. At the exit
+    it replays the calls: once with every saved tensor raw, giving the exact gradient g, then once
+    per key l with only tensor l at 1 bit, giving g_l; C_l = ‖g_l − g‖² summed over every parameter
+    that requires grad (and every model input that requires grad). That is the coefficient of the
+    linearised variance model Var ≈ Σ C_l/(2^{b_l} − 1)² at b_l = 1. The replays use
+    ``torch.autograd.grad`` (``.grad`` is never touched), restore the recorded RNG states (same
+    dropout masks), buffers (BatchNorm statistics) and modes before each replay, draw their
+    quantisation seeds from a private generator, and afterwards put the RNG states, buffers and
+    modes back as the user's step left them. Then `allocate_bits` runs over the keys with D_l =
+    numel, and the new widths apply from the next step on.
+
+    **Cost.** An estimate costs (number of keys + 1) forward and backward passes of the model's
+    calls, plus one copy of the inputs and of dL/d(output) held until the estimate ends; choose
+    `interval` accordingly. Between estimates the overhead is one forward pre-hook and one forward
+    hook per submodule call and a dict look-up per saved tensor.
+
+    **Keys that cannot be probed** (saved outside every model call, e.g. by the loss, or not saved
+    again by the replay) keep the initial width and count against the budget; the probed keys
+    share what remains. Submodules added after construction are attributed to their parent.
+    Outputs are found in nested tuples, lists and dicts. The model's forward is wrapped (an
+    instance attribute, removed again) only during estimation steps, so keyword arguments work on
+    every torch version.
+
+    Inspection: `bits` (key → width), `sensitivity` (key → C_l of the last estimate), `step`
+    (steps completed), `estimates` (estimates done), `average_bits()` (≤ `avg_bits`), `stats`
+    (the last step's ``compress_saved`` byte counts), `last_step_keys` (key → numel of the keys
+    saved by the last step). `remove()` removes every hook.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        avg_bits: float = 2.0,
+        *,
+        group_size: int = 256,
+        interval: int = 1000,
+        min_numel: int = 1024,
+        filter: Optional[Callable[[torch.Tensor], bool]] = None,
+        generator: Optional[torch.Generator] = None,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        avg = _check_avg_bits(avg_bits, 1.0, low_inclusive=True)
+        if avg > 32:
+            raise ValueError(f"avg_bits: expected a number in [1, 32], got {avg_bits!r}")
+        if isinstance(interval, bool) or not isinstance(interval, int):
+            raise TypeError(f"interval: expected an int >= 1, got {type(interval).__name__}")
+        if interval < 1:
+            raise ValueError(f"interval: expected an int >= 1, got {interval}")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}")
+        self._model = model
+        self._avg_bits = avg
+        self._interval = interval
+        self._initial = max(b for b in (8, 4, 2, 1) if b <= avg)
+        # compress_saved validates group_size, min_numel and filter, naming them.
+        self._saver = compress_saved(self._initial, group_size, min_numel=min_numel, filter=filter,
+                                     bits_for=self._bits_for, generator=generator)
+        # Replays draw their quantisation seeds here, never from torch's default generator: a draw
+        # there would shift the dropout masks of the layers after the probed tensor.
+        self._replay_generator = torch.Generator()
+        self._replay_saver = compress_saved(self._initial, group_size, min_numel=min_numel, filter=filter,
+                                            bits_for=self._bits_for, generator=self._replay_generator)
+
+        self._bits: Dict[TensorKey, int] = {}
+        self._numels: Dict[TensorKey, int] = {}
+        self._sensitivity: Dict[TensorKey, float] = {}
+        self._step = 0
+        self._estimates = 0
+        self._next_probe = 0
+        self._stats: Dict[str, int] = {}
+        self._last_seen: Dict[TensorKey, int] = {}
+
+        # Per-step state.
+        self._active = False
+        self._probing = False
+        self._replaying = False
+        self._target: Optional[TensorKey] = None
+        self._stack: List[str] = []
+        self._counts: Dict[Tuple[str, Tuple[int, ...], torch.dtype], int] = {}
+        self._seen: Dict[TensorKey, int] = {}
+        self._calls: List[_Call] = []
+        self._original_forward: Optional[Callable[..., Any]] = None
+        self._saved_forward_attr: Any = _MISSING
+        self._recorder_installed = False
+
+        self._handles: List[Any] = []
+        for name, module in model.named_modules():
+            self._handles.append(module.register_forward_pre_hook(partial(self._enter_module, name)))
+            self._handles.append(module.register_forward_hook(partial(self._leave_module, name)))
+        self._removed = False
+
+    # -- inspection --------------------------------------------------------------------------------
+
+    @property
+    def avg_bits(self) -> float:
+        """The budget: average bits per element over the tensors the controller sees."""
+        return self._avg_bits
+
+    @property
+    def interval(self) -> int:
+        """Steps between sensitivity estimates."""
+        return self._interval
+
+    @property
+    def initial_bits(self) -> int:
+        """The width of keys without an allocation: the largest of (8, 4, 2, 1) ≤ avg_bits."""
+        return self._initial
+
+    @property
+    def bits(self) -> Dict[TensorKey, int]:
+        """The current allocation, key → bits (1, 2, 4, 8 or 32 = raw); a copy."""
+        return dict(self._bits)
+
+    @property
+    def sensitivity(self) -> Dict[TensorKey, float]:
+        """C_l of every key probed by the last estimate; a copy."""
+        return dict(self._sensitivity)
+
+    @property
+    def step(self) -> int:
+        """The number of steps (``with`` blocks) completed."""
+        return self._step
+
+    @property
+    def estimates(self) -> int:
+        """The number of sensitivity estimates done."""
+        return self._estimates
+
+    @property
+    def stats(self) -> Dict[str, int]:
+        """The last step's ``compress_saved`` counts (tensors, compressed, bytes_in, bytes_stored)."""
+        return dict(self._stats)
+
+    @property
+    def last_step_keys(self) -> Dict[TensorKey, int]:
+        """The keys of the tensors the last step compressed or kept raw by allocation, → numel."""
+        return dict(self._last_seen)
+
+    def average_bits(self) -> float:
+        """Σ b·D / Σ D over the current allocation (the initial width before any estimate)."""
+        total = sum(self._numels[k] for k in self._bits)
+        if total == 0:
+            return float(self._initial)
+        return sum(b * self._numels[k] for k, b in self._bits.items()) / total
+
+    def __repr__(self) -> str:
+        return (f"CompressionController(avg_bits={self._avg_bits:g}, step={self._step}, "
+                f"tensors={len(self._bits)}, average_bits={self.average_bits():.3f})")
+
+    # -- hooks -------------------------------------------------------------------------------------
+
+    def _enter_module(self, name: str, module: torch.nn.Module, args: Any) -> None:
+        self._stack.append(name)
+
+    def _leave_module(self, name: str, module: torch.nn.Module, args: Any, output: Any) -> None:
+        # Normally the top; if a forward raised earlier, its entry was never popped: drop it too.
+        for i in range(len(self._stack) - 1, -1, -1):
+            if self._stack[i] == name:
+                del self._stack[i:]
+                return
+
+    def _bits_for(self, t: torch.Tensor) -> int:
+        """compress_saved's per-tensor width: the allocation of the tensor's key."""
+        path = self._stack[-1] if self._stack else OUTSIDE
+        shape = tuple(t.shape)
+        ident = (path, shape, t.dtype)
+        index = self._counts.get(ident, 0)
+        self._counts[ident] = index + 1
+        key = TensorKey(path, shape, t.dtype, index)
+        self._seen[key] = t.numel()
+        if self._replaying:
+            return 1 if key == self._target else 32
+        return self._bits.get(key, self._initial)
+
+    # -- the step ----------------------------------------------------------------------------------
+
+    def __enter__(self) -> "CompressionController":
+        if self._removed:
+            raise RuntimeError("CompressionController: used after remove()")
+        if self._active:
+            raise RuntimeError("CompressionController: `with controller:` blocks cannot nest")
+        self._stack, self._counts, self._seen, self._calls = [], {}, {}, []
+        self._probing = self._step >= self._next_probe
+        if self._probing:
+            self._install_recorder()
+        try:
+            self._saver.__enter__()
+        except BaseException:
+            self._finish_probe()
+            raise
+        self._active = True
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        calls = self._calls
+        try:
+            self._saver.__exit__(exc_type, exc, tb)
+        finally:
+            self._active = False
+            self._stats = dict(self._saver.stats)
+            self._last_seen = dict(self._seen)
+            probing = self._probing
+            self._uninstall_recorder()
+        if exc_type is not None:
+            self._finish_probe()
+            return
+        try:
+            if probing and calls:
+                if not any(g is not None for call in calls for g in call.grads):
+                    raise RuntimeError(
+                        "CompressionController: the model's outputs got no gradient inside the `with` block "
+                        f"of step {self._step}, a sensitivity-estimation step: call loss.backward() inside it")
+                self._estimate(calls, self._last_seen)
+                self._next_probe = self._step + self._interval
+            # A probe step without a differentiable model call (an evaluation block): estimate at
+            # the next step instead.
+        finally:
+            self._finish_probe()
+            self._step += 1
+
+    def _finish_probe(self) -> None:
+        """Frees everything recorded for the estimate (inputs, output gradients, hooks)."""
+        self._uninstall_recorder()
+        for call in self._calls:
+            call.close()
+        self._calls = []
+        self._probing = False
+        self._original_forward = None
+        self._target = None
+        self._replaying = False
+
+    def _install_recorder(self) -> None:
+        model = self._model
+        self._recorder_installed = True
+        self._saved_forward_attr = model.__dict__.get("forward", _MISSING)
+        original = model.forward
+        self._original_forward = original
+        # Wrapping forward, not a forward pre-hook: hooks see keyword arguments only on torch >= 2.0
+        # (with_kwargs), and torch 1.13 must work too.
+        def recording_forward(*args: Any, **kwargs: Any) -> Any:
+            inputs = _tensors((args, kwargs))
+            # Copied before forward runs (it may modify its inputs in place); the RNG states,
+            # buffers and modes as forward will see them.
+            args_copy, kwargs_copy = _map_tensors((args, kwargs), lambda t: t.detach().clone())
+            call = _Call(
+                args=args_copy, kwargs=kwargs_copy,
+                requires_grad=[t.requires_grad for t in inputs],
+                was_leaf=[t.is_leaf for t in inputs],
+                rng=_get_rng(), buffers=_snapshot_buffers(model),
+                modes=[m.training for m in model.modules()], autocast=_autocast_state())
+            out = original(*args, **kwargs)
+            outputs = _tensors(out)
+            call.grads = [None] * len(outputs)
+            for i, t in enumerate(outputs):
+                if t.requires_grad:
+                    call.handles.append(t.register_hook(partial(self._capture, call, i)))
+            if call.handles:  # a call under no_grad cannot be probed
+                self._calls.append(call)
+            else:
+                call.close()
+            return out
+
+        model.forward = recording_forward
+
+    def _uninstall_recorder(self) -> None:
+        if not self._recorder_installed:
+            return
+        self._recorder_installed = False
+        saved = self._saved_forward_attr
+        if saved is _MISSING:
+            self._model.__dict__.pop("forward", None)
+        else:
+            self._model.__dict__["forward"] = saved
+        self._saved_forward_attr = _MISSING
+
+    @staticmethod
+    def _capture(call: _Call, i: int, grad: torch.Tensor) -> None:
+        if call.closed:
+            return
+        prev = call.grads[i]
+        call.grads[i] = grad.detach() if prev is None else prev + grad.detach()
+
+    # -- the estimate ------------------------------------------------------------------------------
+
+    def _estimate(self, calls: List[_Call], step_keys: Dict[TensorKey, int]) -> None:
+        model = self._model
+        params = [p for p in model.parameters() if p.requires_grad]
+        modules = list(model.modules())
+        after_rng, after_buffers = _get_rng(), _snapshot_buffers(model)
+        after_modes = [m.training for m in modules]
+        try:
+            exact, replayed = self._replay(calls, params, modules, None)
+            probed = [k for k in step_keys if k in replayed]
+            sensitivity: Dict[TensorKey, float] = {}
+            for key in probed:
+                grads, _ = self._replay(calls, params, modules, key)
+                sensitivity[key] = _squared_distance(grads, exact)
+            del exact
+        finally:
+            self._replaying = False
+            self._target = None
+            _set_rng(after_rng)
+            _restore_buffers(after_buffers)
+            for m, mode in zip(modules, after_modes):
+                m.training = mode
+
+        fixed = [k for k in step_keys if k not in replayed]
+        total = sum(step_keys.values())
+        # Unprobed keys keep the initial width (≤ avg_bits), so what is left per probed element is
+        # at least avg_bits ≥ 1: the greedy always finds an allocation.
+        budget = _budget(self._avg_bits, total) - sum(self._initial * step_keys[k] for k in fixed)
+        widths = _greedy([sensitivity[k] for k in probed], [step_keys[k] for k in probed], budget) if probed else []
+        allocated = dict(zip(probed, widths))
+        self._bits = {k: allocated.get(k, self._initial) for k in step_keys}
+        self._numels = dict(step_keys)
+        self._sensitivity = sensitivity
+        self._estimates += 1
+
+    def _replay(
+        self,
+        calls: List[_Call],
+        params: List[torch.Tensor],
+        modules: List[torch.nn.Module],
+        target: Optional[TensorKey],
+    ) -> Tuple[List[Optional[torch.Tensor]], Dict[TensorKey, int]]:
+        """Replays the recorded calls with only `target` at 1 bit (none: all raw); returns the
+        gradients of params and of the inputs that require grad, and the keys saved."""
+        assert self._original_forward is not None
+        self._replaying, self._target = True, target
+        self._counts, self._seen, self._stack = {}, {}, []
+        self._replay_generator.manual_seed(0)
+        outputs: List[torch.Tensor] = []
+        grad_outputs: List[torch.Tensor] = []
+        leaves: List[torch.Tensor] = []
+        with self._replay_saver, torch.enable_grad():
+            for call in calls:
+                _set_rng(call.rng)
+                _restore_buffers(call.buffers)
+                for m, mode in zip(modules, call.modes):
+                    m.training = mode
+                args, kwargs = self._replay_inputs(call, leaves)
+                with _autocast(call.autocast):
+                    # The model's own path: the root's pre-hook does not run when forward is called
+                    # directly (and calling it through __call__ would rerun the user's pre-hooks).
+                    self._stack = [""]
+                    try:
+                        out = self._original_forward(*args, **kwargs)
+                    finally:
+                        self._stack = []
+                produced = _tensors(out)
+                if len(produced) != len(call.grads):
+                    raise RuntimeError(
+                        f"CompressionController: the model returned {len(produced)} tensors when replayed, "
+                        f"{len(call.grads)} in the user's step; the replay must be deterministic")
+                for t, g in zip(produced, call.grads):
+                    if g is not None and t.requires_grad:
+                        outputs.append(t)
+                        grad_outputs.append(g)
+            inputs = params + leaves
+            if not inputs or not outputs:
+                return [], dict(self._seen)
+            grads = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
+        return list(grads), dict(self._seen)
+
+    @staticmethod
+    def _replay_inputs(call: _Call, leaves: List[torch.Tensor]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+        """Fresh copies of the call's inputs (the model may modify its inputs in place)."""
+        replacement: Dict[int, torch.Tensor] = {}
+        for t, req, leaf in zip(_tensors((call.args, call.kwargs)), call.requires_grad, call.was_leaf):
+            copy = t.clone()
+            # Inputs that required grad are replayed requiring grad: some ops save different
+            # tensors depending on it, and the keys must match the user's step.
+            if req:
+                copy.requires_grad_(True)
+                leaves.append(copy)
+                # An input that was not a leaf must not look like a parameter to compress_saved,
+                # or it would be skipped and the keys after it would shift.
+                if not leaf:
+                    copy = copy.clone()
+            replacement[id(t)] = copy
+        args, kwargs = _map_tensors((call.args, call.kwargs), lambda t: replacement[id(t)])
+        return args, kwargs
+
+    # -- removal -----------------------------------------------------------------------------------
+
+    def remove(self) -> None:
+        """Removes every hook the controller registered; the controller cannot be used after."""
+        if self._active:
+            raise RuntimeError("CompressionController: remove() inside a `with controller:` block")
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._finish_probe()
+        self._removed = True

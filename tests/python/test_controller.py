@@ -1,0 +1,590 @@
+"""GACT bit allocation and the sensitivity-driven CompressionController (ALGORITHMS.md §6.3, §6.6).
+
+The allocation tests are pure Python. The controller tests run small models on the CPU path and
+need the GACT kernels (gact_b1..gact_b8) of the native library.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import itertools
+import math
+import random
+import re
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import abp.compress as C
+import abp.controller as ctl
+from abp.controller import RUNGS, CompressionController, TensorKey, allocate_bits
+from abp_reference import library_or_skip
+
+
+def _variance(c: Sequence[float], bits: Sequence[int]) -> float:
+    """Σ C/(2^b − 1)², raw tensors adding nothing (the random cases have no NaN or huge C)."""
+    return sum(0.0 if b == 32 else x / ((1 << b) - 1) ** 2 for x, b in zip(c, bits))
+
+
+def _total(bits: Sequence[int], d: Sequence[int]) -> int:
+    return sum(b * n for b, n in zip(bits, d))
+
+
+# ---------------------------------------------------------------------------------------------------
+# allocate_bits
+
+
+@pytest.mark.parametrize("avg_bits, expected", [(4, [8, 4, 4, 8, 2]), (2, [4, 2, 2, 8, 1])])
+def test_reproduces_the_6_3_test_vector(avg_bits, expected):
+    c, d = (10, 1, 0.1, 100, 0.01), (1000, 4000, 4000, 500, 8000)
+    bits = allocate_bits(c, d, avg_bits)
+    assert bits == expected
+    assert _total(bits, d) / sum(d) == pytest.approx({4: 3.43, 2: 1.83}[avg_bits], abs=0.005)
+
+
+def _random_case(rng: random.Random, n_max: int) -> Tuple[List[float], List[int], float]:
+    n = rng.randint(1, n_max)
+    c = [0.0 if rng.random() < 0.1 else 10 ** rng.uniform(-6, 6) for _ in range(n)]
+    d = [rng.choice([1, 7, 256, 1000, rng.randint(1, 10000)]) for _ in range(n)]
+    avg = rng.choice([1, 1.0, 2, 3, 4, 8, 31.5, 32, rng.uniform(1, 32), rng.uniform(1, 4)])
+    return c, d, avg
+
+
+def _cost(c: float, d: int, high: int, low: int) -> float:
+    """Variance added per bit saved by lowering one tensor from `high` to `low` bits."""
+    return (_variance([c], [low]) - _variance([c], [high])) / (d * (high - low))
+
+
+def _raising_cost(c: float, d: int, bits: int) -> Optional[float]:
+    """The cost of the step that lowered a tensor to `bits` (None at 32: no step taken)."""
+    i = RUNGS.index(bits)
+    return None if i == 0 else _cost(c, d, RUNGS[i - 1], bits)
+
+
+def test_budget_is_never_exceeded_and_the_greedy_stops_at_the_first_feasible_point():
+    rng = random.Random(1234)
+    for _ in range(2000):
+        c, d, avg = _random_case(rng, 12)
+        bits = allocate_bits(c, d, avg)
+        assert len(bits) == len(c) and all(b in RUNGS for b in bits)
+        assert _total(bits, d) <= avg * sum(d)
+        # It lowers only while over the budget: undoing one lowering (raising one tensor one rung)
+        # of the last lowered tensor would exceed it, unless nothing was lowered at all.
+        if _total(bits, d) < 32 * sum(d):
+            assert any(b < 32 and _total(bits[:i] + [RUNGS[RUNGS.index(b) - 1]] + bits[i + 1:], d) > avg * sum(d)
+                       for i, b in enumerate(bits))
+
+
+def test_result_has_the_threshold_structure_of_the_marginal_costs():
+    # The ladder's per-bit costs grow down the rungs, so the greedy takes lowering steps in order
+    # of cost: every step taken costs no more than any step not taken.
+    rng = random.Random(99)
+    for _ in range(2000):
+        c, d, avg = _random_case(rng, 10)
+        bits = allocate_bits(c, d, avg)
+        taken = [_raising_cost(c[i], d[i], b) for i, b in enumerate(bits)]
+        not_taken = [_cost(c[i], d[i], b, RUNGS[RUNGS.index(b) + 1]) for i, b in enumerate(bits) if b != 1]
+        taken = [t for t in taken if t is not None]
+        if taken and not_taken:
+            assert max(taken) <= min(not_taken) * (1 + 1e-12)
+
+
+def test_greedy_is_optimal_for_the_bits_it_uses_and_brute_force_is_never_worse():
+    rng = random.Random(7)
+    for _ in range(300):
+        c, d, avg = _random_case(rng, 5)
+        bits = allocate_bits(c, d, avg)
+        greedy, used = _variance(c, bits), _total(bits, d)
+        best_budget = best_used = math.inf
+        for combo in itertools.product(RUNGS, repeat=len(c)):
+            v, t = _variance(c, combo), _total(combo, d)
+            if t <= avg * sum(d):
+                best_budget = min(best_budget, v)
+            if t <= used:
+                best_used = min(best_used, v)
+        # The greedy may undershoot the budget (coarse rungs), so it is not always optimal for it...
+        assert best_budget <= greedy * (1 + 1e-12) + 1e-300
+        # ...but it is a Lagrangian point: nothing with as few bits has less variance.
+        assert best_used == pytest.approx(greedy, rel=1e-9, abs=1e-300)
+
+
+def test_edges_ties_and_clamping():
+    assert allocate_bits([], [], 2) == []
+    assert allocate_bits([5.0, 1.0], [10, 10], 32) == [32, 32]
+    assert allocate_bits([5.0, 1.0], [10, 10], 1) == [1, 1]
+    # Equal costs go to the smaller index first: 64 bits over a budget of 40 lower tensor 0.
+    assert allocate_bits([1.0, 1.0], [1, 1], 20) == [8, 32]
+    assert allocate_bits([0.0, 0.0, 0.0], [3, 3, 3], 2.5) == [1, 1, 4]
+    # NaN, infinities and values above 1e10 all count as 1e10.
+    base = allocate_bits([1e10, 1e10, 3.0], [100, 100, 100], 3)
+    for odd in (math.nan, math.inf, -math.inf, 1e30):
+        assert allocate_bits([odd, 1e10, 3.0], [100, 100, 100], 3) == base
+    assert allocate_bits([torch.tensor(2.0), 1], (4, 4), 4.0) == allocate_bits([2.0, 1.0], [4, 4], 4)
+
+
+@pytest.mark.parametrize(
+    "args, error, pattern",
+    [
+        (([1.0], [1, 2], 2), ValueError, r"^numels: expected one per sensitivity \(1\), got 2"),
+        (([1.0], [0], 2), ValueError, r"^numels\[0\]: expected an int > 0, got 0"),
+        (([1.0], [-3], 2), ValueError, r"^numels\[0\]"),
+        (([1.0], [2.5], 2), TypeError, r"^numels\[0\]: expected an int, got float"),
+        (([1.0], [True], 2), TypeError, r"^numels\[0\]: expected an int, got bool"),
+        ((["1"], [4], 2), TypeError, r"^sensitivities\[0\]: expected a number, got str"),
+        (([-1.0], [4], 2), ValueError, r"^sensitivities\[0\]: expected a number >= 0"),
+        (("abc", [4], 2), TypeError, r"^sensitivities: expected a sequence, got str"),
+        (([1.0], 4, 2), TypeError, r"^numels: expected a sequence, got int"),
+        (([1.0], [4], "2"), TypeError, r"^avg_bits: expected a number, got str"),
+        (([1.0], [4], True), TypeError, r"^avg_bits: expected a number, got bool"),
+        (([1.0], [4], 0), ValueError, r"^avg_bits: expected a number > 0"),
+        (([1.0], [4], -2), ValueError, r"^avg_bits: expected a number > 0"),
+        (([1.0], [4], math.nan), ValueError, r"^avg_bits"),
+        (([1.0], [4], 0.5), ValueError, r"^avg_bits: 0.5 is below 1 bit per element"),
+    ],
+)
+def test_bad_arguments_raise_naming_the_argument(args, error, pattern):
+    with pytest.raises(error, match=pattern):
+        allocate_bits(*args)
+
+
+# ---------------------------------------------------------------------------------------------------
+# CompressionController: models
+
+
+@pytest.fixture
+def kernels() -> None:
+    library_or_skip()
+
+
+class Scale(nn.Module):
+    def __init__(self, k: float) -> None:
+        super().__init__()
+        self.k = k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.k
+
+
+class Planted(nn.Module):
+    """Two twin Linear layers a and b read the same hidden state; a's input is scaled ×100 (and
+    its weights ÷100, so the output is unchanged in law): a's saved input is ~10^4× as sensitive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.act = nn.ReLU()
+        self.up = Scale(100.0)
+        self.same = Scale(1.0)
+        self.a = nn.Linear(32, 32)
+        self.b = nn.Linear(32, 32)
+        self.act2 = nn.ReLU()
+        self.head = nn.Linear(32, 1)
+        with torch.no_grad():
+            self.a.weight.div_(100.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.fc1(x))
+        return self.head(self.act2(self.a(self.up(h)) + self.b(self.same(h))))
+
+
+class Skippable(nn.Module):
+    """fc1 → GELU → (block, unless skip) → fc2 → GELU → fc3; `skip` is a keyword argument. Every
+    module saves a tensor of its own (GELU saves its input, Linear its input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.act1 = nn.GELU()
+        self.block = nn.Sequential(nn.Linear(32, 32), nn.GELU())
+        self.fc2 = nn.Linear(32, 32)
+        self.act2 = nn.GELU()
+        self.fc3 = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor, *, skip: bool = False) -> torch.Tensor:
+        h = self.act1(self.fc1(x))
+        if not skip:
+            h = self.block(h)
+        return self.fc3(self.act2(self.fc2(h)))
+
+
+class Constant(nn.Module):
+    """h · 3, as a product with a constant tensor: the saved constant quantises exactly at any
+    width, so its sensitivity is exactly 0 if and only if the replays are deterministic."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * torch.full_like(h, 3.0)
+
+
+def stochastic_model() -> nn.Module:
+    return nn.Sequential(nn.Dropout(0.3), nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), Constant(),
+                         nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+
+
+def batch(seed: int, n: int = 64, d_in: int = 16, d_out: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d_in, generator=g), torch.randn(n, d_out, generator=g)
+
+
+def train_step(controller: CompressionController, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+               **kwargs: Any) -> torch.Tensor:
+    model.zero_grad()
+    with controller:
+        loss = F.mse_loss(model(x, **kwargs), y)
+        loss.backward()
+    return loss.detach()
+
+
+def keys_of(bits: Dict[TensorKey, int], module: str) -> List[TensorKey]:
+    return [k for k in bits if k.module == module]
+
+
+# ---------------------------------------------------------------------------------------------------
+# CompressionController: behaviour
+
+
+def test_planted_sensitive_tensor_gets_more_bits_and_the_budget_holds(kernels):
+    torch.manual_seed(0)
+    model = Planted()
+    x, y = batch(0)
+    controller = CompressionController(model, 2.0, interval=100)
+    train_step(controller, model, x, y)
+    assert controller.estimates == 1 and controller.step == 1
+    bits, sens = controller.bits, controller.sensitivity
+    (ka,), (kb,) = keys_of(bits, "a"), keys_of(bits, "b")
+    assert ka.shape == kb.shape == (64, 32) and ka.dtype == kb.dtype == torch.float32
+    assert sens[ka] > 100 * sens[kb] > 0
+    assert bits[ka] > bits[kb]
+    assert controller.average_bits() <= 2.0
+    numels = controller.last_step_keys
+    assert sum(b * numels[k] for k, b in bits.items()) <= 2.0 * sum(numels.values())
+    # The allocation applies from the next step on, to the same keys.
+    before = controller.stats
+    train_step(controller, model, x, y)
+    assert set(controller.last_step_keys) == set(bits)
+    assert controller.stats["bytes_compressed"] != before["bytes_compressed"]
+
+
+def test_keys_are_printable_and_stable_across_steps_and_estimates(kernels):
+    torch.manual_seed(1)
+    model = Planted()
+    controller = CompressionController(model, 3.0, interval=2)
+    allocations = []
+    for step in range(5):
+        x, y = batch(step)
+        train_step(controller, model, x, y)
+        assert set(controller.last_step_keys) <= set(controller.bits)
+        if step % 2 == 0:
+            allocations.append(controller.bits)
+    assert controller.estimates == 3
+    assert all(set(a) == set(allocations[0]) for a in allocations)
+    for key in allocations[0]:
+        assert re.fullmatch(r"[\w.]*:\((\d+, )*\d*\):torch\.float32#\d+", str(key)), str(key)
+        assert key == TensorKey(key.module, key.shape, key.dtype, key.index) and hash(key) == hash(
+            TensorKey(key.module, key.shape, key.dtype, key.index))
+    assert "fc1:(64, 16):torch.float32#0" in {str(k) for k in allocations[0]}
+    assert controller.average_bits() <= 3.0
+
+
+def expected_compressed_bytes(numels: Sequence[int], bits: int, group_size: int = 256) -> int:
+    # ALGORITHMS.md §9.4: ⌈n·b/8⌉ + ⌈n/256⌉·2·4 per fp32 tensor (the sizes here are whole groups).
+    return sum(math.ceil(n * bits / 8) + math.ceil(n / group_size) * 2 * 4 for n in numels)
+
+
+@pytest.mark.parametrize("avg_bits, width", [(1, 1), (1.5, 1), (2, 2), (3, 2), (4, 4), (7.9, 4), (8, 8), (32, 8)])
+def test_iteration_0_saves_at_the_target_width(kernels, avg_bits, width):
+    torch.manual_seed(2)
+    model = Planted()
+    x, y = batch(2)
+    controller = CompressionController(model, avg_bits, interval=10)
+    assert controller.initial_bits == width
+    assert controller.average_bits() == width
+    train_step(controller, model, x, y)
+    stats = controller.stats
+    # Every tensor the allocation covers was compressed, at `width`.
+    numels = list(controller.last_step_keys.values())
+    assert stats["compressed"] == len(numels) > 0
+    assert stats["bytes_compressed"] == expected_compressed_bytes(numels, width)
+    # And the whole step stored what a fixed-width compress_saved stores.
+    for bits in (1, 2, 4, 8):
+        model.zero_grad()
+        with C.compress_saved(bits=bits) as fixed:
+            F.mse_loss(model(x), y).backward()
+        assert (fixed.stats["bytes_stored"] == stats["bytes_stored"]) == (bits == width)
+
+
+def test_keys_do_not_shift_when_a_branch_is_skipped(kernels):
+    torch.manual_seed(3)
+    model = Skippable()
+    x, _ = batch(3)
+    y = torch.randn(64, 4)
+    controller = CompressionController(model, 2.0, interval=3)
+    train_step(controller, model, x, y, skip=False)  # probe step, with a keyword argument
+    full = controller.last_step_keys
+    assert controller.estimates == 1 and set(controller.bits) == set(full)
+    assert keys_of(full, "block.0") and keys_of(full, "block.1")
+    train_step(controller, model, x, y, skip=True)
+    skipped = controller.last_step_keys
+    assert not keys_of(skipped, "block.0") and not keys_of(skipped, "block.1")
+    # The tensors after the skipped block keep their keys, hence their allocated widths.
+    assert set(skipped) == {k for k in full if not k.module.startswith("block")}
+    for name in ("fc1", "act1", "fc2", "act2", "fc3"):
+        assert len(keys_of(skipped, name)) == 1 and keys_of(skipped, name) == keys_of(full, name)
+    # An estimate on a skipping step allocates over that step's keys; the others fall back.
+    train_step(controller, model, x, y, skip=True)
+    train_step(controller, model, x, y, skip=True)
+    assert controller.estimates == 2 and set(controller.bits) == set(skipped)
+    assert controller.average_bits() <= 2.0
+
+
+def test_a_module_called_twice_gets_two_indices(kernels):
+    torch.manual_seed(4)
+    inner = nn.Sequential(nn.Linear(32, 32), nn.ReLU())
+    model = nn.Sequential(nn.Linear(16, 32), inner, nn.Linear(32, 1))
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = model
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.body[1](self.body[0](x))
+            return self.body[2](self.body[1](h))
+
+    twice = Twice()
+    x, y = batch(4)
+    controller = CompressionController(twice, 2.0)
+    train_step(controller, twice, x, y)
+    indices = sorted(k.index for k in controller.bits if k.module == "body.1.1")
+    assert indices == [0, 1]
+    assert all(math.isfinite(v) for v in controller.sensitivity.values())
+
+
+def test_estimates_happen_at_step_0_and_every_interval_steps(kernels):
+    torch.manual_seed(5)
+    model = Planted()
+    calls: List[int] = []
+    model.head.register_forward_pre_hook(lambda m, a: calls.append(1))
+    controller = CompressionController(model, 2.0, interval=3)
+    estimates, passes = [], []
+    for step in range(7):
+        before = len(calls)
+        x, y = batch(step)
+        train_step(controller, model, x, y)
+        estimates.append(controller.estimates)
+        passes.append(len(calls) - before)
+    assert estimates == [1, 1, 1, 2, 2, 2, 3]
+    keys = len(controller.bits)
+    # A probe step: the user's pass, one exact replay and one replay per key.
+    assert passes == [keys + 2, 1, 1, keys + 2, 1, 1, keys + 2]
+    assert controller.step == 7
+
+
+def test_probe_steps_leave_grad_rng_and_buffers_as_the_users_step_left_them(kernels):
+    x, y = batch(6)
+
+    def run(use_controller: bool) -> Tuple[List[torch.Tensor], List[torch.Tensor], torch.Tensor, Dict[str, Any]]:
+        torch.manual_seed(6)
+        model = stochastic_model()
+        g = torch.Generator().manual_seed(11)
+        inside: List[torch.Tensor] = []
+        model.zero_grad()
+        if use_controller:
+            controller = CompressionController(model, 2.0, generator=g, min_numel=512)
+            with controller:
+                F.mse_loss(model(x), y).backward()
+                inside = [p.grad.clone() for p in model.parameters()]
+            assert controller.estimates == 1
+        else:
+            with C.compress_saved(bits=2, min_numel=512, generator=g):
+                F.mse_loss(model(x), y).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        return grads, inside, torch.get_rng_state(), {k: v.clone() for k, v in model.state_dict().items()}
+
+    grads, inside, rng, state = run(True)
+    ref_grads, _, ref_rng, ref_state = run(False)
+    # The probes use torch.autograd.grad: .grad is what the user's backward left...
+    assert all(torch.equal(a, b) for a, b in zip(grads, inside))
+    # ...which is exactly a fixed 2-bit compress_saved step with the same seeds.
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    # Dropout's stream continues as if there had been no probe; BatchNorm saw one batch.
+    assert torch.equal(rng, ref_rng)
+    assert state.keys() == ref_state.keys()
+    assert all(torch.equal(state[k], ref_state[k]) for k in state)
+    assert int(state["2.num_batches_tracked"]) == 1
+
+
+def test_replays_are_deterministic_under_dropout(kernels, monkeypatch):
+    x, y = batch(7)
+
+    def constant_sensitivity() -> float:
+        torch.manual_seed(7)
+        model = stochastic_model()
+        controller = CompressionController(model, 2.0, min_numel=512)
+        train_step(controller, model, x, y)
+        (key,) = keys_of(controller.sensitivity, "4")
+        return controller.sensitivity[key]
+
+    assert constant_sensitivity() == 0.0
+    # Negative control: without restoring the RNG before each replay, dropout masks differ.
+    monkeypatch.setattr(ctl, "_set_rng", lambda state: None)
+    assert constant_sensitivity() > 0.0
+
+
+def test_replays_run_under_the_autocast_of_the_recorded_call(kernels, monkeypatch):
+    def probe() -> CompressionController:
+        torch.manual_seed(11)
+        model = Planted()
+        x, y = batch(11)
+        controller = CompressionController(model, 2.0)
+        with controller:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x)
+            F.mse_loss(out.float(), y).backward()
+        return controller
+
+    controller = probe()
+    assert len(controller.bits) == 5 and {k.dtype for k in controller.bits} == {torch.bfloat16}
+    # The replays (outside the user's autocast block) saved every key again, so all were probed.
+    assert set(controller.sensitivity) == set(controller.bits)
+    assert all(math.isfinite(v) for v in controller.sensitivity.values())
+    # Negative control: replayed without autocast, the saved tensors are fp32 and match no key.
+    monkeypatch.setattr(ctl, "_autocast", lambda state: contextlib.nullcontext())
+    assert probe().sensitivity == {}
+
+
+def test_tensors_saved_outside_the_model_keep_the_initial_width(kernels):
+    torch.manual_seed(8)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32))
+    x, _ = batch(8)
+    target = torch.randn(64, 32)
+    controller = CompressionController(model, 3.0)
+    with controller:
+        out = model(x)
+        loss = (out - target).pow(2).mean()  # pow saves out − target: a (64, 32) tensor outside
+        loss.backward()
+    outside = keys_of(controller.bits, ctl.OUTSIDE)
+    assert len(outside) == 1 and outside[0].shape == (64, 32)
+    assert controller.bits[outside[0]] == controller.initial_bits == 2
+    assert outside[0] not in controller.sensitivity
+    assert set(controller.sensitivity) == set(controller.bits) - set(outside)
+    assert controller.average_bits() <= 3.0
+
+
+def test_nothing_recorded_survives_the_probe(kernels, monkeypatch):
+    alive: List[weakref.ref] = []
+
+    class Tracked(ctl._Call):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            alive.append(weakref.ref(self))
+
+    monkeypatch.setattr(ctl, "_Call", Tracked)
+    torch.manual_seed(9)
+    model = Planted()
+    x, y = batch(9)
+    controller = CompressionController(model, 2.0)
+    with controller:
+        out = model(x)  # the user keeps the output (and its graph) beyond the step
+        F.mse_loss(out, y).backward(retain_graph=True)
+    assert controller.estimates == 1 and len(alive) == 1
+    gc.collect()
+    assert alive[0]() is None  # the recorded inputs and output gradients went with it
+    assert "forward" not in model.__dict__
+    # A later backward through the kept output reaches none of the controller's hooks.
+    F.mse_loss(out, y).backward()
+    assert alive[0]() is None
+
+
+def test_an_evaluation_block_postpones_the_estimate(kernels):
+    torch.manual_seed(10)
+    model = Planted()
+    x, y = batch(10)
+    controller = CompressionController(model, 2.0, interval=5)
+    with controller, torch.no_grad():
+        model(x)
+    assert controller.step == 1 and controller.estimates == 0
+    train_step(controller, model, x, y)
+    assert controller.step == 2 and controller.estimates == 1
+    for _ in range(4):
+        train_step(controller, model, x, y)
+    assert controller.estimates == 1
+    train_step(controller, model, x, y)
+    assert controller.estimates == 2
+
+
+def test_training_with_the_controller_reduces_the_loss(kernels):
+    torch.manual_seed(12)
+    teacher = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    controller = CompressionController(model, 2.0, interval=20, min_numel=256)
+    x = torch.randn(256, 16)
+    with torch.no_grad():
+        y = teacher(x)
+    losses = []
+    for _ in range(60):
+        optimizer.zero_grad()
+        with controller:
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+        losses.append(float(loss))
+    assert controller.estimates == 3 and controller.average_bits() <= 2.0
+    assert sum(losses[-5:]) / 5 < 0.3 * losses[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# CompressionController: errors and removal
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, pattern",
+    [
+        (dict(model=object()), TypeError, r"^model: expected a torch.nn.Module, got object"),
+        (dict(avg_bits="2"), TypeError, r"^avg_bits: expected a number, got str"),
+        (dict(avg_bits=True), TypeError, r"^avg_bits: expected a number, got bool"),
+        (dict(avg_bits=0.5), ValueError, r"^avg_bits: expected a number >= 1"),
+        (dict(avg_bits=33), ValueError, r"^avg_bits: expected a number in \[1, 32\]"),
+        (dict(avg_bits=math.nan), ValueError, r"^avg_bits"),
+        (dict(interval=0), ValueError, r"^interval: expected an int >= 1, got 0"),
+        (dict(interval=2.0), TypeError, r"^interval: expected an int >= 1, got float"),
+        (dict(group_size=7), ValueError, r"^group_size"),
+        (dict(min_numel=-1), ValueError, r"^min_numel"),
+        (dict(filter=3), TypeError, r"^filter"),
+        (dict(generator=0), TypeError, r"^generator: expected a torch.Generator or None, got int"),
+    ],
+)
+def test_bad_constructor_arguments_name_the_argument(kwargs, error, pattern):
+    args = dict(model=nn.Linear(2, 2))
+    args.update(kwargs)
+    with pytest.raises(error, match=pattern):
+        CompressionController(args.pop("model"), **args)
+
+
+def test_usage_errors_and_remove(kernels):
+    model = Planted()
+    x, y = batch(13)
+    controller = CompressionController(model, 2.0)
+    with pytest.raises(RuntimeError, match="cannot nest"):
+        with controller:
+            with controller:
+                pass
+    assert controller.step == 0  # a block that raised is not a step
+    # At a probe step, backward must run inside the block.
+    with pytest.raises(RuntimeError, match=r"call loss.backward\(\) inside it"):
+        with controller:
+            loss = F.mse_loss(model(x), y)
+    loss.backward()
+    assert controller.estimates == 0
+    train_step(controller, model, x, y)
+    assert controller.estimates == 1
+    controller.remove()
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert "forward" not in model.__dict__
+    with pytest.raises(RuntimeError, match="after remove"):
+        with controller:
+            pass
