@@ -290,3 +290,13 @@ def launch(kernel: c_void_p, device: int, args: Sequence[Any], n: int, stream: O
     array = (c_void_p * nargs)(*[ctypes.addressof(a) for a in args])
     check(native().abp_kernel_launch(kernel, int(device), array, nargs, int(n), stream))
 
+
+
+def launch_words(kernel: c_void_p, device: int, words: Sequence[int], n: int, stream: Optional[int]) -> None:
+    """abp_kernel_launch of a kernel whose arguments are all 8 bytes wide (pointers and i64
+    values), given as ints in manifest order: one array holds the values, one points at them."""
+    count = len(words)
+    values = (ctypes.c_uint64 * count)(*words)
+    base = ctypes.addressof(values)
+    array = (c_void_p * count)(*range(base, base + 8 * count, 8))
+    check(native().abp_kernel_launch(kernel, device, array, count, n, stream))

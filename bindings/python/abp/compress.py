@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -42,29 +41,35 @@ _PARAMETER_VIEWS = frozenset(
      "ExpandBackward0", "UnsafeViewBackward0", "AliasBackward0", "ReshapeAliasBackward0"})
 
 
-@dataclass(frozen=True)
 class _Part:
-    """Codes, per-group minima and scales of consecutive whole groups (or of the tail group)."""
+    """Consecutive whole groups (or the tail group) of a CompressedTensor, as views of its buffer."""
 
-    codes: torch.Tensor  # uint8, ceil(bits * numel / 8) bytes
-    mins: torch.Tensor  # one per group, fp32 (fp64 for fp64 tensors)
-    scales: torch.Tensor
-    numel: int
-    group_size: int
+    __slots__ = ("codes", "mins", "scales", "numel", "group_size")
+
+    def __init__(self, codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, numel: int, group_size: int):
+        self.codes = codes  # uint8, ceil(bits * numel / 8) bytes
+        self.mins = mins  # one per group, fp32 (fp64 for fp64 tensors)
+        self.scales = scales
+        self.numel = numel
+        self.group_size = group_size
 
 
-@dataclass(frozen=True)
 class CompressedTensor:
-    """A tensor stored as `bits`-bit group codes (kind "groups") or a 1-bit bool mask (kind "mask")."""
+    """A tensor stored as `bits`-bit group codes (kind "groups") or a 1-bit bool mask (kind "mask").
 
-    kind: str
-    bits: int
-    group_size: int
-    shape: Tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
-    parts: Tuple[_Part, ...] = ()
-    mask: Optional[torch.Tensor] = None  # kind "mask": ceil(numel / 8) bytes
+    Everything lives in one uint8 `buffer`: the minima of all groups, their scales, then the codes
+    of all elements (ceil(bits * numel / 8) bytes, the tail group's right after the whole
+    groups'); for a mask, ceil(numel / 8) bytes. `layout` holds, per part (whole groups, then the
+    tail group), (numel, group_size, byte offset of its minima, of its scales, of its codes).
+    """
+
+    __slots__ = ("kind", "bits", "group_size", "shape", "dtype", "device", "buffer", "layout")
+
+    def __init__(self, kind: str, bits: int, group_size: int, shape: Tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device, buffer: torch.Tensor, layout: Tuple[Tuple[int, int, int, int, int], ...] = ()):
+        self.kind, self.bits, self.group_size = kind, bits, group_size
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self.buffer, self.layout = buffer, layout
 
     @property
     def numel(self) -> int:
@@ -73,15 +78,24 @@ class CompressedTensor:
     @property
     def nbytes(self) -> int:
         """Bytes held: the codes plus two per-group values (minimum and scale) per group."""
-        if self.mask is not None:
-            return self.mask.numel()
-        return sum(p.codes.numel() + (p.mins.numel() + p.scales.numel()) * p.mins.element_size() for p in self.parts)
+        return self.buffer.numel()
 
     def tensors(self) -> List[torch.Tensor]:
         """The tensors that hold the data (for byte accounting by storage)."""
-        if self.mask is not None:
-            return [self.mask]
-        return [t for p in self.parts for t in (p.codes, p.mins, p.scales)]
+        return [self.buffer]
+
+    @property
+    def parts(self) -> Tuple[_Part, ...]:
+        """Views of the codes, minima and scales of each part (for inspection and tests)."""
+        meta = _launch.compute_dtype(self.dtype)
+        out = []
+        size = torch.empty(0, dtype=meta).element_size()
+        for numel, cols, mins_at, scales_at, codes_at in self.layout:
+            head = numel // cols * size
+            out.append(_Part(self.buffer[codes_at : codes_at + packed_bytes(self.bits, numel)],
+                             self.buffer[mins_at : mins_at + head].view(meta),
+                             self.buffer[scales_at : scales_at + head].view(meta), numel, cols))
+        return tuple(out)
 
 
 def draw_seed(generator: Optional[torch.Generator] = None) -> int:
@@ -142,29 +156,27 @@ class _Codec:
         self.forward_kernel = library.kernel(fwd_record.name, name)
         self.backward_kernel = library.kernel(bwd_record.name, name)
 
-    def quantize(self, x2d: torch.Tensor, seed: int, offset: int, device: int, stream: Optional[int]) -> _Part:
-        rows, cols = x2d.shape
+    def quantize(self, x: int, rows: int, cols: int, seed: int, offset: int, buffer: int,
+                 at: Tuple[int, int, int], device: int, stream: Optional[int]) -> Tuple[int, int, int, int, int]:
+        """Launches the forward over rows x cols elements at address `x`, writing the minima, the
+        scales and the codes at the byte offsets `at` of the buffer at address `buffer`; returns
+        the part's layout."""
         n = rows * cols
-        head = rows * self.meta_size
-        # One allocation: minima, scales, then the codes.
-        buffer = torch.empty(2 * head + packed_bytes(self.bits, n), dtype=torch.uint8, device=x2d.device)
-        mins, scales = buffer[:head].view(self.meta_dtype), buffer[head : 2 * head].view(self.meta_dtype)
-        codes = buffer[2 * head :]
-        values = (_lib.c_void_p(x2d.data_ptr()), _lib.c_int64(seed), _lib.c_int64(offset))
-        args: List[Any] = [values[i] for i in self.forward_inputs]
-        outputs: List[Any] = [None, None, None]
-        for residual, tensor in zip(self.result_of_residual, (codes, mins, scales)):
-            outputs[residual] = tensor
-        args += [_lib.c_void_p(t.data_ptr()) for t in outputs]
-        args += [_lib.c_int64(rows), _lib.c_int64(cols)]
-        _lib.launch(self.forward_kernel, device, args, n, stream)
-        return _Part(codes, mins, scales, n, cols)
+        mins_at, scales_at, codes_at = at
+        residuals = (buffer + codes_at, buffer + mins_at, buffer + scales_at)  # codes, minima, scales
+        outputs = [0, 0, 0]
+        for residual, address in zip(self.result_of_residual, residuals):
+            outputs[residual] = address
+        inputs = (x, seed, offset)
+        words = [inputs[i] for i in self.forward_inputs] + outputs + [rows, cols]
+        _lib.launch_words(self.forward_kernel, device, words, n, stream)
+        return (n, cols, mins_at, scales_at, codes_at)
 
-    def dequantize(self, part: _Part, out: torch.Tensor, device: int, stream: Optional[int]) -> None:
-        rows, cols = part.numel // part.group_size, part.group_size
-        args = [_lib.c_void_p(t.data_ptr()) for t in (part.codes, part.mins, part.scales, out)]
-        args += [_lib.c_int64(rows), _lib.c_int64(cols)]
-        _lib.launch(self.backward_kernel, device, args, part.numel, stream)
+    def dequantize(self, buffer: int, layout: Tuple[int, int, int, int, int], out: int, device: int,
+                   stream: Optional[int]) -> None:
+        n, cols, mins_at, scales_at, codes_at = layout
+        words = [buffer + codes_at, buffer + mins_at, buffer + scales_at, out, n // cols, cols]
+        _lib.launch_words(self.backward_kernel, device, words, n, stream)
 
 
 def quantize(
@@ -198,19 +210,27 @@ def _quantize(x: torch.Tensor, bits: int, group_size: int, seed: int, offset: in
     """quantize() after its argument checks (the saved-tensor hook's path)."""
     codec = _Codec.get(bits, x.dtype)
     flat = x.detach()
-    flat = flat.view(-1) if flat.is_contiguous() else flat.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
     n = flat.numel()
     full = n // group_size
-    device, stream = _launch.device_and_stream(x.device)
-    parts: List[_Part] = []
+    tail = n - full * group_size
     # Whole groups in one launch, the tail group (if any) in a second that continues the stream
-    # at its first flat index; both parts pack to whole bytes.
+    # at its first flat index. One allocation, no padding: all minima, all scales, all codes
+    # (the whole groups' codes fill whole bytes, so the tail's start on a byte).
+    groups = full + (1 if tail else 0)
+    meta = groups * codec.meta_size
+    buffer = torch.empty(2 * meta + packed_bytes(bits, n), dtype=torch.uint8, device=x.device)
+    device, stream = _launch.device_and_stream(x.device)
+    base, address, layout = buffer.data_ptr(), flat.data_ptr(), []
     if full:
-        parts.append(codec.quantize(flat[: full * group_size].view(full, group_size), seed, offset, device, stream))
-    if n > full * group_size:
-        tail = flat[full * group_size :].view(1, n - full * group_size)
-        parts.append(codec.quantize(tail, seed, offset + full * group_size, device, stream))
-    return CompressedTensor("groups", bits, group_size, tuple(x.shape), x.dtype, x.device, tuple(parts))
+        layout.append(codec.quantize(address, full, group_size, seed, offset, base, (0, meta, 2 * meta),
+                                     device, stream))
+    if tail:
+        head, codes = full * codec.meta_size, 2 * meta + full * group_size * bits // 8
+        layout.append(codec.quantize(address + full * group_size * flat.element_size(), 1, tail, seed,
+                                     offset + full * group_size, base, (head, meta + head, codes), device, stream))
+    return CompressedTensor("groups", bits, group_size, tuple(x.shape), x.dtype, x.device, buffer, tuple(layout))
 
 
 def dequantize(c: CompressedTensor) -> torch.Tensor:
@@ -218,17 +238,17 @@ def dequantize(c: CompressedTensor) -> torch.Tensor:
     if not isinstance(c, CompressedTensor):
         raise TypeError(f"c: expected an abp.compress.CompressedTensor, got {type(c).__name__}")
     if c.kind == "mask":
-        assert c.mask is not None
-        bits = (c.mask.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8, device=c.device)) & 1
+        bits = (c.buffer.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8, device=c.device)) & 1
         return bits.reshape(-1)[: c.numel].to(torch.bool).reshape(c.shape)
     codec = _Codec.get(c.bits, c.dtype)
-    out = torch.empty(c.numel, dtype=c.dtype, device=c.device)
+    out = torch.empty(c.shape, dtype=c.dtype, device=c.device)
     device, stream = _launch.device_and_stream(c.device)
+    base, address, size = c.buffer.data_ptr(), out.data_ptr(), out.element_size()
     start = 0
-    for part in c.parts:
-        codec.dequantize(part, out[start : start + part.numel], device, stream)
-        start += part.numel
-    return out.reshape(c.shape)
+    for part in c.layout:
+        codec.dequantize(base, part, address + start * size, device, stream)
+        start += part[0]
+    return out
 
 
 def _pack_mask(m: torch.Tensor) -> CompressedTensor:
@@ -239,7 +259,7 @@ def _pack_mask(m: torch.Tensor) -> CompressedTensor:
     padded[:n] = flat
     weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=m.device)
     packed = (padded.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
-    return CompressedTensor("mask", 1, 8, tuple(m.shape), torch.bool, m.device, mask=packed)
+    return CompressedTensor("mask", 1, 8, tuple(m.shape), torch.bool, m.device, packed)
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
