@@ -12,6 +12,9 @@
 // row-sized is kept between sweeps (any row length works, no shared-memory cap). A row belongs
 // to RT threads: one warp when cols <= warp_max_cols, else the whole block; thread `lane` takes
 // chunks lane, lane + RT, ... of `chunk` consecutive elements (128-bit vectors when aligned).
+// Short rows (cols <= warp_max_cols / 4) take 8 lanes each, four rows per warp, so that a lane
+// has several chunks to amortise its per-row work over; a warp's rows advance in step (a lane
+// past the last row works on an empty one) because their reductions shuffle across the warp.
 //
 // Everything per thread (the sweeps, the uniform stages, the element functions) is emitted once
 // and shared by both drivers: the GPU driver runs the row's RT threads in SIMT with
@@ -440,8 +443,9 @@ struct RowKernelEmitter {
     return static_cast<int>(r);
   }
 
-  /// The statements processing one row `row` (shared text of both drivers; `host` selects how
-  /// the row's RT threads run).
+  /// The statements processing one row `row` of `cols` elements (shared text of both drivers;
+  /// `host` selects how the row's RT threads run; on the GPU `live` is false for the empty rows
+  /// a warp runs past the last one, whose cols is 0).
   void emitRowBody(bool host, SourceWriter &out) {
     out.line("{}_uniforms<C> u;", name);
     for (auto [i, spec] : llvm::enumerate(inArgs())) {
@@ -449,7 +453,7 @@ struct RowKernelEmitter {
       if (spec.kind == ArgKind::Scalar)
         out.line("{} = {}{};", a.field.lookup(arg), spec.isInt ? "" : "(C)", spec.name);
       else if (spec.kind == ArgKind::Rows)
-        out.line("{} = {}[row];", a.field.lookup(arg), spec.name);
+        out.line(host ? "{} = {}[row];" : "{} = live ? {}[row] : (C)0;", a.field.lookup(arg), spec.name);
     }
     out.line("{}_stage0<C>(u, nullptr, cols);", name);
     out.line("const abp::i64 base = row * cols;");
@@ -504,7 +508,7 @@ struct RowKernelEmitter {
         rowStores.emplace_back(spec.name, a.field.lookup(v));
     if (!rowStores.empty()) {
       if (!host)
-        out.line("if (lane == 0) {{");
+        out.line("if (lane == 0 && live) {{");
       for (auto &[ptr, field] : rowStores)
         out.line("{}{}[row] = {};", host ? "" : "  ", ptr, field);
       if (!host)
@@ -547,11 +551,16 @@ struct RowKernelEmitter {
     out.indent();
     out.line("(void)scratch;");
     out.line("constexpr int G = {} / RT;", block);
+    out.line("constexpr int W = RT < 32 ? 32 / RT : 1; // rows per warp");
     out.line("const int lane = (int)(threadIdx.x % RT);");
     out.line("const abp::i64 group = (abp::i64)(threadIdx.x / RT);");
-    out.line("for (abp::i64 row = (abp::i64)blockIdx.x * G + group; row < rows; "
-             "row += (abp::i64)gridDim.x * G) {{");
+    out.line("const abp::i64 allCols = cols;");
+    out.line("for (abp::i64 first = (abp::i64)blockIdx.x * G + group - group % W; first < rows; "
+             "first += (abp::i64)gridDim.x * G) {{");
     out.indent();
+    out.line("const abp::i64 row = first + group % W;");
+    out.line("const bool live = row < rows;");
+    out.line("const abp::i64 cols = live ? allCols : 0; // an empty row past the last one");
     emitRowBody(/*host=*/false, out);
     out.dedent();
     out.line("}}");
@@ -583,7 +592,9 @@ struct RowKernelEmitter {
     out.line("ABP_KERNEL void {}({}) {{", symbol, paramList(d.cppType, d.computeType));
     out.indent();
     out.line("__shared__ {} scratch[{}];", d.computeType, maxReductions() * 32);
-    out.line("if (cols <= {})", warpMaxCols);
+    out.line("if (cols <= {})", warpMaxCols / 4);
+    out.line("  {}_rows<{}, 8>({}, scratch);", name, targs, argNames());
+    out.line("else if (cols <= {})", warpMaxCols);
     out.line("  {}_rows<{}, 32>({}, scratch);", name, targs, argNames());
     out.line("else");
     out.line("  {}_rows<{}, {}>({}, scratch);", name, targs, block, argNames());
@@ -603,7 +614,9 @@ struct RowKernelEmitter {
     }
     out.line("const abp::i64 rows = *static_cast<abp::i64 *>(args[{}]);", index++);
     out.line("const abp::i64 cols = *static_cast<abp::i64 *>(args[{}]);", index);
-    out.line("if (cols <= {})", warpMaxCols);
+    out.line("if (cols <= {})", warpMaxCols / 4);
+    out.line("  {}_hostRows<{}, 8>({}, grid, b0, b1);", name, targs, argNames());
+    out.line("else if (cols <= {})", warpMaxCols);
     out.line("  {}_hostRows<{}, 32>({}, grid, b0, b1);", name, targs, argNames());
     out.line("else");
     out.line("  {}_hostRows<{}, {}>({}, grid, b0, b1);", name, targs, block, argNames());
@@ -656,9 +669,9 @@ LogicalResult abp::emitRowKernel(KernelOp kernel, SourceWriter &out,
   e.a = std::move(*analysis);
 
   SourceWriter text;
-  text.line("// row kernel {}: {} reduction stage(s); rows of <= {} elements per warp, longer "
-            "rows per block of {} threads; {} element(s) per thread and step",
-            e.name, e.a.stages, e.warpMaxCols, block, e.chunk);
+  text.line("// row kernel {}: {} reduction stage(s); rows of <= {} elements per 8 lanes, <= {} "
+            "per warp, longer rows per block of {} threads; {} element(s) per thread and step",
+            e.name, e.a.stages, e.warpMaxCols / 4, e.warpMaxCols, block, e.chunk);
   if (failed(e.emitPerThread(text)))
     return failure();
   e.emitDrivers(text);

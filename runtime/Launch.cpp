@@ -28,7 +28,9 @@ LaunchConfig gridForRows(int64_t rows, int64_t cols, int block, int64_t warpMaxC
   config.block = block;
   if (rows <= 0 || cols < 0 || block < 32)
     return config;
-  int64_t rowsPerBlock = cols <= warpMaxCols ? block / 32 : 1;
+  // Rows of at most warpMaxCols / 4 columns take 8 lanes each, up to warpMaxCols a warp, longer
+  // ones the block (the generated drivers choose the same way).
+  int64_t rowsPerBlock = cols <= warpMaxCols / 4 ? block / 8 : cols <= warpMaxCols ? block / 32 : 1;
   int64_t blocks = (rows + rowsPerBlock - 1) / rowsPerBlock;
   if (maxBlocks > 0 && blocks > maxBlocks)
     blocks = maxBlocks;

@@ -409,12 +409,13 @@ template <typename C> ABP_FN C minimum(C x, C y) {
 }
 
 //===----------------------------------------------------------------------===//
-// Row reductions (row kernels). RT threads own one row: RT = 32 is one warp, RT = the block
-// size is the whole block. Each thread holds R partials (sums, maxima or minima); rowAllReduce
-// leaves every thread of the row with the row's R results, combined in one fixed order:
-//   1. within each warp, an xor butterfly: for offset 16, 8, 4, 2, 1, v = v ⊕ v[lane ^ offset]
-//      (⊕ is commutative, so both lanes of a pair compute the same value and all 32 lanes end
-//      with identical bits);
+// Row reductions (row kernels). RT threads own one row: RT = 8 is a quarter warp (short rows:
+// four per warp), RT = 32 one warp, RT = the block size the whole block. Each thread holds R
+// partials (sums, maxima or minima); rowAllReduce leaves every thread of the row with the row's
+// R results, combined in one fixed order:
+//   1. within each warp (each group of RT < 32 lanes), an xor butterfly: for offset 16 (RT / 2),
+//      ..., 2, 1, v = v ⊕ v[lane ^ offset] (⊕ is commutative, so both lanes of a pair compute
+//      the same value and all lanes end with identical bits);
 //   2. RT > 32: the warps' results go through shared memory and every warp repeats the
 //      butterfly over them (lanes past the warp count contribute the identity: 0, -inf, +inf).
 // The CPU path cannot run RT threads at once, so row kernels are emitted in phases split at
@@ -435,22 +436,25 @@ template <typename C> ABP_FN C reduceCombine(int op, C a, C b) {
 }
 
 #if ABP_GPU
-template <int... Ops, typename C> ABP_FN void warpButterfly(C (&v)[sizeof...(Ops)]) {
+/// The xor butterfly over aligned groups of W lanes (W = 8, 16 or 32): offsets W/2, ..., 1.
+template <int W, int... Ops, typename C> ABP_FN void warpButterfly(C (&v)[sizeof...(Ops)]) {
   constexpr int kOps[] = {Ops...};
   ABP_UNROLL
-  for (int offset = 16; offset > 0; offset >>= 1)
+  for (int offset = W / 2; offset > 0; offset >>= 1)
     ABP_UNROLL
     for (int r = 0; r < (int)sizeof...(Ops); ++r)
       v[r] = reduceCombine(kOps[r], v[r], __shfl_xor_sync(0xffffffffu, v[r], offset));
 }
 
 /// `scratch` holds at least R * 32 values of shared memory; RT > 32 requires RT == blockDim.x.
+/// RT < 32 (8 or 16): the rows of a warp reduce side by side, each over its own aligned lanes;
+/// every lane of the warp must call (the row loop keeps a warp's rows in step).
 /// Ops: one ReduceOp per value.
 template <int RT, int... Ops, typename C>
 ABP_FN void rowAllReduce(C (&v)[sizeof...(Ops)], C *scratch) {
   constexpr int R = (int)sizeof...(Ops);
   constexpr int kOps[] = {Ops...};
-  warpButterfly<Ops...>(v);
+  warpButterfly<(RT < 32 ? RT : 32), Ops...>(v);
   if (RT > 32) {
     const int lane = (int)(threadIdx.x & 31u), warp = (int)(threadIdx.x >> 5);
     __syncthreads(); // every reader of the previous reduction's scratch is done
@@ -463,18 +467,18 @@ ABP_FN void rowAllReduce(C (&v)[sizeof...(Ops)], C *scratch) {
     ABP_UNROLL
     for (int r = 0; r < R; ++r)
       v[r] = lane < RT / 32 ? scratch[r * 32 + lane] : reduceIdentity<C>(kOps[r]);
-    warpButterfly<Ops...>(v);
+    warpButterfly<32, Ops...>(v);
   }
 }
 #else
-/// The butterfly of one warp over lanes[0..32), in place: the order of warpButterfly.
-template <int R, typename C> ABP_FN void hostWarpButterfly(C (*lanes)[R], const int *ops) {
-  for (int offset = 16; offset > 0; offset >>= 1) {
+/// The butterfly of W lanes over lanes[0..W), in place: the order of warpButterfly<W>.
+template <int R, typename C> ABP_FN void hostWarpButterfly(C (*lanes)[R], const int *ops, int w = 32) {
+  for (int offset = w / 2; offset > 0; offset >>= 1) {
     C next[32][R];
-    for (int lane = 0; lane < 32; ++lane)
+    for (int lane = 0; lane < w; ++lane)
       for (int r = 0; r < R; ++r)
         next[lane][r] = reduceCombine(ops[r], lanes[lane][r], lanes[lane ^ offset][r]);
-    for (int lane = 0; lane < 32; ++lane)
+    for (int lane = 0; lane < w; ++lane)
       for (int r = 0; r < R; ++r)
         lanes[lane][r] = next[lane][r];
   }
@@ -483,9 +487,14 @@ template <int R, typename C> ABP_FN void hostWarpButterfly(C (*lanes)[R], const 
 /// rowAllReduce for the RT threads of one row whose partials are v[0..RT): afterwards every
 /// v[t] holds the results, bit for bit what the GPU's threads hold.
 template <int RT, int... Ops, typename C> ABP_FN void hostRowAllReduce(C (*v)[sizeof...(Ops)]) {
-  static_assert(RT % 32 == 0 && RT >= 32 && RT <= 1024, "RT: whole warps, at most 1024 threads");
+  static_assert(RT == 8 || RT == 16 || (RT % 32 == 0 && RT <= 1024),
+                "RT: 8 or 16 lanes, or whole warps, at most 1024 threads");
   constexpr int R = (int)sizeof...(Ops);
   const int ops[] = {Ops...};
+  if (RT < 32) {
+    hostWarpButterfly<R>(v, ops, RT);
+    return;
+  }
   for (int warp = 0; warp < RT / 32; ++warp)
     hostWarpButterfly<R>(v + warp * 32, ops);
   if (RT > 32) {

@@ -395,14 +395,17 @@ namespace {
 /// 0's result (every lane's is identical).
 template <typename C> C butterflyReference(const std::vector<C> &v, int rt) {
   auto butterfly = [](std::vector<C> lanes) {
-    for (int offset = 16; offset > 0; offset >>= 1) {
-      std::vector<C> next(32);
-      for (int l = 0; l < 32; ++l)
+    const int width = static_cast<int>(lanes.size());
+    for (int offset = width / 2; offset > 0; offset >>= 1) {
+      std::vector<C> next(width);
+      for (int l = 0; l < width; ++l)
         next[l] = lanes[l] + lanes[l ^ offset];
       lanes = next;
     }
     return lanes[0];
   };
+  if (rt < 32) // 8 or 16 lanes of a warp: one butterfly over those lanes
+    return butterfly(std::vector<C>(v.begin(), v.begin() + rt));
   std::vector<C> warpSums(32, C(0));
   for (int w = 0; w < rt / 32; ++w)
     warpSums[w] = butterfly(std::vector<C>(v.begin() + w * 32, v.begin() + w * 32 + 32));
@@ -435,6 +438,7 @@ TEST(DeviceHeader, HostRowReductionReplaysTheGpuOrderBitForBit) {
     return bitsOf(sequential) != bitsOf(wantA);
   };
   bool orderVisible = check(std::integral_constant<int, 32>{});
+  orderVisible |= check(std::integral_constant<int, 8>{});
   orderVisible |= check(std::integral_constant<int, 256>{});
   orderVisible |= check(std::integral_constant<int, 1024>{});
   EXPECT_TRUE(orderVisible) << "the test inputs cannot tell summation orders apart";

@@ -142,6 +142,10 @@ TEST(Launch, RowGridRule) {
   EXPECT_EQ(gridForRows(8, 768, 256, 1024, 0).grid, 1);
   EXPECT_EQ(gridForRows(9, 1024, 256, 1024, 0).grid, 2);
   EXPECT_EQ(gridForRows(9, 1025, 256, 1024, 0).grid, 9);
+  // Short rows (<= warp_max_cols / 4): 8 lanes each, 32 rows per 256-thread block.
+  EXPECT_EQ(gridForRows(32, 256, 256, 1024, 0).grid, 1);
+  EXPECT_EQ(gridForRows(33, 256, 256, 1024, 0).grid, 2);
+  EXPECT_EQ(gridForRows(33, 257, 256, 1024, 0).grid, 5);
   EXPECT_EQ(gridForRows(4096, 8192, 256, 1024, 132 * 32).grid, 4096);
   EXPECT_EQ(gridForRows(int64_t(1) << 30, 64, 256, 1024, 132 * 32).grid, 132 * 32);
   // Empty rows still run (their per-row outputs are written); negative shapes launch nothing.

@@ -4,7 +4,7 @@
 // RUN: abp-compile %s --emit=cuda | FileCheck %s
 // RUN: abp-compile %s --emit=manifest | FileCheck %s --check-prefix=MANIFEST
 
-// CHECK-LABEL: // row kernel ln_fwd: 2 reduction stage(s); rows of <= 1024 elements per warp, longer rows per block of 256 threads; 8 element(s) per thread and step
+// CHECK-LABEL: // row kernel ln_fwd: 2 reduction stage(s); rows of <= 256 elements per 8 lanes, <= 1024 per warp, longer rows per block of 256 threads; 8 element(s) per thread and step
 // CHECK: template <typename C> struct ln_fwd_uniforms {
 // CHECK: template <typename C> ABP_FN void ln_fwd_stage1(ln_fwd_uniforms<C> &u, const C *sums, abp::i64 cols) {
 // CHECK: u.u[[MEAN:[0-9]+]] = sums[0] / (C)cols;
@@ -22,15 +22,22 @@
 // CHECK: abp::storeChunk<N>(r1, j, cols, vec, e_r1);
 // CHECK: #if ABP_GPU
 // CHECK: ABP_FN void ln_fwd_rows(
+// A warp's rows advance in step (their shuffles span the warp); lanes past the last row see an
+// empty row.
+// CHECK: for (abp::i64 first = (abp::i64)blockIdx.x * G + group - group % W; first < rows; first += (abp::i64)gridDim.x * G) {
+// CHECK: const bool live = row < rows;
+// CHECK: const abp::i64 cols = live ? allCols : 0;
 // CHECK: abp::rowAllReduce<RT, abp::kReduceSum>(acc, scratch);
-// CHECK: if (lane == 0) {
+// CHECK: if (lane == 0 && live) {
 // CHECK: #if ABP_HOST
 // CHECK: static void ln_fwd_hostRows(
 // CHECK: for (int lane = 0; lane < RT; ++lane)
 // CHECK: abp::hostRowAllReduce<RT, abp::kReduceSum>(acc);
 // CHECK: ABP_KERNEL void abp_ln_fwd_f32_[[H:[0-9a-f]+]](const float *ABP_RESTRICT a0, float a1, float *ABP_RESTRICT r0, float *ABP_RESTRICT r1, abp::i64 rows, abp::i64 cols) {
 // CHECK: __shared__ float scratch[32];
-// CHECK: if (cols <= 1024)
+// CHECK: if (cols <= 256)
+// CHECK: ln_fwd_rows<float, float, 8>(
+// CHECK: else if (cols <= 1024)
 // CHECK: ln_fwd_rows<float, float, 32>(
 // CHECK: ln_fwd_rows<float, float, 256>(
 // CHECK: extern "C" void abp_ln_fwd_f32_[[H]]__host(void **args, abp::i64 grid, abp::i64 block, abp::i64 b0, abp::i64 b1) {
