@@ -64,9 +64,9 @@ def step_fn(model: torch.nn.Module, x: torch.Tensor, wrap: Callable[[], Any]) ->
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
-        with wrap(), autocast:
-            loss = model(x).float().square().mean()
-        with wrap():
+        with wrap():  # forward and backward in one block, as the controller requires
+            with autocast:
+                loss = model(x).float().square().mean()
             loss.backward()
     return step
 
