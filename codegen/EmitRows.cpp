@@ -111,6 +111,8 @@ FailureOr<RowAnalysis> analyze(KernelOp kernel, ArrayRef<RowArg> args) {
 }
 
 /// Emits, in body order, the ops among `ops` (plus the constants they use) into `scalars`.
+/// Emits the ops among `ops` except abp.uniform, whose draws the sweep makes a chunk at a time
+/// and hands in already bound.
 LogicalResult emitOps(ArrayRef<Operation *> ops, ScalarEmitter &scalars) {
   llvm::SetVector<Operation *> constants;
   for (Operation *op : ops)
@@ -121,7 +123,7 @@ LogicalResult emitOps(ArrayRef<Operation *> ops, ScalarEmitter &scalars) {
     if (failed(scalars.emit(c)))
       return failure();
   for (Operation *op : ops)
-    if (!constants.contains(op) && failed(scalars.emit(op)))
+    if (!constants.contains(op) && !isa<UniformOp>(op) && failed(scalars.emit(op)))
       return failure();
   return success();
 }
@@ -134,10 +136,16 @@ struct RowKernelEmitter {
   int64_t chunk, block, warpMaxCols;
 
   Block &body() { return kernel.getBody().front(); }
-  /// Whether the body draws random numbers (abp.uniform): element functions then take the
-  /// element's flat index and the thread's Philox cache.
-  bool drawsRandom() {
-    return llvm::any_of(body().without_terminator(), [](Operation &op) { return isa<UniformOp>(op); });
+  /// Per sweep, its abp.uniform draws: the sweep makes them a chunk at a time
+  /// (abp::uniformChunk, one Philox call per four elements) and passes each element its own.
+  SmallVector<SmallVector<UniformOp>> sweepDraws;
+
+  static SmallVector<UniformOp> drawsOf(ArrayRef<Operation *> ops) {
+    SmallVector<UniformOp> draws;
+    for (Operation *op : ops)
+      if (auto draw = dyn_cast<UniformOp>(op))
+        draws.push_back(draw);
+    return draws;
   }
   SmallVector<Value> yields() { return cast<YieldOp>(body().getTerminator()).getValues(); }
   ArrayRef<RowArg> outArgs() { return ArrayRef<RowArg>(args).drop_front(body().getNumArguments()); }
@@ -248,20 +256,18 @@ struct RowKernelEmitter {
     std::string params = fmt::format("const {}_uniforms<C> &u", name);
     for (unsigned i : dense)
       params += fmt::format(", {} {}", args[i].kind == ArgKind::Packed ? "abp::u8" : "C", args[i].name);
-    if (drawsRandom())
-      params += ", abp::i64 idx, abp::PhiloxCache &rng";
+    SmallVector<UniformOp> draws = drawsOf(ops);
+    for (size_t d = 0; d < draws.size(); ++d)
+      params += fmt::format(", C d{}", d);
     for (auto [t, v] : llvm::enumerate(targets))
       params += fmt::format(", {} &o{}", v.getType().isF32() ? "C" : "abp::u32", t);
     out.line("template <typename C> ABP_FN void {}_elem{}({}) {{", name, p, params);
     out.indent();
     out.line("(void)u;");
-    if (drawsRandom()) {
-      out.line("(void)idx;");
-      out.line("(void)rng;");
-    }
     ScalarEmitter scalars(out, "C");
-    scalars.setElementIndex("idx", "rng");
     bindUniforms(scalars);
+    for (auto [d, draw] : llvm::enumerate(draws))
+      scalars.bind(draw.getResult(), fmt::format("d{}", d));
     for (unsigned i : dense)
       scalars.bind(body().getArgument(i), args[i].name);
     if (failed(emitOps(ops, scalars)))
@@ -283,7 +289,8 @@ struct RowKernelEmitter {
 
   void emitSweep(int p, size_t numTargets, ArrayRef<unsigned> dense, SourceWriter &out) {
     bool final = p == a.stages;
-    bool random = drawsRandom();
+    SmallVector<UniformOp> draws = sweepDraws[p];
+    bool random = !draws.empty();
     SmallVector<unsigned> stores; // indices into args of per-element outputs (final sweep)
     if (final)
       for (auto [i, spec] : llvm::enumerate(args))
@@ -306,8 +313,6 @@ struct RowKernelEmitter {
       if (args[i].kind == ArgKind::Dense)
         aligned += fmt::format("{}abp::aligned16({})", aligned.empty() ? "" : " && ", args[i].name);
     out.line("const bool aligned = {};", aligned.empty() ? "true" : aligned);
-    if (random)
-      out.line("abp::PhiloxCache rng;");
     out.line("for (abp::i64 j = (abp::i64)lane * N; j < cols; j += (abp::i64)RT * N) {{");
     out.indent();
     out.line("const bool full = j + N <= cols;");
@@ -333,6 +338,12 @@ struct RowKernelEmitter {
     }
     for (unsigned i : stores)
       out.line("{} e_{}[N];", args[i].kind == ArgKind::Packed ? "abp::u32" : "C", args[i].name);
+    // The chunk's draws: element j + k of the row is element base + j + k of the launch.
+    for (auto [d, draw] : llvm::enumerate(draws)) {
+      out.line("float d{}_[N];", d);
+      out.line("abp::uniformChunk<N>({}, {} + (abp::u64)(base + j), d{}_);",
+               a.field.lookup(draw.getSeed()), a.field.lookup(draw.getOffset()), d);
+    }
     out.line("ABP_UNROLL");
     out.line("for (int k = 0; k < N; ++k) {{");
     out.indent();
@@ -340,8 +351,8 @@ struct RowKernelEmitter {
     for (unsigned i : dense)
       call += args[i].kind == ArgKind::Packed ? fmt::format(", (abp::u8)e_{}[k]", args[i].name)
                                               : fmt::format(", e_{}[k]", args[i].name);
-    if (random)
-      call += ", base + j + k, rng";
+    for (size_t d = 0; d < draws.size(); ++d)
+      call += fmt::format(", (C)d{}_[k]", d);
     if (final) {
       for (unsigned i : stores)
         call += fmt::format(", e_{}[k]", args[i].name);
@@ -399,6 +410,7 @@ struct RowKernelEmitter {
       SmallVector<unsigned> dense;
       sliceOf(targets, ops, dense);
       sweepInputs.push_back(dense);
+      sweepDraws.push_back(drawsOf(ops));
       if (p == a.stages && targets.empty())
         continue; // no row-wide output: no final sweep
       if (failed(emitElement(p, targets, ops, dense, out)))
@@ -466,7 +478,8 @@ struct RowKernelEmitter {
                  : fmt::format(", {} + base", args[i].name);
       return s;
     };
-    const std::string baseArg = drawsRandom() ? ", base" : "";
+    // Sweeps that draw random numbers take the row's first flat index.
+    auto baseArg = [&](int p) { return sweepDraws[p].empty() ? "" : ", base"; };
     for (int p = 0; p < a.stages; ++p) {
       size_t r = a.reductions[p].size();
       std::string ptrs = rowPointers(sweepInputs[p]);
@@ -478,13 +491,13 @@ struct RowKernelEmitter {
         out.line("  const C init[{}] = {{{}}};", r, identities(p));
         out.line("  for (int i = 0; i < {}; ++i)", r);
         out.line("    acc[lane][i] = init[i];");
-        out.line("  {}_sweep{}<T, C, RT>(u{}, cols, lane{}, acc[lane]);", name, p, ptrs, baseArg);
+        out.line("  {}_sweep{}<T, C, RT>(u{}, cols, lane{}, acc[lane]);", name, p, ptrs, baseArg(p));
         out.line("}}");
         out.line("abp::hostRowAllReduce<RT, {}>(acc);", deviceOps(p));
         out.line("{}_stage{}<C>(u, acc[0], cols);", name, p + 1);
       } else {
         out.line("C acc[{}] = {{{}}};", r, identities(p));
-        out.line("{}_sweep{}<T, C, RT>(u{}, cols, lane{}, acc);", name, p, ptrs, baseArg);
+        out.line("{}_sweep{}<T, C, RT>(u{}, cols, lane{}, acc);", name, p, ptrs, baseArg(p));
         out.line("abp::rowAllReduce<RT, {}>(acc, scratch);", deviceOps(p));
         out.line("{}_stage{}<C>(u, acc, cols);", name, p + 1);
       }
@@ -500,7 +513,7 @@ struct RowKernelEmitter {
       if (host)
         out.line("for (int lane = 0; lane < RT; ++lane)");
       out.line("{}{}_sweep{}<T, C, RT>(u{}, cols, lane{});", host ? "  " : "", name, a.stages,
-               ptrs, baseArg);
+               ptrs, baseArg(a.stages));
     }
     SmallVector<std::pair<std::string, std::string>> rowStores;
     for (auto [v, spec] : llvm::zip(yields(), outArgs()))

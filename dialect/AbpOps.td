@@ -321,11 +321,12 @@ def Abp_QuantizeGroupsOp : Abp_Op<"quantize_groups", [Pure]> {
 }
 
 def Abp_DequantizeGroupsOp : Abp_Op<"dequantize_groups", [Pure]> {
-  let summary = "decodes per-row affine codes: q / s + m";
+  let summary = "decodes per-row affine codes: q * (1 / s) + m";
   let description = [{
-    The inverse of `abp.quantize_groups`: element (r, j) is `q / s_r + m_r` in the compute
-    type. Unbiased: E[q / s + m] = x. Lowered by `abp-lower-quantize` to `abp.unpack`,
-    broadcasts and an `abp.map`.
+    The inverse of `abp.quantize_groups`: element (r, j) is `q * (1 / s_r) + m_r` in the
+    compute type, the reciprocal rounded once per row (one rounding from `q / s_r`, and no
+    per-element division). Unbiased: E[q / s + m] = x. Lowered by `abp-lower-quantize` to
+    `abp.unpack`, a per-row reciprocal, broadcasts and an `abp.map`.
 
     Example:
     ```mlir

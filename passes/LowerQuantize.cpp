@@ -138,19 +138,24 @@ void lowerQuantizeGroups(QuantizeGroupsOp op) {
   op.erase();
 }
 
-/// x = q / s + m per row (ALGORITHMS.md §6.2).
+/// x = q * (1 / s) + m per row (ALGORITHMS.md §6.2's q / s + m, with the division done once per
+/// row: a per-element IEEE division costs a reciprocal, a refinement and a slow path that q = 0
+/// takes, and the product differs from the quotient by at most one rounding).
 void lowerDequantizeGroups(DequantizeGroupsOp op) {
   OpBuilder b(op);
   Location loc = op.getLoc();
   auto matrixType = cast<RankedTensorType>(op.getType());
   auto codesType = RankedTensorType::get(matrixType.getShape(), b.getI8Type());
   Value codes = b.create<UnpackOp>(loc, codesType, op.getCodes());
+  Value steps = buildMap(b, loc, {op.getScales()}, b.getF32Type(), [&](OpBuilder &m, ValueRange a) -> Value {
+    return m.create<arith::DivFOp>(loc, f32Constant(m, loc, 1.0f), a[0]);
+  });
   Value minsWide = b.create<BroadcastRowsOp>(loc, matrixType, op.getMins());
-  Value scalesWide = b.create<BroadcastRowsOp>(loc, matrixType, op.getScales());
-  Value x = buildMap(b, loc, {codes, minsWide, scalesWide}, b.getF32Type(),
+  Value stepsWide = b.create<BroadcastRowsOp>(loc, matrixType, steps);
+  Value x = buildMap(b, loc, {codes, minsWide, stepsWide}, b.getF32Type(),
                      [&](OpBuilder &m, ValueRange a) -> Value {
                        Value q = m.create<arith::UIToFPOp>(loc, m.getF32Type(), a[0]);
-                       Value unscaled = m.create<arith::DivFOp>(loc, q, a[2]);
+                       Value unscaled = m.create<arith::MulFOp>(loc, q, a[2]);
                        return m.create<arith::AddFOp>(loc, unscaled, a[1]);
                      });
   op.replaceAllUsesWith(x);

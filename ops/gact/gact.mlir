@@ -4,7 +4,8 @@
 //   forward:  m = min, M = max, s = (2^b - 1) / (M - m + 2e-6) per row (NaN unless M - m is
 //             finite); q = min(floor((x - m) s + u), 2^b - 1), u ~ U[0, 1) from Philox at
 //             (seed, offset + flat index); saves the b-bit codes, m and s
-//   backward: x = q / s + m, an unbiased estimate of the forward's input
+//   backward: x = q * (1 / s) + m (the reciprocal once per row), an unbiased estimate of the
+//             forward's input
 // One row kernel each way: the range reductions, the draws, the rounding and the packing fuse.
 
 abp.operator @gact_b1 attributes {params = ["seed", "offset"]} forward {

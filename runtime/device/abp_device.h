@@ -579,6 +579,28 @@ ABP_FN float uniformAt(PhiloxCache &cache, u64 seed, u64 c) {
   return (float)(word >> 8) * (1.0f / 16777216.0f);
 }
 
+/// The draws of N consecutive positions c0, c0 + 1, ... (abp.uniform, as uniformAt gives them):
+/// when c0 is a multiple of 4, one Philox call serves four positions with no per-element
+/// bookkeeping; otherwise position by position.
+template <int N> ABP_FN void uniformChunk(u64 seed, u64 c0, float *out) {
+  if (N % 4 == 0 && (c0 & 3u) == 0) {
+    ABP_UNROLL
+    for (int b = 0; b < N / 4; ++b) {
+      const u64 block = (c0 >> 2) + (u64)b;
+      Philox4 ctr = {{(u32)block, (u32)(block >> 32), 0u, 0u}};
+      Philox4 words = philox4x32_10(ctr, (u32)seed, (u32)(seed >> 32));
+      ABP_UNROLL
+      for (int i = 0; i < 4; ++i)
+        out[4 * b + i] = (float)(words.v[i] >> 8) * (1.0f / 16777216.0f);
+    }
+    return;
+  }
+  PhiloxCache cache;
+  ABP_UNROLL
+  for (int k = 0; k < N; ++k)
+    out[k] = uniformAt(cache, seed, c0 + (u64)k);
+}
+
 /// A uniform float in (0, 1] from 32 random bits (never 0, so log() is safe).
 ABP_FN float uniformFromBits(u32 bits) {
   return ((float)(bits >> 8) + 1.0f) * (1.0f / 16777216.0f);

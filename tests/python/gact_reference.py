@@ -74,10 +74,11 @@ def quantize_groups(
 
 
 def dequantize_groups(codes: np.ndarray, mins: np.ndarray, scales: np.ndarray, group_size: int) -> np.ndarray:
-    """q / s + m per element, in the dtype of `mins`."""
+    """q * (1 / s) + m per element (the reciprocal once per group), in the dtype of `mins`."""
     g = np.arange(codes.size) // group_size
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return (codes.astype(mins.dtype) / scales[g]).astype(mins.dtype) + mins[g]
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        steps = (mins.dtype.type(1) / scales).astype(mins.dtype)
+        return (codes.astype(mins.dtype) * steps[g]).astype(mins.dtype) + mins[g]
 
 
 def variance(x: torch.Tensor, bits: int, group_size: int) -> np.ndarray:

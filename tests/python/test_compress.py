@@ -81,6 +81,9 @@ def test_offset_moves_the_stream_so_tensors_sharing_a_seed_draw_independently():
         saved = list(block._packed.values())
     assert np.array_equal(codes_of(saved[0][1]), ref.quantize_groups(a, 4, 256, seed, 0)[0])
     assert np.array_equal(codes_of(saved[1][1]), ref.quantize_groups(b, 4, 256, seed, a.numel())[0])
+    # An offset that is not a multiple of 4 takes the kernels' position-by-position path.
+    odd = C.quantize(x, 2, 64, seed=5, offset=3)
+    assert np.array_equal(codes_of(odd), ref.quantize_groups(x, 2, 64, 5, 3)[0])
     with pytest.raises(ValueError, match=r"offset: expected an int in \[0, 2\*\*63\)"):
         C.quantize(x, 2, offset=-5)
 

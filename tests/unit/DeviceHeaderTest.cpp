@@ -539,3 +539,15 @@ TEST(DeviceHeader, ToUnsignedSaturatesAndMapsNanToZero) {
   EXPECT_EQ(abp::toUnsignedSat<abp::u8>(abp::floor(2.5f)), 2u);
   EXPECT_EQ(abp::floor(-0.5), -1.0);
 }
+
+TEST(DeviceHeader, UniformChunkGivesEachPositionItsUniformAtDraw) {
+  const abp::u64 seed = 0xfeedbeefcafeull;
+  for (abp::u64 c0 : {(abp::u64)0, (abp::u64)4, (abp::u64)3, (abp::u64)1 << 35, ((abp::u64)1 << 35) + 6}) {
+    float chunk[8];
+    abp::uniformChunk<8>(seed, c0, chunk);
+    for (int k = 0; k < 8; ++k) {
+      abp::PhiloxCache cache;
+      EXPECT_EQ(chunk[k], abp::uniformAt(cache, seed, c0 + (abp::u64)k)) << "c0 " << c0 << " k " << k;
+    }
+  }
+}

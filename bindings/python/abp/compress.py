@@ -4,7 +4,7 @@
 into groups of `group_size` elements (the last group holds the remainder, with its own range),
 each group keeps its minimum m and scale s = (2^b - 1) / (max - m + 2e-6) in fp32, and every
 element keeps the `bits`-bit code q = floor((x - m) * s + u), u ~ U[0, 1) drawn from the shared
-Philox stream, so that `dequantize` (q / s + m) is unbiased. Both directions are one generated row
+Philox stream, so that `dequantize` (q * (1 / s) + m) is unbiased. Both directions are one generated row
 kernel each (ops/gact/gact.mlir: a group is a row). Bool tensors (dropout and ReLU masks) are
 packed to 1 bit, exactly.
 
@@ -144,11 +144,13 @@ class _Codec:
         self.result_of_residual = [int(ref[len("result"):]) for ref in fwd.produces]
         layouts = [fwd_record.outputs[i].layout for i in self.result_of_residual]
         if layouts != ["packed", "rows", "rows"] or sorted(fwd.args) != ["input0", "param0", "param1"] or \
-                list(bwd.args) != ["residual0", "residual1", "residual2"] or bwd.produces != ("result0",):
+                sorted(bwd.args) != ["residual0", "residual1", "residual2"] or bwd.produces != ("result0",):
             raise RuntimeError(f"operator {op.name}: unexpected kernel interface {fwd.args} -> {fwd.produces}, "
                                f"{bwd.args} -> {bwd.produces} (abp.compress expects ops/gact/gact.mlir's)")
-        # Kernel input i takes (x, seed, offset)[forward_inputs[i]].
+        # Kernel input i takes (x, seed, offset)[forward_inputs[i]], and backward input i takes
+        # (codes, minima, scales)[backward_inputs[i]] (the compiler orders them by first use).
         self.forward_inputs = tuple(("input0", "param0", "param1").index(ref) for ref in fwd.args)
+        self.backward_inputs = tuple(("residual0", "residual1", "residual2").index(ref) for ref in bwd.args)
         self.bits = bits
         self.meta_dtype = _launch.compute_dtype(dtype)
         self.meta_size = torch.empty(0, dtype=self.meta_dtype).element_size()
@@ -175,7 +177,8 @@ class _Codec:
     def dequantize(self, buffer: int, layout: Tuple[int, int, int, int, int], out: int, device: int,
                    stream: Optional[int]) -> None:
         n, cols, mins_at, scales_at, codes_at = layout
-        words = [buffer + codes_at, buffer + mins_at, buffer + scales_at, out, n // cols, cols]
+        residuals = (buffer + codes_at, buffer + mins_at, buffer + scales_at)
+        words = [residuals[i] for i in self.backward_inputs] + [out, n // cols, cols]
         _lib.launch_words(self.backward_kernel, device, words, n, stream)
 
 
@@ -234,7 +237,7 @@ def _quantize(x: torch.Tensor, bits: int, group_size: int, seed: int, offset: in
 
 
 def dequantize(c: CompressedTensor) -> torch.Tensor:
-    """The tensor `c` stands for: q / s + m per element (exact for a mask); contiguous, c's shape."""
+    """The tensor `c` stands for: q * (1 / s) + m per element (exact for a mask); contiguous, c's shape."""
     if not isinstance(c, CompressedTensor):
         raise TypeError(f"c: expected an abp.compress.CompressedTensor, got {type(c).__name__}")
     if c.kind == "mask":
@@ -375,7 +378,8 @@ class compress_saved:
             if self._seed is None:
                 self._seed = draw_seed(self.generator)
             c = _quantize(t, bits, self.group_size, self._seed, self._offset)
-            self._offset += t.numel()
+            # Stretches start on multiples of 8, where the kernels draw four elements per Philox call.
+            self._offset += (t.numel() + 7) // 8 * 8
         else:
             self.stats["bytes_stored"] += t.numel() * t.element_size()
             return t

@@ -47,7 +47,7 @@ abp.operator @q forward {
 
 // quantize_groups: per-row min and max, the scale s = (2^b - 1) / (M - m + 2e-6) (NaN unless
 // M - m is finite), Philox draws, q = min(floor((x - m) * s + u), 2^b - 1) as i8, then pack.
-// dequantize_groups: unpack, broadcast m and s, q / s + m.
+// dequantize_groups: unpack, broadcast m and 1 / s, q * (1 / s) + m.
 // CHECK-LABEL: abp.operator @g
 // CHECK: %[[MIN:.*]] = abp.reduce_rows min %[[X:.*]] : tensor<?x?xf32> -> tensor<?xf32>
 // CHECK: %[[MAX:.*]] = abp.reduce_rows max %[[X]] : tensor<?x?xf32> -> tensor<?xf32>
@@ -71,8 +71,11 @@ abp.operator @q forward {
 // CHECK: abp.pack %{{.*}} : tensor<?x?xi8> -> !abp.codes<4>
 // CHECK: } backward {
 // CHECK: abp.unpack %{{.*}} : !abp.codes<4> -> tensor<?x?xi8>
+// The division happens once per row: 1 / s, then q * (1 / s) + m per element.
+// CHECK: abp.map(%{{.*}}) : (tensor<?xf32>) -> tensor<?xf32>
+// CHECK: arith.divf
 // CHECK: arith.uitofp
-// CHECK-NEXT: arith.divf
+// CHECK-NEXT: arith.mulf
 // CHECK-NEXT: arith.addf
 abp.operator @g forward {
 ^bb0(%x: tensor<?x?xf32>, %seed: i64, %offset: i64):
