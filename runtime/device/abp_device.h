@@ -397,16 +397,22 @@ ABP_FN double floor(double x) { return std::floor(x); }
 /// arith.fptoui, saturating: NaN and x <= 0 give 0, x >= U's maximum gives the maximum (C++'s
 /// conversion of an out-of-range float is undefined; LLVM's is poison).
 template <typename U, typename F> ABP_FN U toUnsignedSat(F x) {
+#if ABP_GPU
+  // PTX's float -> u32 conversion already saturates and maps NaN to 0 (one instruction).
+  if (sizeof(U) < 4 && sizeof(F) == 4) {
+    const u32 wide = __float2uint_rz((float)x);
+    const u32 top = (u32)(U)~(U)0;
+    return (U)(wide < top ? wide : top);
+  }
+#endif
   const F top = (F)(U)~(U)0;
   return !(x > (F)0) ? (U)0 : (x >= top ? (U)~(U)0 : (U)x);
 }
-/// IEEE maximum/minimum (arith.maximumf/minimumf): NaN if either operand is NaN.
-template <typename C> ABP_FN C maximum(C x, C y) {
-  return (isnan(x) || isnan(y)) ? x + y : (x > y ? x : y);
-}
-template <typename C> ABP_FN C minimum(C x, C y) {
-  return (isnan(x) || isnan(y)) ? x + y : (x < y ? x : y);
-}
+/// IEEE maximum/minimum (arith.maximumf/minimumf): NaN if either operand is NaN, and then that
+/// operand itself (no arithmetic, so the GPU and the CPU return the same NaN bits). Three
+/// instructions on the GPU: two compares folded into one predicate, and a select.
+template <typename C> ABP_FN C maximum(C x, C y) { return (x > y || x != x) ? x : y; }
+template <typename C> ABP_FN C minimum(C x, C y) { return (x < y || x != x) ? x : y; }
 
 //===----------------------------------------------------------------------===//
 // Row reductions (row kernels). RT threads own one row: RT = 8 is a quarter warp (short rows:

@@ -378,6 +378,11 @@ TEST(DeviceHeader, MathWrappersAndNanAwareMinMax) {
   EXPECT_EQ(abp::maximum(1.0f, 2.0f), 2.0f);
   EXPECT_EQ(abp::minimum(1.0f, 2.0f), 1.0f);
   EXPECT_EQ(abp::minimum(-0.0f, 3.0f), -0.0f);
+  // The NaN operand itself comes back (no arithmetic on it), on either side.
+  const float payload = abp::bitsFloat(0x7fc01234u);
+  EXPECT_EQ(abp::floatBits(abp::maximum(payload, 1.0f)), 0x7fc01234u);
+  EXPECT_EQ(abp::floatBits(abp::maximum(1.0f, payload)), 0x7fc01234u);
+  EXPECT_EQ(abp::floatBits(abp::minimum(-5.0f, payload)), 0x7fc01234u);
 }
 
 TEST(DeviceHeader, HostThreadIndexing) {
