@@ -34,6 +34,10 @@ __all__ = [
 #: The code widths of the per-group scheme; 32 means "store the tensor as it is".
 BITS: Tuple[int, ...] = (1, 2, 4, 8)
 _FLOAT_DTYPES = _launch.ROW_DTYPES
+# Producers whose output's backward reads only where it is positive: ReLU's backward keeps dy
+# where its saved output is > 0, and stochastic rounding would flip small positives to the group
+# minimum 0. Their outputs keep that support exactly, at one more bit per element.
+_SUPPORT_PRODUCERS = frozenset({"ReluBackward0"})
 # grad_fn names of a view or cast of a parameter: autocast's fp16 copy of a weight, a Linear's
 # transposed weight. Such tensors are the parameter (or a copy the caster caches), not activations.
 _PARAMETER_VIEWS = frozenset(
@@ -63,13 +67,15 @@ class CompressedTensor:
     tail group), (numel, group_size, byte offset of its minima, of its scales, of its codes).
     """
 
-    __slots__ = ("kind", "bits", "group_size", "shape", "dtype", "device", "buffer", "layout")
+    __slots__ = ("kind", "bits", "group_size", "shape", "dtype", "device", "buffer", "layout", "support")
 
     def __init__(self, kind: str, bits: int, group_size: int, shape: Tuple[int, ...], dtype: torch.dtype,
                  device: torch.device, buffer: torch.Tensor, layout: Tuple[Tuple[int, int, int, int, int], ...] = ()):
         self.kind, self.bits, self.group_size = kind, bits, group_size
         self.shape, self.dtype, self.device = shape, dtype, device
         self.buffer, self.layout = buffer, layout
+        # Optionally the exact support (x > 0) as a 1-bit mask: see compress_saved (ReLU outputs).
+        self.support: Optional["CompressedTensor"] = None
 
     @property
     def numel(self) -> int:
@@ -77,12 +83,13 @@ class CompressedTensor:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: the codes plus two per-group values (minimum and scale) per group."""
-        return self.buffer.numel()
+        """Bytes held: the codes plus two per-group values (minimum and scale) per group (plus the
+        1-bit support, if kept)."""
+        return self.buffer.numel() + (self.support.nbytes if self.support is not None else 0)
 
     def tensors(self) -> List[torch.Tensor]:
         """The tensors that hold the data (for byte accounting by storage)."""
-        return [self.buffer]
+        return [self.buffer] + (self.support.tensors() if self.support is not None else [])
 
     @property
     def parts(self) -> Tuple[_Part, ...]:
@@ -251,6 +258,12 @@ def dequantize(c: CompressedTensor) -> torch.Tensor:
     for part in c.layout:
         codec.dequantize(base, part, address + start * size, device, stream)
         start += part[0]
+    if c.support is not None:
+        # Exact zeros stay zero and positives stay positive: a positive value rounded down to its
+        # group's minimum 0 becomes the dtype's smallest normal (a bias of at most that much).
+        positive = dequantize(c.support)
+        tiny = torch.finfo(c.dtype).tiny
+        out = torch.where(positive, out.clamp_min(tiny), torch.zeros((), dtype=c.dtype, device=c.device))
     return out
 
 
@@ -301,7 +314,10 @@ class compress_saved:
 
     Every eligible saved tensor (see `eligible`, or a custom ``filter(tensor) -> bool``) is stored
     as `bits`-bit group codes when saved and dequantized when backward reads it; bool masks are
-    packed to 1 bit. `bits_for(tensor) -> int` (1, 2, 4, 8, or 32 for "keep as is") overrides
+    packed to 1 bit. With `exact_relu` (the default) the output of a ReLU also keeps its support
+    (x > 0) at one more bit per element, so that ReLU's backward, which reads only where its
+    saved output is positive, stays exact; without it that backward is biased (docs/python.md).
+    `bits_for(tensor) -> int` (1, 2, 4, 8, or 32 for "keep as is") overrides
     the width per tensor: this is how `abp.CompressionController` applies its allocation. Each
     block draws one Philox key from `generator` (torch's default generator if None) when it first
     compresses a tensor; its tensors use consecutive stretches of that key's counters.
@@ -324,6 +340,7 @@ class compress_saved:
         filter: Optional[Callable[[torch.Tensor], bool]] = None,
         bits_for: Optional[Callable[[torch.Tensor], int]] = None,
         generator: Optional[torch.Generator] = None,
+        exact_relu: bool = True,
     ) -> None:
         self.bits = _check_bits(bits)
         self.group_size = _check_group_size(group_size)
@@ -337,6 +354,7 @@ class compress_saved:
         self.filter = filter
         self.bits_for = bits_for
         self.generator = generator
+        self.exact_relu = bool(exact_relu)
         self.stats: Dict[str, int] = {}
         self._hooks: Optional[Any] = None
         # The tensors packed in this block by identity, so a second save reuses the first's codes.
@@ -378,6 +396,8 @@ class compress_saved:
             if self._seed is None:
                 self._seed = draw_seed(self.generator)
             c = _quantize(t, bits, self.group_size, self._seed, self._offset)
+            if self.exact_relu and t.grad_fn is not None and type(t.grad_fn).__name__ in _SUPPORT_PRODUCERS:
+                c.support = _pack_mask(t > 0)
             # Stretches start on multiples of 8, where the kernels draw four elements per Philox call.
             self._offset += (t.numel() + 7) // 8 * 8
         else:

@@ -388,14 +388,17 @@ class CompressionController:
         self._avg_bits = avg
         self._interval = interval
         self._initial = max(b for b in (8, 4, 2, 1) if b <= avg)
-        # compress_saved validates group_size, min_numel and filter, naming them.
+        # compress_saved validates group_size, min_numel and filter, naming them. Its exact ReLU
+        # support would spend a bit per element outside the budget, so the controller stores
+        # ReLU outputs as plain codes; the probes measure the bias that costs like any other error.
         self._saver = compress_saved(self._initial, group_size, min_numel=min_numel, filter=filter,
-                                     bits_for=self._bits_for, generator=generator)
+                                     bits_for=self._bits_for, generator=generator, exact_relu=False)
         # Replays draw their quantisation seeds here, never from torch's default generator: a draw
         # there would shift the dropout masks of the layers after the probed tensor.
         self._replay_generator = torch.Generator()
         self._replay_saver = compress_saved(self._initial, group_size, min_numel=min_numel, filter=filter,
-                                            bits_for=self._bits_for, generator=self._replay_generator)
+                                            bits_for=self._bits_for, generator=self._replay_generator,
+                                            exact_relu=False)
 
         self._bits: Dict[TensorKey, int] = {}
         self._numels: Dict[TensorKey, int] = {}
