@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(ROOT, "bindings", "python"))
 import abp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import commit_id, median_time  # noqa: E402
+from timing import commit_id, median_time, write_results  # noqa: E402
 
 
 def timer(device: torch.device) -> Callable[[Callable[[], None], int], float]:
@@ -164,12 +164,7 @@ def main() -> None:
     for n in sizes:
         rows.append(bench_size(n, dtype, device, args.reps, use_compile))
         print(json.dumps(rows[-1], indent=1))
-    out = args.out or os.path.join(
-        ROOT, "bench", "results",
-        f"{name.replace(' ', '_')}-{results['date']}-{commit}.json")
-    with open(out, "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"wrote {out}")
+    write_results(results, ROOT, "", args.out or "")
 
 
 if __name__ == "__main__":

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +29,7 @@ import abp  # noqa: E402
 import abp.compress as C  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import commit_id, median_time  # noqa: E402
+from timing import commit_id, median_time, write_results  # noqa: E402
 
 
 def codec_throughput(n: int, device: torch.device, reps: int) -> Dict[str, Any]:
@@ -212,11 +211,7 @@ def main() -> None:
         profile_step(device, batch, 256 if gpu else 64, 768 if gpu else 128, 6 if gpu else 2)
     print("nonlinear bias", flush=True)
     results["bias"] = nonlinear_bias(device, 64 if gpu else 16)
-    out = args.out or os.path.join(ROOT, "bench", "results",
-                                   f"compress-{name.replace(' ', '_')}-{results['date']}-{results['commit']}.json")
-    with open(out, "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"wrote {out}")
+    write_results(results, ROOT, "compress-", args.out or "")
 
 
 if __name__ == "__main__":

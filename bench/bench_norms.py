@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(ROOT, "bindings", "python"))
 import abp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import commit_id, median_time  # noqa: E402
+from timing import commit_id, median_time, write_results  # noqa: E402
 
 
 def torch_rms_norm(x: torch.Tensor, cols: int, eps: float) -> torch.Tensor:
@@ -109,11 +109,7 @@ def main() -> None:
         for cols in (int(c) for c in args.cols.split(",")):
             shapes.append(bench_shape(rows, cols, dtype, device, args.reps, use_compile, bw))
             print(json.dumps(shapes[-1]), flush=True)
-    out = args.out or os.path.join(
-        ROOT, "bench", "results", f"norms-{name.replace(' ', '_')}-{results['date']}-{commit}.json")
-    with open(out, "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"wrote {out}")
+    write_results(results, ROOT, "norms-", args.out or "")
 
 
 if __name__ == "__main__":

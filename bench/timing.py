@@ -35,3 +35,16 @@ def commit_id(root: str) -> str:
     e.g. to a lent GPU machine), else `git rev-parse --short HEAD`."""
     return os.environ.get("ABP_COMMIT") or subprocess.run(
         ["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+
+
+def write_results(results: dict, root: str, prefix: str, out: str = "") -> str:
+    """Writes `results` (with "device", "date", "commit") as JSON to `out`, by default
+    bench/results/<prefix><device>-<date>-<commit>.json; returns the path."""
+    import json
+
+    path = out or os.path.join(root, "bench", "results",
+                               f"{prefix}{str(results['device']).replace(' ', '_')}-{results['date']}-{results['commit']}.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"wrote {path}")
+    return path

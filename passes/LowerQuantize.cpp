@@ -175,24 +175,20 @@ struct LowerQuantize : abp::impl::AbpLowerQuantizeBase<LowerQuantize> {
     });
   }
 
+  /// Collects every op of type OpT first (lowering erases them), then lowers each.
+  template <typename OpT> void lowerAll(void (*lower)(OpT)) {
+    SmallVector<OpT> ops;
+    getOperation().walk([&](OpT op) { ops.push_back(op); });
+    for (OpT op : ops)
+      lower(op);
+  }
+
   void runOnOperation() override {
     recordSchemes();
-    SmallVector<QuantizeOp> quantizes;
-    SmallVector<DequantizeOp> dequantizes;
-    getOperation().walk([&](QuantizeOp op) { quantizes.push_back(op); });
-    getOperation().walk([&](DequantizeOp op) { dequantizes.push_back(op); });
-    for (QuantizeOp op : quantizes)
-      lowerQuantize(op);
-    for (DequantizeOp op : dequantizes)
-      lowerDequantize(op);
-    SmallVector<QuantizeGroupsOp> groupQuantizes;
-    SmallVector<DequantizeGroupsOp> groupDequantizes;
-    getOperation().walk([&](QuantizeGroupsOp op) { groupQuantizes.push_back(op); });
-    getOperation().walk([&](DequantizeGroupsOp op) { groupDequantizes.push_back(op); });
-    for (QuantizeGroupsOp op : groupQuantizes)
-      lowerQuantizeGroups(op);
-    for (DequantizeGroupsOp op : groupDequantizes)
-      lowerDequantizeGroups(op);
+    lowerAll<QuantizeOp>(lowerQuantize);
+    lowerAll<DequantizeOp>(lowerDequantize);
+    lowerAll<QuantizeGroupsOp>(lowerQuantizeGroups);
+    lowerAll<DequantizeGroupsOp>(lowerDequantizeGroups);
   }
 };
 } // namespace
