@@ -50,3 +50,21 @@ def test_lowmembp_demo_converts_trains_and_saves_less():
     saved = [line for line in out.splitlines() if line.startswith("saved for backward per step")]
     assert saved and "x less" in saved[0], out
     assert "as written  final loss" in out and "lowmembp    final loss" in out, out
+
+
+def test_gact_demo_trains_compressed_runs_and_saves_less():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(abp.__file__).parent.parent), env.get("PYTHONPATH", "")]))
+    args = ["--steps", "2", "--batch", "8", "--seq", "16", "--dim", "32", "--depth", "1", "--device", "cpu"]
+    result = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "gact_demo.py"), *args],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0] + (" " + line.split()[1] if line.split()[0] == "controller" else ""): line
+            for line in result.stdout.splitlines() if line.startswith("  ")}
+    assert set(rows) == {"exact", "4-bit", "2-bit", "controller 2"}, result.stdout
+    less = {name: float(row.split("(")[1].split("x less")[0]) for name, row in rows.items()}
+    assert less["exact"] == 1.0 and less["2-bit"] > less["4-bit"] > 1.5, result.stdout
+    average = float(rows["controller 2"].split("average ")[1].split(" bits")[0])
+    assert 1.0 <= average <= 2.0, result.stdout  # the budget is never exceeded

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
-from . import _launch, _lib
+from . import _launch, _lib, memory
 from ._manifest import packed_bytes
 
 __all__ = [
@@ -327,7 +327,8 @@ class compress_saved:
 
     After the block, `stats` holds the count and bytes of what was saved, each distinct tensor
     counted once: ``tensors`` and ``bytes_in`` (all saved tensors as they were), ``bytes_stored``
-    (what is kept instead), and ``compressed`` with ``bytes_compressed`` (the compressed ones and
+    (what is kept instead: the compressed buffers, and the storages of the tensors kept as they
+    are, each storage once), and ``compressed`` with ``bytes_compressed`` (the compressed ones and
     the bytes of their codes and group headers).
     """
 
@@ -361,6 +362,7 @@ class compress_saved:
         self._packed: Dict[Tuple[Any, ...], Any] = {}
         self._seed: Optional[int] = None
         self._offset = 0
+        self._raw_storages: Set[Tuple[str, int, int]] = set()
 
     def _choose(self, t: torch.Tensor) -> int:
         if self.bits_for is None:
@@ -401,7 +403,11 @@ class compress_saved:
             # Stretches start on multiples of 8, where the kernels draw four elements per Philox call.
             self._offset += (t.numel() + 7) // 8 * 8
         else:
-            self.stats["bytes_stored"] += t.numel() * t.element_size()
+            # A tensor kept as it is costs its storage, once however many views of it are saved.
+            storage = memory.storage_key(t)
+            if storage not in self._raw_storages:
+                self._raw_storages.add(storage)
+                self.stats["bytes_stored"] += storage[2]
             return t
         self.stats["compressed"] += 1
         self.stats["bytes_compressed"] += c.nbytes
@@ -415,6 +421,7 @@ class compress_saved:
 
     def __enter__(self) -> "compress_saved":
         self.stats = {"tensors": 0, "compressed": 0, "bytes_in": 0, "bytes_stored": 0, "bytes_compressed": 0}
+        self._raw_storages = set()
         # One key per block, drawn (at its first compression, as torch's own random ops draw
         # theirs) from the generator; each tensor takes the next stretch of counters, so tensors
         # and blocks draw independent numbers.
@@ -430,3 +437,4 @@ class compress_saved:
         assert hooks is not None
         hooks.__exit__(*exc)
         self._packed = {}  # the graph keeps what it saved; this block holds nothing after it
+        self._raw_storages = set()
