@@ -31,9 +31,9 @@ def median_time(fn: Callable[[], None], device: torch.device, reps: int) -> floa
 
 
 def commit_id(root: str) -> str:
-    """The commit the numbers belong to: $ABP_COMMIT (set where the tree travels without .git,
+    """The commit the numbers belong to: $BENCH_COMMIT (not ABP_*: the runtime warns about ABP_ names it does not know; set where the tree travels without .git,
     e.g. to a lent GPU machine), else `git rev-parse --short HEAD`."""
-    return os.environ.get("ABP_COMMIT") or subprocess.run(
+    return os.environ.get("BENCH_COMMIT") or subprocess.run(
         ["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 
 
