@@ -31,8 +31,9 @@ def median_time(fn: Callable[[], None], device: torch.device, reps: int) -> floa
 
 
 def commit_id(root: str) -> str:
-    """The commit the numbers belong to: $BENCH_COMMIT (not ABP_*: the runtime warns about ABP_ names it does not know; set where the tree travels without .git,
-    e.g. to a lent GPU machine), else `git rev-parse --short HEAD`."""
+    """The commit the numbers belong to: $BENCH_COMMIT where the tree travels without .git (to a
+    lent GPU machine; not an ABP_* name, which the runtime would warn about), else
+    `git rev-parse --short HEAD`."""
     return os.environ.get("BENCH_COMMIT") or subprocess.run(
         ["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 
