@@ -4,9 +4,9 @@
 into groups of `group_size` elements (the last group holds the remainder, with its own range),
 each group keeps its minimum m and scale s = (2^b - 1) / (max - m + 2e-6) in fp32, and every
 element keeps the `bits`-bit code q = floor((x - m) * s + u), u ~ U[0, 1) drawn from the shared
-Philox stream, so that `dequantize` (q * (1 / s) + m) is unbiased. Both directions are one generated row
-kernel each (ops/gact/gact.mlir: a group is a row). Bool tensors (dropout and ReLU masks) are
-packed to 1 bit, exactly.
+Philox stream, so that `dequantize` (q * (1 / s) + m) is unbiased. Each direction is one
+generated row kernel (ops/gact/gact.mlir: a group is a row). Bool tensors (dropout masks) are
+packed to 1 bit, exactly, and a ReLU's output also keeps its support (x > 0) at 1 bit.
 
 `compress_saved` applies this to every eligible tensor autograd saves for backward.
 """
