@@ -15,6 +15,7 @@ Results go to bench/results/compress-<device>-<date>-<commit>.json. Not run by t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import sys
@@ -59,33 +60,28 @@ def encoder(device: torch.device, d: int, layers: int) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.TransformerEncoder(layer, layers), torch.nn.Linear(d, d)).to(device)
 
 
-def step_fn(model: torch.nn.Module, x: torch.Tensor, wrap: Callable[[], Any]) -> Callable[[], None]:
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if x.is_cuda else torch.autocast("cpu", dtype=torch.bfloat16)
+def autocast_for(device: torch.device) -> Any:
+    """bf16 autocast on a GPU; plain fp32 on the CPU path."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
+
+def step_fn(model: torch.nn.Module, x: torch.Tensor, wrap: Callable[[], Any]) -> Callable[[], None]:
     def step() -> None:
         model.zero_grad(set_to_none=True)
         with wrap():  # forward and backward in one block, as the controller requires
-            with autocast:
+            with autocast_for(x.device):
                 loss = model(x).float().square().mean()
             loss.backward()
     return step
-
-
-class _Nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def training_step(device: torch.device, batch: int, seq: int, d: int, layers: int, reps: int) -> Dict[str, Any]:
     model = encoder(device, d, layers)
     x = torch.randn(batch, seq, d, device=device)
     results: Dict[str, Any] = {"batch": batch, "seq": seq, "d_model": d, "layers": layers}
-    exact_s = median_time(step_fn(model, x, _Nothing), device, reps)
+    exact_s = median_time(step_fn(model, x, contextlib.nullcontext), device, reps)
     counter = abp.memory.SavedTensorsCounter()
-    with counter, (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else _Nothing()):
+    with counter, autocast_for(device):
         model(x).float().square().mean()
     exact_bytes = counter.total_bytes
     results["exact"] = {"step_s": exact_s, "saved_bytes": exact_bytes}
@@ -93,7 +89,7 @@ def training_step(device: torch.device, batch: int, seq: int, d: int, layers: in
     for bits in (8, 4, 2):
         ctx = C.compress_saved(bits=bits)
         s = median_time(step_fn(model, x, lambda: ctx), device, reps)
-        with ctx, (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else _Nothing()):
+        with ctx, autocast_for(device):
             model(x).float().square().mean()
         stats = dict(ctx.stats)
         results[f"b{bits}"] = {"step_s": s, "overhead": s / exact_s - 1, "saved_bytes": stats["bytes_stored"],

@@ -12,33 +12,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import time
-from typing import Any, Callable, ContextManager, List, Tuple
+from typing import Any, Callable, ContextManager
 
 import torch
 import torch.nn.functional as F
 
 import abp
-from lowmembp_demo import Model, make_data
-
-
-def train(model: torch.nn.Module, data: Tuple[torch.Tensor, torch.Tensor], steps: int, batch: int,
-          wrap: Callable[[], ContextManager[Any]]) -> Tuple[List[float], float]:
-    """AdamW steps with forward and backward inside `wrap()`; returns the losses and the time."""
-    tokens, labels = data
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    order = torch.Generator().manual_seed(1)
-    losses: List[float] = []
-    start = time.perf_counter()
-    for _ in range(steps):
-        index = torch.randint(0, tokens.shape[0], (batch,), generator=order).to(tokens.device)
-        optimizer.zero_grad(set_to_none=True)
-        with wrap():
-            loss = F.cross_entropy(model(tokens[index]), labels[index])
-            loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, time.perf_counter() - start
+from lowmembp_demo import Model, make_data, train
 
 
 def main() -> None:

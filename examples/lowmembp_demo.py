@@ -10,10 +10,11 @@ final training loss of both runs (same seed, data and initial function).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import math
 import time
-from typing import List, Tuple
+from typing import Any, Callable, ContextManager, List, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -60,7 +61,10 @@ def make_data(n: int, t: int, vocab: int, classes: int, device: torch.device) ->
     return tokens.to(device), labels.to(device)
 
 
-def train(model: nn.Module, data: Tuple[torch.Tensor, torch.Tensor], steps: int, batch: int) -> Tuple[List[float], float]:
+def train(model: nn.Module, data: Tuple[torch.Tensor, torch.Tensor], steps: int, batch: int,
+          wrap: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> Tuple[List[float], float]:
+    """AdamW steps with each step's forward and backward inside `wrap()` (e.g. abp.compress_saved);
+    returns the losses and the time."""
     tokens, labels = data
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     order = torch.Generator().manual_seed(1)
@@ -68,9 +72,10 @@ def train(model: nn.Module, data: Tuple[torch.Tensor, torch.Tensor], steps: int,
     start = time.perf_counter()
     for _ in range(steps):
         index = torch.randint(0, tokens.shape[0], (batch,), generator=order).to(tokens.device)
-        loss = F.cross_entropy(model(tokens[index]), labels[index])
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        with wrap():
+            loss = F.cross_entropy(model(tokens[index]), labels[index])
+            loss.backward()
         optimizer.step()
         losses.append(loss.item())
     return losses, time.perf_counter() - start

@@ -116,3 +116,39 @@ def test_missing_compiler_library_is_a_clear_error(tmp_path) -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.startswith(f"{int(Status.NOT_FOUND)} "), out.stdout + out.stderr
     assert "ABP_ENABLE_COMPILER" in out.stdout
+
+
+NOISE_IR = """
+abp.operator @test_noise attributes {params = ["seed", "offset"]} forward {
+^bb0(%x: tensor<?xf32>, %seed: i64, %offset: i64):
+  %u = abp.uniform %seed, %offset : i64, i64 -> tensor<?xf32>
+  %y = abp.map(%x, %u) : (tensor<?xf32>, tensor<?xf32>) -> tensor<?xf32> {
+  ^bb0(%a: f32, %b: f32):
+    %p = arith.addf %a, %b : f32
+    abp.yield %p : f32
+  }
+  abp.return %y : tensor<?xf32>
+} backward {
+^bb0(%g: tensor<?xf32>):
+  abp.return %g : tensor<?xf32>
+}
+"""
+
+
+def test_uniform_in_an_elementwise_kernel_draws_philox_at_offset_plus_index() -> None:
+    # abp.uniform outside a row kernel, with i64 parameters passed through the generic launch path.
+    compiler_or_skip()
+    import numpy as np
+
+    from abp import _launch, _lib
+    import gact_reference as ref
+
+    if "test_noise" not in abp.operators():
+        abp.compile_operators(NOISE_IR, origin="noise.mlir")
+    op = _lib.kernel_library().operator("test_noise")
+    seed, offset, n = (1 << 40) + 12345, 3, 1003  # an odd offset: draws position by position
+    (y,), _ = _launch.forward(op, [torch.zeros(n)], [seed, offset])
+    expected = ref.uniform_at(seed, np.arange(n, dtype=np.uint64) + np.uint64(offset))
+    assert np.array_equal(y.numpy(), expected)
+    (y2,), _ = _launch.forward(op, [torch.zeros(n)], [seed + 1, offset])
+    assert not torch.equal(y, y2)

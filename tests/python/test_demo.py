@@ -19,16 +19,20 @@ def _library() -> None:
     library_or_skip()
 
 
-def test_demo_trains_three_variants_and_prints_their_bytes():
+def run_example(script: str, args: list) -> str:
+    """Runs examples/<script> with this package on PYTHONPATH; returns its stdout (it must succeed)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(abp.__file__).parent.parent), env.get("PYTHONPATH", "")]))
-    args = ["--steps", "3", "--hidden", "32", "--batch", "64", "--samples", "512", "--device", "cpu"]
-    result = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "demo.py"), *args], env=env, capture_output=True, text=True, timeout=300
-    )
+    result = subprocess.run([sys.executable, str(REPO / "examples" / script), *args], env=env, capture_output=True,
+                            text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    rows = {line.split("  ")[0].strip(): line for line in result.stdout.splitlines() if line.startswith(("torch", "abp"))}
-    assert set(rows) == {"torch GELU (exact)", "abp ReGELU2 (2-bit)", "abp GELU bits=3"}, result.stdout
+    return result.stdout
+
+
+def test_demo_trains_three_variants_and_prints_their_bytes():
+    out = run_example("demo.py", ["--steps", "3", "--hidden", "32", "--batch", "64", "--samples", "512", "--device", "cpu"])
+    rows = {line.split("  ")[0].strip(): line for line in out.splitlines() if line.startswith(("torch", "abp"))}
+    assert set(rows) == {"torch GELU (exact)", "abp ReGELU2 (2-bit)", "abp GELU bits=3"}, out
     # Two activations of 64 x 32 elements per step: fp32 input (exact), 2-bit and 3-bit codes.
     assert "16.0 KiB" in rows["torch GELU (exact)"]
     assert "1.0 KiB" in rows["abp ReGELU2 (2-bit)"] and "16.0x less" in rows["abp ReGELU2 (2-bit)"]
@@ -36,15 +40,8 @@ def test_demo_trains_three_variants_and_prints_their_bytes():
 
 
 def test_lowmembp_demo_converts_trains_and_saves_less():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(abp.__file__).parent.parent), env.get("PYTHONPATH", "")]))
-    args = ["--steps", "2", "--batch", "8", "--seq", "8", "--dim", "16", "--depth", "1", "--device", "cpu"]
-    result = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "lowmembp_demo.py"), *args],
-        env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    out = result.stdout
+    out = run_example("lowmembp_demo.py", ["--steps", "2", "--batch", "8", "--seq", "8", "--dim", "16", "--depth", "1",
+                                           "--device", "cpu"])
     assert "replaced  blocks.0.norm1       LayerNorm -> MSLayerNorm" in out, out
     assert "folded    head" in out and "refused" not in out, out
     saved = [line for line in out.splitlines() if line.startswith("saved for backward per step")]
@@ -53,18 +50,12 @@ def test_lowmembp_demo_converts_trains_and_saves_less():
 
 
 def test_gact_demo_trains_compressed_runs_and_saves_less():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(abp.__file__).parent.parent), env.get("PYTHONPATH", "")]))
-    args = ["--steps", "2", "--batch", "8", "--seq", "16", "--dim", "32", "--depth", "1", "--device", "cpu"]
-    result = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "gact_demo.py"), *args],
-        env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
+    out = run_example("gact_demo.py", ["--steps", "2", "--batch", "8", "--seq", "16", "--dim", "32", "--depth", "1",
+                                       "--device", "cpu"])
     rows = {line.split()[0] + (" " + line.split()[1] if line.split()[0] == "controller" else ""): line
-            for line in result.stdout.splitlines() if line.startswith("  ")}
-    assert set(rows) == {"exact", "4-bit", "2-bit", "controller 2"}, result.stdout
+            for line in out.splitlines() if line.startswith("  ")}
+    assert set(rows) == {"exact", "4-bit", "2-bit", "controller 2"}, out
     less = {name: float(row.split("(")[1].split("x less")[0]) for name, row in rows.items()}
-    assert less["exact"] == 1.0 and less["2-bit"] > less["4-bit"] > 1.5, result.stdout
+    assert less["exact"] == 1.0 and less["2-bit"] > less["4-bit"] > 1.5, out
     average = float(rows["controller 2"].split("average ")[1].split(" bits")[0])
-    assert 1.0 <= average <= 2.0, result.stdout  # the budget is never exceeded
+    assert 1.0 <= average <= 2.0, out  # the budget is never exceeded

@@ -116,10 +116,8 @@ def _launch_kernel(
     dtype: torch.dtype,
     device: torch.device,
     shape: torch.Size,
-    out: Optional[Sequence[torch.Tensor]] = None,
 ) -> List[torch.Tensor]:
-    """Launches `record` with the direction's inputs; returns its outputs, freshly allocated
-    unless `out` gives them (contiguous tensors of the right size, e.g. views into a larger buffer).
+    """Launches `record` with the direction's inputs; returns its freshly allocated outputs.
 
     A row kernel works on rows of ``shape[-1]`` elements: its per-row arguments hold one value
     per row (shape ``shape[:-1]``) in the compute dtype.
@@ -159,26 +157,16 @@ def _launch_kernel(
             raise ValueError(f"{op.name}: {ref} is on {value.device}, expected {device}")
         args.append(_pointer(value))
     results: List[torch.Tensor] = []
-    for i, spec in enumerate(record.outputs):
+    for spec in record.outputs:
         if spec.layout == "packed":
             assert spec.bits is not None
-            out_shape, out_dtype = (packed_bytes(spec.bits, n),), torch.uint8
+            out = torch.empty(packed_bytes(spec.bits, n), dtype=torch.uint8, device=device)
         elif spec.layout == "rows":
-            out_shape, out_dtype = tuple(shape[:-1]), row_dtype
+            out = torch.empty(shape[:-1], dtype=row_dtype, device=device)
         else:
-            out_shape, out_dtype = tuple(shape), dtype
-        size = math.prod(out_shape)
-        if out is None:
-            result = torch.empty(out_shape, dtype=out_dtype, device=device)
-        else:
-            result = out[i]
-            if result.dtype != out_dtype or result.numel() != size or not result.is_contiguous() or result.device != device:
-                raise ValueError(
-                    f"{op.name}: output {i} of {record.name} must be a contiguous {out_dtype} tensor of {size} "
-                    f"elements on {device}, got {result.dtype} with {result.numel()} elements on {result.device}"
-                )
-        results.append(result)
-        args.append(_pointer(result))
+            out = torch.empty(shape, dtype=dtype, device=device)
+        results.append(out)
+        args.append(_pointer(out))
     if rows_kernel:
         args += [_lib.c_int64(rows), _lib.c_int64(cols)]
     else:
@@ -199,11 +187,10 @@ def _run(
     dtype: torch.dtype,
     device: torch.device,
     shape: torch.Size,
-    out: Optional[Sequence[torch.Tensor]] = None,
 ) -> List[Any]:
     record = op.kernel(direction)
     if record is not None:
-        for i, result in enumerate(_launch_kernel(op, record, direction, values, n, dtype, device, shape, out)):
+        for i, result in enumerate(_launch_kernel(op, record, direction, values, n, dtype, device, shape)):
             values[f"result{i}"] = result
     missing = [ref for ref in direction.produces if ref not in values]
     if missing:
@@ -215,14 +202,12 @@ def forward(
     op: Operator,
     inputs: Sequence[torch.Tensor],
     params: Sequence[Union[float, int]],
-    out: Optional[Sequence[torch.Tensor]] = None,
 ) -> Tuple[List[torch.Tensor], List[Any]]:
     """Runs the forward of `op` (inputs already checked); returns (outputs, residuals).
 
-    Dense outputs are new contiguous tensors of the inputs' shape (or the kernel's outputs given in
-    `out`); codes are ceil(bits * n / 8) uint8 bytes; a scalar residual is a float. Parameters are
-    passed as the kernel declares them (f32, or i64 for seeds and offsets). No reference to the
-    inputs is kept.
+    Dense outputs are new contiguous tensors of the inputs' shape; codes are ceil(bits * n / 8)
+    uint8 bytes; a scalar residual is a float. Parameters are passed as the kernel declares them
+    (f32, or i64 for seeds and offsets). No reference to the inputs is kept.
     """
     if op.forward is None:
         raise RuntimeError(f"operator {op.name} has no forward direction")
@@ -236,7 +221,7 @@ def forward(
         values[f"input{i}"] = x.contiguous()
     for i, p in enumerate(params):
         values[f"param{i}"] = p
-    produced = _run(op, op.forward, values, first.numel(), first.dtype, first.device, first.shape, out)
+    produced = _run(op, op.forward, values, first.numel(), first.dtype, first.device, first.shape)
     return produced[: op.outputs], produced[op.outputs :]
 
 
@@ -247,10 +232,8 @@ def backward(
     shape: torch.Size,
     dtype: torch.dtype,
     device: torch.device,
-    out: Optional[Sequence[torch.Tensor]] = None,
 ) -> List[Optional[torch.Tensor]]:
-    """Runs the backward of `op`; returns one gradient (of `shape`) per tensor input (written into
-    `out` where given).
+    """Runs the backward of `op`; returns one gradient (of `shape`) per tensor input.
 
     A missing output gradient (None) counts as zeros; gradients are made contiguous and must have
     `shape`, `dtype` and `device` (those of the forward's output).
@@ -277,4 +260,4 @@ def backward(
         if g.dtype != dtype:
             g = g.to(dtype)
         values[f"grad{i}"] = g.contiguous()
-    return list(_run(op, op.backward, values, n, dtype, device, shape, out))
+    return list(_run(op, op.backward, values, n, dtype, device, shape))
