@@ -358,11 +358,19 @@ class compress_saved:
         self.exact_relu = bool(exact_relu)
         self.stats: Dict[str, int] = {}
         self._hooks: Optional[Any] = None
+        self._reset()
+
+    def _reset(self) -> None:
+        """The per-block state, empty: what a block has packed, its Philox key and next offset."""
         # The tensors packed in this block by identity, so a second save reuses the first's codes.
         self._packed: Dict[Tuple[Any, ...], Any] = {}
+        # Storages of tensors kept as they are, each counted once in stats.
+        self._raw_storages: Set[Tuple[str, int, int]] = set()
+        # One key per block, drawn (at its first compression, as torch's own random ops draw
+        # theirs) from the generator; each tensor takes the next stretch of counters, so tensors
+        # and blocks draw independent numbers.
         self._seed: Optional[int] = None
         self._offset = 0
-        self._raw_storages: Set[Tuple[str, int, int]] = set()
 
     def _choose(self, t: torch.Tensor) -> int:
         if self.bits_for is None:
@@ -421,13 +429,7 @@ class compress_saved:
 
     def __enter__(self) -> "compress_saved":
         self.stats = {"tensors": 0, "compressed": 0, "bytes_in": 0, "bytes_stored": 0, "bytes_compressed": 0}
-        self._raw_storages = set()
-        # One key per block, drawn (at its first compression, as torch's own random ops draw
-        # theirs) from the generator; each tensor takes the next stretch of counters, so tensors
-        # and blocks draw independent numbers.
-        self._seed = None
-        self._offset = 0
-        self._packed = {}
+        self._reset()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._hooks.__enter__()
         return self
@@ -436,5 +438,4 @@ class compress_saved:
         hooks, self._hooks = self._hooks, None
         assert hooks is not None
         hooks.__exit__(*exc)
-        self._packed = {}  # the graph keeps what it saved; this block holds nothing after it
-        self._raw_storages = set()
+        self._reset()  # the graph keeps what it saved; this block holds nothing after it
