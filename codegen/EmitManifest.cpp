@@ -153,6 +153,20 @@ std::string operatorJson(OperatorOp op) {
                        return quote(s);
                      }));
   out += fmt::format("      \"row_wise\": {},\n", rowWise ? "true" : "false");
+  // Tensor inputs without a gradient (row indices, sampling weights), as input numbers.
+  std::vector<int> noGrad;
+  {
+    int tensorIndex = 0;
+    ArrayRef<int64_t> listed = op.getNoGrad() ? *op.getNoGrad() : ArrayRef<int64_t>();
+    for (BlockArgument arg : fwd.getArguments()) {
+      if (!isa<RankedTensorType>(arg.getType()))
+        continue;
+      if (llvm::is_contained(listed, static_cast<int64_t>(arg.getArgNumber())))
+        noGrad.push_back(tensorIndex);
+      ++tensorIndex;
+    }
+  }
+  out += fmt::format("      \"no_grad\": {},\n", list(noGrad, [](int i) { return std::to_string(i); }));
   out += fmt::format("      \"residuals\": {},\n", list(fret.getSaved(), [&](Value v) {
                        return residualJson(v, fret, inputRank);
                      }));
@@ -177,7 +191,12 @@ std::string kernelJson(KernelOp kernel, const KernelSymbols &symbols) {
       return fmt::format("{{\"role\": \"scalar\", \"type\": \"{}\"}}",
                          body.getArgument(index).getType().isInteger(64) ? "i64" : "f32");
     if (isa<RowsLayoutAttr>(a))
-      return fmt::format("{{\"role\": \"{}\", \"layout\": \"rows\"}}", role);
+      return std::string(role) == "in" && body.getArgument(index).getType().isInteger(32)
+                 ? std::string("{\"role\": \"in\", \"layout\": \"rows\", \"type\": \"i32\"}")
+                 : fmt::format("{{\"role\": \"{}\", \"layout\": \"rows\"}}", role);
+    if (auto gathered = dyn_cast<GatheredLayoutAttr>(a))
+      return fmt::format("{{\"role\": \"in\", \"layout\": \"gathered\", \"by\": {}}}",
+                         gathered.getBy());
     return fmt::format("{{\"role\": \"{}\", \"layout\": \"dense\"}}", role);
   };
   std::string args;

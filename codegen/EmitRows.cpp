@@ -33,16 +33,22 @@ using namespace mlir;
 using namespace abp;
 
 namespace {
-enum class ArgKind { Dense, Packed, Rows, Scalar };
+enum class ArgKind { Dense, Packed, Rows, Scalar, Gathered };
 
 struct RowArg {
   ArgKind kind;
   bool isOutput;
   std::string name; ///< parameter name in the generated functions
   unsigned bits = 0;    ///< Packed: bits per code
-  bool isInt = false;   ///< Scalar: an i64 parameter (a seed or offset) rather than an f32
-  /// One value per element of the row (dense values or packed codes).
-  bool perElement() const { return kind == ArgKind::Dense || kind == ArgKind::Packed; }
+  bool isInt = false;   ///< Scalar: an i64 parameter (a seed or offset) rather than an f32;
+                        ///< Rows: i32 row indices rather than compute-type values
+  unsigned by = 0;      ///< Gathered: the argument holding each row's source row
+  /// One value per element of the row (dense values, gathered rows or packed codes).
+  bool perElement() const {
+    return kind == ArgKind::Dense || kind == ArgKind::Packed || kind == ArgKind::Gathered;
+  }
+  /// Elements of the launch dtype (read or written with loadChunk / storeChunk).
+  bool elements() const { return kind == ArgKind::Dense || kind == ArgKind::Gathered; }
 };
 
 /// The per-element / row-uniform split of a row kernel's body and the stage of every value.
@@ -310,7 +316,7 @@ struct RowKernelEmitter {
     out.line("constexpr int N = {};", chunk);
     std::string aligned;
     for (unsigned i : llvm::concat<const unsigned>(dense, stores))
-      if (args[i].kind == ArgKind::Dense)
+      if (args[i].elements())
         aligned += fmt::format("{}abp::aligned16({})", aligned.empty() ? "" : " && ", args[i].name);
     out.line("const bool aligned = {};", aligned.empty() ? "true" : aligned);
     out.line("for (abp::i64 j = (abp::i64)lane * N; j < cols; j += (abp::i64)RT * N) {{");
@@ -334,6 +340,14 @@ struct RowKernelEmitter {
         continue;
       }
       out.line("C e_{}[N];", spec.name);
+      if (spec.kind == ArgKind::Gathered) {
+        // A row the plan did not keep (negative index) has no source: it reads as zeros.
+        out.line("if ({})", spec.name);
+        out.line("  abp::loadChunk<N>({}, j, cols, vec, e_{});", spec.name, spec.name);
+        out.line("else");
+        out.line("  for (int k = 0; k < N; ++k) e_{}[k] = (C)0;", spec.name);
+        continue;
+      }
       out.line("abp::loadChunk<N>({}, j, cols, vec, e_{});", spec.name, spec.name);
     }
     for (unsigned i : stores)
@@ -465,17 +479,24 @@ struct RowKernelEmitter {
       if (spec.kind == ArgKind::Scalar)
         out.line("{} = {}{};", a.field.lookup(arg), spec.isInt ? "" : "(C)", spec.name);
       else if (spec.kind == ArgKind::Rows)
-        out.line(host ? "{} = {}[row];" : "{} = live ? {}[row] : (C)0;", a.field.lookup(arg), spec.name);
+        out.line(host ? "{} = {}[row];" : "{} = live ? {}[row] : ({})0;", a.field.lookup(arg),
+                 spec.name, spec.isInt ? "abp::i32" : "C");
     }
     out.line("{}_stage0<C>(u, nullptr, cols);", name);
     out.line("const abp::i64 base = row * cols;");
+    // A gathered input's row: row index[row] of its matrix, or none (zeros) for a negative index.
+    for (const RowArg &spec : inArgs())
+      if (spec.kind == ArgKind::Gathered)
+        out.line("const T *g_{0} = (abp::i32){1} >= 0 ? {0} + (abp::i64)(abp::i32){1} * cols : "
+                 "nullptr;",
+                 spec.name, a.field.lookup(body().getArgument(spec.by)));
     // A row of packed codes starts at byte base * B / 8 (whole: see checkLaunchArgs).
     auto rowPointers = [&](ArrayRef<unsigned> indices) {
       std::string s;
       for (unsigned i : indices)
-        s += args[i].kind == ArgKind::Packed
-                 ? fmt::format(", {} + base * {} / 8", args[i].name, args[i].bits)
-                 : fmt::format(", {} + base", args[i].name);
+        s += args[i].kind == ArgKind::Packed     ? fmt::format(", {} + base * {} / 8", args[i].name, args[i].bits)
+             : args[i].kind == ArgKind::Gathered ? fmt::format(", g_{}", args[i].name)
+                                                 : fmt::format(", {} + base", args[i].name);
       return s;
     };
     // Sweeps that draw random numbers take the row's first flat index.
@@ -535,9 +556,10 @@ struct RowKernelEmitter {
                              const char *pointer) {
     if (spec.kind == ArgKind::Scalar)
       return spec.isInt ? "abp::u64" : "float";
-    const std::string &type = spec.kind == ArgKind::Dense    ? elem
-                              : spec.kind == ArgKind::Packed ? std::string("abp::u8")
-                                                             : row;
+    const std::string &type = spec.elements()                 ? elem
+                              : spec.kind == ArgKind::Packed  ? std::string("abp::u8")
+                              : spec.isInt                    ? std::string("abp::i32")
+                                                              : row;
     return fmt::format("{}{} {}", spec.isOutput ? "" : "const ", type, pointer);
   }
 
@@ -643,14 +665,18 @@ SmallVector<RowArg> rowArgsOf(KernelOp kernel) {
   SmallVector<RowArg> args;
   Block &body = kernel.getBody().front();
   auto add = [&](Attribute layout, bool isOutput, size_t index) {
-    ArgKind kind = isa<RowsLayoutAttr>(layout)     ? ArgKind::Rows
-                   : isa<ScalarLayoutAttr>(layout) ? ArgKind::Scalar
-                   : isa<PackedLayoutAttr>(layout) ? ArgKind::Packed
-                                                   : ArgKind::Dense;
+    ArgKind kind = isa<RowsLayoutAttr>(layout)       ? ArgKind::Rows
+                   : isa<ScalarLayoutAttr>(layout)   ? ArgKind::Scalar
+                   : isa<PackedLayoutAttr>(layout)   ? ArgKind::Packed
+                   : isa<GatheredLayoutAttr>(layout) ? ArgKind::Gathered
+                                                     : ArgKind::Dense;
     RowArg arg{kind, isOutput, fmt::format("{}{}", isOutput ? "r" : "a", index)};
     if (auto packed = dyn_cast<PackedLayoutAttr>(layout))
       arg.bits = packed.getBits();
-    arg.isInt = kind == ArgKind::Scalar && body.getArgument(index).getType().isInteger(64);
+    if (auto gathered = dyn_cast<GatheredLayoutAttr>(layout))
+      arg.by = gathered.getBy();
+    arg.isInt = !isOutput && (kind == ArgKind::Scalar || kind == ArgKind::Rows) &&
+                body.getArgument(index).getType().isInteger(kind == ArgKind::Scalar ? 64 : 32);
     args.push_back(arg);
   };
   for (auto [i, layout] : llvm::enumerate(kernel.getIns()))

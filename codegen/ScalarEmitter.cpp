@@ -221,6 +221,7 @@ LogicalResult ScalarEmitter::emit(Operation *op) {
         return success();
       })
       .Case([&](math::FloorOp) { return call("abp::floor"); })
+      .Case([&](math::CosOp) { return call("abp::cos"); })
       .Case([&](math::ErfOp) { return call("abp::erf"); })
       .Case([&](math::ExpOp) { return call("abp::exp"); })
       .Case([&](math::ExpM1Op) { return call("abp::expm1"); })
@@ -242,6 +243,6 @@ LogicalResult ScalarEmitter::emit(Operation *op) {
         return other->emitOpError() << "has no translation in abp codegen (supported: arith "
                                        "float/int arithmetic, compares, selects and casts; math "
                                        "erf/exp/expm1/log/log1p/tanh/sqrt/rsqrt/absf/powf/"
-                                       "floor; func.call; abp.uniform)";
+                                       "floor/cos; func.call; abp.uniform)";
       });
 }

@@ -64,8 +64,25 @@ def Abp_RowsLayoutAttr : AttrDef<Abp_Dialect, "RowsLayout"> {
   let description = [{
     Example: `outs = [#abp.dense, #abp.rows]` — a row kernel writes one element per element of
     its row-wide output and one value per row of the second (e.g. LayerNorm's 1/σ). Per-row
-    values are stored in the compute type: fp32, or fp64 for fp64 launches.
+    values are stored in the compute type: fp32, or fp64 for fp64 launches; a row-kernel
+    input the body sees as `i32` holds one 32-bit integer per row (row indices for
+    `#abp.gathered`).
   }];
+}
+
+def Abp_GatheredLayoutAttr : AttrDef<Abp_Dialect, "GatheredLayout"> {
+  let mnemonic = "gathered";
+  let summary = "a row-kernel input whose row r is row index[r] of a larger matrix";
+  let description = [{
+    Example: `ins = [#abp.gathered<1>, #abp.rows]` — row r of the first argument is row
+    `i` of its matrix, where `i` is the `i32` value of row r of argument #1 (an `#abp.rows`
+    argument holding row indices); a negative `i` reads a row of zeros. The matrix has as many
+    columns as the kernel's rows and may have any number of rows: the caller guarantees every
+    index is below it. The body sees each element as an `f32`, like `#abp.dense`. This is how
+    `abp.sample` and `abp.unsample` read the rows they keep or put back.
+  }];
+  let parameters = (ins "unsigned":$by);
+  let assemblyFormat = "`<` $by `>`";
 }
 
 def Abp_ReduceKind : I32EnumAttr<"ReduceKind", "how abp.reduce_rows combines a row", [

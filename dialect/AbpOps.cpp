@@ -30,6 +30,15 @@ SmallVector<BlockArgument> OperatorOp::getTensorInputs() {
   return inputs;
 }
 
+SmallVector<BlockArgument> OperatorOp::getDifferentiableInputs() {
+  SmallVector<BlockArgument> inputs;
+  ArrayRef<int64_t> noGrad = getNoGrad() ? *getNoGrad() : ArrayRef<int64_t>();
+  for (BlockArgument arg : getTensorInputs())
+    if (!llvm::is_contained(noGrad, static_cast<int64_t>(arg.getArgNumber())))
+      inputs.push_back(arg);
+  return inputs;
+}
+
 /// Every value used inside `region` must be defined inside it: the two directions of an operator
 /// only communicate through residuals. Reports the first offending use with a note at its
 /// definition.
@@ -127,16 +136,38 @@ LogicalResult OperatorOp::verifyRegions() {
                            << out.getType() << ", got " << gradType;
   }
 
-  // Backward results: one gradient per tensor input, of the input's type.
-  SmallVector<BlockArgument> inputs = getTensorInputs();
+  // no_grad names tensor inputs, each once.
+  if (std::optional<ArrayRef<int64_t>> noGrad = getNoGrad()) {
+    Block &fwd = getForward().front();
+    for (auto [i, position] : llvm::enumerate(*noGrad)) {
+      if (position < 0 || position >= static_cast<int64_t>(fwd.getNumArguments()) ||
+          !isa<RankedTensorType>(fwd.getArgument(position).getType()))
+        return emitOpError() << "no_grad entry #" << i << " (" << position
+                             << ") must name a tensor argument of forward (it has "
+                             << fwd.getNumArguments() << " argument(s))";
+      if (llvm::count(*noGrad, position) > 1)
+        return emitOpError() << "no_grad lists forward argument #" << position << " twice";
+    }
+  }
+  // Integer tensors (row indices) are never differentiable.
+  for (BlockArgument arg : getDifferentiableInputs())
+    if (!cast<RankedTensorType>(arg.getType()).getElementType().isF32())
+      return emitOpError() << "forward argument #" << arg.getArgNumber() << " of type "
+                           << arg.getType()
+                           << " has no gradient; list it in no_grad (row indices select rows, "
+                              "they are not differentiated)";
+
+  // Backward results: one gradient per differentiable tensor input, of the input's type.
+  SmallVector<BlockArgument> inputs = getDifferentiableInputs();
   if (bwdReturn.getResults().size() != inputs.size())
-    return bwdReturn.emitOpError() << "expects one gradient per tensor input (" << inputs.size()
-                                   << "), got " << bwdReturn.getResults().size();
+    return bwdReturn.emitOpError() << "expects one gradient per tensor input not in no_grad ("
+                                   << inputs.size() << "), got "
+                                   << bwdReturn.getResults().size();
   for (auto [i, grad] : llvm::enumerate(bwdReturn.getResults()))
     if (grad.getType() != inputs[i].getType())
-      return bwdReturn.emitOpError() << "gradient #" << i << " must have the type of input #"
-                                     << i << " (" << inputs[i].getType() << "), got "
-                                     << grad.getType();
+      return bwdReturn.emitOpError() << "gradient #" << i << " must have the type of forward "
+                                     << "argument #" << inputs[i].getArgNumber() << " ("
+                                     << inputs[i].getType() << "), got " << grad.getType();
 
   if (failed(verifyDirectionIsClosed(*this, getForward(), "forward")) ||
       failed(verifyDirectionIsClosed(*this, getBackward(), "backward")))
@@ -345,6 +376,49 @@ LogicalResult UniformOp::verify() {
   return success();
 }
 
+/// The shared checks of abp.sample and abp.unsample: a matrix in, a matrix of as many columns
+/// out, and one i32 (and f32 weight) per result row for sample, per result row for unsample.
+static LogicalResult verifyRowPlacement(Operation *op, Type source, Type result, Type index,
+                                        StringRef indexName) {
+  auto in = cast<RankedTensorType>(source), out = cast<RankedTensorType>(result);
+  auto idx = cast<RankedTensorType>(index);
+  if (in.getRank() != 2 || out.getRank() != 2)
+    return op->emitOpError() << "expects matrices (rank 2) in and out, got " << source
+                             << " and " << result;
+  if (idx.getRank() != 1)
+    return op->emitOpError() << "expects " << indexName << " to hold one i32 per result row "
+                             << "(rank 1), got " << index;
+  if (!ShapedType::isDynamic(in.getDimSize(1)) && !ShapedType::isDynamic(out.getDimSize(1)) &&
+      in.getDimSize(1) != out.getDimSize(1))
+    return op->emitOpError() << "keeps whole rows, so the result must have the input's "
+                             << in.getDimSize(1) << " columns, got " << out.getDimSize(1);
+  if (!ShapedType::isDynamic(idx.getDimSize(0)) && !ShapedType::isDynamic(out.getDimSize(0)) &&
+      idx.getDimSize(0) != out.getDimSize(0))
+    return op->emitOpError() << "expects one " << indexName << " entry per result row: "
+                             << result << " has " << out.getDimSize(0) << " rows but "
+                             << index << " has " << idx.getDimSize(0);
+  return success();
+}
+
+LogicalResult SampleOp::verify() {
+  if (failed(verifyRowPlacement(*this, getInput().getType(), getResult().getType(),
+                                getIndex().getType(), "index")))
+    return failure();
+  auto weight = cast<RankedTensorType>(getWeight().getType());
+  auto index = cast<RankedTensorType>(getIndex().getType());
+  if (weight.getRank() != 1 ||
+      (!weight.isDynamicDim(0) && !index.isDynamicDim(0) &&
+       weight.getDimSize(0) != index.getDimSize(0)))
+    return emitOpError() << "expects one weight per index (" << getIndex().getType()
+                         << "), got " << getWeight().getType();
+  return success();
+}
+
+LogicalResult UnsampleOp::verify() {
+  return verifyRowPlacement(*this, getKept().getType(), getResult().getType(),
+                            getSlot().getType(), "slot");
+}
+
 LogicalResult QuantizeGroupsOp::verify() {
   if (failed(verifyRowShapes(*this, getInput().getType(), getMins().getType())) ||
       failed(verifyRowShapes(*this, getInput().getType(), getScales().getType())))
@@ -370,17 +444,20 @@ static Type bodyTypeOf(Attribute layout, MLIRContext *ctx) {
   return Float32Type::get(ctx);
 }
 
-/// Whether a kernel body argument of type `type` fits layout `layout`.
+/// Whether a kernel body argument of type `type` fits layout `layout` (scalars may be i64
+/// seeds/offsets, per-row inputs i32 row indices).
 static bool bodyTypeFits(Type type, Attribute layout, MLIRContext *ctx) {
-  return type == bodyTypeOf(layout, ctx) || (isa<ScalarLayoutAttr>(layout) && type.isInteger(64));
+  return type == bodyTypeOf(layout, ctx) || (isa<ScalarLayoutAttr>(layout) && type.isInteger(64)) ||
+         (isa<RowsLayoutAttr>(layout) && type.isInteger(32));
 }
 
 LogicalResult KernelOp::verifyRegions() {
   Block &body = getBody().front();
   for (Attribute layout : getIns())
-    if (!isa<DenseLayoutAttr, PackedLayoutAttr, ScalarLayoutAttr, RowsLayoutAttr>(layout))
+    if (!isa<DenseLayoutAttr, PackedLayoutAttr, ScalarLayoutAttr, RowsLayoutAttr,
+             GatheredLayoutAttr>(layout))
       return emitOpError() << "expects each of 'ins' to be #abp.dense, #abp.packed<b>, "
-                              "#abp.scalar or #abp.rows, got "
+                              "#abp.scalar, #abp.rows or #abp.gathered<i>, got "
                            << layout;
   for (Attribute layout : getOuts())
     if (!isa<DenseLayoutAttr, PackedLayoutAttr, RowsLayoutAttr>(layout))
@@ -391,6 +468,19 @@ LogicalResult KernelOp::verifyRegions() {
     if (isa<RowsLayoutAttr>(layout) && !isRowKernel())
       return emitOpError() << "has a #abp.rows argument but is not a row kernel (`rows`)";
   }
+  for (auto [i, layout] : llvm::enumerate(getIns())) {
+    auto gathered = dyn_cast<GatheredLayoutAttr>(layout);
+    if (!gathered)
+      continue;
+    if (!isRowKernel())
+      return emitOpError() << "has a #abp.gathered argument but is not a row kernel (`rows`)";
+    unsigned by = gathered.getBy();
+    if (by >= body.getNumArguments() || !isa<RowsLayoutAttr>(getIns()[by]) ||
+        !body.getArgument(by).getType().isInteger(32))
+      return emitOpError() << "gathers argument #" << i << " by argument #" << by
+                           << ", which must be an #abp.rows input the body sees as i32 "
+                              "(one row index per row)";
+  }
   if (getWarpMaxCols() && !isRowKernel())
     return emitOpError() << "sets warp_max_cols but is not a row kernel (`rows`)";
   if (body.getNumArguments() != getIns().size())
@@ -400,7 +490,9 @@ LogicalResult KernelOp::verifyRegions() {
     if (!bodyTypeFits(arg.getType(), getIns()[i], getContext()))
       return emitOpError() << "body argument #" << i << " must be "
                            << bodyTypeOf(getIns()[i], getContext())
-                           << (isa<ScalarLayoutAttr>(getIns()[i]) ? " or i64" : "")
+                           << (isa<ScalarLayoutAttr>(getIns()[i])  ? " or i64"
+                               : isa<RowsLayoutAttr>(getIns()[i]) ? " or i32"
+                                                                   : "")
                            << " for layout " << getIns()[i] << ", got " << arg.getType();
   auto yield = dyn_cast<YieldOp>(body.getTerminator());
   if (!yield || yield.getValues().size() != getOuts().size())
@@ -428,7 +520,8 @@ static bool matchesLayout(Type type, Attribute layout) {
     return type.isF32() || type.isInteger(64);
   auto tensor = dyn_cast<RankedTensorType>(type);
   if (isa<RowsLayoutAttr>(layout))
-    return tensor && tensor.getElementType().isF32() && tensor.getRank() == 1;
+    return tensor && tensor.getRank() == 1 &&
+           (tensor.getElementType().isF32() || tensor.getElementType().isInteger(32));
   return tensor && tensor.getElementType().isF32();
 }
 

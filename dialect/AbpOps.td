@@ -27,6 +27,10 @@ def Abp_OperatorOp : Abp_Op<"operator", [Symbol]> {
     gradient per tensor input. Nothing else crosses from forward to backward: a backward that uses
     a forward value it did not save is rejected.
 
+    `no_grad = array<i64: ...>` lists forward arguments (by position) that get no gradient:
+    row indices and sampling weights, which select and scale rows rather than feed the maths.
+    Backward then returns one gradient per tensor input not listed.
+
     An optional `variants` dictionary instantiates the operator once per entry
     (`abp-instantiate-variants`): each entry maps a new operator name to a bucket scheme that
     replaces the operator's own scheme (and the width of its codes). This is how one FewBit
@@ -54,7 +58,8 @@ def Abp_OperatorOp : Abp_Op<"operator", [Symbol]> {
     ```
   }];
   let arguments = (ins SymbolNameAttr:$sym_name,
-                       OptionalAttr<DictionaryAttr>:$variants);
+                       OptionalAttr<DictionaryAttr>:$variants,
+                       OptionalAttr<DenseI64ArrayAttr>:$no_grad);
   let regions = (region SizedRegion<1>:$forward, SizedRegion<1>:$backward);
   let assemblyFormat = [{
     $sym_name (`variants` $variants^)? attr-dict-with-keyword `forward` $forward `backward` $backward
@@ -64,8 +69,10 @@ def Abp_OperatorOp : Abp_Op<"operator", [Symbol]> {
     /// The forward and backward terminators.
     ReturnOp getForwardReturn();
     ReturnOp getBackwardReturn();
-    /// Forward block arguments of tensor type (the differentiable inputs).
+    /// Forward block arguments of tensor type (the inputs, differentiable or not).
     llvm::SmallVector<mlir::BlockArgument> getTensorInputs();
+    /// The tensor inputs that get a gradient: those not listed in `no_grad`.
+    llvm::SmallVector<mlir::BlockArgument> getDifferentiableInputs();
   }];
 }
 
@@ -340,6 +347,58 @@ def Abp_DequantizeGroupsOp : Abp_Op<"dequantize_groups", [Pure]> {
   let assemblyFormat = [{
     $codes `,` $mins `,` $scales attr-dict `:` qualified(type($codes)) `,` type($mins) `,`
     type($scales) `->` type($result)
+  }];
+  let hasVerifier = 1;
+}
+
+//===----------------------------------------------------------------------===//
+// Row sampling (WTA-CRS, CRS, VCAS)
+//===----------------------------------------------------------------------===//
+
+def Abp_SampleOp : Abp_Op<"sample", [Pure]> {
+  let summary = "keeps the rows named by an index, each times its Horvitz-Thompson weight";
+  let description = [{
+    Row r of the result is `weight[r] * input[index[r]]`, computed in the compute type. The
+    index and the weights come from a sampling plan (which rows, and 1/p for each, so that
+    sum_r weight[r] * f(input[index[r]]) is an unbiased estimate of sum_i f(input[i]) for any
+    f linear in the row); every index must lie in [0, rows of input). The result has one row
+    per index. One row kernel after fusion: the rows are gathered as they are read, never
+    copied first.
+
+    Example:
+    ```mlir
+    %kept = abp.sample %x, %index, %weight
+        : tensor<?x?xf32>, tensor<?xi32>, tensor<?xf32> -> tensor<?x?xf32>
+    ```
+  }];
+  let arguments = (ins RankedTensorOf<[F32]>:$input, RankedTensorOf<[I32]>:$index,
+                       RankedTensorOf<[F32]>:$weight);
+  let results = (outs RankedTensorOf<[F32]>:$result);
+  let assemblyFormat = [{
+    $input `,` $index `,` $weight attr-dict `:` type($input) `,` type($index) `,` type($weight)
+    `->` type($result)
+  }];
+  let hasVerifier = 1;
+}
+
+def Abp_UnsampleOp : Abp_Op<"unsample", [Pure]> {
+  let summary = "puts kept rows back in their places, with zero rows elsewhere";
+  let description = [{
+    The inverse placement of `abp.sample`: row i of the result is `kept[slot[i]]`, or a row
+    of zeros where `slot[i]` is negative (a row the plan did not keep). With the kept rows of
+    a plan and slot = the position of each row in the plan's index (or -1), the result is the
+    plan's unbiased estimate of the sampled matrix, full size. Every non-negative slot must
+    lie in [0, rows of kept).
+
+    Example:
+    ```mlir
+    %x = abp.unsample %kept, %slot : tensor<?x?xf32>, tensor<?xi32> -> tensor<?x?xf32>
+    ```
+  }];
+  let arguments = (ins RankedTensorOf<[F32]>:$kept, RankedTensorOf<[I32]>:$slot);
+  let results = (outs RankedTensorOf<[F32]>:$result);
+  let assemblyFormat = [{
+    $kept `,` $slot attr-dict `:` type($kept) `,` type($slot) `->` type($result)
   }];
   let hasVerifier = 1;
 }

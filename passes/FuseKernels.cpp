@@ -14,7 +14,19 @@ using namespace mlir;
 using namespace abp;
 
 namespace {
-bool isRowOp(Operation *op) { return isa<ReduceRowsOp, BroadcastRowsOp>(op); }
+bool isRowOp(Operation *op) {
+  return isa<ReduceRowsOp, BroadcastRowsOp, SampleOp, UnsampleOp>(op);
+}
+
+/// The matrix abp.sample / abp.unsample reads at gathered rows, and the row indices it reads
+/// them by; null for other ops.
+std::pair<Value, Value> gatherOf(Operation *op) {
+  if (auto sample = dyn_cast<SampleOp>(op))
+    return {sample.getInput(), sample.getIndex()};
+  if (auto unsample = dyn_cast<UnsampleOp>(op))
+    return {unsample.getKept(), unsample.getSlot()};
+  return {};
+}
 bool isFusable(Operation *op) {
   return isa<MapOp, PackOp, UnpackOp, UniformOp>(op) || isRowOp(op);
 }
@@ -27,6 +39,7 @@ Attribute layoutOf(Value value, bool rowKernel, MLIRContext *ctx) {
   if (value.getType().isF32() || value.getType().isInteger(64))
     return ScalarLayoutAttr::get(ctx);
   if (rowKernel && cast<RankedTensorType>(value.getType()).getRank() == 1)
+    // One value per row: f32, or i32 row indices.
     return RowsLayoutAttr::get(ctx);
   return DenseLayoutAttr::get(ctx);
 }
@@ -44,8 +57,9 @@ LogicalResult fuseDirection(OperatorOp op, Region &region, StringRef name) {
       continue;
     if (!isFusable(&inner))
       return inner.emitOpError() << "cannot be fused into a kernel; only abp.map, abp.pack, "
-                                    "abp.unpack, abp.uniform, abp.reduce_rows and "
-                                    "abp.broadcast_rows may remain after lowering";
+                                    "abp.unpack, abp.uniform, abp.reduce_rows, "
+                                    "abp.broadcast_rows, abp.sample and abp.unsample may "
+                                    "remain after lowering";
     fused.push_back(&inner);
   }
   if (fused.empty())
@@ -79,17 +93,42 @@ LogicalResult fuseDirection(OperatorOp op, Region &region, StringRef name) {
         if (!inSet.contains(user))
           outputs.insert(result);
 
+  // Matrices read at gathered rows (abp.sample / abp.unsample): the kernel's rows are the
+  // index's, so such a matrix is read only through its index, and must come from outside.
+  llvm::DenseMap<Value, Value> gatheredBy; // matrix -> its row-index value
+  for (Operation *inner : fused) {
+    auto [matrix, index] = gatherOf(inner);
+    if (!matrix)
+      continue;
+    if (!inputs.contains(matrix))
+      return inner->emitOpError() << "gathers rows of a value computed in the same kernel; "
+                                     "gather a kernel input (an operator argument or residual)";
+    for (Operation *user : matrix.getUsers())
+      if (inSet.contains(user) && gatherOf(user) != std::make_pair(matrix, index))
+        return inner->emitOpError()
+               << "gathers rows of a matrix that the kernel also reads otherwise; a kernel "
+                  "reads each matrix either row by row or through one index";
+    gatheredBy[matrix] = index;
+  }
+
   SmallVector<Attribute> ins, outs;
   SmallVector<Type> argTypes;
   SmallVector<Location> argLocs;
   for (Value in : inputs) {
     auto tensor = dyn_cast<RankedTensorType>(in.getType());
-    if (tensor && !tensor.getElementType().isF32())
+    bool rowIndex = tensor && rowKernel && tensor.getRank() == 1 &&
+                    tensor.getElementType().isInteger(32);
+    if (tensor && !tensor.getElementType().isF32() && !rowIndex)
       return emitError(in.getLoc()) << "an i8 code tensor enters a kernel unpacked; "
                                        "store codes with abp.pack";
-    ins.push_back(layoutOf(in, rowKernel, ctx));
-    argTypes.push_back(isa<CodesType>(in.getType()) ? Type(IntegerType::get(ctx, 8))
+    if (Value index = gatheredBy.lookup(in))
+      ins.push_back(GatheredLayoutAttr::get(
+          ctx, static_cast<unsigned>(std::distance(inputs.begin(), llvm::find(inputs, index)))));
+    else
+      ins.push_back(layoutOf(in, rowKernel, ctx));
+    argTypes.push_back(isa<CodesType>(in.getType())  ? Type(IntegerType::get(ctx, 8))
                        : in.getType().isInteger(64) ? in.getType()
+                       : rowIndex                   ? Type(IntegerType::get(ctx, 32))
                                                     : Type(Float32Type::get(ctx)));
     argLocs.push_back(in.getLoc());
   }
@@ -121,6 +160,15 @@ LogicalResult fuseDirection(OperatorOp op, Region &region, StringRef name) {
       scalars.map(pack.getResult(), scalars.lookup(pack.getInput()));
     } else if (auto unpack = dyn_cast<UnpackOp>(inner)) {
       scalars.map(unpack.getResult(), scalars.lookup(unpack.getCodes()));
+    } else if (auto sample = dyn_cast<SampleOp>(inner)) {
+      // The row is gathered as it is read (#abp.gathered); each element is scaled by its
+      // row's weight.
+      auto scaled = body.create<arith::MulFOp>(sample.getLoc(), scalars.lookup(sample.getInput()),
+                                               scalars.lookup(sample.getWeight()));
+      scalars.map(sample.getResult(), scaled.getResult());
+    } else if (auto unsample = dyn_cast<UnsampleOp>(inner)) {
+      // The gathered read already yields zeros for rows the plan did not keep.
+      scalars.map(unsample.getResult(), scalars.lookup(unsample.getKept()));
     } else if (auto broadcast = dyn_cast<BroadcastRowsOp>(inner)) {
       // Every element of a row sees its row's value: nothing to compute.
       scalars.map(broadcast.getResult(), scalars.lookup(broadcast.getInput()));

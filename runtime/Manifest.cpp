@@ -1,6 +1,8 @@
 // Manifest.cpp — parses and validates kernel manifests (docs/manifest.md).
 #include "runtime/Manifest.h"
 
+#include <algorithm>
+
 #include "runtime/Files.h"
 
 #include <cstdint>
@@ -293,12 +295,34 @@ KernelRecord parseKernel(const Checker &check, const Json &value, const std::str
         if (!rows)
           check.fail(argAt + ".layout", "the \"rows\" layout is only valid in a row kernel");
         arg.layout = ArgLayout::Rows;
+        if (arg.role == ArgRole::In && args[i].find("type")) {
+          if (check.str(args[i], argAt, "type", true) != "i32")
+            check.fail(argAt + ".type", "a rows input's type must be \"i32\" (row indices) when "
+                                        "given; compute-type rows have none");
+          arg.rowIndex = true;
+        }
+      } else if (layout == "gathered") {
+        if (!rows || arg.role != ArgRole::In)
+          check.fail(argAt + ".layout",
+                     "the \"gathered\" layout is only valid for inputs of a row kernel");
+        arg.layout = ArgLayout::Gathered;
+        arg.by = static_cast<int>(
+            check.integer(args[i], argAt, "by", 0, static_cast<int64_t>(args.size()) - 1));
       } else {
         check.fail(argAt + ".layout",
-                   "unknown layout \"" + layout + "\" (expected dense, packed or rows)");
+                   "unknown layout \"" + layout + "\" (expected dense, packed, rows or gathered)");
       }
     }
     k.args.push_back(arg);
+  }
+  for (size_t i = 0; i < k.args.size(); ++i) {
+    const KernelArg &arg = k.args[i];
+    if (arg.layout == ArgLayout::Gathered &&
+        !(k.args[static_cast<size_t>(arg.by)].role == ArgRole::In &&
+          k.args[static_cast<size_t>(arg.by)].rowIndex))
+      check.fail(Checker::index(argsAt, i) + ".by",
+                 "must name an i32 rows input (the row indices), got argument " +
+                     std::to_string(arg.by));
   }
   return k;
 }
@@ -456,11 +480,23 @@ OperatorRecord parseOperator(const Checker &check, const Json &value, const std:
       check.fail(at + ".row_wise", "expected true or false");
     op.rowWise = rowWise->asBool();
   }
+  if (const Json *noGrad = value.find("no_grad")) {
+    const Json::Array &list = check.array(value, at, "no_grad");
+    (void)noGrad;
+    for (size_t i = 0; i < list.size(); ++i) {
+      int input = static_cast<int>(
+          check.integer(list[i], Checker::index(at + ".no_grad", i), 0, op.inputs - 1));
+      if (std::find(op.noGrad.begin(), op.noGrad.end(), input) != op.noGrad.end())
+        check.fail(Checker::index(at + ".no_grad", i), "lists input " + std::to_string(input) + " twice");
+      op.noGrad.push_back(input);
+    }
+  }
   check.array(value, at, "tables");
   op.forward = parseDirection(check, check.member(value, at, "forward"), at + ".forward", op,
                               kernels, op.outputs + op.residuals.size());
+  // Backward produces one gradient per input that has one.
   op.backward = parseDirection(check, check.member(value, at, "backward"), at + ".backward", op,
-                               kernels, op.inputs);
+                               kernels, op.inputs - static_cast<int>(op.noGrad.size()));
   return op;
 }
 

@@ -31,8 +31,10 @@ size_t dtypeSize(Dtype dtype);
 /// Count: an elementwise kernel's element count (last). Rows, Cols: a row kernel's shape (the
 /// last two arguments).
 enum class ArgRole { In, Out, Scalar, Count, Rows, Cols };
-/// Rows: one value per row, in the compute type (f32, or f64 for f64 launches).
-enum class ArgLayout { None, Dense, Packed, Rows };
+/// Rows: one value per row, in the compute type (f32, or f64 for f64 launches), or one i32
+/// row index per row. Gathered: dense rows of another matrix, row r being the one that the
+/// i32 rows input `by` names (zeros where it is negative).
+enum class ArgLayout { None, Dense, Packed, Rows, Gathered };
 const char *argRoleName(ArgRole role);
 
 /// One kernel argument, in calling-convention order.
@@ -44,6 +46,8 @@ struct KernelArg {
   ArgLayout layout = ArgLayout::None; ///< Dense, Packed or Rows for In/Out
   int bits = 0;                       ///< Packed: bits per element, 1..8
   ScalarType scalarType = ScalarType::F32; ///< Scalar
+  bool rowIndex = false;              ///< Rows inputs: i32 row indices ("type": "i32")
+  int by = -1;                        ///< Gathered: the argument holding the row indices
 };
 
 /// Elementwise kernels take a count; row kernels take (rows, cols) and run one warp per row
@@ -95,6 +99,7 @@ struct OperatorRecord {
   double savedBitsPerElement = 0;
   double savedBitsPerRow = 0;
   bool rowWise = false; ///< launches row kernels: inputs are rows along the last dimension
+  std::vector<int> noGrad; ///< tensor inputs without a gradient (row indices, weights)
   DirectionRecord forward, backward;
   Json json; ///< the record as written
 };

@@ -47,12 +47,14 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef long long i64;
+typedef int i32;
 #else
 typedef std::uint8_t u8;
 typedef std::uint16_t u16;
 typedef std::uint32_t u32;
 typedef std::uint64_t u64;
 typedef std::int64_t i64;
+typedef std::int32_t i32;
 #endif
 
 //===----------------------------------------------------------------------===//
@@ -350,6 +352,7 @@ ABP_FN float fmax(float x, float y) { return ::fmaxf(x, y); }
 ABP_FN float fmin(float x, float y) { return ::fminf(x, y); }
 ABP_FN bool isnan(float x) { return ::isnan(x); }
 ABP_FN float floor(float x) { return ::floorf(x); }
+ABP_FN float cos(float x) { return ::cosf(x); }
 ABP_FN double erf(double x) { return ::erf(x); }
 ABP_FN double exp(double x) { return ::exp(x); }
 ABP_FN double expm1(double x) { return ::expm1(x); }
@@ -364,6 +367,7 @@ ABP_FN double fmax(double x, double y) { return ::fmax(x, y); }
 ABP_FN double fmin(double x, double y) { return ::fmin(x, y); }
 ABP_FN bool isnan(double x) { return ::isnan(x); }
 ABP_FN double floor(double x) { return ::floor(x); }
+ABP_FN double cos(double x) { return ::cos(x); }
 #else
 ABP_FN float erf(float x) { return std::erf(x); }
 ABP_FN float exp(float x) { return std::exp(x); }
@@ -379,6 +383,7 @@ ABP_FN float fmax(float x, float y) { return std::fmax(x, y); }
 ABP_FN float fmin(float x, float y) { return std::fmin(x, y); }
 ABP_FN bool isnan(float x) { return std::isnan(x); }
 ABP_FN float floor(float x) { return std::floor(x); }
+ABP_FN float cos(float x) { return std::cos(x); }
 ABP_FN double erf(double x) { return std::erf(x); }
 ABP_FN double exp(double x) { return std::exp(x); }
 ABP_FN double expm1(double x) { return std::expm1(x); }
@@ -393,6 +398,7 @@ ABP_FN double fmax(double x, double y) { return std::fmax(x, y); }
 ABP_FN double fmin(double x, double y) { return std::fmin(x, y); }
 ABP_FN bool isnan(double x) { return std::isnan(x); }
 ABP_FN double floor(double x) { return std::floor(x); }
+ABP_FN double cos(double x) { return std::cos(x); }
 #endif
 /// arith.fptoui, saturating: NaN and x <= 0 give 0, x >= U's maximum gives the maximum (C++'s
 /// conversion of an out-of-range float is undefined; LLVM's is poison).

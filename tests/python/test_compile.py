@@ -20,7 +20,11 @@ def _library() -> None:
 
 
 def test_every_operator_is_registered_when_the_library_opens():
+    library = abp._lib.kernel_library()
     for name in abp.operators():
+        if not library.operator(name).same_shape:
+            assert not _custom_ops.registered(name)  # ops/sample: launched by abp.sampling
+            continue
         assert _custom_ops.registered(name)
         assert hasattr(torch.ops.abp, f"{name}_fwd") and hasattr(torch.ops.abp, f"{name}_bwd")
     schema = str(torch.ops.abp.leaky_relu_fwd.default._schema)

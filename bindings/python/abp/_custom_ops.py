@@ -214,6 +214,8 @@ def _register_on_open(library: _lib.KernelLibrary) -> None:
     # Every operator is registered when the library opens (abp opens it at import on torch >= 2.4),
     # so torch.compile finds them all and never traces a registration (which would break its graph).
     for op in library.operators.values():
+        if not op.same_shape:
+            continue  # launched directly by abp.sampling, never through the generic path
         try:
             register(op)
         except Exception as e:  # one odd operator must not make the others unusable

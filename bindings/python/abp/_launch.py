@@ -211,6 +211,9 @@ def forward(
     """
     if op.forward is None:
         raise RuntimeError(f"operator {op.name} has no forward direction")
+    if not op.same_shape:
+        raise ValueError(f"operator {op.name}: its tensors differ in shape (rows gathered by index, per-row "
+                         f"outputs or draws without an input); use abp.sampling, which launches it")
     if len(params) != len(op.params):
         raise TypeError(f"{op.name}: expected {len(op.params)} parameters ({', '.join(op.params)}), got {len(params)}")
     first = inputs[0]

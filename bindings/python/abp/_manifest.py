@@ -36,12 +36,15 @@ def packed_bytes(bits: int, n: int) -> int:
 
 @dataclass(frozen=True)
 class KernelArg:
-    """One kernel argument: role in/out/scalar/count; layout dense/packed for in/out."""
+    """One kernel argument: role in/out/scalar/count; layout dense/packed/rows/gathered for
+    in/out; `type` of a scalar (f32/i64) or of a rows input holding row indices (i32); `by`: the
+    argument holding a gathered input's row indices."""
 
     role: str
     layout: Optional[str] = None
     bits: Optional[int] = None
     type: Optional[str] = None
+    by: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,7 @@ class Operator:
     raw: Mapping[str, Any] = field(compare=False, repr=False)
     saved_bits_per_row: float = 0.0
     row_wise: bool = False  # launches row kernels: inputs are rows along their last dimension
+    no_grad: Tuple[int, ...] = ()  # tensor inputs without a gradient (row indices, weights)
 
     @property
     def dtypes(self) -> Tuple[str, ...]:
@@ -120,13 +124,29 @@ class Operator:
         order = ("f32", "f16", "bf16", "f64")
         return tuple(d for d in order if names is None or d in names)
 
+    @property
+    def same_shape(self) -> bool:
+        """Whether the generic launch path (abp.functional.apply, torch.library) runs it: it has
+        tensor inputs, all differentiable, and outputs shaped like its first input. The sampling
+        operators (ops/sample: gathers, draws, per-row norms) are launched by abp.sampling."""
+        if self.inputs == 0 or self.no_grad or self.forward is None:
+            return False
+        record = self.kernel(self.forward)
+        for ref in self.forward.produces[: self.outputs]:
+            kind, index = parse_ref(ref)
+            if kind == "result" and record is not None and record.outputs[index].layout == "rows":
+                return False
+        return True
+
     def kernel(self, direction: Direction) -> Optional[KernelRecord]:
         """The kernel record of a direction (None if it launches none)."""
         return self.kernels[direction.kernel] if direction.kernel is not None else None
 
 
 def _kernel_arg(raw: Mapping[str, Any]) -> KernelArg:
-    return KernelArg(role=raw["role"], layout=raw.get("layout"), bits=raw.get("bits"), type=raw.get("type"))
+    return KernelArg(
+        role=raw["role"], layout=raw.get("layout"), bits=raw.get("bits"), type=raw.get("type"), by=raw.get("by")
+    )
 
 
 def _kernel(raw: Mapping[str, Any]) -> KernelRecord:
@@ -160,6 +180,7 @@ def _operator(raw: Mapping[str, Any]) -> Operator:
         saved_bits_per_element=float(raw.get("saved_bits_per_element", 0)),
         saved_bits_per_row=float(raw.get("saved_bits_per_row", 0)),
         row_wise=bool(raw.get("row_wise", False)),
+        no_grad=tuple(int(i) for i in raw.get("no_grad", ())),
         tables=tuple(
             Table(borders=tuple(float(b) for b in t["borders"]), levels=tuple(float(v) for v in t["levels"]))
             for t in raw.get("tables", [])

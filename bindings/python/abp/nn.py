@@ -12,12 +12,12 @@ Each module runs one manifest operator (``.operator``) and exposes the derivativ
 """
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from . import _lib, functional
+from . import _lib, functional, sampling
 from ._launch import check_param
 from ._manifest import Operator
 
@@ -47,6 +47,7 @@ __all__ = [
     "Softshrink",
     "MSLayerNorm",
     "MSRMSNorm",
+    "SampledLinear",
 ]
 
 
@@ -391,3 +392,55 @@ class MSRMSNorm(_MSNorm):
 
     def forward(self, input: Tensor) -> Tensor:
         return functional.ms_rms_norm(input, self.normalized_shape, self.eps)
+
+
+class SampledLinear(torch.nn.Linear):
+    """nn.Linear whose backward estimates dW from a sample (or sketch) of the input's token rows,
+    so forward saves about `keep` of the input (abp.sampling; ALGORITHMS.md §3, §8).
+
+    method: "wtacrs" (winner-take-all column-row sampling), "crs", "gaussian" or "rademacher"
+    (random sketches); keep ∈ (0, 1]. The output, dX and db are exact; dW is unbiased. Each
+    training call draws its Philox key from `generator` (torch's default generator if None). In
+    eval mode, or with gradients off, it is a plain Linear.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        method: str = "wtacrs",
+        keep: float = 0.3,
+        device: Any = None,
+        dtype: Any = None,
+        generator: Optional[torch.Generator] = None,
+    ) -> None:
+        self.method: str = sampling.check_method(method)
+        self.keep: float = sampling.check_keep(keep)
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.generator = generator
+
+    @classmethod
+    def from_linear(
+        cls, linear: torch.nn.Linear, method: str = "wtacrs", keep: float = 0.3,
+        generator: Optional[torch.Generator] = None,
+    ) -> "SampledLinear":
+        """A SampledLinear sharing `linear`'s weight and bias Parameters (not copies), so an
+        optimizer built on the original keeps updating them."""
+        if not isinstance(linear, torch.nn.Linear):
+            raise TypeError(f"linear: expected a torch.nn.Linear, got {type(linear).__name__}")
+        module = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, method=method,
+                     keep=keep, device="meta", generator=generator)
+        module.weight = linear.weight
+        module.bias = linear.bias
+        module.train(linear.training)
+        return module
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not self.training:
+            return torch.nn.functional.linear(input, self.weight, self.bias)
+        return sampling.sampled_linear(input, self.weight, self.bias, method=self.method, keep=self.keep,
+                                       generator=self.generator)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, method={self.method!r}, keep={self.keep}"

@@ -51,7 +51,7 @@ abp.operator @gradient_count forward {
   abp.return %x : tensor<?xf32>
 } backward {
 ^bb0(%dy: tensor<?xf32>):
-  // expected-error @+1 {{expects one gradient per tensor input (1), got 2}}
+  // expected-error @+1 {{expects one gradient per tensor input not in no_grad (1), got 2}}
   abp.return %dy, %dy : tensor<?xf32>, tensor<?xf32>
 }
 

@@ -2,7 +2,7 @@
 
 abp.operator @unlowered forward {
 ^bb0(%x: tensor<?xf32>):
-  // expected-error @+1 {{cannot be fused into a kernel; only abp.map, abp.pack, abp.unpack, abp.uniform, abp.reduce_rows and abp.broadcast_rows may remain after lowering}}
+  // expected-error @+1 {{cannot be fused into a kernel; only abp.map, abp.pack, abp.unpack, abp.uniform, abp.reduce_rows, abp.broadcast_rows, abp.sample and abp.unsample may remain after lowering}}
   %c = abp.quantize %x {scheme = #abp.buckets<borders = [0.0], levels = [0.0, 1.0]>} : tensor<?xf32> -> !abp.codes<1>
   abp.return %x : tensor<?xf32> saves %c : !abp.codes<1>
 } backward {
@@ -26,3 +26,42 @@ abp.operator @unpacked_codes forward {
   abp.return %dy : tensor<?xf32>
 }
 
+
+// -----
+
+// The kernel's rows are the index's: the gathered matrix must be read from memory, not computed
+// row by row in the same kernel.
+abp.operator @gather_computed attributes {no_grad = array<i64: 1, 2>} forward {
+^bb0(%x: tensor<?x?xf32>, %index: tensor<?xi32>, %weight: tensor<?xf32>):
+  %sq = abp.map(%x) : (tensor<?x?xf32>) -> tensor<?x?xf32> {
+  ^bb0(%a: f32):
+    %s = arith.mulf %a, %a : f32
+    abp.yield %s : f32
+  }
+  // expected-error @+1 {{gathers rows of a value computed in the same kernel}}
+  %kept = abp.sample %sq, %index, %weight
+      : tensor<?x?xf32>, tensor<?xi32>, tensor<?xf32> -> tensor<?x?xf32>
+  abp.return saves %kept : tensor<?x?xf32>
+} backward {
+^bb0(%kept: tensor<?x?xf32>):
+  abp.return %kept : tensor<?x?xf32>
+}
+
+// -----
+
+// One kernel reads a matrix either row by row or through one index, never both.
+abp.operator @gather_and_read attributes {no_grad = array<i64: 1, 2>} forward {
+^bb0(%x: tensor<?x?xf32>, %index: tensor<?xi32>, %weight: tensor<?xf32>):
+  // expected-error @+1 {{gathers rows of a matrix that the kernel also reads otherwise}}
+  %kept = abp.sample %x, %index, %weight
+      : tensor<?x?xf32>, tensor<?xi32>, tensor<?xf32> -> tensor<?x?xf32>
+  %sum = abp.map(%kept, %x) : (tensor<?x?xf32>, tensor<?x?xf32>) -> tensor<?x?xf32> {
+  ^bb0(%a: f32, %b: f32):
+    %s = arith.addf %a, %b : f32
+    abp.yield %s : f32
+  }
+  abp.return saves %sum : tensor<?x?xf32>
+} backward {
+^bb0(%kept: tensor<?x?xf32>):
+  abp.return %kept : tensor<?x?xf32>
+}

@@ -1,0 +1,407 @@
+"""Sampled linear layers (abp.sampling, abp.nn.SampledLinear) and the kernels of
+ops/sample/sample.mlir, on the CPU path (ALGORITHMS.md §3, §8, §9).
+
+Properties, not recorded outputs: the kernels against torch references (bit-exact where the maths
+is exact); the Philox draws against the independent numpy Philox; the forward, dX and db equal to
+torch's exact ones; dW unbiased (§9.1 per-entry z-test over R seeds, with negative controls) with
+the closed-form variance (§9.2, ±5 standard errors); saved bytes counted with saved-tensor hooks.
+"""
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+from typing import Callable, Dict, List, Tuple
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import abp
+from abp import _sample_kernels as kernels
+from abp import _selection as selection
+from abp import sampling
+from abp_reference import library_or_skip
+from gact_reference import uniform_at
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _library() -> None:
+    library_or_skip()
+
+
+# --- kernels ------------------------------------------------------------------------------------
+
+ROW_TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(0, 5), (1, 1), (7, 3), (9, 256), (5, 1000), (3, 3000)])
+def test_row_norms_match_torch(dtype: torch.dtype, shape: Tuple[int, int]) -> None:
+    # 1..256 columns take 8 lanes a row, ..1024 a warp, longer rows a block: every mode and tail.
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dtype)
+    got = kernels.row_norms(x)
+    assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32) and got.shape == (shape[0],)
+    torch.testing.assert_close(got.double(), x.double().norm(dim=1), rtol=ROW_TOL[dtype], atol=0)
+
+
+def test_row_norms_of_a_view_and_of_non_finite_rows() -> None:
+    x = torch.randn(6, 10, dtype=torch.float64)
+    x[2, 3] = float("nan")
+    x[4, 5] = float("inf")
+    view = x[:, 1:]  # misaligned, non-contiguous
+    got = kernels.row_norms(view)
+    expected = view.norm(dim=1)
+    assert torch.isnan(got[2]) and torch.isinf(got[4])
+    keep = torch.tensor([0, 1, 3, 5])
+    torch.testing.assert_close(got[keep], expected[keep], rtol=1e-12, atol=0)
+
+
+def test_row_norms_backward_is_the_gradient_of_the_norm() -> None:
+    x = torch.randn(11, 37, dtype=torch.float64, requires_grad=True)
+    with torch.no_grad():
+        x[4] = 0.0  # a zero row has gradient 0 (a subgradient), not NaN
+    grad = torch.randn(11, dtype=torch.float64)
+    x.norm(dim=1).backward(grad)
+    expected = torch.nan_to_num(x.grad, nan=0.0)
+    got = kernels.row_norms_backward(x.detach(), kernels.row_norms(x.detach()), grad)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-15)
+    assert torch.equal(got[4], torch.zeros(37, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("cols", [1, 7, 64, 300, 2000])
+def test_sample_rows_gathers_and_scales(dtype: torch.dtype, cols: int) -> None:
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(13, cols, generator=g, dtype=torch.float64).to(dtype)
+    index = torch.tensor([12, 0, 5, 5, 7], dtype=torch.int32)
+    weight = torch.rand(5, generator=g, dtype=torch.float64) + 0.5
+    row_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    got = kernels.sample_rows(x, index, weight.to(row_dtype))
+    # The product is formed in the compute type and rounded once to the storage type.
+    expected = (x.to(row_dtype)[index.long()] * weight.to(row_dtype)[:, None]).to(dtype)
+    assert got.dtype == dtype and torch.equal(got, expected)
+
+
+def test_sample_rows_of_a_misaligned_view_and_empty_plans() -> None:
+    x = torch.randn(9, 33)[:, 1:]
+    index = torch.tensor([8, 1], dtype=torch.int32)
+    got = kernels.sample_rows(x, index, torch.tensor([2.0, -1.0]))
+    assert torch.equal(got, torch.stack([2 * x[8], -x[1]]))
+    empty = kernels.sample_rows(x, torch.zeros(0, dtype=torch.int32), torch.zeros(0))
+    assert empty.shape == (0, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_unsample_rows_puts_rows_back_with_zeros_elsewhere(dtype: torch.dtype) -> None:
+    kept = torch.randn(3, 1500, dtype=torch.float64).to(dtype)
+    slot = torch.tensor([2, -1, 0, -1, 1, -1], dtype=torch.int32)
+    got = kernels.unsample_rows(kept, slot)
+    expected = torch.zeros(6, 1500, dtype=dtype)
+    expected[[0, 2, 4]] = kept[[2, 0, 1]]
+    assert torch.equal(got, expected)
+
+
+def test_sample_then_unsample_rebuilds_an_unbiased_input() -> None:
+    # The codec of ops/sample: E[unsample(sample(x))] = x over the plan's randomness, row by row.
+    x = torch.randn(12, 4, dtype=torch.float64)
+    p = selection.norm_probabilities(kernels.row_norms(x))
+    total = torch.zeros_like(x)
+    reps = 3000
+    for r in range(reps):
+        plan = selection.plan_crs(p, 6, kernels.uniform(6, 1000 + r, 0, CPU))
+        kept = kernels.sample_rows(x, plan.index, plan.weight.double())
+        slot = torch.full((12,), -1, dtype=torch.int32)
+        slot[plan.index.long()] = torch.arange(len(plan), dtype=torch.int32)
+        total += kernels.unsample_rows(kept, slot)
+    # Per entry: E = x, sd of one draw ≤ |x| sqrt(1/(6p) ...) -- a loose 6-sigma bound in the rows'
+    # own scale: the mean's error falls with 1/sqrt(reps).
+    scale = x.abs().max(dim=1, keepdim=True).values / p.sqrt()[:, None]
+    assert ((total / reps - x).abs() <= 6 * scale / math.sqrt(reps)).all()
+
+
+def test_kernel_arguments_are_checked() -> None:
+    x = torch.randn(4, 3)
+    with pytest.raises(ValueError, match=r"index: every entry must lie in \[0, 4\), got \[0, 4\]"):
+        kernels.sample_rows(x, torch.tensor([0, 4], dtype=torch.int32), torch.ones(2))
+    with pytest.raises(ValueError, match="index: expected a 1-d torch.int32 tensor of 2 values, got torch.int64"):
+        kernels.sample_rows(x, torch.tensor([0, 1]), torch.ones(2))
+    with pytest.raises(ValueError, match="weight: expected a 1-d torch.float32 tensor of 2 values"):
+        kernels.sample_rows(x, torch.tensor([0, 1], dtype=torch.int32), torch.ones(3))
+    with pytest.raises(ValueError, match=r"slot: every entry must lie in \[-1, 4\)"):
+        kernels.unsample_rows(x, torch.tensor([-2], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"x: expected a 2-d tensor \(rows x cols\), got \(4,\)"):
+        kernels.row_norms(torch.ones(4))
+    with pytest.raises(ValueError, match="x: expected dtype float32, float16, bfloat16, float64, got torch.int32"):
+        kernels.row_norms(torch.ones(2, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"seed: expected an int in \[0, 2\*\*63\)"):
+        kernels.uniform(3, -1, 0, CPU)
+    with pytest.raises(ValueError, match="kind: expected one of gaussian, rademacher"):
+        kernels.sketch("dct", 2, 2, 0, 0, CPU)
+
+
+# --- Philox draws and sketches ---------------------------------------------------------------------
+
+
+def test_uniform_draws_are_the_shared_philox_stream() -> None:
+    seed, offset = 0x1234_5678_9ABC_DEF, 5
+    got = kernels.uniform(1029, seed, offset, CPU)
+    expected = uniform_at(seed, np.arange(offset, offset + 1029))
+    assert np.array_equal(got.numpy(), expected)
+    assert kernels.uniform(0, seed, 0, CPU).numel() == 0
+
+
+def test_sketches_are_regenerated_from_their_key() -> None:
+    for kind in kernels.SKETCHES:
+        a = kernels.sketch(kind, 31, 17, 99, 4, CPU)
+        assert torch.equal(a, kernels.sketch(kind, 31, 17, 99, 4, CPU))
+        assert not torch.equal(a, kernels.sketch(kind, 31, 17, 100, 4, CPU))
+    rademacher = kernels.sketch("rademacher", 40, 50, 7, 0, CPU)
+    u = torch.from_numpy(uniform_at(7, np.arange(2000))).reshape(40, 50)
+    assert torch.equal(rademacher, torch.where(u < 0.5, -1.0, 1.0))
+
+
+def test_gaussian_sketch_has_standard_normal_moments() -> None:
+    n = 200_000
+    z = kernels.sketch("gaussian", 1, n, 3, 0, CPU).double().flatten()
+    # Mean 0, variance 1, fourth moment 3, within 5 standard errors (sd of z², z⁴: √2, √96).
+    assert abs(z.mean()) < 5 / math.sqrt(n)
+    assert abs((z * z).mean() - 1) < 5 * math.sqrt(2 / n)
+    assert abs((z**4).mean() - 3) < 5 * math.sqrt(96 / n)
+    # Box–Muller from the draws at offset + e and offset + n + e.
+    u1 = uniform_at(3, np.arange(n)).astype(np.float64)
+    u2 = uniform_at(3, np.arange(n, 2 * n)).astype(np.float64)
+    reference = np.sqrt(-2 * np.log(1 - u1)) * np.cos(2 * np.pi * u2)
+    assert np.abs(z.numpy() - reference).max() < 1e-4
+    assert kernels.span("gaussian", n) == 2 * n and kernels.span("rademacher", n) == n
+
+
+# --- the sampled linear layer --------------------------------------------------------------------
+
+
+def _layer(n: int = 24, d_in: int = 4, d_out: int = 3, skew: bool = False, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d_in, generator=g, dtype=torch.float64)
+    if skew:
+        x = x * torch.logspace(0, 2, n, dtype=torch.float64)[:, None]  # a few rows dominate
+    w = torch.randn(d_out, d_in, generator=g, dtype=torch.float64)
+    b = torch.randn(d_out, generator=g, dtype=torch.float64)
+    grad = torch.randn(n, d_out, generator=g, dtype=torch.float64)
+    return x, w, b, grad
+
+
+def _grads(x, w, b, grad, **kw) -> Tuple[torch.Tensor, ...]:
+    x = x.clone().requires_grad_()
+    w = w.clone().requires_grad_()
+    b = b.clone().requires_grad_()
+    y = sampling.sampled_linear(x, w, b, **kw)
+    y.backward(grad)
+    return y.detach(), x.grad, w.grad, b.grad
+
+
+@pytest.mark.parametrize("method", sampling.METHODS)
+def test_forward_dx_and_db_are_exact(method: str) -> None:
+    x, w, b, grad = _layer(n=40, d_in=6, d_out=5)
+    y, dx, dw, db = _grads(x.reshape(4, 10, 6), w, b, grad.reshape(4, 10, 5), method=method, keep=0.3, seed=5)
+    assert torch.equal(y, F.linear(x.reshape(4, 10, 6), w, b))
+    assert torch.equal(dx, (grad @ w).reshape(4, 10, 6))
+    assert torch.equal(db, grad.sum(0))
+    assert dw.shape == w.shape and not torch.allclose(dw, grad.t() @ x)  # estimated, not exact
+
+
+@pytest.mark.parametrize("method", sampling.METHODS)
+def test_keep_one_is_the_exact_gradient(method: str) -> None:
+    x, w, b, grad = _layer()
+    _, _, dw, _ = _grads(x, w, b, grad, method=method, keep=1.0, seed=1)
+    assert torch.equal(dw, grad.t() @ x)
+
+
+def test_few_rows_keep_everything_and_non_finite_scores_disable_sampling() -> None:
+    # k = min(max(⌊N·keep⌋, 10), N): 8 rows at keep 0.3 keep all 8 -> exact.
+    x, w, b, grad = _layer(n=8)
+    assert torch.equal(_grads(x, w, b, grad, method="wtacrs", keep=0.3, seed=0)[2], grad.t() @ x)
+    x, w, b, grad = _layer(n=30)
+    x[3, 1] = float("inf")
+    dw = _grads(x, w, b, grad, method="crs", keep=0.3, seed=0)[2]
+    expected = grad.t() @ x
+    assert torch.equal(torch.isnan(dw), torch.isnan(expected)) and torch.equal(dw.nan_to_num(), expected.nan_to_num())
+
+
+def _z_bound(m: int, alpha: float = 1e-4) -> float:
+    return NormalDist().inv_cdf(1 - alpha / (2 * m))
+
+
+def _draws(method: str, x, w, b, grad, keep: float, reps: int, scale: float = 1.0) -> torch.Tensor:
+    out = []
+    for r in range(reps):
+        out.append(_grads(x, w, b, grad, method=method, keep=keep, seed=10_000 + r)[2] * scale)
+    return torch.stack(out)
+
+
+def _closed_form(method: str, x, grad, keep: float) -> float:
+    n = x.shape[0]
+    k = selection.keep_count(n, keep, minimum=10 if method in ("wtacrs", "crs") else 3)
+    if method in ("gaussian", "rademacher"):
+        return selection.variance_sketch(grad, x, k, method)
+    p = selection.norm_probabilities(kernels.row_norms(x))
+    if method == "crs":
+        return selection.variance_crs(grad, x, p, k)
+    return selection.variance_wtacrs(grad, x, p, k, selection.winners_count(p.sort(descending=True).values, k))
+
+
+@pytest.mark.parametrize("method", sampling.METHODS)
+def test_dw_is_unbiased_with_the_closed_form_variance(method: str) -> None:
+    # §9.1 per-entry z-test and §9.2 variance, R = 1000 seeds, N = 24 rows, k = 12.
+    x, w, b, grad = _layer(skew=True)
+    reps = 1000
+    draws = _draws(method, x, w, b, grad, 0.5, reps)
+    exact = grad.t() @ x
+    sd = draws.std(dim=0)
+    z = ((draws.mean(0) - exact) * math.sqrt(reps) / sd).abs().max().item()
+    assert z <= _z_bound(exact.numel()), f"{method}: max |z| = {z:.2f}"
+    errors = ((draws - exact) ** 2).sum(dim=(1, 2))
+    v = _closed_form(method, x, grad, 0.5)
+    assert abs(errors.mean().item() - v) <= 5 * errors.std().item() / math.sqrt(reps), (errors.mean().item(), v)
+
+
+@pytest.mark.parametrize("method", sampling.METHODS)
+def test_negative_control_a_biased_estimator_fails_the_z_test(method: str) -> None:
+    # dW scaled by 0.75 (a wrong rescale): the same test must reject it for every method.
+    x, w, b, grad = _layer(skew=True)
+    reps = 1000
+    draws = _draws(method, x, w, b, grad, 0.5, reps, scale=0.75)
+    exact = grad.t() @ x
+    z = ((draws.mean(0) - exact) * math.sqrt(reps) / draws.std(dim=0)).abs().max().item()
+    assert z > _z_bound(exact.numel())
+
+
+def test_wtacrs_variance_is_below_crs_on_a_skewed_input() -> None:
+    # Four rows hold most of the mass: WTA keeps them whole, CRS keeps drawing them.
+    x, w, b, grad = _layer(n=60)
+    x[:4] *= 30
+    wta, crs = _closed_form("wtacrs", x, grad, 0.2), _closed_form("crs", x, grad, 0.2)
+    assert wta < crs
+    reps = 300
+    exact = grad.t() @ x
+    errors = {m: ((_draws(m, x, w, b, grad, 0.2, reps) - exact) ** 2).sum(dim=(1, 2)).mean().item() for m in ("wtacrs", "crs")}
+    assert errors["wtacrs"] < errors["crs"]
+
+
+def _saved_bytes(fn: Callable[[], torch.Tensor], exclude: Tuple[torch.Tensor, ...]) -> Tuple[int, List[torch.Tensor]]:
+    """Bytes of the tensors autograd saves, each storage once, parameters left out."""
+    saved: Dict[int, int] = {}
+    tensors: List[torch.Tensor] = []
+    skip = {t.storage().data_ptr() for t in exclude}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.storage().data_ptr()
+        if ptr not in skip:
+            saved[ptr] = t.storage().nbytes() if hasattr(t.storage(), "nbytes") else t.storage().size() * t.element_size()
+            tensors.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(saved.values()), tensors
+
+
+@pytest.mark.parametrize("method,keep", [("wtacrs", 0.3), ("crs", 0.1), ("gaussian", 0.3), ("rademacher", 0.1)])
+def test_saved_bytes_are_about_keep_times_the_input(method: str, keep: float) -> None:
+    n, d_in = 512, 64
+    x = torch.randn(n, d_in, requires_grad=True)
+    lin = torch.nn.Linear(d_in, 32)
+    exact, _ = _saved_bytes(lambda: F.linear(x, lin.weight, lin.bias), (lin.weight, lin.bias))
+    assert exact == n * d_in * 4
+    got, tensors = _saved_bytes(lambda: sampling.sampled_linear(x, lin.weight, lin.bias, method=method, keep=keep),
+                                (lin.weight, lin.bias))
+    k = int(n * keep)
+    if method in ("gaussian", "rademacher"):
+        assert got == k * d_in * 4  # X̃ = S·X/k and nothing else (the key is an int)
+    else:
+        # kept rows (duplicates merged: at most k) and their int32 indices
+        rows = [t for t in tensors if t.dtype == torch.float32]
+        kept = rows[0].shape[0]
+        assert 1 <= kept <= k and got == kept * d_in * 4 + kept * 4
+        assert got <= k * (d_in * 4 + 4)
+    assert got <= (k / n) * exact + 4 * k
+
+
+def test_the_same_seed_reproduces_and_calls_draw_afresh() -> None:
+    x, w, b, grad = _layer(n=50)
+    for method in sampling.METHODS:
+        torch.manual_seed(3)
+        first = _grads(x, w, b, grad, method=method, keep=0.3)[2]
+        second = _grads(x, w, b, grad, method=method, keep=0.3)[2]  # the next call: a fresh key
+        torch.manual_seed(3)
+        again = _grads(x, w, b, grad, method=method, keep=0.3)[2]
+        assert torch.equal(first, again) and not torch.equal(first, second), method
+        generator = torch.Generator().manual_seed(3)
+        assert torch.equal(_grads(x, w, b, grad, method=method, keep=0.3, generator=generator)[2],
+                           _grads(x, w, b, grad, method=method, keep=0.3,
+                                  generator=torch.Generator().manual_seed(3))[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # fp16: test_cuda_sampling (no CPU fp16 GEMM in torch 1.13)
+def test_lower_precision_and_autocast(dtype: torch.dtype) -> None:
+    x = torch.randn(64, 16, dtype=dtype, requires_grad=True)
+    lin = torch.nn.Linear(16, 8).to(dtype)
+    for method in sampling.METHODS:
+        y = sampling.sampled_linear(x, lin.weight, lin.bias, method=method, keep=0.5, seed=1)
+        assert torch.equal(y, F.linear(x, lin.weight, lin.bias))
+        y.sum().backward()
+        assert lin.weight.grad.dtype == dtype and torch.isfinite(lin.weight.grad).all()
+        lin.weight.grad = None
+    x32 = torch.randn(64, 16, requires_grad=True)
+    lin32 = torch.nn.Linear(16, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, tensors = _saved_bytes(lambda: sampling.sampled_linear(x32, lin32.weight, lin32.bias, keep=0.5, seed=2),
+                                    (lin32.weight, lin32.bias))
+    assert tensors[0].dtype == torch.bfloat16  # the rows the bf16 product used, not an fp32 copy
+
+
+def test_bad_arguments_raise_clear_errors() -> None:
+    x, w, b = torch.randn(5, 4), torch.randn(3, 4), torch.randn(3)
+    for keep in (0, 1.5, -0.1, True, "0.3"):
+        with pytest.raises(ValueError, match=r"keep must be in \(0, 1\]"):
+            sampling.sampled_linear(x, w, b, keep=keep)
+    with pytest.raises(ValueError, match="method: expected one of wtacrs, crs, gaussian, rademacher, got 'dct'"):
+        sampling.sampled_linear(x, w, b, method="dct")
+    with pytest.raises(ValueError, match=r"x: expected shape \(\.\.\., 4\) \(in_features last\), got \(5, 3\)"):
+        sampling.sampled_linear(torch.randn(5, 3), w, b)
+    with pytest.raises(ValueError, match=r"bias: expected shape \(3,\), got \(4,\)"):
+        sampling.sampled_linear(x, w, torch.randn(4))
+    with pytest.raises(ValueError, match="x: expected dtype float32, float16, bfloat16 or float64, got torch.int64"):
+        sampling.sampled_linear(torch.ones(5, 4, dtype=torch.long), w, b)
+    with pytest.raises(ValueError, match=r"weight: expected \(out_features, in_features\)"):
+        sampling.sampled_linear(x, torch.randn(4), b)
+
+
+# --- the module ------------------------------------------------------------------------------------
+
+
+def test_sampled_linear_module() -> None:
+    torch.manual_seed(0)
+    base = torch.nn.Linear(8, 5)
+    layer = abp.nn.SampledLinear.from_linear(base, method="crs", keep=0.5)
+    assert layer.weight is base.weight and layer.bias is base.bias
+    assert "method='crs', keep=0.5" in repr(layer)
+    x = torch.randn(3, 20, 8, requires_grad=True)
+    assert torch.equal(layer(x), base(x))
+    layer(x).sum().backward()
+    assert base.weight.grad is not None and torch.equal(x.grad, torch.ones(3, 20, 5) @ base.weight)
+    fresh = abp.nn.SampledLinear(8, 5, bias=False, method="gaussian", keep=0.2)
+    assert fresh.bias is None and fresh.weight.shape == (5, 8)
+    layer.eval()
+    got, _ = _saved_bytes(lambda: layer(x), (base.weight, base.bias))
+    assert got == 3 * 20 * 8 * 4  # eval mode: a plain Linear (saves its input)
+    with pytest.raises(ValueError, match=r"keep must be in \(0, 1\]"):
+        abp.nn.SampledLinear(8, 5, keep=0.0)
+    with pytest.raises(TypeError, match="linear: expected a torch.nn.Linear, got Conv1d"):
+        abp.nn.SampledLinear.from_linear(torch.nn.Conv1d(2, 2, 1))
+
+
+def test_generic_launch_path_refuses_the_sampling_operators() -> None:
+    with pytest.raises(ValueError, match="operator row_norms: its tensors differ in shape"):
+        abp.functional.apply("row_norms", torch.randn(3, 4))
