@@ -358,11 +358,12 @@ def Abp_DequantizeGroupsOp : Abp_Op<"dequantize_groups", [Pure]> {
 def Abp_SampleOp : Abp_Op<"sample", [Pure]> {
   let summary = "keeps the rows named by an index, each times its Horvitz-Thompson weight";
   let description = [{
-    Row r of the result is `weight[r] * input[index[r]]`, computed in the compute type. The
-    index and the weights come from a sampling plan (which rows, and 1/p for each, so that
+    Row r of the result is `weight[r] * input[index[r]]`, computed in the compute type, or a
+    row of zeros where `index[r]` is negative (a row the plan dropped). The index and the
+    weights come from a sampling plan (which rows, and 1/p for each, so that
     sum_r weight[r] * f(input[index[r]]) is an unbiased estimate of sum_i f(input[i]) for any
-    f linear in the row); every index must lie in [0, rows of input). The result has one row
-    per index. One row kernel after fusion: the rows are gathered as they are read, never
+    f linear in the row); every non-negative index must lie in [0, rows of input). The result
+    has one row per index. One row kernel after fusion: the rows are gathered as they are read, never
     copied first.
 
     Example:

@@ -92,6 +92,11 @@ def test_sample_rows_of_a_misaligned_view_and_empty_plans() -> None:
     assert torch.equal(got, torch.stack([2 * x[8], -x[1]]))
     empty = kernels.sample_rows(x, torch.zeros(0, dtype=torch.int32), torch.zeros(0))
     assert empty.shape == (0, 32)
+    # A negative index drops its row: zeros, nothing read; a kept NaN stays NaN.
+    x[3, 0] = float("nan")
+    dropped = kernels.sample_rows(x, torch.tensor([-1, 3, -1], dtype=torch.int32), torch.tensor([5.0, 1.0, 2.0]))
+    assert torch.equal(dropped[0], torch.zeros(32)) and torch.equal(dropped[2], torch.zeros(32))
+    assert torch.equal(dropped[1].isnan(), x[3].isnan())
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
@@ -124,7 +129,7 @@ def test_sample_then_unsample_rebuilds_an_unbiased_input() -> None:
 
 def test_kernel_arguments_are_checked() -> None:
     x = torch.randn(4, 3)
-    with pytest.raises(ValueError, match=r"index: every entry must lie in \[0, 4\), got \[0, 4\]"):
+    with pytest.raises(ValueError, match=r"index: every entry must lie in \[-1, 4\), got \[0, 4\]"):
         kernels.sample_rows(x, torch.tensor([0, 4], dtype=torch.int32), torch.ones(2))
     with pytest.raises(ValueError, match="index: expected a 1-d torch.int32 tensor of 2 values, got torch.int64"):
         kernels.sample_rows(x, torch.tensor([0, 1]), torch.ones(2))

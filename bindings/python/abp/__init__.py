@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from . import _custom_ops, _lib, autograd, cache, compress, functional, memory, nn, sampling
+from . import _custom_ops, _lib, autograd, cache, compress, functional, memory, nn, sampling, vcas
 from . import convert as convert_  # the module (RECIPES, Change); `abp.convert` is the function
 from .compress import compress_saved
 from .controller import CompressionController, TensorKey, allocate_bits
@@ -41,6 +41,7 @@ __all__ = [
     "memory",
     "nn",
     "sampling",
+    "vcas",
     "cuda_available",
     "operators",
     "inspect",

@@ -109,13 +109,14 @@ def row_norms_backward(x: torch.Tensor, norms: torch.Tensor, grad: torch.Tensor)
 def sample_rows(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Rows weight[r] · x[index[r]] (one per index) of the 2-d `x`: abp.sample's kernel.
 
-    `index`: int32 in [0, rows of x); `weight`: the compute dtype (fp32, fp64 for fp64 `x`).
+    `index`: int32 in [-1, rows of x), -1 giving a row of zeros (a dropped row, never read);
+    `weight`: the compute dtype (fp32, fp64 for fp64 `x`).
     """
     x = _matrix("x", x)
     k = index.numel() if isinstance(index, torch.Tensor) else -1
     index = _rows("index", index, torch.int32, k, x.device)
     weight = _rows("weight", weight, compute_dtype(x.dtype), k, x.device)
-    _check_indices("index", index, 0, x.shape[0])
+    _check_indices("index", index, -1, x.shape[0])
     out = torch.empty((k, x.shape[1]), dtype=x.dtype, device=x.device)
     values = {"input0": x.data_ptr(), "input1": index.data_ptr(), "input2": weight.data_ptr()}
     _launch("sample_rows", False, values, [out.data_ptr()], x.dtype, x.device, (k, x.shape[1]))

@@ -1,0 +1,513 @@
+"""VCAS: variance-controlled adaptive sampling of the backward pass (ALGORITHMS.md §7).
+
+VCAS saves compute, not memory. After each repeated block of a network an *activation sampler*
+(identity in forward) keeps each sample's gradient with a water-filled probability p_i and
+rescales it by 1/p_i; inside the blocks each Linear computes dX only for the samples still alive
+and estimates dW from a water-filled Bernoulli sample of their tokens (q_t ∝ ‖G_t‖·‖X_t‖).
+A controller estimates, every `cal_var_freq` steps, the SGD noise and the variance each sampler
+adds, and moves the keep ratios so that the added variance stays a fixed fraction (τ) of SGD's.
+
+    vcas = abp.vcas.Controller(model, block_type=MyBlock)
+    for step, batch in enumerate(loader):
+        if vcas.due():
+            vcas.calibrate(lambda b: loss_fn(model, b), fresh_batches(vcas.cal_var_m))
+        loss_fn(model, batch).backward()
+        optimizer.step(); optimizer.zero_grad()
+        vcas.step()
+
+Where the released code differs from the paper, this follows the paper (§7.3): the new schedule
+is p(s_new), each inner calibration pass draws its own stream, and keeping no sample gives the
+zero gradient (the unbiased answer) rather than passing the gradient through. All draws come
+from the shared Philox stream, keyed per call from torch's default generator (or `generator`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type, Union
+
+import torch
+import torch.nn.functional as F
+
+from . import _sample_kernels as kernels
+from . import _selection as selection
+from .compress import draw_seed
+
+__all__ = [
+    "Controller",
+    "sample_activation_grad",
+    "sampled_linear_grads",
+    "keep_fraction",
+    "trainer_callback",
+]
+
+
+def _row_weight_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def sample_activation_grad(grad: torch.Tensor, ratio: float, seed: int, batch_dim: int = 0) -> torch.Tensor:
+    """The activation sampler's backward (§7.1): each sample (index along `batch_dim`) is kept
+    with the water-filled probability p_i = min(1, c·‖G_i‖), Σp = ⌊N·ratio⌋, and rescaled by
+    1/p_i; the others become zero. Unbiased, with variance Σ(1/p_i − 1)‖G_i‖².
+
+    Exact (the gradient itself) when ⌊N·ratio⌋ ≥ N or when the norms are not finite or all zero.
+    """
+    n = grad.shape[batch_dim] if grad.dim() else 0
+    k = math.floor(n * ratio)
+    if n == 0 or k >= n:
+        return grad
+    g = grad.movedim(batch_dim, 0).reshape(n, -1).contiguous()
+    norms = kernels.row_norms(g)
+    if not selection.scores_usable(norms):
+        return grad
+    plan = selection.plan_bernoulli(selection.water_fill(norms, k), kernels.uniform(n, seed, 0, g.device))
+    index = torch.full((n,), -1, dtype=torch.int32, device=g.device)
+    index[plan.index.long()] = plan.index
+    weight = torch.zeros(n, dtype=_row_weight_dtype(g), device=g.device)
+    weight[plan.index.long()] = plan.weight.to(weight.dtype)
+    out = kernels.sample_rows(g, index, weight)
+    return out.reshape(grad.movedim(batch_dim, 0).shape).movedim(0, batch_dim)
+
+
+def keep_fraction(norms: torch.Tensor, s: float) -> float:
+    """p(s): the smallest fraction of samples, by descending norm, whose norms sum to at least
+    s·Σ norms (§7.3). 1 when the norms are not usable (nothing can be dropped)."""
+    n = norms.numel()
+    if n == 0 or not selection.scores_usable(norms):
+        return 1.0
+    ordered = norms.double().sort(descending=True).values
+    cumulative = ordered.cumsum(0)
+    needed = int(torch.searchsorted(cumulative, s * cumulative[-1] * (1 - 1e-12)).item()) + 1
+    return min(needed, n) / n
+
+
+@dataclass
+class _WeightGrads:
+    dx: Optional[torch.Tensor]
+    dw: Optional[torch.Tensor]
+    db: Optional[torch.Tensor]
+    variance: float  # V_w of the token sample at this ratio (0 when exact)
+
+
+def sampled_linear_grads(
+    x: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor, ratio: float, seed: int,
+    lead_shape: Optional[Sequence[int]] = None, batch_dim: int = 0, sample: bool = True,
+) -> _WeightGrads:
+    """The weight-gradient sampler's backward (§7.2) for y = x·Wᵀ + b over N tokens (rows of the
+    2-d `x`, `grad`); `lead_shape` is the input's shape without its last dimension (N elements),
+    whose `batch_dim` counts the samples (None: every token is a sample).
+
+    dX is computed only for the samples whose gradient is not all zero (the others' is zero);
+    dW = Σ_kept G_tᵀX_t / q_t over a Bernoulli sample of those samples' K′ tokens, q water-filled
+    from ‖G_t‖·‖X_t‖ with Σq = ⌊K′·ratio⌋ (exact when that is K′ or 0, or when `sample` is
+    False); db is exact. Also returns V_w = Σ_t (1/q_t − 1)‖G_t‖²‖X_t‖² for this ratio, which
+    the controller needs even from exact passes.
+    """
+    n = x.shape[0]
+    g = grad.contiguous()
+    gn = kernels.row_norms(g)
+    db = g.sum(0)
+    if not bool(torch.isfinite(gn).all()):  # a non-finite score disables sampling for the call
+        return _WeightGrads(g @ weight.to(g.dtype), g.t() @ x.to(g.dtype), db, 0.0)
+    # A sample is alive while any of its tokens has a gradient; a dropped sample's is all zero.
+    lead = tuple(lead_shape) if lead_shape is not None else (n,)
+    positive = (gn > 0).reshape(lead)
+    samples = lead[batch_dim]
+    alive_samples = positive.movedim(batch_dim, 0).reshape(samples, -1).any(dim=1)
+    all_alive = bool(alive_samples.all())
+    if all_alive:
+        tokens = None
+        g_alive, x_alive = g, x
+    else:
+        view = [samples if i == batch_dim else 1 for i in range(len(lead))]
+        token_alive = alive_samples.reshape(view).expand(lead).reshape(-1)
+        tokens = torch.nonzero(token_alive).flatten().to(torch.int32)
+        ones = torch.ones(tokens.numel(), dtype=_row_weight_dtype(g), device=g.device)
+        g_alive = kernels.sample_rows(g, tokens, ones)
+        x_alive = kernels.sample_rows(x, tokens, ones)
+    dx_alive = g_alive @ weight.to(g.dtype)
+    if all_alive:
+        dx = dx_alive
+    else:
+        slot = torch.full((n,), -1, dtype=torch.int32, device=g.device)
+        slot[tokens.long()] = torch.arange(tokens.numel(), dtype=torch.int32, device=g.device)
+        dx = kernels.unsample_rows(dx_alive, slot)
+    alive = g_alive.shape[0]
+    k = math.floor(alive * ratio)
+    if k >= alive or k == 0:
+        return _WeightGrads(dx, g_alive.t() @ x_alive.to(g.dtype), db, 0.0)
+    gn_alive = gn if all_alive else gn[tokens.long()]
+    scores = gn_alive.double() * kernels.row_norms(x_alive).double()
+    if not selection.scores_usable(scores):
+        return _WeightGrads(dx, g_alive.t() @ x_alive.to(g.dtype), db, 0.0)
+    q = selection.water_fill(scores, k)
+    kept = q > 0
+    variance = float(((1.0 / q[kept] - 1.0) * scores[kept] ** 2).sum())
+    if not sample:
+        return _WeightGrads(dx, g_alive.t() @ x_alive.to(g.dtype), db, variance)
+    plan = selection.plan_bernoulli(q, kernels.uniform(alive, seed, 0, g.device))
+    rows = plan.index if all_alive else tokens[plan.index.long()]
+    g_kept = kernels.sample_rows(g, rows, plan.weight.to(_row_weight_dtype(g)))
+    x_kept = kernels.sample_rows(x, rows, torch.ones(len(plan), dtype=_row_weight_dtype(x), device=x.device))
+    return _WeightGrads(dx, g_kept.t() @ x_kept.to(g.dtype), db, variance)
+
+
+# --- controller state and the autograd pieces --------------------------------------------------------
+
+
+@dataclass
+class _Sampler:
+    """One activation sampler (after block `depth`, 0 = the bottom block)."""
+
+    depth: int
+    ratio: float = 1.0
+    active: bool = True  # resamples (the top sampler, or a ratio below the one above)
+    candidates: Dict[float, float] = field(default_factory=dict)  # s' -> Σ p_l(s') over exact passes
+
+
+@dataclass
+class _LinearState:
+    name: str
+    depth: int
+    ratio: float = 1.0  # ν
+    variance: float = 0.0  # Σ V_w over the calibration's inner passes
+
+
+class _ActivationSample(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, controller: "Controller", sampler: _Sampler) -> torch.Tensor:  # type: ignore[override]
+        ctx.controller, ctx.sampler = controller, sampler
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None]:  # type: ignore[override]
+        return ctx.controller._activation_backward(ctx.sampler, grad), None, None
+
+
+class _VcasLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],  # type: ignore[override]
+                controller: "Controller", state: _LinearState) -> torch.Tensor:
+        y = F.linear(x, weight, bias)
+        ctx.controller, ctx.state, ctx.has_bias = controller, state, bias is not None
+        ctx.x_shape = x.shape
+        ctx.save_for_backward(x, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        x2 = x.reshape(-1, x.shape[-1]).to(grad.dtype).contiguous()
+        g2 = grad.reshape(-1, grad.shape[-1])
+        grads = ctx.controller._linear_backward(ctx.state, x2, g2, weight, ctx.x_shape[:-1])
+        dx = grads.dx.reshape(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        dw = grads.dw if ctx.needs_input_grad[1] else None
+        db = grads.db if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db, None, None
+
+
+class _VcasLinear(torch.nn.Linear):
+    """A Linear inside a block, sharing the original's Parameters, whose backward is VCAS's."""
+
+    def __init__(self, linear: torch.nn.Linear, controller: "Controller", state: _LinearState) -> None:
+        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+        self.weight, self.bias = linear.weight, linear.bias
+        self.train(linear.training)
+        # Not a submodule: the state_dict keeps the original's keys (weight, bias) only.
+        self.__dict__["original"] = linear
+        self._controller, self.state = controller, state
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return F.linear(input, self.weight, self.bias)
+        return _VcasLinearFunction.apply(input, self.weight, self.bias, self._controller, self.state)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, vcas ratio={self.state.ratio:.3g}"
+
+
+def _is_plain_linear(module: torch.nn.Module) -> bool:
+    return type(module) is torch.nn.Linear
+
+
+class Controller:
+    """Inserts VCAS's samplers into `model` and adapts their ratios (ALGORITHMS.md §7).
+
+    block_type: the repeated block class (or a tuple of classes); an activation sampler follows
+    each such module (its first tensor output, samples along `batch_dim`), and every plain
+    nn.Linear inside one becomes a weight-gradient sampler (the Parameters are shared, so an
+    existing optimizer keeps working). Layers outside the blocks stay exact. Until the first
+    calibration every ratio is 1: training is exact.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        block_type: Union[Type[torch.nn.Module], Tuple[Type[torch.nn.Module], ...]],
+        act_var_tau: float = 0.025,
+        w_var_tau: float = 0.025,
+        cal_var_freq: int = 100,
+        *,
+        s_update_step: float = 0.01,
+        w_ratio_mul: float = 0.95,
+        cal_var_m: int = 2,
+        act_sched_decay: float = 0.6,
+        param_sample_ratio: float = 0.01,
+        batch_dim: int = 0,
+        generator: Optional[torch.Generator] = None,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        for name, value in (("act_var_tau", act_var_tau), ("w_var_tau", w_var_tau)):
+            if not value > 0:
+                raise ValueError(f"{name}: expected a positive variance fraction, got {value!r}")
+        if isinstance(cal_var_freq, bool) or not isinstance(cal_var_freq, int) or cal_var_freq < 1:
+            raise ValueError(f"cal_var_freq: expected an int >= 1 (steps between calibrations), got {cal_var_freq!r}")
+        if isinstance(cal_var_m, bool) or not isinstance(cal_var_m, int) or cal_var_m < 2:
+            raise ValueError(f"cal_var_m: expected an int >= 2 (batches per calibration), got {cal_var_m!r}")
+        if not 0 < s_update_step < 1:
+            raise ValueError(f"s_update_step: expected a value in (0, 1), got {s_update_step!r}")
+        if not 0 < w_ratio_mul < 1:
+            raise ValueError(f"w_ratio_mul: expected a value in (0, 1), got {w_ratio_mul!r}")
+        if not 0 <= act_sched_decay < 1:
+            raise ValueError(f"act_sched_decay: expected a value in [0, 1), got {act_sched_decay!r}")
+        if not 0 < param_sample_ratio <= 1:
+            raise ValueError(f"param_sample_ratio: expected a value in (0, 1], got {param_sample_ratio!r}")
+        self.model = model
+        self.act_var_tau, self.w_var_tau, self.cal_var_freq = float(act_var_tau), float(w_var_tau), cal_var_freq
+        self.s_update_step, self.w_ratio_mul, self.cal_var_m = s_update_step, w_ratio_mul, cal_var_m
+        self.act_sched_decay, self.param_sample_ratio = act_sched_decay, param_sample_ratio
+        self.batch_dim, self.generator = batch_dim, generator
+        self.s = 1.0
+        self.steps = 0
+        self.calibrations = 0
+        self.last: Dict[str, Any] = {}  # the last calibration's variances (for logs and tests)
+        # "train": sample with the current ratios; "exact": no sampling (recording candidates);
+        # "activations": activation samplers only, weight samplers report V_w.
+        self._mode = "train"
+        self._record = False
+        self.blocks: List[torch.nn.Module] = [m for m in model.modules() if isinstance(m, block_type)]
+        if not self.blocks:
+            raise ValueError(f"block_type: model has no module of type {block_type}")
+        self.samplers = [_Sampler(depth) for depth in range(len(self.blocks))]
+        self.linears: List[_VcasLinear] = []
+        self._hooks = []
+        for depth, block in enumerate(self.blocks):
+            self._hooks.append(block.register_forward_hook(self._hook(self.samplers[depth])))
+            for parent_name, parent in block.named_modules():
+                for child_name, child in list(parent.named_children()):
+                    if _is_plain_linear(child):
+                        name = ".".join(n for n in (parent_name, child_name) if n)
+                        layer = _VcasLinear(child, self, _LinearState(name, depth))
+                        setattr(parent, child_name, layer)
+                        self.linears.append(layer)
+
+    # --- wiring ---
+
+    def _hook(self, sampler: _Sampler) -> Callable[..., Any]:
+        def hook(module: torch.nn.Module, inputs: Any, output: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return output
+            if isinstance(output, torch.Tensor):
+                return _ActivationSample.apply(output, self, sampler)
+            if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+                return (_ActivationSample.apply(output[0], self, sampler),) + tuple(output[1:])
+            return output
+
+        return hook
+
+    def remove(self) -> None:
+        """Puts the original Linears back and removes the samplers."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        for block in self.blocks:
+            for parent in block.modules():
+                for child_name, child in list(parent.named_children()):
+                    if isinstance(child, _VcasLinear):
+                        setattr(parent, child_name, child.original)
+        self.linears.clear()
+
+    # --- the samplers' backward ---
+
+    def _seed(self) -> int:
+        return draw_seed(self.generator)
+
+    def _activation_backward(self, sampler: _Sampler, grad: torch.Tensor) -> torch.Tensor:
+        if self._record:
+            g = grad.movedim(self.batch_dim, 0).reshape(grad.shape[self.batch_dim], -1).contiguous()
+            norms = kernels.row_norms(g)
+            for s in self._candidate_levels():
+                sampler.candidates[s] = sampler.candidates.get(s, 0.0) + keep_fraction(norms, s)
+        if self._mode == "exact" or not sampler.active:
+            return grad
+        return sample_activation_grad(grad, sampler.ratio, self._seed(), self.batch_dim)
+
+    def _linear_backward(self, state: _LinearState, x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor,
+                         lead_shape: Sequence[int]) -> _WeightGrads:
+        if self._mode == "exact":
+            return _WeightGrads(g @ weight.to(g.dtype), g.t() @ x, g.sum(0), 0.0)
+        sample = self._mode == "train"
+        batch_dim = self.batch_dim if len(lead_shape) > 1 else 0
+        grads = sampled_linear_grads(x, g, weight, state.ratio, self._seed(), lead_shape, batch_dim, sample=sample)
+        if not sample:
+            state.variance += grads.variance
+        return grads
+
+    def _candidate_levels(self) -> Tuple[float, ...]:
+        a = self.s_update_step
+        return tuple(sorted({max(0.0, self.s - a), self.s, min(1.0, self.s + a)}))
+
+    # --- the schedule ---
+
+    def due(self) -> bool:
+        """True when this step should start with a calibration (every cal_var_freq steps)."""
+        return self.steps % self.cal_var_freq == 0
+
+    def step(self) -> None:
+        """Counts one training step."""
+        self.steps += 1
+
+    @property
+    def activation_ratios(self) -> List[float]:
+        """ρ_l, bottom block first."""
+        return [s.ratio for s in self.samplers]
+
+    @property
+    def weight_ratios(self) -> Dict[str, float]:
+        """ν of every sampled Linear, by '<block index>.<name in the block>'."""
+        return {f"{layer.state.depth}.{layer.state.name}": layer.state.ratio for layer in self.linears}
+
+    def flops_ratio(self) -> float:
+        """The step's GEMM cost relative to exact training, (1 + mean ρ + mean ρ·ν)/3 over the
+        sampled Linears (§7.2; Linears outside blocks and the other ops not counted)."""
+        if not self.linears:
+            return 1.0
+        rho = [self.samplers[layer.state.depth].ratio for layer in self.linears]
+        nu = [min(1.0, layer.state.ratio) for layer in self.linears]
+        return (1 + sum(rho) / len(rho) + sum(r * v for r, v in zip(rho, nu)) / len(rho)) / 3
+
+    def calibrate(self, loss_fn: Callable[[Any], torch.Tensor], batches: Sequence[Any]) -> Dict[str, Any]:
+        """Algorithm 1 (§7.3) over `batches` (M = cal_var_m fresh batches): for each, an exact
+        backward, then M backwards with the activation samplers only; updates s, ρ and ν.
+
+        loss_fn(batch) must run the model's forward and return the scalar loss. Parameter .grad
+        values are restored afterwards. Returns the variances it measured (also in `.last`).
+        """
+        batches = list(batches)
+        m = len(batches)
+        if m < 2:
+            raise ValueError(f"batches: expected at least 2 batches to estimate the SGD variance, got {m}")
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        saved_grads = [p.grad for p in params]
+        ratio = self.param_sample_ratio
+        picks = [torch.randperm(p.numel(), generator=self.generator, device="cpu")[: max(1, round(ratio * p.numel()))]
+                 .to(p.device) for p in params]
+        layer_params = {id(layer.weight): layer for layer in self.linears}
+        for sampler in self.samplers:
+            sampler.candidates.clear()
+        for layer in self.linears:
+            layer.state.variance = 0.0
+
+        def gradient(batch: Any) -> List[torch.Tensor]:
+            for p in params:
+                p.grad = None
+            loss_fn(batch).backward()
+            return [(p.grad.flatten()[i].double() if p.grad is not None else torch.zeros(len(i), dtype=torch.float64, device=p.device))
+                    for p, i in zip(params, picks)]
+
+        exact: List[List[torch.Tensor]] = []
+        v_act = 0.0
+        try:
+            for batch in batches:
+                self._mode, self._record = "exact", True
+                g = gradient(batch)
+                exact.append(g)
+                self._mode, self._record = "activations", False
+                for _ in range(m):
+                    sampled = gradient(batch)
+                    v_act += sum(float(((a - b) ** 2).sum()) for a, b in zip(sampled, g))
+        finally:
+            self._mode, self._record = "train", False
+            for p, grad in zip(params, saved_grads):
+                p.grad = grad
+        # V_SGD: the between-batch variance of the sampled entries, unbiased, scaled to all entries.
+        per_param = [torch.stack([e[j] for e in exact]) for j in range(len(params))]
+        sgd_param = [float(t.var(dim=0, unbiased=True).sum()) / ratio for t in per_param]
+        v_sgd = sum(sgd_param)
+        v_act /= m * m * ratio
+        self._update_activation_ratios(v_act, v_sgd, m)
+        v_w: Dict[str, float] = {}
+        for j, p in enumerate(params):
+            layer = layer_params.get(id(p))
+            if layer is None:
+                continue
+            key = f"{layer.state.depth}.{layer.state.name}"
+            v_w[key] = layer.state.variance / (m * m)
+            too_noisy = v_w[key] > self.w_var_tau * sgd_param[j]
+            layer.state.ratio = min(1.0, layer.state.ratio / self.w_ratio_mul) if too_noisy else layer.state.ratio * self.w_ratio_mul
+        self.calibrations += 1
+        self.last = {"v_sgd": v_sgd, "v_act": v_act, "v_w": v_w, "s": self.s}
+        return self.last
+
+    def _update_activation_ratios(self, v_act: float, v_sgd: float, m: int) -> None:
+        a = self.s_update_step
+        direction = 1.0 if v_act > self.act_var_tau * v_sgd else -1.0
+        s_new = min(1.0, max(0.0, self.s + direction * a))
+        levels = self._candidate_levels()
+        level = min(levels, key=lambda s: abs(s - s_new))
+        schedule: List[float] = []
+        for sampler in self.samplers:  # bottom to top: ρ_l = max_{j ≤ l} p_j(s_new)
+            p = sampler.candidates.get(level, float(m)) / m
+            schedule.append(max(schedule[-1], p) if schedule else p)
+        decay = self.act_sched_decay
+        for sampler, p in zip(self.samplers, schedule):
+            sampler.ratio = decay * sampler.ratio + (1 - decay) * p
+        # Resample only at the top, or where the ratio drops below the one above (§7.1).
+        for lower, upper in zip(self.samplers, self.samplers[1:]):
+            lower.active = lower.ratio < upper.ratio
+        self.samplers[-1].active = True
+        self.s = s_new
+
+
+def trainer_callback(controller: Controller, loss_fn: Optional[Callable[[torch.nn.Module, Any], torch.Tensor]] = None) -> Any:
+    """A transformers.TrainerCallback that calibrates `controller` when due (on fresh batches
+    from the trainer's dataloader) and counts steps. loss_fn(model, batch) defaults to
+    model(**batch).loss. Raises ImportError when transformers is not installed."""
+    import transformers  # noqa: F401  (an ImportError here says what is missing)
+
+    def default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        return model(**batch).loss
+
+    compute = loss_fn or default_loss
+
+    class VcasCallback(transformers.TrainerCallback):  # type: ignore[misc, name-defined]
+        def __init__(self) -> None:
+            self._batches: Optional[Iterable[Any]] = None
+
+        def _fresh(self, dataloader: Iterable[Any], device: torch.device) -> List[Any]:
+            out: List[Any] = []
+            while len(out) < controller.cal_var_m:
+                if self._batches is None:
+                    self._batches = iter(dataloader)
+                try:
+                    batch = next(self._batches)  # type: ignore[call-overload]
+                except StopIteration:
+                    self._batches = None
+                    continue
+                out.append({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()})
+            return out
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, model: Optional[torch.nn.Module] = None,
+                          train_dataloader: Optional[Iterable[Any]] = None, **kwargs: Any) -> Any:
+            if controller.due() and model is not None and train_dataloader is not None:
+                device = next(model.parameters()).device
+                controller.calibrate(lambda b: compute(model, b), self._fresh(train_dataloader, device))
+            return control
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            controller.step()
+            return control
+
+    return VcasCallback()

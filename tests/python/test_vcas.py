@@ -1,0 +1,344 @@
+"""VCAS (abp.vcas): the activation and weight-gradient samplers and the controller, on the CPU
+path (ALGORITHMS.md §7, §9): samplers unbiased (§9.1 z-test over R seeds, with negative controls)
+with the closed-form variance (§9.2); ratio 1 exact; the controller's ratios moving the right way
+when the added variance is planted high or low; determinism; the HF Trainer callback.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import types
+from statistics import NormalDist
+from typing import Any, List, Tuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import abp
+from abp import _sample_kernels as kernels
+from abp import _selection as selection
+from abp import vcas
+from abp_reference import library_or_skip
+
+
+@pytest.fixture(autouse=True)
+def _library() -> None:
+    library_or_skip()
+
+
+def _z(draws: torch.Tensor, exact: torch.Tensor) -> float:
+    """max |z| of §9.1; infinite when an entry without spread (always kept) is not exact."""
+    reps = draws.shape[0]
+    sd = draws.std(dim=0)
+    live = sd > 0
+    if not torch.allclose(draws.mean(0)[~live], exact[~live], rtol=1e-12, atol=1e-12):
+        return math.inf
+    return ((draws.mean(0) - exact)[live] * math.sqrt(reps) / sd[live]).abs().max().item()
+
+
+def _bound(m: int) -> float:
+    return NormalDist().inv_cdf(1 - 1e-4 / (2 * m))
+
+
+def _skewed_grad(samples: int = 12, shape: Tuple[int, ...] = (3, 2)) -> torch.Tensor:
+    g = torch.Generator().manual_seed(4)
+    grad = torch.randn(samples, *shape, generator=g, dtype=torch.float64)
+    return grad * torch.logspace(0, 1.5, samples, dtype=torch.float64).reshape(-1, *([1] * len(shape)))
+
+
+# --- activation sampler -------------------------------------------------------------------------------
+
+
+def test_activation_sampler_is_unbiased_with_the_closed_form_variance() -> None:
+    grad = _skewed_grad()
+    reps = 2000
+    draws = torch.stack([vcas.sample_activation_grad(grad, 0.5, 100 + r) for r in range(reps)])
+    assert _z(draws, grad) <= _bound(grad.numel())
+    p = selection.water_fill(grad.reshape(12, -1).norm(dim=1), 6)
+    v = selection.variance_bernoulli(grad.reshape(12, -1), None, p)
+    errors = ((draws - grad) ** 2).flatten(1).sum(1)
+    assert abs(errors.mean().item() - v) <= 5 * errors.std().item() / math.sqrt(reps)
+    # Each draw keeps whole samples: a sample's rows are all kept (rescaled by 1/p) or all zero.
+    kept = draws[0].reshape(12, -1).abs().sum(1) > 0
+    assert torch.allclose(draws[0][kept], grad[kept] / p[kept].float().double()[:, None, None], rtol=1e-6)
+
+
+def test_activation_sampler_negative_control() -> None:
+    grad = _skewed_grad()
+    draws = torch.stack([0.9 * vcas.sample_activation_grad(grad, 0.5, 100 + r) for r in range(2000)])
+    assert _z(draws, grad) > _bound(grad.numel())
+
+
+def test_a_chain_of_two_samplers_is_unbiased() -> None:
+    # Top block keeps ρ = 0.6, the block below 0.4; between them a per-sample linear map (a block's
+    # backward without cross-sample ops), so the chain stays conditionally unbiased (§7.1).
+    grad = _skewed_grad(shape=(4,))
+    a = torch.randn(4, 4, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    exact = grad @ a
+    draws = torch.stack([vcas.sample_activation_grad(vcas.sample_activation_grad(grad, 0.6, 2 * r) @ a, 0.4, 2 * r + 1)
+                         for r in range(2000)])
+    assert _z(draws, exact) <= _bound(exact.numel())
+
+
+def test_activation_sampler_exact_cases() -> None:
+    grad = _skewed_grad()
+    assert vcas.sample_activation_grad(grad, 1.0, 1) is grad
+    nan = grad.clone()
+    nan[3, 0, 1] = float("nan")
+    assert vcas.sample_activation_grad(nan, 0.3, 1) is nan  # non-finite scores: pass through
+    zero = torch.zeros(5, 3)
+    assert vcas.sample_activation_grad(zero, 0.3, 1) is zero
+    # k = 0: nothing kept, the unbiased answer is the zero gradient (not a pass-through).
+    assert torch.equal(vcas.sample_activation_grad(grad, 0.05, 1), torch.zeros_like(grad))
+    # Samples along another dimension.
+    moved = grad.movedim(0, 1)
+    torch.testing.assert_close(vcas.sample_activation_grad(moved, 0.5, 7, batch_dim=1),
+                               vcas.sample_activation_grad(grad, 0.5, 7).movedim(0, 1))
+
+
+def test_keep_fraction() -> None:
+    norms = torch.tensor([4.0, 3.0, 2.0, 1.0])
+    assert vcas.keep_fraction(norms, 1.0) == 1.0
+    assert vcas.keep_fraction(norms, 0.7) == 0.5  # 4 + 3 = 7 of 10
+    assert vcas.keep_fraction(norms, 0.71) == 0.75
+    assert vcas.keep_fraction(norms, 0.0) == 0.25
+    assert vcas.keep_fraction(torch.tensor([1.0, float("nan")]), 0.5) == 1.0
+
+
+# --- weight-gradient sampler ------------------------------------------------------------------------------
+
+
+def _linear_case(samples: int = 6, tokens: int = 4, d_in: int = 3, d_out: int = 2):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(samples * tokens, d_in, generator=g, dtype=torch.float64)
+    grad = torch.randn(samples * tokens, d_out, generator=g, dtype=torch.float64)
+    grad *= torch.logspace(0, 1, samples * tokens, dtype=torch.float64)[:, None]
+    w = torch.randn(d_out, d_in, generator=g, dtype=torch.float64)
+    return x, grad, w, (samples, tokens)
+
+
+def test_weight_sampler_is_unbiased_and_dx_db_exact() -> None:
+    x, grad, w, lead = _linear_case()
+    reps = 2000
+    results = [vcas.sampled_linear_grads(x, grad, w, 0.4, 500 + r, lead) for r in range(reps)]
+    exact = grad.t() @ x
+    draws = torch.stack([r.dw for r in results])
+    assert _z(draws, exact) <= _bound(exact.numel())
+    errors = ((draws - exact) ** 2).flatten(1).sum(1)
+    v = results[0].variance
+    assert abs(errors.mean().item() - v) <= 5 * errors.std().item() / math.sqrt(reps)
+    scores = grad.norm(dim=1) * x.norm(dim=1)
+    assert v == pytest.approx(selection.variance_bernoulli(grad, x, selection.water_fill(scores, math.floor(24 * 0.4))))
+    assert torch.equal(results[0].dx, grad @ w) and torch.equal(results[0].db, grad.sum(0))
+    control = torch.stack([0.9 * r.dw for r in results])
+    assert _z(control, exact) > _bound(exact.numel())
+
+
+def test_weight_sampler_skips_dropped_samples() -> None:
+    x, grad, w, lead = _linear_case()
+    grad.reshape(6, 4, -1)[[1, 4]] = 0.0  # two samples dropped by an activation sampler above
+    out = vcas.sampled_linear_grads(x, grad, w, 1.0, 0, lead)
+    assert torch.equal(out.dx.reshape(6, 4, -1)[[1, 4]], torch.zeros(2, 4, 3, dtype=torch.float64))
+    torch.testing.assert_close(out.dx, grad @ w, rtol=0, atol=0)
+    torch.testing.assert_close(out.dw, grad.t() @ x, rtol=1e-12, atol=1e-12)
+    assert out.variance == 0.0
+    # ν applies to the K' tokens of the live samples: 16 tokens at ν = 0.5 -> 8 expected.
+    sampled = vcas.sampled_linear_grads(x, grad, w, 0.5, 3, lead)
+    live = grad.norm(dim=1) * x.norm(dim=1)
+    q = selection.water_fill(live[live > 0], 8)
+    assert sampled.variance == pytest.approx(float(((1 / q - 1) * live[live > 0] ** 2).sum()))
+
+
+# --- the controller -------------------------------------------------------------------------------------
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(d, 2 * d)
+        self.fc2 = torch.nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class Net(torch.nn.Module):
+    def __init__(self, d: int = 8, depth: int = 3) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(5, d)
+        self.blocks = torch.nn.ModuleList(Block(d) for _ in range(depth))
+        self.head = torch.nn.Linear(d, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h).mean(1)
+
+
+def _data(n: int = 6, batch: int = 16) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(batch, 7, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (batch,), generator=g))
+            for _ in range(n)]
+
+
+def _net() -> Net:
+    torch.manual_seed(0)
+    return Net().double()
+
+
+def test_controller_wraps_block_linears_only_and_starts_exact() -> None:
+    net, reference = _net(), _net()
+    controller = vcas.Controller(net, Block)
+    assert len(controller.linears) == 6 and type(net.embed) is torch.nn.Linear and type(net.head) is torch.nn.Linear
+    assert net.blocks[0].fc1.weight is controller.linears[0].weight
+    assert list(net.state_dict()) == list(reference.state_dict())
+    x, y = _data(1)[0]
+    F.cross_entropy(net(x), y).backward()
+    F.cross_entropy(reference(x), y).backward()
+    for a, b in zip(net.parameters(), reference.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-14)
+    assert controller.flops_ratio() == 1.0 and controller.due()
+    controller.remove()
+    assert type(net.blocks[0].fc1) is torch.nn.Linear
+
+
+def _calibrated(tau: float, s: float, rho: float, nu: float) -> vcas.Controller:
+    net = _net()
+    controller = vcas.Controller(net, Block, act_var_tau=tau, w_var_tau=tau, cal_var_freq=1, param_sample_ratio=0.5)
+    controller.s = s
+    for sampler in controller.samplers:
+        sampler.ratio = rho
+    for layer in controller.linears:
+        layer.state.ratio = nu
+    data = _data()
+    torch.manual_seed(11)
+    controller.calibrate(lambda b: F.cross_entropy(net(b[0]), b[1]), data[:2])
+    return controller
+
+
+def test_ratios_move_up_when_the_added_variance_is_planted_high() -> None:
+    # τ tiny: any sampling variance is too much, so s, ρ and ν must all grow.
+    controller = _calibrated(tau=1e-9, s=0.5, rho=0.3, nu=0.3)
+    assert controller.last["v_act"] > 0 and all(v > 0 for v in controller.last["v_w"].values())
+    assert controller.s == pytest.approx(0.51)
+    assert all(r > 0.3 for r in controller.activation_ratios)
+    assert all(v == pytest.approx(0.3 / 0.95) for v in controller.weight_ratios.values())
+
+
+def test_ratios_move_down_when_the_added_variance_is_planted_low() -> None:
+    controller = _calibrated(tau=1e9, s=1.0, rho=1.0, nu=1.0)
+    assert controller.s == pytest.approx(0.99)
+    assert all(v == pytest.approx(0.95) for v in controller.weight_ratios.values())
+    ratios = controller.activation_ratios
+    assert all(r <= 1.0 for r in ratios) and ratios == sorted(ratios)  # monotone, bottom to top
+
+
+def test_calibration_restores_grads_and_is_deterministic() -> None:
+    a = _calibrated(tau=0.025, s=0.8, rho=0.7, nu=0.6)
+    b = _calibrated(tau=0.025, s=0.8, rho=0.7, nu=0.6)
+    assert a.last == b.last and a.activation_ratios == b.activation_ratios
+    net = _net()
+    controller = vcas.Controller(net, Block, cal_var_freq=1)
+    marker = [torch.full_like(p, 7.0) for p in net.parameters()]
+    for p, m in zip(net.parameters(), marker):
+        p.grad = m
+    controller.calibrate(lambda b: F.cross_entropy(net(b[0]), b[1]), _data()[:2])
+    assert all(p.grad is m for p, m in zip(net.parameters(), marker))
+
+
+def test_inner_passes_draw_independent_streams() -> None:
+    # The original reseeded every inner pass identically (§7.3): two passes must differ.
+    net = _net()
+    controller = vcas.Controller(net, Block)
+    for sampler in controller.samplers:
+        sampler.ratio = 0.5
+    x, y = _data(1)[0]
+    grads = []
+    for _ in range(2):
+        net.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        grads.append(net.embed.weight.grad.clone())
+    assert not torch.equal(grads[0], grads[1])
+
+
+def test_training_with_sampling_saves_what_exact_training_saves() -> None:
+    net = _net()
+    controller = vcas.Controller(net, Block)
+    for sampler in controller.samplers:
+        sampler.ratio = 0.5
+    for layer in controller.linears:
+        layer.state.ratio = 0.5
+    x, y = _data(1)[0]
+    sizes: List[int] = []
+
+    def count() -> int:
+        seen = {}
+        params = {p.data_ptr() for p in net.parameters()}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.data_ptr() not in params:
+                seen[t.storage().data_ptr()] = t.storage().size() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        return sum(seen.values())
+
+    sizes.append(count())
+    controller.remove()
+    sizes.append(count())
+    assert sizes[0] == sizes[1]
+
+
+def test_controller_arguments_are_checked() -> None:
+    net = _net()
+    with pytest.raises(ValueError, match="block_type: model has no module of type"):
+        vcas.Controller(net, torch.nn.Conv1d)
+    with pytest.raises(ValueError, match="act_var_tau: expected a positive variance fraction, got 0"):
+        vcas.Controller(net, Block, act_var_tau=0)
+    with pytest.raises(ValueError, match=r"cal_var_freq: expected an int >= 1"):
+        vcas.Controller(net, Block, cal_var_freq=0)
+    with pytest.raises(ValueError, match=r"cal_var_m: expected an int >= 2"):
+        vcas.Controller(net, Block, cal_var_m=1)
+    with pytest.raises(TypeError, match="model: expected a torch.nn.Module"):
+        vcas.Controller(object(), Block)  # type: ignore[arg-type]
+    controller = vcas.Controller(_net(), Block)
+    with pytest.raises(ValueError, match="batches: expected at least 2 batches"):
+        controller.calibrate(lambda b: b, [1])
+
+
+def test_trainer_callback_calibrates_when_due(monkeypatch: pytest.MonkeyPatch) -> None:
+    # transformers is not a dependency: a stand-in module supplies the TrainerCallback base.
+    fake = types.ModuleType("transformers")
+
+    class TrainerCallback:  # the real base class only defines no-op event methods
+        pass
+
+    fake.TrainerCallback = TrainerCallback  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "transformers", fake)
+    net = _net()
+    controller = vcas.Controller(net, Block, cal_var_freq=2, act_var_tau=1e9)
+
+    class Output:
+        def __init__(self, loss: torch.Tensor) -> None:
+            self.loss = loss
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> Any:
+            return Output(F.cross_entropy(self.net(inputs), labels))
+
+    model = Model()
+    loader = [{"inputs": x, "labels": y} for x, y in _data(3)]
+    callback = vcas.trainer_callback(controller)
+    assert isinstance(callback, TrainerCallback)
+    for step in range(3):
+        callback.on_step_begin(None, None, "control", model=model, train_dataloader=loader)
+        callback.on_step_end(None, None, "control")
+    assert controller.steps == 3 and controller.calibrations == 2 and controller.s == pytest.approx(0.98)
