@@ -607,8 +607,8 @@ def test_torch_rms_norm(torch_rms_norm, eps):
 @pytest.mark.parametrize(
     "kwargs,error,match",
     [
-        ({"recipe": "fewbit"}, ValueError, "recipe: expected one of lowmembp, got 'fewbit'"),
-        ({"nonsense": 1}, TypeError, "unknown override\\(s\\) nonsense; valid keywords are norms, gelu, silu"),
+        ({"recipe": "fewbit"}, ValueError, "recipe: expected one of lowmembp, sampled, got 'fewbit'"),
+        ({"nonsense": 1}, TypeError, "unknown override\\(s\\) nonsense for recipe 'lowmembp'; valid keywords are norms, gelu, silu"),
         ({"gelu": "gelu_b9"}, ValueError, "gelu: expected one of regelu2, gelu_b1"),
         ({"silu": "regelu2"}, ValueError, "silu: expected one of resilu2"),
         ({"norms": "yes"}, TypeError, "norms: expected True or False"),
@@ -628,6 +628,6 @@ def test_model_must_be_a_module():
 
 def test_exports():
     assert abp.convert is abp.convert_.convert and abp.Change is abp.convert_.Change
-    assert abp.convert_.RECIPES == ("lowmembp",)
+    assert abp.convert_.RECIPES == ("lowmembp", "sampled")
     with pytest.raises(dataclasses.FrozenInstanceError):
         abp.Change("a", "replaced", "x").module = "b"  # type: ignore[misc]

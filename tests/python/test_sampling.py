@@ -410,3 +410,68 @@ def test_sampled_linear_module() -> None:
 def test_generic_launch_path_refuses_the_sampling_operators() -> None:
     with pytest.raises(ValueError, match="operator row_norms: its tensors differ in shape"):
         abp.functional.apply("row_norms", torch.randn(3, 4))
+
+
+# --- abp.convert(recipe="sampled") ---------------------------------------------------------------
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2), dim=-1)
+        return self.o(a @ self.v(x))
+
+
+class _T5Layer(torch.nn.Module):
+    """T5's names: SelfAttention.{q,k,v,o} and DenseReluDense.{wi,wo}."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.SelfAttention = _Attention(d)
+        self.DenseReluDense = torch.nn.Module()
+        self.DenseReluDense.wi = torch.nn.Linear(d, 2 * d)
+        self.DenseReluDense.wo = torch.nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.SelfAttention(x)
+        return x + self.DenseReluDense.wo(torch.relu(self.DenseReluDense.wi(x)))
+
+
+def test_convert_samples_attention_output_and_ffn_only() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_T5Layer(), _T5Layer())
+    converted, changes = abp.convert(model, recipe="sampled", keep=0.5)
+    replaced = sorted(c.module for c in changes if c.action == "replaced")
+    assert replaced == sorted(f"{i}.{n}" for i in (0, 1) for n in ("SelfAttention.o", "DenseReluDense.wi", "DenseReluDense.wo"))
+    layer = converted[0]
+    assert isinstance(layer.SelfAttention.o, abp.nn.SampledLinear) and layer.SelfAttention.o.keep == 0.5
+    assert type(layer.SelfAttention.q) is torch.nn.Linear  # Q, K, V stay exact
+    assert type(model[0].SelfAttention.o) is torch.nn.Linear  # inplace=False: the original is untouched
+    x = torch.randn(4, 6, 8)
+    assert torch.equal(converted(x), model(x))
+    # Saved bytes drop: the sampled layers keep about half of their inputs.
+    params = tuple(converted.parameters())
+    exact_params = tuple(model.parameters())
+    xg = x.clone().requires_grad_()
+    sampled, _ = _saved_bytes(lambda: converted(xg), params)
+    exact, _ = _saved_bytes(lambda: model(xg), exact_params)
+    assert sampled < exact
+
+
+def test_convert_sampled_options_and_refusals() -> None:
+    model = torch.nn.Sequential(_T5Layer())
+    converted, changes = abp.convert(model, recipe="sampled", method="crs", layers=["*.q"])
+    assert [c.module for c in changes] == ["0.SelfAttention.q"] and converted[0].SelfAttention.q.method == "crs"
+    model[0].SelfAttention.o.register_forward_hook(lambda *a: None)
+    _, changes = abp.convert(model, recipe="sampled")
+    refused = [c for c in changes if c.action == "refused"]
+    assert [c.module for c in refused] == ["0.SelfAttention.o"] and "forward hooks" in refused[0].detail
+    with pytest.raises(TypeError, match="unknown override\\(s\\) gelu for recipe 'sampled'; valid keywords are method, keep, layers"):
+        abp.convert(model, recipe="sampled", gelu="regelu2")
+    with pytest.raises(ValueError, match=r"keep must be in \(0, 1\]"):
+        abp.convert(model, recipe="sampled", keep=2)
+    with pytest.raises(TypeError, match="layers: expected a sequence of fnmatch patterns"):
+        abp.convert(model, recipe="sampled", layers="*.o")

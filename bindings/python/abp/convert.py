@@ -1,4 +1,5 @@
-"""``abp.convert``: rewrite a model with the LowMemoryBP recipe (ALGORITHMS.md §4, §5).
+"""``abp.convert``: rewrite a model with the LowMemoryBP recipe (ALGORITHMS.md §4, §5), or make
+chosen Linear layers sampled (recipe "sampled": WTA-CRS / CRS / sketches, §3, §8).
 
 One call replaces LayerNorm / RMSNorm modules by the memory-sharing norms (whose backward reads only
 their output, which the next Linear keeps anyway) and folds their affine parameters into the
@@ -16,25 +17,45 @@ abp activations). It never silently changes the model's function:
 - the folded weights are computed in float64: ``W' = W diag(gamma)``, ``b' = b + W beta``.
 
 In full fine-tuning the fold is a re-parameterisation: gamma is no longer trained separately.
+
+Recipe "sampled" replaces the plain ``nn.Linear`` modules whose qualified names match ``layers``
+(fnmatch patterns; by default the attention-output and FFN projections of common transformer
+families, with Q, K and V left exact as in the WTA-CRS paper) by ``abp.nn.SampledLinear`` sharing
+their Parameters. Linears with their own forward, hooks or parametrizations are refused.
 """
 from __future__ import annotations
 
 import copy
+import fnmatch
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from . import nn as abp_nn
+from . import sampling
 
-__all__ = ["Change", "convert", "RECIPES"]
+__all__ = ["Change", "convert", "RECIPES", "SAMPLED_LAYERS"]
 
 #: The recipes ``convert`` knows.
-RECIPES: Tuple[str, ...] = ("lowmembp",)
+RECIPES: Tuple[str, ...] = ("lowmembp", "sampled")
 
-_DEFAULTS: Dict[str, Any] = {"norms": True, "gelu": "regelu2", "silu": "resilu2"}
+#: Recipe "sampled": the layers WTA-CRS samples (attention output and FFN; Q, K, V stay exact), by
+#: the names of T5, BERT/RoBERTa, ViT (timm and HF), LLaMA-style models.
+SAMPLED_LAYERS: Tuple[str, ...] = (
+    "*SelfAttention.o", "*EncDecAttention.o", "*DenseReluDense.wi", "*DenseReluDense.wi_0",
+    "*DenseReluDense.wi_1", "*DenseReluDense.wo",  # T5
+    "*attention.output.dense", "*intermediate.dense", "*layer.*.output.dense",  # BERT, RoBERTa, HF ViT
+    "*attn.proj", "*mlp.fc1", "*mlp.fc2",  # timm ViT
+    "*self_attn.o_proj", "*mlp.gate_proj", "*mlp.up_proj", "*mlp.down_proj",  # LLaMA, Mistral, Qwen
+)
+
+_DEFAULTS: Dict[str, Dict[str, Any]] = {
+    "lowmembp": {"norms": True, "gelu": "regelu2", "silu": "resilu2"},
+    "sampled": {"method": "wtacrs", "keep": 0.3, "layers": SAMPLED_LAYERS},
+}
 
 
 @dataclass(frozen=True)
@@ -67,13 +88,22 @@ def _activation_module(kind: str, name: str) -> nn.Module:
     return abp_nn.GELU(bits=bits, weight=weight) if kind == "gelu" else abp_nn.SiLU(bits=bits, weight=weight)
 
 
-def _check_overrides(overrides: Dict[str, Any]) -> Dict[str, Any]:
-    unknown = sorted(set(overrides) - set(_DEFAULTS))
+def _check_overrides(recipe: str, overrides: Dict[str, Any]) -> Dict[str, Any]:
+    defaults = _DEFAULTS[recipe]
+    unknown = sorted(set(overrides) - set(defaults))
     if unknown:
         raise TypeError(
-            f"convert: unknown override(s) {', '.join(unknown)}; valid keywords are {', '.join(_DEFAULTS)}"
+            f"convert: unknown override(s) {', '.join(unknown)} for recipe {recipe!r}; valid keywords are "
+            f"{', '.join(defaults)}"
         )
-    options = dict(_DEFAULTS, **overrides)
+    options = dict(defaults, **overrides)
+    if recipe == "sampled":
+        sampling.check_method(options["method"])
+        sampling.check_keep(options["keep"])
+        layers = options["layers"]
+        if isinstance(layers, str) or not isinstance(layers, Sequence) or not all(isinstance(p, str) for p in layers):
+            raise TypeError(f"layers: expected a sequence of fnmatch patterns (str), got {layers!r}")
+        return options
     if not isinstance(options["norms"], bool):
         raise TypeError(f"norms: expected True or False, got {options['norms']!r}")
     for kind in ("gelu", "silu"):
@@ -427,13 +457,41 @@ def _convert_activations(model: nn.Module, kind: str, op_name: str) -> List[Chan
     return changes
 
 
+def _convert_sampled(model: nn.Module, method: str, keep: float, layers: Sequence[str]) -> List[Change]:
+    """Replaces each plain nn.Linear whose qualified name matches a pattern of `layers` by a
+    SampledLinear sharing its Parameters."""
+    paths = _paths(model)
+    changes: List[Change] = []
+    done = set()
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear) or id(module) in done or not any(fnmatch.fnmatchcase(name, p) for p in layers):
+            continue
+        if isinstance(module, abp_nn.SampledLinear):
+            continue
+        why = _linear_refusal(name, module) or (
+            f"Linear `{name}` has {' and '.join(_hooks_of(module))}, which the replacement would not carry"
+            if _hooks_of(module) else None)
+        if why is not None:
+            changes.append(Change(name, "refused", why))
+            continue
+        done.add(id(module))
+        replacement = abp_nn.SampledLinear.from_linear(module, method=method, keep=keep)
+        _replace(model, paths[id(module)], replacement)
+        changes.append(Change(name, "replaced", f"Linear -> SampledLinear (method={method!r}, keep={keep}){_also_at(paths[id(module)])}"))
+    return changes
+
+
 def convert(model: nn.Module, recipe: str = "lowmembp", *, inplace: bool = False, **overrides: Any) -> Tuple[nn.Module, List[Change]]:
     """Applies ``recipe`` to ``model``; returns (converted model, what was changed and refused).
 
-    Overrides: ``norms=False`` keeps every norm; ``gelu=`` / ``silu=`` choose the replacement
-    activation by abp operator name (``"regelu2"`` / ``"resilu2"`` by default, ``"gelu_b3"``,
-    ``"silu_b2_uniform"``, ...) or switch it off with ``None``. With ``inplace=False`` (default)
-    the model is deep-copied first, so the original stays usable as a baseline.
+    Recipe "lowmembp" overrides: ``norms=False`` keeps every norm; ``gelu=`` / ``silu=`` choose
+    the replacement activation by abp operator name (``"regelu2"`` / ``"resilu2"`` by default,
+    ``"gelu_b3"``, ``"silu_b2_uniform"``, ...) or switch it off with ``None``.
+    Recipe "sampled" overrides: ``method=`` ("wtacrs", "crs", "gaussian", "rademacher"),
+    ``keep=`` (0.3) and ``layers=`` (fnmatch patterns of module names; SAMPLED_LAYERS by default,
+    e.g. ``["*.lora_A*"]`` for the LoRA setup of the WTA-CRS paper).
+    With ``inplace=False`` (default) the model is deep-copied first, so the original stays usable
+    as a baseline.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -441,7 +499,7 @@ def convert(model: nn.Module, recipe: str = "lowmembp", *, inplace: bool = False
         raise ValueError(f"recipe: expected one of {', '.join(RECIPES)}, got {recipe!r}")
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace: expected True or False, got {inplace!r}")
-    options = _check_overrides(overrides)
+    options = _check_overrides(recipe, overrides)
     if not inplace:
         try:
             model = copy.deepcopy(model)
@@ -449,6 +507,8 @@ def convert(model: nn.Module, recipe: str = "lowmembp", *, inplace: bool = False
             raise RuntimeError(f"model: could not be deep-copied ({type(e).__name__}: {e}); "
                                "pass inplace=True to convert it in place") from e
     changes: List[Change] = []
+    if recipe == "sampled":
+        return model, _convert_sampled(model, options["method"], options["keep"], options["layers"])
     if options["norms"]:
         changes += _convert_norms(model)
     for kind in ("gelu", "silu"):
