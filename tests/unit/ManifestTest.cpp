@@ -262,3 +262,86 @@ TEST(Manifest, MissingFileIsAnIoError) {
     EXPECT_NE(std::string(e.what()).find("/nonexistent/dir/x.json"), std::string::npos);
   }
 }
+
+namespace {
+/// A format-2 manifest with a gathered row kernel and an operator with no_grad inputs, like
+/// ops/sample's sample_rows (docs/manifest.md).
+const char *kGatherManifest = R"({
+  "format": 2, "file": "ops/sample/sample.mlir", "source": "sample.cu", "host_library": "",
+  "operators": [{
+    "name": "sample_rows", "inputs": 4, "outputs": 0, "params": [], "row_wise": true,
+    "no_grad": [1, 2, 3],
+    "residuals": [{"kind": "tensor", "bits": 32}, {"kind": "rows", "bits": 32}],
+    "saved_bits_per_element": 32, "saved_bits_per_row": 32, "tables": [],
+    "forward": {"kernel": "g_fwd", "args": ["input0", "input1", "input2"], "produces": ["result0", "input3"]},
+    "backward": {"kernel": "g_bwd", "args": ["residual0", "residual1"], "produces": ["result0"]}}],
+  "kernels": [
+    {"name": "g_fwd", "kind": "rows", "warp_max_cols": 1024, "symbols": {"f32": "abp_g_fwd_f32"},
+     "block": 256, "chunk": 8,
+     "args": [{"role": "in", "layout": "gathered", "by": 1}, {"role": "in", "layout": "rows", "type": "i32"},
+              {"role": "in", "layout": "rows"}, {"role": "out", "layout": "dense"}, {"role": "rows"}, {"role": "cols"}]},
+    {"name": "g_bwd", "kind": "rows", "warp_max_cols": 1024, "symbols": {"f32": "abp_g_bwd_f32"},
+     "block": 256, "chunk": 8,
+     "args": [{"role": "in", "layout": "gathered", "by": 1}, {"role": "in", "layout": "rows", "type": "i32"},
+              {"role": "out", "layout": "dense"}, {"role": "rows"}, {"role": "cols"}]}]
+})";
+
+std::string gatherRejection(const std::function<void(Json &)> &edit) {
+  Json j = Json::parse(kGatherManifest);
+  edit(j);
+  try {
+    parseManifest(j.dump(), "/m/g.json");
+  } catch (const Error &e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "accepted: " << j.dump();
+  return "";
+}
+} // namespace
+
+TEST(Manifest, ParsesGatheredRowsAndNoGradInputs) {
+  Manifest m = parseManifest(kGatherManifest, "/m/g.json");
+  const KernelRecord *fwd = m.findKernel("g_fwd");
+  ASSERT_NE(fwd, nullptr);
+  EXPECT_EQ(fwd->args[0].layout, ArgLayout::Gathered);
+  EXPECT_EQ(fwd->args[0].by, 1);
+  EXPECT_EQ(fwd->args[1].layout, ArgLayout::Rows);
+  EXPECT_TRUE(fwd->args[1].rowIndex);
+  EXPECT_FALSE(fwd->args[2].rowIndex); // compute-type rows have no type
+  const OperatorRecord *op = m.findOperator("sample_rows");
+  ASSERT_NE(op, nullptr);
+  EXPECT_EQ(op->noGrad, (std::vector<int>{1, 2, 3}));
+  EXPECT_EQ(op->backward.produces.size(), 1u); // one gradient: inputs without no_grad
+}
+
+TEST(Manifest, RejectsBadGatheredArgumentsAndNoGradLists) {
+  auto arg = [](Json &j, size_t k, size_t a) -> Json & {
+    return at(member(at(member(j, "kernels"), k), "args"), a);
+  };
+  auto op = [](Json &j) -> Json & { return at(member(j, "operators"), 0); };
+  struct Case {
+    std::function<void(Json &)> edit;
+    const char *want;
+  };
+  const Case cases[] = {
+      {[&](Json &j) { member(arg(j, 0, 0), "by") = Json::integer(2); },
+       "kernels[0].args[0].by: must name an i32 rows input (the row indices), got argument 2"},
+      {[&](Json &j) { member(arg(j, 0, 0), "by") = Json::integer(9); },
+       "kernels[0].args[0].by: expected an integer in [0, 5], got 9"},
+      {[&](Json &j) { member(arg(j, 0, 1), "type") = Json::string("f32"); },
+       "kernels[0].args[1].type: a rows input's type must be \"i32\""},
+      {[&](Json &j) { member(arg(j, 0, 3), "layout") = Json::string("gathered"); },
+       "kernels[0].args[3].layout: the \"gathered\" layout is only valid for inputs of a row kernel"},
+      {[&](Json &j) { member(op(j), "no_grad") = Json::parse("[4]"); },
+       "operators[0].no_grad[0]: expected an integer in [0, 3], got 4"},
+      {[&](Json &j) { member(op(j), "no_grad") = Json::parse("[1, 1]"); },
+       "operators[0].no_grad[1]: lists input 1 twice"},
+      {[&](Json &j) { member(op(j), "no_grad") = Json::parse("[1, 2]"); },
+       "operators[0].backward.produces: expected 2 references, got 1"},
+  };
+  for (const Case &c : cases) {
+    std::string message = gatherRejection(c.edit);
+    EXPECT_NE(message.find(c.want), std::string::npos)
+        << "want: " << c.want << "\ngot:  " << message;
+  }
+}
