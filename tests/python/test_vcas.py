@@ -15,8 +15,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import abp
-from abp import _sample_kernels as kernels
 from abp import _selection as selection
 from abp import vcas
 from abp_reference import library_or_skip
