@@ -59,3 +59,14 @@ def test_gact_demo_trains_compressed_runs_and_saves_less():
     assert less["exact"] == 1.0 and less["2-bit"] > less["4-bit"] > 1.5, out
     average = float(rows["controller 2"].split("average ")[1].split(" bits")[0])
     assert 1.0 <= average <= 2.0, out  # the budget is never exceeded
+
+
+def test_sampled_demo_trains_wtacrs_and_vcas_runs():
+    out = run_example("sampled_demo.py", ["--steps", "12", "--batch", "8", "--seq", "16", "--dim", "32", "--depth", "1",
+                                          "--device", "cpu"])
+    rows = {" ".join(line.split()[:2]) if line.split()[0] == "wtacrs" else line.split()[0]: line
+            for line in out.splitlines() if line.startswith("  ")}
+    assert set(rows) == {"exact", "wtacrs 0.3", "wtacrs 0.1", "vcas"}, out
+    less = {name: float(row.split("(")[1].split("x less")[0]) for name, row in rows.items()}
+    assert less["exact"] == 1.0 and less["vcas"] == 1.0 and less["wtacrs 0.1"] > less["wtacrs 0.3"] > 1.0, out
+    assert "GEMM FLOPs x" in rows["vcas"], out  # calibrated at steps 0 and 10

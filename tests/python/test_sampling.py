@@ -475,3 +475,26 @@ def test_convert_sampled_options_and_refusals() -> None:
         abp.convert(model, recipe="sampled", keep=2)
     with pytest.raises(TypeError, match="layers: expected a sequence of fnmatch patterns"):
         abp.convert(model, recipe="sampled", layers="*.o")
+
+
+@pytest.mark.parametrize("method", ["gaussian", "rademacher"])
+def test_sketch_residual_is_regenerated_not_stored(method: str) -> None:
+    # Forward saves X̃ = S·X/k and nothing of S; backward regenerates the very S from the key (§9.5).
+    x, w, b, grad = _layer(n=40)
+    k = selection.keep_count(40, 0.25, minimum=3)
+    wr = w.clone().requires_grad_()
+    _, tensors = _saved_bytes(lambda: sampling.sampled_linear(x, wr, b, method=method, keep=0.25, seed=77), (wr, b))
+    sketch = kernels.sketch(method, k, 40, 77, 0, CPU).double()
+    assert len(tensors) == 1 and torch.allclose(tensors[0], sketch @ x.detach() / k, rtol=1e-12, atol=1e-12)
+    dw = _grads(x.detach(), w, b, grad, method=method, keep=0.25, seed=77)[2]
+    torch.testing.assert_close(dw, (sketch @ grad).t() @ (sketch @ x.detach() / k), rtol=1e-12, atol=1e-12)
+
+
+def test_a_single_row_and_empty_inputs() -> None:
+    for method in sampling.METHODS:
+        x, w, b, grad = _layer(n=1)
+        assert torch.equal(_grads(x, w, b, grad, method=method, keep=0.3, seed=0)[2], grad.t() @ x)
+        empty = torch.zeros(0, 4, dtype=torch.float64, requires_grad=True)
+        wr = w.clone().requires_grad_()
+        sampling.sampled_linear(empty, wr, b, method=method, keep=0.3, seed=0).sum().backward()
+        assert torch.equal(wr.grad, torch.zeros_like(w))

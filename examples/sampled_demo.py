@@ -1,0 +1,115 @@
+"""Trains the small pre-LN transformer of lowmembp_demo.py with sampled backward passes.
+
+    PYTHONPATH=bindings/python python3 examples/sampled_demo.py [--steps 40] [--device cpu|cuda]
+
+Runs from the same seed, data and initial weights: exact; WTA-CRS at keep 0.3 and 0.1 on the
+attention output and both FFN Linears (``abp.convert(recipe="sampled")``; q/k/v stay exact); and
+VCAS (``abp.vcas.Controller``), which calibrates every 10 steps and adapts its keep ratios. It
+prints the bytes saved for backward per step, the final training loss, and VCAS's final ratios
+and GEMM-FLOPs ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+from typing import Callable, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+import abp
+from lowmembp_demo import Block, Model, make_data
+
+#: The Linears WTA-CRS samples in lowmembp_demo's Block: attention output and the FFN.
+SAMPLED = ["*.out", "*.fc1", "*.fc2"]
+
+
+def train(model: torch.nn.Module, data: Tuple[torch.Tensor, torch.Tensor], steps: int, batch: int,
+          before_step: Optional[Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Generator], None]] = None,
+          ) -> Tuple[List[float], float]:
+    """AdamW steps; `before_step(loss_of, order)` runs first each step (VCAS calibrates there)."""
+    tokens, labels = data
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    order = torch.Generator().manual_seed(1)
+    extra = torch.Generator().manual_seed(2)
+
+    def loss_of(index: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(tokens[index]), labels[index])
+
+    losses: List[float] = []
+    start = time.perf_counter()
+    for _ in range(steps):
+        if before_step is not None:
+            before_step(loss_of, extra)
+        index = torch.randint(0, tokens.shape[0], (batch,), generator=order).to(tokens.device)
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_of(index)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--depth", type=int, default=2)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    vocab, classes = 50, 4
+    torch.manual_seed(0)
+    original = Model(vocab, args.dim, args.depth, 4, classes).to(device)
+    data = make_data(4096, args.seq, vocab, classes, device)
+    print(f"pre-LN transformer: {args.depth} blocks, d={args.dim}, batch {args.batch} x {args.seq} tokens, "
+          f"device {device} (torch {torch.__version__})")
+    probe = (data[0][: args.batch].clone(), data[1][: args.batch].clone())
+
+    def saved_bytes(model: torch.nn.Module) -> int:
+        with abp.memory.SavedTensorsCounter() as counter:
+            loss = F.cross_entropy(model(probe[0]), probe[1])
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return counter.total_bytes
+
+    runs = []
+    for name in ("exact", "wtacrs 0.3", "wtacrs 0.1", "vcas"):
+        torch.manual_seed(0)
+        model = copy.deepcopy(original)
+        before_step = None
+        extra = ""
+        if name.startswith("wtacrs"):
+            model, _ = abp.convert(model, recipe="sampled", keep=float(name.split()[1]), layers=SAMPLED, inplace=True)
+        controller = None
+        if name == "vcas":
+            controller = abp.vcas.Controller(model, Block, cal_var_freq=10)
+
+            def before_step(loss_of: Callable[[torch.Tensor], torch.Tensor], extra_order: torch.Generator,
+                            c: abp.vcas.Controller = controller) -> None:
+                if c.due():
+                    batches = [torch.randint(0, data[0].shape[0], (args.batch,), generator=extra_order).to(device)
+                               for _ in range(c.cal_var_m)]
+                    c.calibrate(loss_of, batches)
+                c.step()
+
+        stored = saved_bytes(model)
+        losses, seconds = train(model, data, args.steps, args.batch, before_step)
+        if controller is not None:
+            rho = ", ".join(f"{r:.2f}" for r in controller.activation_ratios)
+            nu = sum(controller.weight_ratios.values()) / len(controller.weight_ratios)
+            extra = f"; rho [{rho}], mean nu {nu:.2f}, GEMM FLOPs x{controller.flops_ratio():.2f}"
+        tail = losses[-10:]
+        runs.append((name, stored, sum(tail) / len(tail), seconds, extra))
+    exact_bytes = runs[0][1]
+    print("saved for backward per step (parameters saved by Linears included):")
+    for name, stored, loss, seconds, extra in runs:
+        print(f"  {name:<11} {stored / 2**20:6.2f} MiB ({exact_bytes / stored:4.2f}x less)  "
+              f"final loss {loss:.4f}  ({seconds:.1f} s){extra}")
+
+
+if __name__ == "__main__":
+    main()
