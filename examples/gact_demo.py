@@ -9,7 +9,6 @@ It prints the bytes saved for backward per step and the final training loss of e
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 from typing import Any, Callable, ContextManager
@@ -18,28 +17,12 @@ import torch
 import torch.nn.functional as F
 
 import abp
-from lowmembp_demo import Model, make_data, train
+from lowmembp_demo import demo_args, demo_setup, train
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--depth", type=int, default=2)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
-    args = parser.parse_args()
-    device = torch.device(args.device)
-    vocab, classes = 50, 4
-    torch.manual_seed(0)
-    original = Model(vocab, args.dim, args.depth, 4, classes).to(device)
-    data = make_data(4096, args.seq, vocab, classes, device)
-    print(f"pre-LN transformer: {args.depth} blocks, d={args.dim}, batch {args.batch} x {args.seq} tokens, "
-          f"device {device} (torch {torch.__version__})")
-
-    # Copies, not views: a saved view would count the whole data set's storage.
-    probe = (data[0][: args.batch].clone(), data[1][: args.batch].clone())
+    args = demo_args(__doc__, steps=40)
+    _, original, data, probe = demo_setup(args)
     with abp.memory.SavedTensorsCounter() as counter:
         F.cross_entropy(original(probe[0]), probe[1])
     params = sum(p.numel() * p.element_size() for p in original.parameters())

@@ -14,7 +14,7 @@ import contextlib
 import copy
 import math
 import time
-from typing import Any, Callable, ContextManager, List, Tuple
+from typing import Any, Callable, ContextManager, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -61,16 +61,49 @@ def make_data(n: int, t: int, vocab: int, classes: int, device: torch.device) ->
     return tokens.to(device), labels.to(device)
 
 
+def demo_args(doc: str, steps: int) -> argparse.Namespace:
+    """The demos' shared options: steps, batch, seq, dim, depth and device."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--depth", type=int, default=2)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    return parser.parse_args()
+
+
+def demo_setup(args: argparse.Namespace) -> Tuple[torch.device, nn.Module, Tuple[torch.Tensor, torch.Tensor],
+                                                   Tuple[torch.Tensor, torch.Tensor]]:
+    """The compression and sampling demos' start: (device, model, data, one probe batch), printed.
+
+    The probe batch is a copy, not a view: a saved view would count the whole data set's storage.
+    """
+    device = torch.device(args.device)
+    vocab, classes = 50, 4
+    torch.manual_seed(0)
+    model = Model(vocab, args.dim, args.depth, 4, classes).to(device)
+    data = make_data(4096, args.seq, vocab, classes, device)
+    print(f"pre-LN transformer: {args.depth} blocks, d={args.dim}, batch {args.batch} x {args.seq} tokens, "
+          f"device {device} (torch {torch.__version__})")
+    return device, model, data, (data[0][: args.batch].clone(), data[1][: args.batch].clone())
+
+
 def train(model: nn.Module, data: Tuple[torch.Tensor, torch.Tensor], steps: int, batch: int,
-          wrap: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> Tuple[List[float], float]:
+          wrap: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+          before_step: Optional[Callable[[Callable[[torch.Tensor], torch.Tensor]], None]] = None,
+          ) -> Tuple[List[float], float]:
     """AdamW steps with each step's forward and backward inside `wrap()` (e.g. abp.compress_saved);
-    returns the losses and the time."""
+    `before_step(loss_of)` runs first each step (loss_of(index) is the loss of those examples; VCAS
+    calibrates there). Returns the losses and the time."""
     tokens, labels = data
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     order = torch.Generator().manual_seed(1)
     losses: List[float] = []
     start = time.perf_counter()
     for _ in range(steps):
+        if before_step is not None:
+            before_step(lambda index: F.cross_entropy(model(tokens[index]), labels[index]))
         index = torch.randint(0, tokens.shape[0], (batch,), generator=order).to(tokens.device)
         optimizer.zero_grad(set_to_none=True)
         with wrap():
@@ -82,14 +115,7 @@ def train(model: nn.Module, data: Tuple[torch.Tensor, torch.Tensor], steps: int,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--depth", type=int, default=2)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
-    args = parser.parse_args()
+    args = demo_args(__doc__, steps=60)
     device = torch.device(args.device)
     vocab, classes = 50, 4
     torch.manual_seed(0)

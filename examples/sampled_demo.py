@@ -10,64 +10,22 @@ and GEMM-FLOPs ratio.
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import time
-from typing import Callable, List, Optional, Tuple
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 import abp
-from lowmembp_demo import Block, Model, make_data
+from lowmembp_demo import Block, demo_args, demo_setup, train
 
 #: The Linears WTA-CRS samples in lowmembp_demo's Block: attention output and the FFN.
 SAMPLED = ["*.out", "*.fc1", "*.fc2"]
 
 
-def train(model: torch.nn.Module, data: Tuple[torch.Tensor, torch.Tensor], steps: int, batch: int,
-          before_step: Optional[Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Generator], None]] = None,
-          ) -> Tuple[List[float], float]:
-    """AdamW steps; `before_step(loss_of, order)` runs first each step (VCAS calibrates there)."""
-    tokens, labels = data
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    order = torch.Generator().manual_seed(1)
-    extra = torch.Generator().manual_seed(2)
-
-    def loss_of(index: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(model(tokens[index]), labels[index])
-
-    losses: List[float] = []
-    start = time.perf_counter()
-    for _ in range(steps):
-        if before_step is not None:
-            before_step(loss_of, extra)
-        index = torch.randint(0, tokens.shape[0], (batch,), generator=order).to(tokens.device)
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_of(index)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, time.perf_counter() - start
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--depth", type=int, default=2)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
-    args = parser.parse_args()
-    device = torch.device(args.device)
-    vocab, classes = 50, 4
-    torch.manual_seed(0)
-    original = Model(vocab, args.dim, args.depth, 4, classes).to(device)
-    data = make_data(4096, args.seq, vocab, classes, device)
-    print(f"pre-LN transformer: {args.depth} blocks, d={args.dim}, batch {args.batch} x {args.seq} tokens, "
-          f"device {device} (torch {torch.__version__})")
-    probe = (data[0][: args.batch].clone(), data[1][: args.batch].clone())
+    args = demo_args(__doc__, steps=40)
+    device, original, data, probe = demo_setup(args)
 
     def saved_bytes(model: torch.nn.Module) -> int:
         with abp.memory.SavedTensorsCounter() as counter:
@@ -88,16 +46,18 @@ def main() -> None:
         if name == "vcas":
             controller = abp.vcas.Controller(model, Block, cal_var_freq=10)
 
-            def before_step(loss_of: Callable[[torch.Tensor], torch.Tensor], extra_order: torch.Generator,
-                            c: abp.vcas.Controller = controller) -> None:
-                if c.due():
-                    batches = [torch.randint(0, data[0].shape[0], (args.batch,), generator=extra_order).to(device)
+            calibration_order = torch.Generator().manual_seed(2)
+
+            def before_step(loss_of: Callable[[torch.Tensor], torch.Tensor], c: abp.vcas.Controller = controller,
+                            order: torch.Generator = calibration_order) -> None:
+                if c.due():  # M fresh batches, drawn apart from the training order
+                    batches = [torch.randint(0, data[0].shape[0], (args.batch,), generator=order).to(device)
                                for _ in range(c.cal_var_m)]
                     c.calibrate(loss_of, batches)
                 c.step()
 
         stored = saved_bytes(model)
-        losses, seconds = train(model, data, args.steps, args.batch, before_step)
+        losses, seconds = train(model, data, args.steps, args.batch, before_step=before_step)
         if controller is not None:
             rho = ", ".join(f"{r:.2f}" for r in controller.activation_ratios)
             nu = sum(controller.weight_ratios.values()) / len(controller.weight_ratios)
