@@ -234,6 +234,17 @@ def test_few_rows_keep_everything_and_non_finite_scores_disable_sampling() -> No
     assert torch.equal(torch.isnan(dw), torch.isnan(expected)) and torch.equal(dw.nan_to_num(), expected.nan_to_num())
 
 
+@pytest.mark.parametrize("method", sampling.METHODS)
+def test_a_non_finite_grad_reaches_dw(method: str) -> None:
+    # §9.6: wherever the exact product would be non-finite, so is dW (even if the row was dropped).
+    x, w, b, grad = _layer(n=40)
+    for r in range(40):
+        g = grad.clone()
+        g[r, 1] = float("inf")
+        dw = _grads(x, w, b, g, method=method, keep=0.25, seed=r)[2]
+        assert not torch.isfinite(dw).all(), (method, r)
+
+
 def _z_bound(m: int, alpha: float = 1e-4) -> float:
     return NormalDist().inv_cdf(1 - alpha / (2 * m))
 

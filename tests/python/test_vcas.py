@@ -48,12 +48,16 @@ def _skewed_grad(samples: int = 12, shape: Tuple[int, ...] = (3, 2)) -> torch.Te
 # --- activation sampler -------------------------------------------------------------------------------
 
 
-def test_activation_sampler_is_unbiased_with_the_closed_form_variance() -> None:
+@pytest.mark.parametrize("ratio", [0.5, 0.3, 0.05])
+def test_activation_sampler_is_unbiased_with_the_closed_form_variance(ratio: float) -> None:
+    # 0.3: a budget of 3.6 samples, not ⌊3.6⌋; 0.05: less than one sample, floored at one (a
+    # budget of 0 would zero every draw).
     grad = _skewed_grad()
     reps = 2000
-    draws = torch.stack([vcas.sample_activation_grad(grad, 0.5, 100 + r) for r in range(reps)])
+    draws = torch.stack([vcas.sample_activation_grad(grad, ratio, 100 + r) for r in range(reps)])
     assert _z(draws, grad) <= _bound(grad.numel())
-    p = selection.water_fill(grad.reshape(12, -1).norm(dim=1), 6)
+    assert vcas.activation_budget(12, ratio) == max(12 * ratio, 1.0)
+    p = selection.water_fill(grad.reshape(12, -1).norm(dim=1), vcas.activation_budget(12, ratio))
     v = selection.variance_bernoulli(grad.reshape(12, -1), None, p)
     errors = ((draws - grad) ** 2).flatten(1).sum(1)
     assert abs(errors.mean().item() - v) <= 5 * errors.std().item() / math.sqrt(reps)
@@ -87,8 +91,11 @@ def test_activation_sampler_exact_cases() -> None:
     assert vcas.sample_activation_grad(nan, 0.3, 1) is nan  # non-finite scores: pass through
     zero = torch.zeros(5, 3)
     assert vcas.sample_activation_grad(zero, 0.3, 1) is zero
-    # k = 0: nothing kept, the unbiased answer is the zero gradient (not a pass-through).
-    assert torch.equal(vcas.sample_activation_grad(grad, 0.05, 1), torch.zeros_like(grad))
+    # A draw that keeps nothing gives the zero gradient (the unbiased answer, not a pass-through);
+    # with a budget of one sample some draws keep nothing, and some keep one.
+    outcomes = [vcas.sample_activation_grad(grad, 0.05, seed) for seed in range(20)]
+    assert any(torch.equal(o, torch.zeros_like(grad)) for o in outcomes)
+    assert any(not torch.equal(o, torch.zeros_like(grad)) for o in outcomes)
     # Samples along another dimension.
     moved = grad.movedim(0, 1)
     torch.testing.assert_close(vcas.sample_activation_grad(moved, 0.5, 7, batch_dim=1),
@@ -247,11 +254,18 @@ def test_calibration_restores_grads_and_is_deterministic() -> None:
 
 
 def test_inner_passes_draw_independent_streams() -> None:
-    # The original reseeded every inner pass identically (§7.3): two passes must differ.
+    # The original reseeded every inner pass identically (§7.3): each sampler call in a calibration
+    # must get its own key, and two training steps must differ too.
     net = _net()
     controller = vcas.Controller(net, Block)
     for sampler in controller.samplers:
         sampler.ratio = 0.5
+    keys: List[int] = []
+    draw = controller._seed
+    controller._seed = lambda: keys.append(draw()) or keys[-1]  # type: ignore[assignment]
+    controller.calibrate(lambda b: F.cross_entropy(net(b[0]), b[1]), _data()[:2])
+    # 2 batches x 2 inner passes x (3 activation samplers + 6 Linears reporting V_w).
+    assert len(keys) == 2 * 2 * 9 and len(set(keys)) == len(keys)
     x, y = _data(1)[0]
     grads = []
     for _ in range(2):
@@ -259,6 +273,114 @@ def test_inner_passes_draw_independent_streams() -> None:
         F.cross_entropy(net(x), y).backward()
         grads.append(net.embed.weight.grad.clone())
     assert not torch.equal(grads[0], grads[1])
+
+
+class DropoutBlock(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.dropout(torch.relu(self.fc1(x)), 0.3, self.training))
+
+
+def test_calibration_replays_dropout_so_only_sampling_adds_variance() -> None:
+    # With nothing sampled (ρ = ν = 1) the inner passes equal the exact one: V_act is exactly 0,
+    # although every forward draws dropout masks.
+    torch.manual_seed(0)
+    net = Net().double()
+    net.blocks = torch.nn.ModuleList(DropoutBlock(8).double() for _ in range(3))
+    controller = vcas.Controller(net, DropoutBlock)
+    last = controller.calibrate(lambda b: F.cross_entropy(net(b[0]), b[1]), _data()[:2])
+    assert last["v_act"] == 0.0 and last["v_sgd"] > 0
+
+
+def test_v_sgd_is_the_between_batch_variance_of_every_entry() -> None:
+    # param_sample_ratio = 1 picks every entry: V_SGD = Σ over entries of the unbiased variance of
+    # the M batch gradients, computed here with plain autograd on an unconverted copy.
+    net, reference = _net(), _net()
+    controller = vcas.Controller(net, Block, param_sample_ratio=1.0)
+    data = _data()[:2]
+    last = controller.calibrate(lambda b: F.cross_entropy(net(b[0]), b[1]), data)
+    grads = []
+    for x, y in data:
+        reference.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in reference.parameters()]))
+    expected = float(torch.stack(grads).var(dim=0, unbiased=True).sum())
+    assert last["v_sgd"] == pytest.approx(expected, rel=1e-9)
+    assert last["v_act"] == 0.0  # ratios are 1 before the first calibration: nothing sampled
+
+
+def test_schedule_update_follows_the_paper() -> None:
+    # Hand-set candidates p_l(s') recorded over 2 exact passes: s moves by α towards more kept
+    # norm when V_act > τ·V_SGD, the schedule is p(s_new) (not the release's p(s_new ∓ 2α)), made
+    # monotone bottom to top, then 0.6·ρ + 0.4·p.
+    controller = vcas.Controller(_net(), Block, s_update_step=0.1)
+    controller.s = 0.5
+    for sampler, p in zip(controller.samplers, ([0.2, 0.3, 0.4], [0.1, 0.2, 0.3], [0.5, 0.6, 0.7])):
+        sampler.candidates = {0.4: 2 * p[0], 0.5: 2 * p[1], 0.6: 2 * p[2]}
+        sampler.recorded = 2
+        sampler.ratio = 0.8
+    controller._update_activation_ratios(v_act=1.0, v_sgd=1.0)  # 1 > 0.025: keep more
+    assert controller.s == pytest.approx(0.6)
+    expected = [0.4, 0.4, 0.7]  # p(0.6) = (0.4, 0.3, 0.7), running max from the bottom
+    assert controller.activation_ratios == pytest.approx([0.6 * 0.8 + 0.4 * e for e in expected])
+    assert [s.active for s in controller.samplers] == [False, True, True]
+    controller._update_activation_ratios(v_act=0.0, v_sgd=1.0)  # keep less: p(s − α)
+    assert controller.s == pytest.approx(0.5)
+
+
+def test_weight_ratio_update_is_capped_and_floored() -> None:
+    controller = vcas.Controller(_net(), Block)
+    state = controller.linears[0].state
+    state.ratio, state.tokens = 0.5, 100
+    controller._update_weight_ratio(state, too_noisy=True)
+    assert state.ratio == pytest.approx(0.5 / 0.95)
+    state.ratio = 0.99
+    controller._update_weight_ratio(state, too_noisy=True)
+    assert state.ratio == 1.0  # exact at most
+    state.ratio = 0.0101
+    controller._update_weight_ratio(state, too_noisy=False)
+    assert state.ratio == pytest.approx(0.01)  # one token of 100: a smaller ν would change nothing
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_controller_with_samples_along_dimension_one_and_low_precision(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    net = Net().to(dtype)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:  # (tokens, batch, features)
+        h = net.embed(x)
+        for block in net.blocks:
+            h = block(h)
+        return net.head(h).mean(0)
+
+    controller = vcas.Controller(net, Block, batch_dim=1, act_var_tau=1e9, w_var_tau=1e9)
+    data = [(x.transpose(0, 1).to(dtype), y) for x, y in _data(3)]
+    controller.calibrate(lambda b: F.cross_entropy(forward(b[0]).float(), b[1]), data[:2])
+    assert controller.s < 1 and all(r <= 1 for r in controller.activation_ratios)
+    for sampler in controller.samplers:
+        sampler.ratio = 0.5
+    F.cross_entropy(forward(data[2][0]).float(), data[2][1]).backward()
+    assert all(torch.isfinite(p.grad).all() and p.grad.dtype == dtype for p in net.parameters())
+    with pytest.raises(ValueError, match="batch_dim: expected the samples' dimension as an int >= 0, got -1"):
+        vcas.Controller(_net(), Block, batch_dim=-1)
+
+
+def test_block_outputs_may_be_modified_in_place() -> None:
+    class InPlace(Net):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.embed(x)
+            for block in self.blocks:
+                h = block(h)
+                h.mul_(0.5)  # the sampler is a gradient hook, not a view to protect
+            return self.head(h).mean(1)
+
+    torch.manual_seed(0)
+    net = InPlace().double()
+    controller = vcas.Controller(net, Block)
+    for sampler in controller.samplers:
+        sampler.ratio = 0.5
+    x, y = _data(1)[0]
+    F.cross_entropy(net(x), y).backward()
+    assert torch.isfinite(net.embed.weight.grad).all()
 
 
 def test_training_with_sampling_saves_what_exact_training_saves() -> None:

@@ -108,7 +108,8 @@ class CompressedTensor:
 def draw_seed(generator: Optional[torch.Generator] = None) -> int:
     """A 63-bit Philox key from `generator` (torch's default CPU generator if None), as torch's own
     random ops draw theirs: torch.manual_seed(s) makes every draw reproducible."""
-    return int(torch.randint(0, 2**63 - 1, (1,), generator=generator).item())
+    device = generator.device if generator is not None else "cpu"  # a CUDA generator draws on its device
+    return int(torch.randint(0, 2**63 - 1, (1,), generator=generator, device=device).item())
 
 
 def _check_bits(bits: Any, name: str = "bits") -> int:

@@ -107,6 +107,9 @@ class _SampledLinear(torch.autograd.Function):
             ones = torch.ones(index.numel(), dtype=torch.float64 if g.dtype == torch.float64 else torch.float32,
                               device=g.device)
             dw = kernels.sample_rows(g, index, ones).t() @ kept
+            # A non-finite dY in a row the plan did not keep must still reach dW, as it would the
+            # exact product (AMP's overflow check reads it): without a host sync.
+            dw = torch.where(torch.isfinite(g).all(), dw, torch.full_like(dw, float("nan")))
         elif ctx.mode == "sketch":
             (projected,) = saved
             k, n = projected.shape[0], g.shape[0]

@@ -35,6 +35,7 @@ from .compress import draw_seed
 
 __all__ = [
     "Controller",
+    "activation_budget",
     "sample_activation_grad",
     "sampled_linear_grads",
     "keep_fraction",
@@ -46,15 +47,27 @@ def _row_weight_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+def activation_budget(n: int, ratio: float) -> float:
+    """The expected number of samples the activation sampler keeps: N·ρ, at least one.
+
+    ALGORITHMS.md §7.1 writes ⌊N·ρ⌋; its floor spends a sample less than planned whenever N·ρ is
+    not whole, and at ⌊N·ρ⌋ = 0 every p is 0, which zeroes the gradient on every draw (biased).
+    Water-filling takes a real budget, so the budget is N·ρ itself, floored at one sample.
+    """
+    return max(n * ratio, 1.0)
+
+
 def sample_activation_grad(grad: torch.Tensor, ratio: float, seed: int, batch_dim: int = 0) -> torch.Tensor:
     """The activation sampler's backward (§7.1): each sample (index along `batch_dim`) is kept
-    with the water-filled probability p_i = min(1, c·‖G_i‖), Σp = ⌊N·ratio⌋, and rescaled by
-    1/p_i; the others become zero. Unbiased, with variance Σ(1/p_i − 1)‖G_i‖².
+    with the water-filled probability p_i = min(1, c·‖G_i‖), Σp = activation_budget(N, ratio),
+    and rescaled by 1/p_i; the others become zero. Unbiased, with variance Σ(1/p_i − 1)‖G_i‖².
+    A draw that keeps nothing returns zeros (the unbiased answer, not a pass-through).
 
-    Exact (the gradient itself) when ⌊N·ratio⌋ ≥ N or when the norms are not finite or all zero.
+    Exact (the gradient itself) when the budget reaches N or when the norms are not finite or all
+    zero.
     """
     n = grad.shape[batch_dim] if grad.dim() else 0
-    k = math.floor(n * ratio)
+    k = activation_budget(n, ratio)
     if n == 0 or k >= n:
         return grad
     g = grad.movedim(batch_dim, 0).reshape(n, -1).contiguous()
@@ -148,8 +161,14 @@ def sampled_linear_grads(
         return _WeightGrads(dx, g_alive.t() @ x_alive.to(g.dtype), db, variance)
     plan = selection.plan_bernoulli(q, kernels.uniform(alive, seed, 0, g.device))
     rows = plan.index if all_alive else tokens[plan.index.long()]
+    ones = torch.ones(len(plan), dtype=_row_weight_dtype(x), device=x.device)
+    x_kept = kernels.sample_rows(x, rows, ones)
+    if g.dtype == torch.float16:
+        # 1/q grows as ‖X_t‖ shrinks: a rescaled fp16 row could overflow where the product does
+        # not, so fp16 rows are gathered as they are and weighted in fp32.
+        g_kept = kernels.sample_rows(g, rows, ones.to(torch.float32)).float() * plan.weight[:, None]
+        return _WeightGrads(dx, (g_kept.t() @ x_kept.float()).to(g.dtype), db, variance)
     g_kept = kernels.sample_rows(g, rows, plan.weight.to(_row_weight_dtype(g)))
-    x_kept = kernels.sample_rows(x, rows, torch.ones(len(plan), dtype=_row_weight_dtype(x), device=x.device))
     return _WeightGrads(dx, g_kept.t() @ x_kept.to(g.dtype), db, variance)
 
 
@@ -164,6 +183,7 @@ class _Sampler:
     ratio: float = 1.0
     active: bool = True  # resamples (the top sampler, or a ratio below the one above)
     candidates: Dict[float, float] = field(default_factory=dict)  # s' -> Σ p_l(s') over exact passes
+    recorded: int = 0  # how many gradients the candidates sum (a block called twice records twice)
 
 
 @dataclass
@@ -172,17 +192,7 @@ class _LinearState:
     depth: int
     ratio: float = 1.0  # ν
     variance: float = 0.0  # Σ V_w over the calibration's inner passes
-
-
-class _ActivationSample(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, controller: "Controller", sampler: _Sampler) -> torch.Tensor:  # type: ignore[override]
-        ctx.controller, ctx.sampler = controller, sampler
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None]:  # type: ignore[override]
-        return ctx.controller._activation_backward(ctx.sampler, grad), None, None
+    tokens: int = 0  # K′ of the last backward: ν below 1/K′ is a budget of 0 (exact)
 
 
 class _VcasLinearFunction(torch.autograd.Function):
@@ -274,6 +284,8 @@ class Controller:
             raise ValueError(f"act_sched_decay: expected a value in [0, 1), got {act_sched_decay!r}")
         if not 0 < param_sample_ratio <= 1:
             raise ValueError(f"param_sample_ratio: expected a value in (0, 1], got {param_sample_ratio!r}")
+        if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
+            raise ValueError(f"batch_dim: expected the samples' dimension as an int >= 0, got {batch_dim!r}")
         self.model = model
         self.act_var_tau, self.w_var_tau, self.cal_var_freq = float(act_var_tau), float(w_var_tau), cal_var_freq
         self.s_update_step, self.w_ratio_mul, self.cal_var_m = s_update_step, w_ratio_mul, cal_var_m
@@ -287,6 +299,7 @@ class Controller:
         # "activations": activation samplers only, weight samplers report V_w.
         self._mode = "train"
         self._record = False
+        self._keys: Optional[torch.Generator] = None
         self.blocks: List[torch.nn.Module] = [m for m in model.modules() if isinstance(m, block_type)]
         if not self.blocks:
             raise ValueError(f"block_type: model has no module of type {block_type}")
@@ -306,14 +319,12 @@ class Controller:
     # --- wiring ---
 
     def _hook(self, sampler: _Sampler) -> Callable[..., Any]:
-        def hook(module: torch.nn.Module, inputs: Any, output: Any) -> Any:
-            if not torch.is_grad_enabled():
-                return output
-            if isinstance(output, torch.Tensor):
-                return _ActivationSample.apply(output, self, sampler)
-            if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-                return (_ActivationSample.apply(output[0], self, sampler),) + tuple(output[1:])
-            return output
+        # A gradient hook on the block's output (not a new autograd node), so the model may still
+        # modify that output in place.
+        def hook(module: torch.nn.Module, inputs: Any, output: Any) -> None:
+            first = output[0] if isinstance(output, tuple) and output else output
+            if torch.is_grad_enabled() and isinstance(first, torch.Tensor) and first.requires_grad:
+                first.register_hook(lambda grad: self._activation_backward(sampler, grad))
 
         return hook
 
@@ -332,7 +343,9 @@ class Controller:
     # --- the samplers' backward ---
 
     def _seed(self) -> int:
-        return draw_seed(self.generator)
+        # Calibration draws its keys from a private generator: it replays the forward's own RNG
+        # (dropout) for every pass of a batch, and its inner passes must still differ.
+        return draw_seed(self._keys if self._keys is not None else self.generator)
 
     def _activation_backward(self, sampler: _Sampler, grad: torch.Tensor) -> torch.Tensor:
         if self._record:
@@ -340,6 +353,7 @@ class Controller:
             norms = kernels.row_norms(g)
             for s in self._candidate_levels():
                 sampler.candidates[s] = sampler.candidates.get(s, 0.0) + keep_fraction(norms, s)
+            sampler.recorded += 1
         if self._mode == "exact" or not sampler.active:
             return grad
         return sample_activation_grad(grad, sampler.ratio, self._seed(), self.batch_dim)
@@ -351,6 +365,7 @@ class Controller:
         sample = self._mode == "train"
         batch_dim = self.batch_dim if len(lead_shape) > 1 else 0
         grads = sampled_linear_grads(x, g, weight, state.ratio, self._seed(), lead_shape, batch_dim, sample=sample)
+        state.tokens = max(state.tokens, x.shape[0])
         if not sample:
             state.variance += grads.variance
         return grads
@@ -392,8 +407,10 @@ class Controller:
         """Algorithm 1 (§7.3) over `batches` (M = cal_var_m fresh batches): for each, an exact
         backward, then M backwards with the activation samplers only; updates s, ρ and ν.
 
-        loss_fn(batch) must run the model's forward and return the scalar loss. Parameter .grad
-        values are restored afterwards. Returns the variances it measured (also in `.last`).
+        loss_fn(batch) must run the model's forward and return the scalar loss. The 1 + M passes
+        of a batch replay the same forward randomness (dropout masks), so only the samplers'
+        draws, each pass its own, make them differ. Parameter .grad values are restored
+        afterwards. Returns the variances it measured (also in `.last`).
         """
         batches = list(batches)
         m = len(batches)
@@ -401,12 +418,15 @@ class Controller:
             raise ValueError(f"batches: expected at least 2 batches to estimate the SGD variance, got {m}")
         params = [p for p in self.model.parameters() if p.requires_grad]
         saved_grads = [p.grad for p in params]
-        ratio = self.param_sample_ratio
-        picks = [torch.randperm(p.numel(), generator=self.generator, device="cpu")[: max(1, round(ratio * p.numel()))]
+        keys = torch.Generator().manual_seed(draw_seed(self.generator))
+        picks = [torch.randperm(p.numel(), generator=keys)[: max(1, round(self.param_sample_ratio * p.numel()))]
                  .to(p.device) for p in params]
+        # Each parameter's sampled sum, scaled to all its entries by the fraction really picked.
+        scale = [p.numel() / len(i) for p, i in zip(params, picks)]
         layer_params = {id(layer.weight): layer for layer in self.linears}
         for sampler in self.samplers:
             sampler.candidates.clear()
+            sampler.recorded = 0
         for layer in self.linears:
             layer.state.variance = 0.0
 
@@ -419,25 +439,28 @@ class Controller:
 
         exact: List[List[torch.Tensor]] = []
         v_act = 0.0
+        self._keys = keys
         try:
             for batch in batches:
+                state = _rng_state()
                 self._mode, self._record = "exact", True
                 g = gradient(batch)
                 exact.append(g)
                 self._mode, self._record = "activations", False
                 for _ in range(m):
+                    _set_rng_state(state)
                     sampled = gradient(batch)
-                    v_act += sum(float(((a - b) ** 2).sum()) for a, b in zip(sampled, g))
+                    v_act += sum(float(((a - b) ** 2).sum()) * c for a, b, c in zip(sampled, g, scale))
         finally:
-            self._mode, self._record = "train", False
+            self._mode, self._record, self._keys = "train", False, None
             for p, grad in zip(params, saved_grads):
                 p.grad = grad
         # V_SGD: the between-batch variance of the sampled entries, unbiased, scaled to all entries.
-        per_param = [torch.stack([e[j] for e in exact]) for j in range(len(params))]
-        sgd_param = [float(t.var(dim=0, unbiased=True).sum()) / ratio for t in per_param]
+        sgd_param = [float(torch.stack([e[j] for e in exact]).var(dim=0, unbiased=True).sum()) * scale[j]
+                     for j in range(len(params))]
         v_sgd = sum(sgd_param)
-        v_act /= m * m * ratio
-        self._update_activation_ratios(v_act, v_sgd, m)
+        v_act /= m * m
+        self._update_activation_ratios(v_act, v_sgd)
         v_w: Dict[str, float] = {}
         for j, p in enumerate(params):
             layer = layer_params.get(id(p))
@@ -445,21 +468,29 @@ class Controller:
                 continue
             key = f"{layer.state.depth}.{layer.state.name}"
             v_w[key] = layer.state.variance / (m * m)
-            too_noisy = v_w[key] > self.w_var_tau * sgd_param[j]
-            layer.state.ratio = min(1.0, layer.state.ratio / self.w_ratio_mul) if too_noisy else layer.state.ratio * self.w_ratio_mul
+            self._update_weight_ratio(layer.state, v_w[key] > self.w_var_tau * sgd_param[j])
         self.calibrations += 1
         self.last = {"v_sgd": v_sgd, "v_act": v_act, "v_w": v_w, "s": self.s}
         return self.last
 
-    def _update_activation_ratios(self, v_act: float, v_sgd: float, m: int) -> None:
+    def _update_weight_ratio(self, state: _LinearState, too_noisy: bool) -> None:
+        """ν ← ν/β when V_w is above τ_w·V_SGD, else ν·β; at most 1 (exact), and not below one
+        token's worth (1/K′), where the budget would be 0 and dW exact while ν kept shrinking."""
+        nu = state.ratio / self.w_ratio_mul if too_noisy else state.ratio * self.w_ratio_mul
+        floor = 1.0 / state.tokens if state.tokens else 0.0
+        state.ratio = min(1.0, max(nu, floor))
+
+    def _update_activation_ratios(self, v_act: float, v_sgd: float) -> None:
+        """s ← clip(s ± α) by V_act against τ_act·V_SGD; the new schedule is p_l(s_new) from the
+        exact passes, made monotone (ρ_l = max_{j ≤ l} p_j, bottom block first), then the EMA."""
         a = self.s_update_step
         direction = 1.0 if v_act > self.act_var_tau * v_sgd else -1.0
         s_new = min(1.0, max(0.0, self.s + direction * a))
         levels = self._candidate_levels()
         level = min(levels, key=lambda s: abs(s - s_new))
         schedule: List[float] = []
-        for sampler in self.samplers:  # bottom to top: ρ_l = max_{j ≤ l} p_j(s_new)
-            p = sampler.candidates.get(level, float(m)) / m
+        for sampler in self.samplers:
+            p = sampler.candidates[level] / sampler.recorded if sampler.recorded else 1.0
             schedule.append(max(schedule[-1], p) if schedule else p)
         decay = self.act_sched_decay
         for sampler, p in zip(self.samplers, schedule):
@@ -469,6 +500,18 @@ class Controller:
             lower.active = lower.ratio < upper.ratio
         self.samplers[-1].active = True
         self.s = s_new
+
+
+def _rng_state() -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """torch's CPU and (when initialised) CUDA generator states, to replay a forward's dropout."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: Tuple[torch.Tensor, List[torch.Tensor]]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1]:
+        torch.cuda.set_rng_state_all(state[1])
 
 
 def trainer_callback(controller: Controller, loss_fn: Optional[Callable[[torch.nn.Module, Any], torch.Tensor]] = None) -> Any:
