@@ -509,3 +509,83 @@ def test_a_single_row_and_empty_inputs() -> None:
         wr = w.clone().requires_grad_()
         sampling.sampled_linear(empty, wr, b, method=method, keep=0.3, seed=0).sum().backward()
         assert torch.equal(wr.grad, torch.zeros_like(w))
+
+
+# --- WTA-CRS's cache of ‖dY_t‖ ------------------------------------------------------------------
+
+
+def test_gamma_keeps_dw_unbiased_and_true_grad_norms_cut_the_variance() -> None:
+    # Any fixed γ keeps the estimator unbiased (p changes only the variance, §8.1); γ = ‖dY_t‖, the
+    # cache's value, makes p closer to the optimal ‖dY_t‖·‖x_t‖ than ‖x_t‖ alone.
+    x, w, b, grad = _layer(n=24)
+    grad = grad * torch.logspace(0, 2, 24, dtype=torch.float64).flip(0)[:, None]  # dY norms vary a lot
+    gamma = grad.norm(dim=1).float()
+    reps = 1000
+    draws = torch.stack([_grads(x, w, b, grad, method="wtacrs", keep=0.5, seed=r, gamma=gamma)[2] for r in range(reps)])
+    exact = grad.t() @ x
+    z = ((draws.mean(0) - exact) * math.sqrt(reps) / draws.std(0)).abs().max().item()
+    assert z <= _z_bound(exact.numel())
+    norms = kernels.row_norms(x)
+    k = selection.keep_count(24, 0.5)
+
+    def wta_variance(p: torch.Tensor) -> float:
+        return selection.variance_wtacrs(grad, x, p, k, selection.winners_count(p.sort(descending=True).values, k))
+
+    with_gamma = wta_variance(selection.norm_probabilities(norms, gamma))
+    errors = ((draws - exact) ** 2).sum(dim=(1, 2))
+    assert abs(errors.mean().item() - with_gamma) <= 5 * errors.std().item() / math.sqrt(reps)
+    assert with_gamma < 0.5 * wta_variance(selection.norm_probabilities(norms))
+
+
+def test_grad_norm_cache_fills_on_the_first_visit_and_is_used_on_the_next() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(abp.nn.SampledLinear(6, 5, keep=0.5), torch.nn.ReLU(), abp.nn.SampledLinear(5, 4, keep=0.5))
+    cache = abp.sampling.GradNormCache(num_examples=10, tokens=8)
+    assert cache.attach(model) == 2 and cache.attach(model) == 2  # attaching twice changes nothing
+    ids = torch.tensor([7, 2, 4])
+    x = torch.randn(3, 8, 6)
+    seen = []
+    original = sampling.plan_rows
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("gamma"))
+        return original(*args, **kwargs)
+
+    sampling.plan_rows = spy
+    try:
+        with cache.batch(ids):
+            out = model(x)
+            out.backward(torch.ones_like(out))
+        assert seen == [None, None]  # first visit: ‖x‖ alone
+        # The last layer's table holds ‖dY_t‖ of its output gradient (all ones: √4 = 2) at ids.
+        tables = [cache.tables[model[i].grad_norm_cache[1]] for i in (0, 2)]
+        assert torch.equal(tables[1][ids], torch.full((3, 8), 2.0, dtype=torch.bfloat16))
+        assert torch.isnan(tables[0][0]).all() and torch.isfinite(tables[0][ids]).all()
+        assert cache.nbytes == 2 * 10 * 8 * 2
+        with cache.batch(ids):
+            model(x).sum().backward()
+        # Forward order: layer 0, then layer 2, whose γ is the 2s its first backward stored.
+        assert seen[2] is not None and torch.equal(seen[3], torch.full((24,), 2.0, dtype=torch.bfloat16))
+        model(x).sum().backward()  # outside batch(): no γ
+        assert seen[4:] == [None, None]
+    finally:
+        sampling.plan_rows = original
+
+
+def test_grad_norm_cache_errors() -> None:
+    cache = abp.sampling.GradNormCache(num_examples=4, tokens=2)
+    with pytest.raises(ValueError, match=r"ids: every index must lie in \[0, 4\), got \[0, 4\]"):
+        with cache.batch(torch.tensor([0, 4])):
+            pass
+    with pytest.raises(ValueError, match="ids: expected a 1-d integer tensor of example indices, got torch.float32"):
+        with cache.batch(torch.tensor([0.0])):
+            pass
+    layer = abp.nn.SampledLinear(3, 2)
+    cache.attach(layer)
+    with pytest.raises(ValueError, match=r"x: a layer under GradNormCache.batch got 6 token rows; expected len\(ids\) x tokens = 2 x 2"):
+        with cache.batch(torch.tensor([0, 1])):
+            layer(torch.randn(6, 3))
+    with pytest.raises(ValueError, match=r"gamma: expected one value per token row \(5\)"):
+        sampling.sampled_linear(torch.randn(5, 3, requires_grad=True), torch.randn(2, 3), gamma=torch.ones(4))
+    with pytest.raises(ValueError, match="num_examples: expected an int >= 1, got 0"):
+        abp.sampling.GradNormCache(0, 2)

@@ -419,6 +419,8 @@ class SampledLinear(torch.nn.Linear):
         self.keep: float = sampling.check_keep(keep)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.generator = generator
+        # (cache, slot) once a sampling.GradNormCache is attached: p ∝ ‖x_t‖·‖dY_t‖ of the last visit.
+        self.grad_norm_cache: Optional[Tuple[Any, int]] = None
 
     @classmethod
     def from_linear(
@@ -439,8 +441,13 @@ class SampledLinear(torch.nn.Linear):
     def forward(self, input: Tensor) -> Tensor:
         if not self.training:
             return torch.nn.functional.linear(input, self.weight, self.bias)
+        gamma = record = None
+        if self.grad_norm_cache is not None and torch.is_grad_enabled():
+            cache, slot = self.grad_norm_cache
+            rows = input.numel() // input.shape[-1] if input.dim() and input.shape[-1] else 0
+            gamma, record = cache.lookup(slot, rows, input.device)
         return sampling.sampled_linear(input, self.weight, self.bias, method=self.method, keep=self.keep,
-                                       generator=self.generator)
+                                       generator=self.generator, gamma=gamma, record=record)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, method={self.method!r}, keep={self.keep}"

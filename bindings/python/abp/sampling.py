@@ -20,7 +20,8 @@ ops/sample/sample.mlir; the plan over the N scores is abp._selection's; the prod
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+import contextlib
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,7 @@ from . import _sample_kernels as kernels
 from . import _selection as selection
 from .compress import draw_seed
 
-__all__ = ["METHODS", "sampled_linear", "plan_rows"]
+__all__ = ["METHODS", "sampled_linear", "plan_rows", "GradNormCache"]
 
 #: The dW estimators of sampled_linear.
 METHODS: Tuple[str, ...] = ("wtacrs", "crs", "gaussian", "rademacher")
@@ -50,14 +51,16 @@ def check_keep(keep: Any) -> float:
     return float(keep)
 
 
-def plan_rows(x: torch.Tensor, k: int, method: str, seed: int, offset: int = 0) -> Optional[selection.Plan]:
+def plan_rows(x: torch.Tensor, k: int, method: str, seed: int, offset: int = 0,
+              gamma: Optional[torch.Tensor] = None) -> Optional[selection.Plan]:
     """The rows of the 2-d `x` that `method` ("wtacrs" or "crs") keeps, with their weights; None
     when the scores cannot drive a sample (a non-finite or all-zero row norm vector), in which
-    case the caller keeps every row. Draws come from Philox at (seed, offset + t)."""
+    case the caller keeps every row. p ∝ ‖x_t‖, or ‖x_t‖·γ_t (mixed with 0.1 of the ‖x‖-only
+    distribution) given γ, one value per row (§8.2). Draws come from Philox at (seed, offset + t)."""
     norms = kernels.row_norms(x)
     if not selection.scores_usable(norms):
         return None
-    p = selection.norm_probabilities(norms)
+    p = selection.norm_probabilities(norms, gamma)
     u = kernels.uniform(k, seed, offset, x.device)
     if method == "wtacrs":
         return selection.plan_wtacrs(p, k, u)
@@ -67,10 +70,11 @@ def plan_rows(x: torch.Tensor, k: int, method: str, seed: int, offset: int = 0) 
 class _SampledLinear(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], method: str, keep: float, seed: int
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], method: str, keep: float, seed: int,
+        gamma: Optional[torch.Tensor], record: Optional[Callable[[torch.Tensor], None]],
     ) -> torch.Tensor:
         y = F.linear(x, weight, bias)
-        ctx.x_shape, ctx.x_dtype, ctx.method, ctx.seed = x.shape, x.dtype, method, seed
+        ctx.x_shape, ctx.x_dtype, ctx.method, ctx.seed, ctx.record = x.shape, x.dtype, method, seed, record
         ctx.has_bias = bias is not None
         # The input as the product used it (autocast may have cast it): what backward needs.
         x2 = x.reshape(-1, x.shape[-1]).to(y.dtype)
@@ -78,7 +82,7 @@ class _SampledLinear(torch.autograd.Function):
         ctx.mode, saved = "none", []
         if ctx.needs_input_grad[1]:
             k = selection.keep_count(n, keep, minimum=_MINIMUM[method])
-            plan = plan_rows(x2, k, method, seed) if method in _ROW_METHODS and k < n else None
+            plan = plan_rows(x2, k, method, seed, gamma=gamma) if method in _ROW_METHODS and k < n else None
             if k >= n or (method in _ROW_METHODS and plan is None):
                 ctx.mode, saved = "exact", [x2.contiguous()]
             elif plan is not None:
@@ -94,6 +98,8 @@ class _SampledLinear(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
         weight, *saved = ctx.saved_tensors
         g = grad.reshape(-1, grad.shape[-1])
+        if ctx.record is not None:  # ‖dY_t‖ for the next visit of these examples (§8.2)
+            ctx.record(kernels.row_norms(g.contiguous()))
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = (g @ weight.to(g.dtype)).reshape(ctx.x_shape)
@@ -115,7 +121,7 @@ class _SampledLinear(torch.autograd.Function):
             k, n = projected.shape[0], g.shape[0]
             g = g.to(projected.dtype)
             dw = (_sketch(ctx.method, k, n, ctx.seed, g) @ g).t() @ projected
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 def _sketch(method: str, k: int, n: int, seed: int, like: torch.Tensor) -> torch.Tensor:
@@ -133,12 +139,16 @@ def sampled_linear(
     keep: float = 0.3,
     seed: Optional[int] = None,
     generator: Optional[torch.Generator] = None,
+    gamma: Optional[torch.Tensor] = None,
+    record: Optional[Callable[[torch.Tensor], None]] = None,
 ) -> torch.Tensor:
     """y = x·Wᵀ + b exactly; backward's dW is `method`'s unbiased estimate (module docstring).
 
     x: (..., in_features), fp32/fp16/bf16/fp64; weight: (out_features, in_features); bias:
     (out_features,) or None. keep ∈ (0, 1]: the kept fraction of the N = x.numel() / in_features
-    token rows. seed: the Philox key of this call (else drawn from `generator`).
+    token rows. seed: the Philox key of this call (else drawn from `generator`). gamma: one
+    value ≥ 0 per token row, WTA-CRS's cached ‖dY_t‖ (p ∝ ‖x_t‖·γ_t); record(norms) receives
+    ‖dY_t‖ per row in backward (GradNormCache uses both).
     """
     method = check_method(method)
     keep = check_keep(keep)
@@ -159,6 +169,98 @@ def sampled_linear(
     if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad or
                                            (bias is not None and bias.requires_grad)):
         return F.linear(x, weight, bias)
+    if gamma is not None:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if not isinstance(gamma, torch.Tensor) or gamma.dim() != 1 or gamma.numel() != rows:
+            raise ValueError(f"gamma: expected one value per token row ({rows}), got "
+                             f"{tuple(gamma.shape) if isinstance(gamma, torch.Tensor) else type(gamma).__name__}")
     if seed is None:
         seed = draw_seed(generator)
-    return _SampledLinear.apply(x, weight, bias, method, keep, kernels._key(seed, 0)[0])
+    return _SampledLinear.apply(x, weight, bias, method, keep, kernels._key(seed, 0)[0], gamma, record)
+
+
+class GradNormCache:
+    """WTA-CRS's γ_t = ‖dY_t‖ of every token of every training example, from its previous visit,
+    one table per sampled layer (ALGORITHMS.md §8.2): p ∝ ‖x_t‖·γ_t, mixed with 0.1 of the
+    ‖x‖-only distribution so a stale γ_t = 0 cannot make 1/p explode.
+
+        cache = abp.sampling.GradNormCache(num_examples=len(dataset), tokens=seq_len)
+        cache.attach(model)                      # every abp.nn.SampledLinear of the model
+        for ids, batch in loader:                # the loader yields each example's index
+            with cache.batch(ids):
+                loss_fn(model(batch)).backward()
+
+    A layer's input must then hold len(ids) × tokens rows (batch-first). Until every example of a
+    batch has been seen once, that layer uses ‖x_t‖ alone (the paper's first epoch). The tables
+    (`nbytes`, in `dtype`) live on the device of the first batch; they are not saved activations.
+    """
+
+    def __init__(self, num_examples: int, tokens: int, dtype: torch.dtype = torch.bfloat16) -> None:
+        for name, v in (("num_examples", num_examples), ("tokens", tokens)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+            raise ValueError(f"dtype: expected a floating dtype, got {dtype}")
+        self.num_examples, self.tokens, self.dtype = num_examples, tokens, dtype
+        self.tables: Dict[int, torch.Tensor] = {}  # layer slot -> [examples, tokens]
+        self._slots = 0
+        self._ids: Optional[torch.Tensor] = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tables.values())
+
+    def attach(self, model: torch.nn.Module) -> int:
+        """Makes every SampledLinear of `model` read and update a table of this cache; returns
+        how many layers it attached."""
+        from .nn import SampledLinear  # abp.nn imports this module
+
+        layers = [m for m in model.modules() if isinstance(m, SampledLinear)]
+        for layer in layers:
+            attached = layer.grad_norm_cache
+            if attached is None or attached[0] is not self:
+                layer.grad_norm_cache = (self, self._slots)
+                self._slots += 1
+        return len(layers)
+
+    @contextlib.contextmanager
+    def batch(self, ids: torch.Tensor) -> Iterator["GradNormCache"]:
+        """The examples of the batch run inside this block (1-d integer indices in
+        [0, num_examples), one per sample, in batch order)."""
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point() or ids.dtype == torch.bool:
+            raise ValueError(f"ids: expected a 1-d integer tensor of example indices, got "
+                             f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_examples):
+            raise ValueError(f"ids: every index must lie in [0, {self.num_examples}), got "
+                             f"[{int(ids.min())}, {int(ids.max())}]")
+        previous, self._ids = self._ids, ids.long()
+        try:
+            yield self
+        finally:
+            self._ids = previous
+
+    def _table(self, slot: int, device: torch.device) -> torch.Tensor:
+        table = self.tables.get(slot)
+        if table is None:  # NaN: not visited yet
+            table = torch.full((self.num_examples, self.tokens), float("nan"), dtype=self.dtype, device=device)
+            self.tables[slot] = table
+        return table
+
+    def lookup(self, slot: int, rows: int, device: torch.device) -> Tuple[Optional[torch.Tensor], Optional[Callable[[torch.Tensor], None]]]:
+        """(γ for the current batch's rows or None, the function storing ‖dY_t‖ after backward);
+        (None, None) outside `batch()`."""
+        ids = self._ids
+        if ids is None:
+            return None, None
+        if rows != ids.numel() * self.tokens:
+            raise ValueError(f"x: a layer under GradNormCache.batch got {rows} token rows; expected "
+                             f"len(ids) x tokens = {ids.numel()} x {self.tokens} (batch-first)")
+        table = self._table(slot, device)
+        ids = ids.to(table.device)
+        gamma = table[ids].reshape(-1)
+        known = bool(torch.isfinite(gamma).all())
+
+        def record(norms: torch.Tensor) -> None:
+            table[ids] = norms.reshape(ids.numel(), self.tokens).to(table.dtype)
+
+        return (gamma if known else None), record
