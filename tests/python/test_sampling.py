@@ -589,3 +589,12 @@ def test_grad_norm_cache_errors() -> None:
         sampling.sampled_linear(torch.randn(5, 3, requires_grad=True), torch.randn(2, 3), gamma=torch.ones(4))
     with pytest.raises(ValueError, match="num_examples: expected an int >= 1, got 0"):
         abp.sampling.GradNormCache(0, 2)
+
+
+@pytest.mark.parametrize("method", ["gaussian", "rademacher"])
+def test_sketch_product_by_blocks_equals_the_whole_sketch(method: str) -> None:
+    # S·M a block of S's rows at a time draws the very entries of the whole k x N sketch.
+    m = torch.randn(37, 5, dtype=torch.float64)
+    whole = kernels.sketch(method, 11, 37, 5, 0, CPU).double() @ m
+    for block in (37, 40, 100, 1 << 24):  # 1, 1, 2 rows per block; everything at once
+        torch.testing.assert_close(sampling.sketch_product(method, 11, 5, m, block=block), whole, rtol=1e-12, atol=1e-12)

@@ -9,7 +9,7 @@ position.
 """
 from __future__ import annotations
 
-from typing import Dict, Mapping, Sequence, Tuple
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -159,13 +159,14 @@ def uniform(n: int, seed: int, offset: int, device: torch.device) -> torch.Tenso
 
 
 def sketch(kind: str, rows: int, cols: int, seed: int, offset: int, device: torch.device,
-           dtype: torch.dtype = torch.float32) -> torch.Tensor:
+           dtype: torch.dtype = torch.float32, second_offset: Optional[int] = None) -> torch.Tensor:
     """A rows x cols random sketch of `kind` ("gaussian": N(0, 1); "rademacher": ±1), a pure
     function of (seed, offset): backward regenerates forward's sketch instead of storing it.
 
     Entry e (row-major) draws at counter offset + e; a Gaussian entry also at
-    offset + rows * cols + e (Box–Muller), so a caller advancing offsets by `span(kind, n)`
-    never reuses a draw.
+    second_offset + e (Box–Muller; default offset + rows * cols), so a caller advancing offsets
+    by `span(kind, n)` never reuses a draw, and a block of rows of a larger sketch is that
+    sketch's rows when both offsets point at its first row.
     """
     if kind not in SKETCHES:
         raise ValueError(f"kind: expected one of {', '.join(SKETCHES)}, got {kind!r}")
@@ -176,7 +177,7 @@ def sketch(kind: str, rows: int, cols: int, seed: int, offset: int, device: torc
     out = torch.empty((rows, cols), dtype=dtype, device=device)
     values: Dict[str, int] = {"param0": seed, "param1": offset}
     if kind == "gaussian":
-        values["param2"] = offset + n
+        values["param2"] = _key(seed, offset + n if second_offset is None else second_offset)[1]
     _launch(SKETCHES[kind], False, values, [out.data_ptr()], dtype, out.device, (n,))
     return out
 

@@ -30,7 +30,7 @@ from . import _sample_kernels as kernels
 from . import _selection as selection
 from .compress import draw_seed
 
-__all__ = ["METHODS", "sampled_linear", "plan_rows", "GradNormCache"]
+__all__ = ["METHODS", "sampled_linear", "plan_rows", "sketch_product", "GradNormCache"]
 
 #: The dW estimators of sampled_linear.
 METHODS: Tuple[str, ...] = ("wtacrs", "crs", "gaussian", "rademacher")
@@ -89,8 +89,7 @@ class _SampledLinear(torch.autograd.Function):
                 weight_rows = plan.weight.to(torch.float64 if x2.dtype == torch.float64 else torch.float32)
                 ctx.mode, saved = "rows", [kernels.sample_rows(x2, plan.index, weight_rows), plan.index]
             else:
-                sketch = _sketch(method, k, n, seed, x2)
-                ctx.mode, saved = "sketch", [(sketch @ x2) / k]
+                ctx.mode, saved = "sketch", [sketch_product(method, k, seed, x2) / k]
         ctx.save_for_backward(weight, *saved)
         return y
 
@@ -118,16 +117,29 @@ class _SampledLinear(torch.autograd.Function):
             dw = torch.where(torch.isfinite(g).all(), dw, torch.full_like(dw, float("nan")))
         elif ctx.mode == "sketch":
             (projected,) = saved
-            k, n = projected.shape[0], g.shape[0]
-            g = g.to(projected.dtype)
-            dw = (_sketch(ctx.method, k, n, ctx.seed, g) @ g).t() @ projected
+            k = projected.shape[0]
+            g = g.to(projected.dtype).contiguous()
+            dw = sketch_product(ctx.method, k, ctx.seed, g).t() @ projected
         return dx, dw, db, None, None, None, None, None
 
 
-def _sketch(method: str, k: int, n: int, seed: int, like: torch.Tensor) -> torch.Tensor:
-    """RMM's k x n sketch in `like`'s dtype (fp64 products use an fp32 draw, widened)."""
-    dtype = like.dtype if like.dtype != torch.float64 else torch.float32
-    return kernels.sketch(method, k, n, seed, 0, like.device, dtype).to(like.dtype)
+#: Entries of the sketch generated at once: S·M is formed a block of S's rows at a time, so the
+#: k × N sketch (k ∝ N) never exists whole.
+SKETCH_BLOCK = 1 << 24
+
+
+def sketch_product(method: str, k: int, seed: int, mat: torch.Tensor, block: int = SKETCH_BLOCK) -> torch.Tensor:
+    """S·mat for RMM's k × N sketch S (N = mat's rows) of key `seed`, in mat's dtype (fp64
+    products use an fp32 draw, widened), generated `block` entries of S at a time."""
+    n = mat.shape[0]
+    dtype = mat.dtype if mat.dtype != torch.float64 else torch.float32
+    rows = max(1, block // max(1, n))
+    out = torch.empty((k, mat.shape[1]), dtype=mat.dtype, device=mat.device)
+    for r0 in range(0, k, rows):
+        r1 = min(k, r0 + rows)
+        s = kernels.sketch(method, r1 - r0, n, seed, r0 * n, mat.device, dtype, second_offset=k * n + r0 * n)
+        out[r0:r1] = s.to(mat.dtype) @ mat
+    return out
 
 
 def sampled_linear(
