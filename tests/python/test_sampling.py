@@ -229,9 +229,10 @@ def test_few_rows_keep_everything_and_non_finite_scores_disable_sampling() -> No
     assert torch.equal(_grads(x, w, b, grad, method="wtacrs", keep=0.3, seed=0)[2], grad.t() @ x)
     x, w, b, grad = _layer(n=30)
     x[3, 1] = float("inf")
-    dw = _grads(x, w, b, grad, method="crs", keep=0.3, seed=0)[2]
     expected = grad.t() @ x
-    assert torch.equal(torch.isnan(dw), torch.isnan(expected)) and torch.equal(dw.nan_to_num(), expected.nan_to_num())
+    for method in ("wtacrs", "crs", "uniform"):
+        dw = _grads(x, w, b, grad, method=method, keep=0.3, seed=0)[2]
+        assert torch.equal(torch.isnan(dw), torch.isnan(expected)) and torch.equal(dw.nan_to_num(), expected.nan_to_num())
 
 
 @pytest.mark.parametrize("method", sampling.METHODS)
@@ -258,9 +259,11 @@ def _draws(method: str, x, w, b, grad, keep: float, reps: int, scale: float = 1.
 
 def _closed_form(method: str, x, grad, keep: float) -> float:
     n = x.shape[0]
-    k = selection.keep_count(n, keep, minimum=10 if method in ("wtacrs", "crs") else 3)
+    k = selection.keep_count(n, keep, minimum=10 if method in ("wtacrs", "crs", "uniform") else 3)
     if method in ("gaussian", "rademacher"):
         return selection.variance_sketch(grad, x, k, method)
+    if method == "uniform":
+        return selection.variance_crs(grad, x, torch.full((n,), 1.0 / n, dtype=torch.float64), k)
     p = selection.norm_probabilities(kernels.row_norms(x))
     if method == "crs":
         return selection.variance_crs(grad, x, p, k)
@@ -382,7 +385,7 @@ def test_bad_arguments_raise_clear_errors() -> None:
     for keep in (0, 1.5, -0.1, True, "0.3"):
         with pytest.raises(ValueError, match=r"keep must be in \(0, 1\]"):
             sampling.sampled_linear(x, w, b, keep=keep)
-    with pytest.raises(ValueError, match="method: expected one of wtacrs, crs, gaussian, rademacher, got 'dct'"):
+    with pytest.raises(ValueError, match="method: expected one of wtacrs, crs, uniform, gaussian, rademacher, got 'dct'"):
         sampling.sampled_linear(x, w, b, method="dct")
     with pytest.raises(ValueError, match=r"x: expected shape \(\.\.\., 4\) \(in_features last\), got \(5, 3\)"):
         sampling.sampled_linear(torch.randn(5, 3), w, b)

@@ -106,29 +106,33 @@ def row_norms_backward(x: torch.Tensor, norms: torch.Tensor, grad: torch.Tensor)
     return out
 
 
-def sample_rows(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def sample_rows(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, trusted: bool = False) -> torch.Tensor:
     """Rows weight[r] · x[index[r]] (one per index) of the 2-d `x`: abp.sample's kernel.
 
     `index`: int32 in [-1, rows of x), -1 giving a row of zeros (a dropped row, never read);
-    `weight`: the compute dtype (fp32, fp64 for fp64 `x`).
+    `weight`: the compute dtype (fp32, fp64 for fp64 `x`). `trusted`: the index comes from a plan
+    over x's own rows, so its range check (a host sync) is skipped.
     """
     x = _matrix("x", x)
     k = index.numel() if isinstance(index, torch.Tensor) else -1
     index = _rows("index", index, torch.int32, k, x.device)
     weight = _rows("weight", weight, compute_dtype(x.dtype), k, x.device)
-    _check_indices("index", index, -1, x.shape[0])
+    if not trusted:
+        _check_indices("index", index, -1, x.shape[0])
     out = torch.empty((k, x.shape[1]), dtype=x.dtype, device=x.device)
     values = {"input0": x.data_ptr(), "input1": index.data_ptr(), "input2": weight.data_ptr()}
     _launch("sample_rows", False, values, [out.data_ptr()], x.dtype, x.device, (k, x.shape[1]))
     return out
 
 
-def unsample_rows(kept: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-    """Row i = kept[slot[i]], or zeros where slot[i] < 0: abp.unsample's kernel (one row per slot)."""
+def unsample_rows(kept: torch.Tensor, slot: torch.Tensor, trusted: bool = False) -> torch.Tensor:
+    """Row i = kept[slot[i]], or zeros where slot[i] < 0: abp.unsample's kernel (one row per slot).
+    `trusted` skips the range check, as for sample_rows."""
     kept = _matrix("kept", kept)
     n = slot.numel() if isinstance(slot, torch.Tensor) else -1
     slot = _rows("slot", slot, torch.int32, n, kept.device)
-    _check_indices("slot", slot, -1, kept.shape[0])
+    if not trusted:
+        _check_indices("slot", slot, -1, kept.shape[0])
     out = torch.empty((n, kept.shape[1]), dtype=kept.dtype, device=kept.device)
     values = {"residual0": kept.data_ptr(), "residual1": slot.data_ptr()}
     _launch("sample_rows", True, values, [out.data_ptr()], kept.dtype, kept.device, (n, kept.shape[1]))

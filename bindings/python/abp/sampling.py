@@ -6,7 +6,7 @@ saves about `keep` of the input instead of all of it (ALGORITHMS.md §3, §8).
 
 - dX = dY·W and db = Σ dY are exact; only dW is estimated.
 - "wtacrs": the winners (highest p ∝ ‖x_t‖) are kept whole, the rest sampled i.i.d. with the
-  1/p rescale; "crs": i.i.d. draws only. Both save the kept rows, already weighted, and their
+  1/p rescale; "crs": i.i.d. draws only; "uniform": i.i.d. draws with p = 1/N. Both save the kept rows, already weighted, and their
   int32 indices: k·d_in elements + 4k bytes, k = min(max(⌊N·keep⌋, 10), N). Duplicate draws are
   merged into one row (same estimator, fewer rows).
 - "gaussian" / "rademacher": X̃ = S·X/k with S regenerated in backward from its Philox key;
@@ -33,10 +33,10 @@ from .compress import draw_seed
 __all__ = ["METHODS", "sampled_linear", "plan_rows", "sketch_product", "GradNormCache"]
 
 #: The dW estimators of sampled_linear.
-METHODS: Tuple[str, ...] = ("wtacrs", "crs", "gaussian", "rademacher")
-_ROW_METHODS = ("wtacrs", "crs")
+METHODS: Tuple[str, ...] = ("wtacrs", "crs", "uniform", "gaussian", "rademacher")
+_ROW_METHODS = ("wtacrs", "crs", "uniform")
 #: Smallest keep counts (ALGORITHMS.md §8.2: 10 rows; §3: sketches of at least 3 rows).
-_MINIMUM = {"wtacrs": 10, "crs": 10, "gaussian": 3, "rademacher": 3}
+_MINIMUM = {"wtacrs": 10, "crs": 10, "uniform": 10, "gaussian": 3, "rademacher": 3}
 
 
 def check_method(method: Any) -> str:
@@ -53,15 +53,17 @@ def check_keep(keep: Any) -> float:
 
 def plan_rows(x: torch.Tensor, k: int, method: str, seed: int, offset: int = 0,
               gamma: Optional[torch.Tensor] = None) -> Optional[selection.Plan]:
-    """The rows of the 2-d `x` that `method` ("wtacrs" or "crs") keeps, with their weights; None
+    """The rows of the 2-d `x` that `method` ("wtacrs", "crs" or "uniform") keeps, with their weights; None
     when the scores cannot drive a sample (a non-finite or all-zero row norm vector), in which
     case the caller keeps every row. p ∝ ‖x_t‖, or ‖x_t‖·γ_t (mixed with 0.1 of the ‖x‖-only
     distribution) given γ, one value per row (§8.2). Draws come from Philox at (seed, offset + t)."""
-    norms = kernels.row_norms(x)
+    norms = kernels.row_norms(x)  # also for "uniform": a non-finite row disables sampling
     if not selection.scores_usable(norms):
         return None
-    p = selection.norm_probabilities(norms, gamma)
     u = kernels.uniform(k, seed, offset, x.device)
+    if method == "uniform":
+        return selection.plan_uniform(x.shape[0], k, u, x.device)
+    p = selection.norm_probabilities(norms, gamma)
     if method == "wtacrs":
         return selection.plan_wtacrs(p, k, u)
     return selection.plan_crs(p, k, u)
@@ -87,7 +89,7 @@ class _SampledLinear(torch.autograd.Function):
                 ctx.mode, saved = "exact", [x2.contiguous()]
             elif plan is not None:
                 weight_rows = plan.weight.to(torch.float64 if x2.dtype == torch.float64 else torch.float32)
-                ctx.mode, saved = "rows", [kernels.sample_rows(x2, plan.index, weight_rows), plan.index]
+                ctx.mode, saved = "rows", [kernels.sample_rows(x2, plan.index, weight_rows, trusted=True), plan.index]
             else:
                 ctx.mode, saved = "sketch", [sketch_product(method, k, seed, x2) / k]
         ctx.save_for_backward(weight, *saved)
@@ -111,7 +113,7 @@ class _SampledLinear(torch.autograd.Function):
             g = g.to(kept.dtype).contiguous()
             ones = torch.ones(index.numel(), dtype=torch.float64 if g.dtype == torch.float64 else torch.float32,
                               device=g.device)
-            dw = kernels.sample_rows(g, index, ones).t() @ kept
+            dw = kernels.sample_rows(g, index, ones, trusted=True).t() @ kept
             # A non-finite dY in a row the plan did not keep must still reach dW, as it would the
             # exact product (AMP's overflow check reads it): without a host sync.
             dw = torch.where(torch.isfinite(g).all(), dw, torch.full_like(dw, float("nan")))

@@ -79,7 +79,7 @@ def sample_activation_grad(grad: torch.Tensor, ratio: float, seed: int, batch_di
     index[plan.index.long()] = plan.index
     weight = torch.zeros(n, dtype=_row_weight_dtype(g), device=g.device)
     weight[plan.index.long()] = plan.weight.to(weight.dtype)
-    out = kernels.sample_rows(g, index, weight)
+    out = kernels.sample_rows(g, index, weight, trusted=True)
     return out.reshape(grad.movedim(batch_dim, 0).shape).movedim(0, batch_dim)
 
 
@@ -137,15 +137,15 @@ def sampled_linear_grads(
         token_alive = alive_samples.reshape(view).expand(lead).reshape(-1)
         tokens = torch.nonzero(token_alive).flatten().to(torch.int32)
         ones = torch.ones(tokens.numel(), dtype=_row_weight_dtype(g), device=g.device)
-        g_alive = kernels.sample_rows(g, tokens, ones)
-        x_alive = kernels.sample_rows(x, tokens, ones)
+        g_alive = kernels.sample_rows(g, tokens, ones, trusted=True)
+        x_alive = kernels.sample_rows(x, tokens, ones, trusted=True)
     dx_alive = g_alive @ weight.to(g.dtype)
     if all_alive:
         dx = dx_alive
     else:
         slot = torch.full((n,), -1, dtype=torch.int32, device=g.device)
         slot[tokens.long()] = torch.arange(tokens.numel(), dtype=torch.int32, device=g.device)
-        dx = kernels.unsample_rows(dx_alive, slot)
+        dx = kernels.unsample_rows(dx_alive, slot, trusted=True)
     alive = g_alive.shape[0]
     k = math.floor(alive * ratio)
     if k >= alive or k == 0:
@@ -162,13 +162,13 @@ def sampled_linear_grads(
     plan = selection.plan_bernoulli(q, kernels.uniform(alive, seed, 0, g.device))
     rows = plan.index if all_alive else tokens[plan.index.long()]
     ones = torch.ones(len(plan), dtype=_row_weight_dtype(x), device=x.device)
-    x_kept = kernels.sample_rows(x, rows, ones)
+    x_kept = kernels.sample_rows(x, rows, ones, trusted=True)
     if g.dtype == torch.float16:
         # 1/q grows as ‖X_t‖ shrinks: a rescaled fp16 row could overflow where the product does
         # not, so fp16 rows are gathered as they are and weighted in fp32.
-        g_kept = kernels.sample_rows(g, rows, ones.to(torch.float32)).float() * plan.weight[:, None]
+        g_kept = kernels.sample_rows(g, rows, ones.to(torch.float32), trusted=True).float() * plan.weight[:, None]
         return _WeightGrads(dx, (g_kept.t() @ x_kept.float()).to(g.dtype), db, variance)
-    g_kept = kernels.sample_rows(g, rows, plan.weight.to(_row_weight_dtype(g)))
+    g_kept = kernels.sample_rows(g, rows, plan.weight.to(_row_weight_dtype(g)), trusted=True)
     return _WeightGrads(dx, g_kept.t() @ x_kept.to(g.dtype), db, variance)
 
 
