@@ -487,7 +487,7 @@ def convert(model: nn.Module, recipe: str = "lowmembp", *, inplace: bool = False
     Recipe "lowmembp" overrides: ``norms=False`` keeps every norm; ``gelu=`` / ``silu=`` choose
     the replacement activation by abp operator name (``"regelu2"`` / ``"resilu2"`` by default,
     ``"gelu_b3"``, ``"silu_b2_uniform"``, ...) or switch it off with ``None``.
-    Recipe "sampled" overrides: ``method=`` ("wtacrs", "crs", "gaussian", "rademacher"),
+    Recipe "sampled" overrides: ``method=`` ("wtacrs", "crs", "uniform", "gaussian", "rademacher"),
     ``keep=`` (0.3) and ``layers=`` (fnmatch patterns of module names; SAMPLED_LAYERS by default,
     e.g. ``["*.lora_A*"]`` for the LoRA setup of the WTA-CRS paper).
     With ``inplace=False`` (default) the model is deep-copied first, so the original stays usable

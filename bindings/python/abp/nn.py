@@ -398,8 +398,8 @@ class SampledLinear(torch.nn.Linear):
     """nn.Linear whose backward estimates dW from a sample (or sketch) of the input's token rows,
     so forward saves about `keep` of the input (abp.sampling; ALGORITHMS.md §3, §8).
 
-    method: "wtacrs" (winner-take-all column-row sampling), "crs", "gaussian" or "rademacher"
-    (random sketches); keep ∈ (0, 1]. The output, dX and db are exact; dW is unbiased. Each
+    method: "wtacrs" (winner-take-all column-row sampling), "crs" / "uniform" (column-row
+    sampling by ‖x_t‖ / uniformly), "gaussian" or "rademacher" (random sketches); keep ∈ (0, 1]. The output, dX and db are exact; dW is unbiased. Each
     training call draws its Philox key from `generator` (torch's default generator if None). In
     eval mode, or with gradients off, it is a plain Linear.
     """
