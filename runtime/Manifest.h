@@ -43,7 +43,7 @@ enum class ScalarType { F32, I64 };
 
 struct KernelArg {
   ArgRole role = ArgRole::In;
-  ArgLayout layout = ArgLayout::None; ///< Dense, Packed or Rows for In/Out
+  ArgLayout layout = ArgLayout::None; ///< Dense, Packed or Rows for In/Out; Gathered (In only)
   int bits = 0;                       ///< Packed: bits per element, 1..8
   ScalarType scalarType = ScalarType::F32; ///< Scalar
   bool rowIndex = false;              ///< Rows inputs: i32 row indices ("type": "i32")
