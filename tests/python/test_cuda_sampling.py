@@ -55,8 +55,8 @@ def test_plans_are_the_same_choices_on_both_devices() -> None:
     for method in ("wtacrs", "crs"):
         cpu = sampling.plan_rows(x, 1228, method, seed=11)
         gpu = sampling.plan_rows(x.to(CUDA), 1228, method, seed=11)
-        assert torch.equal(cpu.index, gpu.index.cpu()), method
-        torch.testing.assert_close(cpu.weight, gpu.weight.cpu(), rtol=1e-5, atol=0)
+        # The plan is made on the host from the kernels' norms (the same bits on both paths).
+        assert torch.equal(cpu.index, gpu.index.cpu()) and torch.equal(cpu.weight, gpu.weight.cpu()), method
 
 
 @pytest.mark.parametrize("method", sampling.METHODS)

@@ -76,6 +76,10 @@ class Plan:
     def __len__(self) -> int:
         return int(self.index.numel())
 
+    def to(self, device: torch.device) -> "Plan":
+        """The same plan with its tensors on `device`."""
+        return Plan(self.index.to(device), self.weight.to(device), self.draws, self.winners)
+
 
 # ---------------------------------------------------------------------------------------------------
 # Argument checks. They raise ValueError naming the argument and what was expected.

@@ -32,6 +32,8 @@ from .compress import draw_seed
 
 __all__ = ["METHODS", "sampled_linear", "plan_rows", "sketch_product", "GradNormCache"]
 
+CPU = torch.device("cpu")
+
 #: The dW estimators of sampled_linear.
 METHODS: Tuple[str, ...] = ("wtacrs", "crs", "uniform", "gaussian", "rademacher")
 _ROW_METHODS = ("wtacrs", "crs", "uniform")
@@ -57,16 +59,19 @@ def plan_rows(x: torch.Tensor, k: int, method: str, seed: int, offset: int = 0,
     when the scores cannot drive a sample (a non-finite or all-zero row norm vector), in which
     case the caller keeps every row. p ∝ ‖x_t‖, or ‖x_t‖·γ_t (mixed with 0.1 of the ‖x‖-only
     distribution) given γ, one value per row (§8.2). Draws come from Philox at (seed, offset + t)."""
-    norms = kernels.row_norms(x)  # also for "uniform": a non-finite row disables sampling
+    # The N scores go to the host and the plan is made there, from the CPU path's draws: the
+    # kernels give the same norms and draws on both devices, so the choices are the same by
+    # construction (a device cumsum may round differently). One small copy; the plan syncs anyway.
+    norms = kernels.row_norms(x).cpu()  # also for "uniform": a non-finite row disables sampling
     if not selection.scores_usable(norms):
         return None
-    u = kernels.uniform(k, seed, offset, x.device)
+    u = kernels.uniform(k, seed, offset, CPU)
     if method == "uniform":
-        return selection.plan_uniform(x.shape[0], k, u, x.device)
-    p = selection.norm_probabilities(norms, gamma)
-    if method == "wtacrs":
-        return selection.plan_wtacrs(p, k, u)
-    return selection.plan_crs(p, k, u)
+        plan = selection.plan_uniform(x.shape[0], k, u, CPU)
+    else:
+        p = selection.norm_probabilities(norms, gamma.cpu() if gamma is not None else None)
+        plan = selection.plan_wtacrs(p, k, u) if method == "wtacrs" else selection.plan_crs(p, k, u)
+    return plan.to(x.device)
 
 
 class _SampledLinear(torch.autograd.Function):

@@ -43,6 +43,9 @@ __all__ = [
 ]
 
 
+_CPU = torch.device("cpu")
+
+
 def _row_weight_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
@@ -71,15 +74,15 @@ def sample_activation_grad(grad: torch.Tensor, ratio: float, seed: int, batch_di
     if n == 0 or k >= n:
         return grad
     g = grad.movedim(batch_dim, 0).reshape(n, -1).contiguous()
-    norms = kernels.row_norms(g)
+    norms = kernels.row_norms(g).cpu()  # plans are made on the host: the same choices on every device
     if not selection.scores_usable(norms):
         return grad
-    plan = selection.plan_bernoulli(selection.water_fill(norms, k), kernels.uniform(n, seed, 0, g.device))
-    index = torch.full((n,), -1, dtype=torch.int32, device=g.device)
+    plan = selection.plan_bernoulli(selection.water_fill(norms, k), kernels.uniform(n, seed, 0, _CPU))
+    index = torch.full((n,), -1, dtype=torch.int32)
     index[plan.index.long()] = plan.index
-    weight = torch.zeros(n, dtype=_row_weight_dtype(g), device=g.device)
+    weight = torch.zeros(n, dtype=_row_weight_dtype(g))
     weight[plan.index.long()] = plan.weight.to(weight.dtype)
-    out = kernels.sample_rows(g, index, weight, trusted=True)
+    out = kernels.sample_rows(g, index.to(g.device), weight.to(g.device), trusted=True)
     return out.reshape(grad.movedim(batch_dim, 0).shape).movedim(0, batch_dim)
 
 
@@ -151,7 +154,7 @@ def sampled_linear_grads(
     if k >= alive or k == 0:
         return _WeightGrads(dx, g_alive.t() @ x_alive.to(g.dtype), db, 0.0)
     gn_alive = gn if all_alive else gn[tokens.long()]
-    scores = gn_alive.double() * kernels.row_norms(x_alive).double()
+    scores = (gn_alive.double() * kernels.row_norms(x_alive).double()).cpu()  # the plan is made on the host
     if not selection.scores_usable(scores):
         return _WeightGrads(dx, g_alive.t() @ x_alive.to(g.dtype), db, 0.0)
     q = selection.water_fill(scores, k)
@@ -159,7 +162,7 @@ def sampled_linear_grads(
     variance = float(((1.0 / q[kept] - 1.0) * scores[kept] ** 2).sum())
     if not sample:
         return _WeightGrads(dx, g_alive.t() @ x_alive.to(g.dtype), db, variance)
-    plan = selection.plan_bernoulli(q, kernels.uniform(alive, seed, 0, g.device))
+    plan = selection.plan_bernoulli(q, kernels.uniform(alive, seed, 0, _CPU)).to(g.device)
     rows = plan.index if all_alive else tokens[plan.index.long()]
     ones = torch.ones(len(plan), dtype=_row_weight_dtype(x), device=x.device)
     x_kept = kernels.sample_rows(x, rows, ones, trusted=True)
