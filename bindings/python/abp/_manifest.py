@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 __all__ = [
@@ -124,7 +125,7 @@ class Operator:
         order = ("f32", "f16", "bf16", "f64")
         return tuple(d for d in order if names is None or d in names)
 
-    @property
+    @cached_property
     def same_shape(self) -> bool:
         """Whether the generic launch path (abp.functional.apply, torch.library) runs it: it has
         tensor inputs, all differentiable, and outputs shaped like its first input. The sampling

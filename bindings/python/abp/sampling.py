@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from . import _sample_kernels as kernels
 from . import _selection as selection
+from ._launch import compute_dtype
 from .compress import draw_seed
 
 __all__ = ["METHODS", "sampled_linear", "plan_rows", "sketch_product", "GradNormCache"]
@@ -93,7 +94,7 @@ class _SampledLinear(torch.autograd.Function):
             if k >= n or (method in _ROW_METHODS and plan is None):
                 ctx.mode, saved = "exact", [x2.contiguous()]
             elif plan is not None:
-                weight_rows = plan.weight.to(torch.float64 if x2.dtype == torch.float64 else torch.float32)
+                weight_rows = plan.weight.to(compute_dtype(x2.dtype))
                 ctx.mode, saved = "rows", [kernels.sample_rows(x2, plan.index, weight_rows, trusted=True), plan.index]
             else:
                 ctx.mode, saved = "sketch", [sketch_product(method, k, seed, x2) / k]
@@ -116,8 +117,7 @@ class _SampledLinear(torch.autograd.Function):
         elif ctx.mode == "rows":
             kept, index = saved
             g = g.to(kept.dtype).contiguous()
-            ones = torch.ones(index.numel(), dtype=torch.float64 if g.dtype == torch.float64 else torch.float32,
-                              device=g.device)
+            ones = torch.ones(index.numel(), dtype=compute_dtype(g.dtype), device=g.device)
             dw = kernels.sample_rows(g, index, ones, trusted=True).t() @ kept
             # A non-finite dY in a row the plan did not keep must still reach dW, as it would the
             # exact product (AMP's overflow check reads it): without a host sync.

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from . import _sample_kernels as kernels
 from . import _selection as selection
+from ._launch import compute_dtype
 from .compress import draw_seed
 
 __all__ = [
@@ -44,10 +45,6 @@ __all__ = [
 
 
 _CPU = torch.device("cpu")
-
-
-def _row_weight_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def activation_budget(n: int, ratio: float) -> float:
@@ -80,7 +77,7 @@ def sample_activation_grad(grad: torch.Tensor, ratio: float, seed: int, batch_di
     plan = selection.plan_bernoulli(selection.water_fill(norms, k), kernels.uniform(n, seed, 0, _CPU))
     index = torch.full((n,), -1, dtype=torch.int32)
     index[plan.index.long()] = plan.index
-    weight = torch.zeros(n, dtype=_row_weight_dtype(g))
+    weight = torch.zeros(n, dtype=compute_dtype(g.dtype))
     weight[plan.index.long()] = plan.weight.to(weight.dtype)
     out = kernels.sample_rows(g, index.to(g.device), weight.to(g.device), trusted=True)
     return out.reshape(grad.movedim(batch_dim, 0).shape).movedim(0, batch_dim)
@@ -139,7 +136,7 @@ def sampled_linear_grads(
         view = [samples if i == batch_dim else 1 for i in range(len(lead))]
         token_alive = alive_samples.reshape(view).expand(lead).reshape(-1)
         tokens = torch.nonzero(token_alive).flatten().to(torch.int32)
-        ones = torch.ones(tokens.numel(), dtype=_row_weight_dtype(g), device=g.device)
+        ones = torch.ones(tokens.numel(), dtype=compute_dtype(g.dtype), device=g.device)
         g_alive = kernels.sample_rows(g, tokens, ones, trusted=True)
         x_alive = kernels.sample_rows(x, tokens, ones, trusted=True)
     dx_alive = g_alive @ weight.to(g.dtype)
@@ -164,14 +161,14 @@ def sampled_linear_grads(
         return _WeightGrads(dx, g_alive.t() @ x_alive.to(g.dtype), db, variance)
     plan = selection.plan_bernoulli(q, kernels.uniform(alive, seed, 0, _CPU)).to(g.device)
     rows = plan.index if all_alive else tokens[plan.index.long()]
-    ones = torch.ones(len(plan), dtype=_row_weight_dtype(x), device=x.device)
+    ones = torch.ones(len(plan), dtype=compute_dtype(x.dtype), device=x.device)
     x_kept = kernels.sample_rows(x, rows, ones, trusted=True)
     if g.dtype == torch.float16:
         # 1/q grows as ‖X_t‖ shrinks: a rescaled fp16 row could overflow where the product does
         # not, so fp16 rows are gathered as they are and weighted in fp32.
         g_kept = kernels.sample_rows(g, rows, ones.to(torch.float32), trusted=True).float() * plan.weight[:, None]
         return _WeightGrads(dx, (g_kept.t() @ x_kept.float()).to(g.dtype), db, variance)
-    g_kept = kernels.sample_rows(g, rows, plan.weight.to(_row_weight_dtype(g)), trusted=True)
+    g_kept = kernels.sample_rows(g, rows, plan.weight.to(compute_dtype(g.dtype)), trusted=True)
     return _WeightGrads(dx, g_kept.t() @ x_kept.to(g.dtype), db, variance)
 
 
