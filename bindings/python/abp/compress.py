@@ -326,8 +326,9 @@ class compress_saved:
     A tensor saved twice (a ReLU's output that the next Linear saves as its input) is compressed
     once: both saves get the same CompressedTensor, so backward reads one reconstruction.
 
-    After the block, `stats` holds the count and bytes of what was saved, each distinct tensor
-    counted once: ``tensors`` and ``bytes_in`` (all saved tensors as they were), ``bytes_stored``
+    After the block, `stats` holds the count and bytes of the activations saved, each distinct
+    tensor counted once (parameters, their views and autocast copies are left out: the modules
+    keep them anyway; abp.memory counts the same way): ``tensors`` and ``bytes_in`` (all saved tensors as they were), ``bytes_stored``
     (what is kept instead: the compressed buffers, and the storages of the tensors kept as they
     are, each storage once), and ``compressed`` with ``bytes_compressed`` (the compressed ones and
     the bytes of their codes and group headers).
@@ -391,13 +392,17 @@ class compress_saved:
         seen = self._packed.get(key)
         # The same tensor object (a weak reference: memory freed and reused is another tensor).
         if seen is not None and seen[0]() is t:
+            memory.note_saved(seen[1].tensors() if seen[1] is not None else [t])
             return seen[1] or t
         result = self._pack_new(t)
+        memory.note_saved(result.tensors() if isinstance(result, CompressedTensor) else [t])
         # Only the codes are kept here; a tensor stored as is is remembered by identity alone.
         self._packed[key] = (weakref.ref(t), result if isinstance(result, CompressedTensor) else None)
         return result
 
     def _pack_new(self, t: torch.Tensor) -> Any:
+        if _is_parameter(t):
+            return t  # kept by its module anyway: neither compressed nor counted in stats
         self.stats["tensors"] += 1
         self.stats["bytes_in"] += t.numel() * t.element_size()
         wanted = eligible(t, self.min_numel) and (self.filter is None or bool(self.filter(t)))

@@ -1,66 +1,74 @@
-"""``abp.convert``: rewrite a model with the LowMemoryBP recipe (ALGORITHMS.md §4, §5), or make
-chosen Linear layers sampled (recipe "sampled": WTA-CRS / CRS / sketches, §3, §8).
+"""``abp.convert``: rewrite a model with abp's recipes, recognising its parts by what they compute.
 
-One call replaces LayerNorm / RMSNorm modules by the memory-sharing norms (whose backward reads only
-their output, which the next Linear keeps anyway) and folds their affine parameters into the
-Linear layers that consume them, and replaces GELU / SiLU modules by ReGELU2 / ReSiLU2 (or other
-abp activations). It never silently changes the model's function:
+Recipes (``recipe=`` one name, a list of them, or ``"all"``):
 
-- every norm about to be replaced is first checked numerically (a float64 probe: does the module
-  compute ``gamma * norm(x) + beta``?), so a look-alike (e.g. Gemma's ``(1 + w)`` RMSNorm) is refused;
-- folding needs the norm's output to feed only Linear layers, each called once, with unshared
-  weights (found with torch.fx); anything else (post-LN blocks, a norm feeding a residual add or a
-  slice, tied weights, an untraceable model) leaves that norm alone and says why;
-- nothing is replaced or folded into that would lose behaviour: a module with hooks or
-  parametrizations, a Linear subclass with its own forward, a norm whose parameters forward also
-  reads directly;
-- the folded weights are computed in float64: ``W' = W diag(gamma)``, ``b' = b + W beta``.
+- ``"lowmembp"`` (ALGORITHMS.md §4, §5): every LayerNorm / RMSNorm becomes a memory-sharing norm whose
+  backward reads only its output (the storage the next layer keeps anyway) and one value per row;
+  every GELU (erf or tanh form) and SiLU becomes ReGELU2 / ReSiLU2 (2-bit codes) or a FewBit k-bit
+  activation (``gelu="gelu_b3"``); LeakyReLU becomes abp's exact 1-bit LeakyReLU.
+- ``"sampled"`` (§3, §8): the linear layers whose qualified names match ``layers`` (by default the
+  attention-output and FFN projections) estimate dW from sampled token rows; a matched wrapper that
+  is not itself a linear map (a peft LoRA layer) has its trainable linear maps sampled instead.
+- ``"compress"`` (§6): ``compress_saved(bits=...)`` around the model's forward, for what is left.
 
-In full fine-tuning the fold is a re-parameterisation: gamma is no longer trained separately.
+Parts are found by running them, not by their class (abp._recognise): a leaf module is a GELU,
+a SiLU, a LayerNorm or RMSNorm (Gemma's ``1 + w`` and fp32 upcasts included), or a linear map
+(``x W^T + b`` or transformers' Conv1D ``x W + b``) if a numerical probe says so. Norms keep their
+parameters (the same Parameter objects, under ``weight`` / ``bias``): the backward recovers the
+normalised value from the output as ``(y - beta) / gamma`` (abp._affine_norm), so post-LN models
+(BERT) convert too and a converted model's state_dict loads into the original. ``fold=True``
+instead folds gamma and beta into the linear layers that alone read a norm's output (the
+LowMemoryBP paper's form, a re-parameterisation); which layers read it is found by running the
+model once on ``example_inputs`` / ``example_kwargs`` (abp._structure), so no model is refused
+for being untraceable.
 
-Recipe "sampled" replaces the plain ``nn.Linear`` modules whose qualified names match ``layers``
-(fnmatch patterns; by default the attention-output and FFN projections of common transformer
-families, with Q, K and V left exact as in the WTA-CRS paper) by ``abp.nn.SampledLinear`` sharing
-their Parameters. Linears with their own forward, hooks or parametrizations are refused.
+Nothing is changed that would silently change the model's function: a module with hooks or
+parametrizations, a norm whose gamma has zeros, a Linear subclass with its own forward (for a
+fold) is refused with the reason in the returned ``Change`` list.
 """
 from __future__ import annotations
 
 import copy
 import fnmatch
+import types
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from . import _recognise, _structure, compress, sampling
 from . import nn as abp_nn
-from . import sampling
+from ._recognise import Activation, LinearMap, Norm, Unknown
 
 __all__ = ["Change", "convert", "RECIPES", "SAMPLED_LAYERS"]
 
-#: The recipes ``convert`` knows.
-RECIPES: Tuple[str, ...] = ("lowmembp", "sampled")
+#: The recipes ``convert`` knows; ``"all"`` is all of them.
+RECIPES: Tuple[str, ...] = ("lowmembp", "sampled", "compress")
 
 #: Recipe "sampled": the layers WTA-CRS samples (attention output and FFN; Q, K, V stay exact), by
-#: the names of T5, BERT/RoBERTa, ViT (timm and HF), LLaMA-style models.
+#: the names of T5, BERT/RoBERTa, ViT (timm and HF), GPT-2, LLaMA-style models.
 SAMPLED_LAYERS: Tuple[str, ...] = (
     "*SelfAttention.o", "*EncDecAttention.o", "*DenseReluDense.wi", "*DenseReluDense.wi_0",
     "*DenseReluDense.wi_1", "*DenseReluDense.wo",  # T5
     "*attention.output.dense", "*intermediate.dense", "*layer.*.output.dense",  # BERT, RoBERTa, HF ViT
     "*attn.proj", "*mlp.fc1", "*mlp.fc2",  # timm ViT
+    "*attn.c_proj", "*mlp.c_fc", "*mlp.c_proj",  # GPT-2 (transformers' Conv1D)
     "*self_attn.o_proj", "*mlp.gate_proj", "*mlp.up_proj", "*mlp.down_proj",  # LLaMA, Mistral, Qwen
 )
 
 _DEFAULTS: Dict[str, Dict[str, Any]] = {
-    "lowmembp": {"norms": True, "gelu": "regelu2", "silu": "resilu2"},
+    "lowmembp": {"norms": True, "fold": False, "gelu": "regelu2", "silu": "resilu2", "leaky_relu": True},
     "sampled": {"method": "wtacrs", "keep": 0.3, "layers": SAMPLED_LAYERS},
+    # 8 bits: the width that trains like exact on real data (docs/python.md); 2-4 bits are opt-in.
+    "compress": {"bits": 8, "group_size": 256},
 }
 
 
 @dataclass(frozen=True)
 class Change:
-    """One thing ``convert`` did or refused: ``action`` is "replaced", "folded" or "refused"."""
+    """One thing ``convert`` did or refused: ``action`` is "replaced", "folded", "wrapped" or "refused"."""
 
     module: str
     action: str
@@ -68,7 +76,7 @@ class Change:
 
 
 # ---------------------------------------------------------------------------------------------
-# Activations
+# Options
 # ---------------------------------------------------------------------------------------------
 
 
@@ -78,109 +86,67 @@ def _activation_names(kind: str) -> Tuple[str, ...]:
     return (fixed,) + fewbit
 
 
-def _activation_module(kind: str, name: str) -> nn.Module:
+def _activation_module(kind: str, name: str, approximate: str = "none") -> nn.Module:
+    """The abp module for option value `name` ("regelu2", "gelu_b3", ...) on a GELU of form `approximate`."""
     if name == "regelu2":
-        return abp_nn.ReGELU2()
+        return abp_nn.ReGELU2(approximate=approximate) if approximate != "none" else abp_nn.ReGELU2()
     if name == "resilu2":
         return abp_nn.ReSiLU2()
     bits = int(name.split("_b")[1][0])
     weight = "uniform" if name.endswith("_uniform") else "normal"
-    return abp_nn.GELU(bits=bits, weight=weight) if kind == "gelu" else abp_nn.SiLU(bits=bits, weight=weight)
+    if kind == "gelu":
+        return abp_nn.GELU(approximate=approximate, bits=bits, weight=weight)
+    return abp_nn.SiLU(bits=bits, weight=weight)
 
 
-def _check_overrides(recipe: str, overrides: Dict[str, Any]) -> Dict[str, Any]:
-    defaults = _DEFAULTS[recipe]
+def _recipes(recipe: Union[str, Sequence[str]]) -> Tuple[str, ...]:
+    names = [recipe] if isinstance(recipe, str) else recipe
+    if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"recipe: expected a recipe name or a list of them, got {recipe!r}")
+    out: List[str] = []
+    for n in names:
+        expanded = RECIPES if n == "all" else (n,)
+        for e in expanded:
+            if e not in RECIPES:
+                raise ValueError(f"recipe: expected one of {', '.join(RECIPES)} or 'all', got {n!r}")
+            if e not in out:
+                out.append(e)
+    return tuple(r for r in RECIPES if r in out)
+
+
+def _check_overrides(recipes: Tuple[str, ...], overrides: Dict[str, Any]) -> Dict[str, Any]:
+    defaults: Dict[str, Any] = {}
+    for r in recipes:
+        defaults.update(_DEFAULTS[r])
     unknown = sorted(set(overrides) - set(defaults))
     if unknown:
         raise TypeError(
-            f"convert: unknown override(s) {', '.join(unknown)} for recipe {recipe!r}; valid keywords are "
+            f"convert: unknown override(s) {', '.join(unknown)} for recipe(s) {', '.join(recipes)}; valid keywords are "
             f"{', '.join(defaults)}"
         )
     options = dict(defaults, **overrides)
-    if recipe == "sampled":
+    if "sampled" in recipes:
         sampling.check_method(options["method"])
         sampling.check_keep(options["keep"])
         layers = options["layers"]
         if isinstance(layers, str) or not isinstance(layers, Sequence) or not all(isinstance(p, str) for p in layers):
             raise TypeError(f"layers: expected a sequence of fnmatch patterns (str), got {layers!r}")
-        return options
-    if not isinstance(options["norms"], bool):
-        raise TypeError(f"norms: expected True or False, got {options['norms']!r}")
-    for kind in ("gelu", "silu"):
-        value = options[kind]
-        if value is None or value is False:
-            options[kind] = None
-            continue
-        allowed = _activation_names(kind)
-        if value not in allowed:
-            raise ValueError(f"{kind}: expected one of {', '.join(allowed)} or None (off), got {value!r}")
+    if "compress" in recipes:
+        compress._check_bits(options["bits"])
+        compress._check_group_size(options["group_size"])
+    if "lowmembp" in recipes:
+        for flag in ("norms", "fold", "leaky_relu"):
+            if not isinstance(options[flag], bool):
+                raise TypeError(f"{flag}: expected True or False, got {options[flag]!r}")
+        for kind in ("gelu", "silu"):
+            value = options[kind]
+            if value is None or value is False:
+                options[kind] = None
+                continue
+            allowed = _activation_names(kind)
+            if value not in allowed:
+                raise ValueError(f"{kind}: expected one of {', '.join(allowed)} or None (off), got {value!r}")
     return options
-
-
-# ---------------------------------------------------------------------------------------------
-# Norm recognition
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Norm:
-    kind: str  # "layer" or "rms"
-    shape: Tuple[int, ...]
-    eps: float
-    weight: Optional[Tensor]
-    bias: Optional[Tensor]
-
-
-def _norm_of(module: nn.Module) -> Optional[_Norm]:
-    """What a LayerNorm / RMSNorm module claims to compute (None if it is not one).
-
-    Parameters are read from ``_parameters``: while torch.fx traces, attribute access returns proxies.
-    """
-    weight = module._parameters.get("weight")
-    if isinstance(module, nn.LayerNorm):
-        return _Norm("layer", tuple(module.normalized_shape), float(module.eps), weight, module._parameters.get("bias"))
-    rms_class = getattr(nn, "RMSNorm", None)
-    if rms_class is not None and isinstance(module, rms_class):
-        eps = module.eps
-        if eps is None:
-            eps = torch.finfo(weight.dtype if weight is not None else torch.get_default_dtype()).eps
-        return _Norm("rms", tuple(module.normalized_shape), float(eps), weight, None)
-    if type(module).__name__.endswith("RMSNorm"):
-        eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
-        if isinstance(weight, nn.Parameter) and weight.dim() == 1 and isinstance(eps, (int, float)):
-            return _Norm("rms", (weight.numel(),), float(eps), weight, None)
-    return None
-
-
-def _probe_mismatch(module: nn.Module, norm: _Norm) -> Optional[str]:
-    """Runs a float64 copy of `module` on a random probe and compares it with gamma * norm(x) + beta."""
-    probe_module = copy.deepcopy(module).to(torch.float64)
-    x = torch.randn((3,) + norm.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    x = x * 2 + 0.5
-    x = x.to(next(probe_module.parameters(), torch.empty(0)).device)
-    dims = tuple(range(-len(norm.shape), 0))
-    if norm.kind == "layer":
-        centred = x - x.mean(dims, keepdim=True)
-        want = centred / torch.sqrt(centred.pow(2).mean(dims, keepdim=True) + norm.eps)
-    else:
-        want = x / torch.sqrt(x.pow(2).mean(dims, keepdim=True) + norm.eps)
-    if norm.weight is not None:
-        want = want * norm.weight.detach().to(torch.float64).reshape(norm.shape).to(x.device)
-    if norm.bias is not None:
-        want = want + norm.bias.detach().to(torch.float64).reshape(norm.shape).to(x.device)
-    with torch.no_grad():
-        try:
-            got = probe_module(x)
-        except Exception as e:  # a module that cannot even run in float64 is not the norm we know
-            return f"running it on a float64 probe failed: {type(e).__name__}: {e}"
-    if not isinstance(got, Tensor) or got.shape != want.shape:
-        return "its output on a probe does not have the input's shape"
-    # Modules that compute internally in float32 (LLaMA's RMSNorm) are accurate to ~1e-7.
-    error = (got.to(torch.float64) - want).abs().max().item()
-    scale = want.abs().max().item() + 1e-30
-    if not error <= 1e-4 * scale:
-        return f"probe mismatch: max |difference| {error:.3g} against gamma * {norm.kind}norm(x) + beta (scale {scale:.3g})"
-    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,40 +193,8 @@ def _linear_refusal(name: str, linear: nn.Linear) -> Optional[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Graph analysis (torch.fx)
+# Rewriting
 # ---------------------------------------------------------------------------------------------
-
-
-class _Tracer(torch.fx.Tracer):
-    """Keeps recognised norms (also custom RMSNorm classes) and every Linear, subclasses included, as
-    leaves: the fold is decided on module calls, and a Linear subclass must be seen as one to be judged."""
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return isinstance(m, nn.Linear) or _norm_of(m) is not None or super().is_leaf_module(m, module_qualified_name)
-
-
-def _describe_user(node: torch.fx.Node, modules: Dict[str, nn.Module]) -> str:
-    if node.op == "call_module":
-        return f"module `{node.target}` ({type(modules[str(node.target)]).__name__})"
-    if node.op == "call_function":
-        return f"`{getattr(node.target, '__name__', str(node.target))}` (call_function)"
-    if node.op == "call_method":
-        return f"`.{node.target}()` (call_method)"
-    return f"the graph {node.op}"
-
-
-def _reads_only_metadata(node: torch.fx.Node) -> bool:
-    if node.op == "call_function" and getattr(node.target, "__name__", "") == "getattr":
-        return len(node.args) == 2 and node.args[1] in ("shape", "dtype", "device", "ndim")
-    return node.op == "call_method" and node.target in ("size", "dim")
-
-
-def _leaf_ancestor(graph: torch.fx.Graph, name: str) -> Optional[str]:
-    """The module called as one opaque torch.fx leaf that contains submodule `name`, if any."""
-    for node in graph.nodes:
-        if node.op == "call_module" and name.startswith(f"{node.target}."):
-            return str(node.target)
-    return None
 
 
 def _parameter_owners(model: nn.Module) -> Dict[int, List[str]]:
@@ -271,58 +205,6 @@ def _parameter_owners(model: nn.Module) -> Dict[int, List[str]]:
             if p is not None:
                 owners.setdefault(id(p), []).append(f"{prefix}.{name}" if prefix else name)
     return owners
-
-
-def _fold_targets(
-    graph: torch.fx.Graph, name: str, norm: _Norm, modules: Dict[str, nn.Module], owners: Dict[int, List[str]]
-) -> Tuple[Optional[List[str]], str]:
-    """The Linear layers to fold norm `name` into, or None and the reason it cannot be folded."""
-    calls = [n for n in graph.nodes if n.op == "call_module" and n.target == name]
-    if not calls:
-        leaf = _leaf_ancestor(graph, name)
-        if leaf is not None:
-            return None, (f"it runs inside `{leaf}` ({type(modules[leaf]).__name__}), which torch.fx keeps as one "
-                          "opaque call, so its consumers cannot be seen")
-        return None, "it is not called in the traced forward"
-    if len(calls) != 1:
-        return None, f"it is called {len(calls)} times in the traced graph; folding needs exactly one call"
-    reads = [str(n.target) for n in graph.nodes if n.op == "get_attr" and str(n.target).startswith(f"{name}.")]
-    if reads:
-        return None, f"forward also reads `{reads[0]}` directly, which the replacement does not have"
-    if len(norm.shape) != 1:
-        return None, f"normalized_shape {norm.shape} spans several dimensions; a Linear consumes only the last"
-    users = list(calls[0].users)
-    if not users:
-        return None, "its output is unused"
-    targets: List[str] = []
-    for user in users:
-        if _reads_only_metadata(user):
-            continue  # h.shape, h.size(): the fold keeps the output's shape, dtype and device
-        module = modules.get(str(user.target)) if user.op == "call_module" else None
-        if not isinstance(module, nn.Linear):
-            return None, f"its output feeds {_describe_user(user, modules)}, not only Linear layers"
-        if len(user.args) != 1 or user.kwargs or user.args[0] is not calls[0]:
-            return None, f"Linear `{user.target}` takes more than the norm's output"
-        linear_calls = [n for n in graph.nodes if n.op == "call_module" and n.target == user.target]
-        if len(linear_calls) != 1:
-            return None, f"Linear `{user.target}` is called {len(linear_calls)} times; folding would change its other calls"
-        refusal = _linear_refusal(str(user.target), module)
-        if refusal is not None:
-            return None, refusal
-        if module.in_features != norm.shape[0]:
-            return None, f"Linear `{user.target}` has in_features {module.in_features}, not {norm.shape[0]}"
-        for p in (module.weight, module.bias):
-            if p is not None and len(owners.get(id(p), [])) > 1:
-                others = [o for o in owners[id(p)] if not o.startswith(f"{user.target}.")]
-                return None, f"Linear `{user.target}` shares its parameters with {', '.join(others) or 'another module'}"
-        if str(user.target) not in targets:
-            targets.append(str(user.target))
-    return targets, ""
-
-
-# ---------------------------------------------------------------------------------------------
-# Rewriting
-# ---------------------------------------------------------------------------------------------
 
 
 def _paths(model: nn.Module) -> Dict[int, List[str]]:
@@ -345,173 +227,360 @@ def _also_at(paths: List[str]) -> str:
     return f" (also registered as {', '.join(f'`{p}`' for p in paths[1:])})" if len(paths) > 1 else ""
 
 
-def _fold_into(linear: nn.Linear, norm: _Norm) -> str:
-    """W' = W diag(gamma), b' = b + W beta, in float64 and cast back; adds a bias when beta needs one.
 
-    The Linear keeps its Parameter objects (an optimizer holding them stays valid); a missing bias is
+
+def _fold_into(module: nn.Module, spec: LinearMap, gamma: Optional[Tensor], beta: Optional[Tensor]) -> str:
+    """W' = W diag(gamma), b' = b + W beta (for x W + b layouts: rows scaled), in float64 and cast back.
+
+    The layer keeps its Parameter objects (an optimizer holding them stays valid); a missing bias is
     registered on the same module, trainable like its weight.
     """
+    weight = getattr(module, spec.weight)
+    bias = getattr(module, spec.bias) if spec.bias is not None else None
     with torch.no_grad():
-        w = linear.weight.detach().to(torch.float64)
-        new_w = w
-        if norm.weight is not None:
-            new_w = w * norm.weight.detach().to(device=w.device, dtype=torch.float64)[None, :]
-        new_b: Optional[Tensor] = linear.bias.detach().to(torch.float64) if linear.bias is not None else None
-        if norm.bias is not None and bool((norm.bias != 0).any()):
-            shift = w @ norm.bias.detach().to(device=w.device, dtype=torch.float64)
+        w = weight.detach().to(torch.float64)
+        w_out_in = w.t() if spec.transposed else w
+        new = w_out_in
+        if gamma is not None:
+            new = w_out_in * gamma.to(device=w.device, dtype=torch.float64)[None, :]
+        new_b: Optional[Tensor] = bias.detach().to(torch.float64) if bias is not None else None
+        if beta is not None and bool((beta != 0).any()):
+            shift = w_out_in @ beta.to(device=w.device, dtype=torch.float64)
             new_b = shift if new_b is None else new_b + shift
-        added = new_b is not None and linear.bias is None
+        added = new_b is not None and bias is None
         if added:
-            bias = torch.empty(linear.out_features, dtype=linear.weight.dtype, device=linear.weight.device)
-            linear.register_parameter("bias", nn.Parameter(bias, requires_grad=linear.weight.requires_grad))
-        linear.weight.copy_(new_w.to(linear.weight.dtype))
+            fresh = torch.empty(spec.out_features, dtype=weight.dtype, device=weight.device)
+            module.register_parameter("bias", nn.Parameter(fresh, requires_grad=weight.requires_grad))
+            bias = module.bias
+        weight.copy_((new.t() if spec.transposed else new).to(weight.dtype))
         if new_b is not None:
-            linear.bias.copy_(new_b.to(linear.bias.dtype))
-    parts = "gamma and beta" if norm.bias is not None else "gamma"
+            bias.copy_(new_b.to(bias.dtype))
+    parts = "gamma and beta" if beta is not None else "gamma"
     return f"folded {parts} in float64{' (bias added for beta)' if added else ''}"
 
 
-def _ms_norm(norm: _Norm) -> nn.Module:
-    return abp_nn.MSLayerNorm(norm.shape, norm.eps) if norm.kind == "layer" else abp_nn.MSRMSNorm(norm.shape, norm.eps)
+# ---------------------------------------------------------------------------------------------
+# Recipe "lowmembp": norms
+# ---------------------------------------------------------------------------------------------
 
 
-def _trace(model: nn.Module) -> Tuple[Optional[torch.fx.Graph], str]:
-    """The model's torch.fx graph (recognised norms as leaves), or None and why it failed."""
-    try:
-        return _Tracer().trace(model), ""
-    except Exception as e:  # data-dependent control flow, unsupported ops, ...
-        return None, f"the model could not be traced by torch.fx ({type(e).__name__}: {e})"
+def _gamma_beta(module: nn.Module, spec: Norm) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    gamma = getattr(module, spec.weight).detach() + spec.weight_offset if spec.weight is not None else None
+    beta = getattr(module, spec.bias).detach() if spec.bias is not None else None
+    return gamma, beta
+
+
+def _fold_targets(
+    name: str, norm: Norm, structure: _structure.Structure, modules: Dict[str, nn.Module],
+    recognised: Dict[int, Any], owners: Dict[int, List[str]],
+) -> Tuple[Optional[List[str]], str]:
+    """The linear layers to fold norm `name` into, or None and why it cannot be folded."""
+    calls = structure.calls.get(name, 0)
+    if calls != 1:
+        return None, (f"it ran {calls} times in the example call; folding needs exactly one call" if calls
+                      else "it did not run in the example call")
+    foreign = structure.foreign_parameter_uses.get(name)
+    if foreign:
+        return None, f"its parameters are also used outside it ({foreign[0]})"
+    uses = structure.uses.get(name, [])
+    if not uses:
+        return None, "its output is unused"
+    targets: List[str] = []
+    for use in uses:
+        if use.module is None:
+            return None, f"its output also feeds {use.describe(modules)}, not only linear layers"
+        target = modules[use.module]
+        spec = recognised.get(id(target))
+        if not isinstance(spec, LinearMap):
+            return None, f"its output feeds {use.describe(modules)}, which is not a linear map"
+        if structure.calls.get(use.module, 0) != 1:
+            return None, f"`{use.module}` ran {structure.calls.get(use.module, 0)} times; folding would change its other calls"
+        if len(structure.inputs.get(use.module, [])) != 1:
+            return None, f"`{use.module}` takes more than the norm's output"
+        refusal = _linear_refusal(use.module, target) if isinstance(target, nn.Linear) else _norm_refusal(target)
+        if refusal is not None:
+            return None, refusal
+        if len(norm.shape) != 1 or spec.in_features != norm.shape[0]:
+            return None, f"`{use.module}` has in_features {spec.in_features}; the norm's shape is {norm.shape}"
+        for pname in (spec.weight, spec.bias):
+            p = getattr(target, pname) if pname is not None else None
+            if p is not None and len(owners.get(id(p), [])) > 1:
+                others = [o for o in owners[id(p)] if not o.startswith(f"{use.module}.")]
+                return None, f"`{use.module}` shares its parameters with {', '.join(others) or 'another module'}"
+        targets.append(use.module)
+    return targets, ""
+
+
+def _ms_norm(spec: Norm, affine: bool) -> nn.Module:
+    cls = abp_nn.MSLayerNorm if spec.kind == "layer" else abp_nn.MSRMSNorm
+    return cls(spec.shape, spec.eps, elementwise_affine=affine and spec.weight is not None,
+               bias=affine and spec.bias is not None, weight_offset=spec.weight_offset if affine else 0.0,
+               device="meta")
 
 
 def _convert_norm(
-    model: nn.Module, name: str, norm: _Norm, graph: Optional[torch.fx.Graph], trace_error: str,
-    modules: Dict[str, nn.Module], owners: Dict[int, List[str]], paths: List[str],
+    model: nn.Module, name: str, module: nn.Module, spec: Norm, fold: bool, structure: Optional[_structure.Structure],
+    modules: Dict[str, nn.Module], recognised: Dict[int, Any], owners: Dict[int, List[str]], paths: List[str],
 ) -> List[Change]:
-    """Replaces one recognised norm (folding its affine parameters) or says why not."""
-    module = modules[name]
     kind = type(module).__name__
+    label = ("LayerNorm" if spec.kind == "layer" else "RMSNorm") + (" (1 + weight)" if spec.weight_offset else "")
 
     def refused(reason: str) -> List[Change]:
-        return [Change(name, "refused", reason)]
+        return [Change(name, "refused", f"{kind} ({label}) not replaced: {reason}")]
 
-    refusal = _norm_refusal(module)  # before the probe, which would run the module's hooks
+    refusal = _norm_refusal(module)
     if refusal is not None:
-        return refused(f"{kind} not replaced: {refusal}")
-    mismatch = _probe_mismatch(module, norm)
-    if mismatch is not None:
-        return refused(f"{kind} does not compute {norm.kind}norm: {mismatch}")
+        return refused(refusal)
+    if spec.weight is None and spec.bias is not None:
+        return refused("it has a bias but no weight, which the memory-sharing norms do not take")
+    gamma, beta = _gamma_beta(module, spec)
     try:
-        replacement = _ms_norm(norm)
+        abp_nn.MSLayerNorm(spec.shape, spec.eps)  # checks eps as the kernels take it
     except (TypeError, ValueError) as e:
         return refused(f"no memory-sharing norm for it: {e}")
-    new_kind = type(replacement).__name__
-    if norm.weight is None and norm.bias is None:
-        _replace(model, paths, replacement)
-        return [Change(name, "replaced", f"{kind} -> {new_kind} (no affine){_also_at(paths)}")]
-    if graph is None:
-        return refused(f"its affine parameters cannot be folded: {trace_error}")
-    targets, reason = _fold_targets(graph, name, norm, modules, owners)
-    if targets is None:
-        return refused(f"its affine parameters cannot be folded: {reason}")
-    changes = [Change(t, "folded", f"{_fold_into(modules[t], norm)} from `{name}`") for t in targets]  # type: ignore[arg-type]
+    targets: Optional[List[str]] = None
+    why_not = ""
+    if fold and (gamma is not None or beta is not None):
+        assert structure is not None
+        targets, why_not = _fold_targets(name, spec, structure, modules, recognised, owners)
+    if targets is not None:
+        changes = [Change(t, "folded", f"{_fold_into(modules[t], recognised[id(modules[t])], gamma, beta)} from `{name}`")
+                   for t in targets]
+        _replace(model, paths, _ms_norm(spec, affine=False))
+        changes.append(Change(name, "replaced", f"{kind} -> {label}, memory-sharing (affine folded into {', '.join(targets)}){_also_at(paths)}"))
+        return changes
+    if gamma is not None and bool((gamma == 0).any()):
+        return refused(f"gamma is 0 at {int((gamma == 0).sum())} feature(s); backward recovers the normalised value as (y - beta) / gamma")
+    replacement = _ms_norm(spec, affine=True)
+    renamed = []
+    if spec.weight is not None:
+        replacement.weight = getattr(module, spec.weight)
+        if spec.weight != "weight":
+            renamed.append(f"{spec.weight} -> weight")
+    if spec.bias is not None:
+        replacement.bias = getattr(module, spec.bias)
+        if spec.bias != "bias":
+            renamed.append(f"{spec.bias} -> bias")
+    replacement.train(module.training)
     _replace(model, paths, replacement)
-    changes.append(Change(name, "replaced", f"{kind} -> {new_kind} (affine folded into {', '.join(targets)}){_also_at(paths)}"))
-    return changes
+    detail = f"{kind} -> {type(replacement).__name__} ({label}, eps={spec.eps:g}"
+    detail += ", affine kept: backward recovers the normalised value from the output)" if gamma is not None or beta is not None else ")"
+    if renamed:
+        detail += f"; parameters renamed {', '.join(renamed)}"
+    if fold and why_not:
+        detail += f"; not folded: {why_not}"
+    return [Change(name, "replaced", detail + _also_at(paths))]
 
 
-def _convert_norms(model: nn.Module) -> List[Change]:
-    modules = dict(model.named_modules())
-    norms = {name: n for name, m in modules.items() if name and (n := _norm_of(m)) is not None}
-    graph: Optional[torch.fx.Graph] = None
-    trace_error = ""
-    if any(n.weight is not None or n.bias is not None for n in norms.values()):
-        graph, trace_error = _trace(model)
-    owners = _parameter_owners(model)
-    paths = _paths(model)
-    changes: List[Change] = []
-    for name, norm in norms.items():
-        changes += _convert_norm(model, name, norm, graph, trace_error, modules, owners, paths[id(modules[name])])
-    return changes
+# ---------------------------------------------------------------------------------------------
+# Recipe "lowmembp": activations
+# ---------------------------------------------------------------------------------------------
 
 
-def _convert_activations(model: nn.Module, kind: str, op_name: str) -> List[Change]:
-    """Replaces every ``nn.GELU`` (erf form) or ``nn.SiLU`` by the abp module for `op_name`.
+def _convert_activation(model: nn.Module, name: str, module: nn.Module, spec: Any, options: Dict[str, Any], paths: List[str]) -> List[Change]:
+    kind = type(module).__name__
+    if isinstance(spec, Unknown):
+        return [Change(name, "refused", f"{kind} not replaced: {spec.reason}")]
+    assert isinstance(spec, Activation)
+    if spec.kind == "relu":
+        return [Change(name, "refused", f"{kind} (ReLU) kept: its backward reads only its output, which the next layer saves anyway")]
+    if spec.kind == "leaky_relu":
+        if not options["leaky_relu"]:
+            return []
+        replacement: nn.Module = abp_nn.LeakyReLU(spec.slope)
+        what = f"LeakyReLU(negative_slope={spec.slope:g}), exact 1-bit"
+    else:
+        family = "silu" if spec.kind == "silu" else "gelu"
+        choice = options[family]
+        if choice is None:
+            return []
+        approximate = "tanh" if spec.kind == "gelu_tanh" else "none"
+        replacement = _activation_module(family, choice, approximate)
+        what = f"{choice}" + (", tanh form" if approximate == "tanh" else "")
+    hooks = _hooks_of(module)
+    if hooks:
+        return [Change(name, "refused", f"{kind} not replaced: it has {' and '.join(hooks)}, which the replacement would not carry")]
+    replacement.train(module.training)
+    _replace(model, paths, replacement)
+    return [Change(name, "replaced", f"{kind} ({spec.kind}) -> {type(replacement).__name__} ({what}){_also_at(paths)}")]
 
-    Only the exact torch classes: a subclass may compute something else.
-    """
-    cls = nn.GELU if kind == "gelu" else nn.SiLU
-    paths = _paths(model)
-    changes: List[Change] = []
-    for name, module in list(model.named_modules()):
-        if type(module) is not cls:
-            continue
-        if kind == "gelu" and getattr(module, "approximate", "none") != "none":
-            changes.append(Change(name, "refused", f"GELU(approximate={module.approximate!r}) differs from the erf GELU that {op_name} computes"))
-            continue
-        if _hooks_of(module):
-            changes.append(Change(name, "refused", f"{cls.__name__} not replaced: it has {' and '.join(_hooks_of(module))}, which the replacement would not carry"))
-            continue
-        replacement = _activation_module(kind, op_name)
-        _replace(model, paths[id(module)], replacement)
-        changes.append(Change(name, "replaced", f"{cls.__name__} -> {type(replacement).__name__} ({op_name}){_also_at(paths[id(module)])}"))
-    return changes
+
+# ---------------------------------------------------------------------------------------------
+# Recipe "sampled"
+# ---------------------------------------------------------------------------------------------
 
 
-def _convert_sampled(model: nn.Module, method: str, keep: float, layers: Sequence[str]) -> List[Change]:
-    """Replaces each plain nn.Linear whose qualified name matches a pattern of `layers` by a
-    SampledLinear sharing its Parameters."""
+def _sample_one(model: nn.Module, name: str, module: nn.Module, spec: LinearMap, method: str, keep: float, paths: List[str]) -> Change:
+    why = _linear_refusal(name, module) if type(module) is nn.Linear or isinstance(module, nn.Linear) else None
+    if why is None and _hooks_of(module):
+        why = f"`{name}` has {' and '.join(_hooks_of(module))}, which the replacement would not carry"
+    if why is None and parametrize.is_parametrized(module):
+        why = f"`{name}` has parametrized weights"
+    if why is None and (spec.weight != "weight" or spec.bias not in (None, "bias")):
+        why = f"`{name}` keeps its parameters as {spec.weight}/{spec.bias}, not weight/bias"
+    if why is None and not getattr(module, spec.weight).requires_grad:
+        why = f"`{name}` is frozen (its weight needs no gradient): nothing to sample"
+    if why is not None:
+        return Change(name, "refused", why)
+    replacement = abp_nn.SampledLinear.from_linear(module, method=method, keep=keep, transposed=spec.transposed)
+    _replace(model, paths, replacement)
+    layout = ", x @ W layout" if spec.transposed else ""
+    return Change(name, "replaced", f"{type(module).__name__} -> SampledLinear (method={method!r}, keep={keep}{layout}){_also_at(paths)}")
+
+
+def _convert_sampled(model: nn.Module, options: Dict[str, Any], recognised: Dict[int, Any]) -> List[Change]:
+    """Samples each linear map whose qualified name matches a pattern of ``layers``; a matched
+    module that is no linear map itself (a LoRA wrapper) has its trainable linear maps sampled."""
+    method, keep, layers = options["method"], options["keep"], options["layers"]
     paths = _paths(model)
     changes: List[Change] = []
     done = set()
     for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear) or id(module) in done or not any(fnmatch.fnmatchcase(name, p) for p in layers):
-            continue
-        if isinstance(module, abp_nn.SampledLinear):
-            continue
-        why = _linear_refusal(name, module) or (
-            f"Linear `{name}` has {' and '.join(_hooks_of(module))}, which the replacement would not carry"
-            if _hooks_of(module) else None)
-        if why is not None:
-            changes.append(Change(name, "refused", why))
+        if id(module) in done or not any(fnmatch.fnmatchcase(name, p) for p in layers):
             continue
         done.add(id(module))
-        replacement = abp_nn.SampledLinear.from_linear(module, method=method, keep=keep)
-        _replace(model, paths[id(module)], replacement)
-        changes.append(Change(name, "replaced", f"Linear -> SampledLinear (method={method!r}, keep={keep}){_also_at(paths[id(module)])}"))
+        if isinstance(module, abp_nn.SampledLinear):
+            continue
+        spec = recognised.get(id(module))
+        if isinstance(spec, LinearMap):
+            changes.append(_sample_one(model, name, module, spec, method, keep, paths[id(module)]))
+            continue
+        if _recognise.is_leaf(module):
+            changes.append(Change(name, "refused", f"{type(module).__name__} matches layers= but does not compute a linear map"))
+            continue
+        inner = [(f"{name}.{n}", m) for n, m in module.named_modules() if n and isinstance(recognised.get(id(m)), LinearMap)]
+        trainable = [(n, m) for n, m in inner if getattr(m, recognised[id(m)].weight).requires_grad]
+        if not trainable:
+            changes.append(Change(name, "refused", f"{type(module).__name__} matches layers= but holds no trainable linear map"))
+        for sub_name, sub in trainable:
+            if id(sub) not in done and not isinstance(sub, abp_nn.SampledLinear):
+                done.add(id(sub))
+                changes.append(_sample_one(model, sub_name, sub, recognised[id(sub)], method, keep, paths[id(sub)]))
     return changes
 
 
-def convert(model: nn.Module, recipe: str = "lowmembp", *, inplace: bool = False, **overrides: Any) -> Tuple[nn.Module, List[Change]]:
-    """Applies ``recipe`` to ``model``; returns (converted model, what was changed and refused).
+# ---------------------------------------------------------------------------------------------
+# Recipe "compress"
+# ---------------------------------------------------------------------------------------------
 
-    Recipe "lowmembp" overrides: ``norms=False`` keeps every norm; ``gelu=`` / ``silu=`` choose
-    the replacement activation by abp operator name (``"regelu2"`` / ``"resilu2"`` by default,
-    ``"gelu_b3"``, ``"silu_b2_uniform"``, ...) or switch it off with ``None``.
+
+def _compressed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    bits, group_size = self._abp_compress
+    with compress.compress_saved(bits=bits, group_size=group_size):
+        return type(self).forward(self, *args, **kwargs)
+
+
+def _convert_compress(model: nn.Module, options: Dict[str, Any]) -> List[Change]:
+    """Runs the model's forward inside ``compress_saved``: every saved tensor that abp's recipes left
+    as it was (codes and per-row values are not floating or too small) is stored as group codes.
+    The forward is bound to the instance (``deepcopy`` rebinds it to the copy); state_dict is unchanged."""
+    model._abp_compress = (options["bits"], options["group_size"])  # type: ignore[assignment]
+    model.forward = types.MethodType(_compressed_forward, model)  # type: ignore[assignment]
+    return [Change("", "wrapped", f"forward runs inside compress_saved(bits={options['bits']}, group_size={options['group_size']})")]
+
+
+# ---------------------------------------------------------------------------------------------
+# convert
+# ---------------------------------------------------------------------------------------------
+
+
+def _recognise_all(model: nn.Module) -> Dict[int, Any]:
+    """id(module) -> what each leaf module computes (abp's own modules are left out)."""
+    found: Dict[int, Any] = {}
+    for module in model.modules():
+        if id(module) in found or type(module).__module__.startswith("abp."):
+            continue
+        spec = _recognise.recognise(module)
+        if spec is not None:
+            found[id(module)] = spec
+    return found
+
+
+def _example_call(example_inputs: Any, example_kwargs: Any) -> Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]:
+    if example_inputs is None and example_kwargs is None:
+        return None
+    if isinstance(example_inputs, Tensor):
+        args: Tuple[Any, ...] = (example_inputs,)
+    elif example_inputs is None:
+        args = ()
+    elif isinstance(example_inputs, (tuple, list)):
+        args = tuple(example_inputs)
+    else:
+        raise TypeError(f"example_inputs: expected a tensor or a tuple of positional arguments, got {type(example_inputs).__name__}")
+    if example_kwargs is not None and not isinstance(example_kwargs, dict):
+        raise TypeError(f"example_kwargs: expected a dict of keyword arguments, got {type(example_kwargs).__name__}")
+    return args, dict(example_kwargs or {})
+
+
+def _convert_lowmembp(
+    model: nn.Module, options: Dict[str, Any], recognised: Dict[int, Any], call: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]
+) -> List[Change]:
+    modules = dict(model.named_modules())
+    paths = _paths(model)
+    owners = _parameter_owners(model)
+    norms = {n: m for n, m in modules.items() if n and isinstance(recognised.get(id(m)), Norm)}
+    structure = None
+    if options["norms"] and options["fold"] and norms:
+        if call is None:
+            raise ValueError("fold=True: pass example_inputs= (a tensor or a tuple of positional arguments) and/or "
+                             "example_kwargs= (a dict): one call the model accepts, run once to see which layers read "
+                             "each norm's output")
+        try:
+            structure = _structure.record(model, call[0], call[1], list(norms))
+        except Exception as e:
+            raise RuntimeError(f"example_inputs/example_kwargs: the example call failed ({type(e).__name__}: {e})") from e
+    changes: List[Change] = []
+    for name, module in modules.items():
+        spec = recognised.get(id(module))
+        if not name or spec is None:
+            continue
+        if isinstance(spec, Norm) and options["norms"]:
+            changes += _convert_norm(model, name, module, spec, options["fold"], structure, modules, recognised,
+                                     owners, paths[id(module)])
+        elif isinstance(spec, (Activation, Unknown)):
+            changes += _convert_activation(model, name, module, spec, options, paths[id(module)])
+    return changes
+
+
+def convert(
+    model: nn.Module, recipe: Union[str, Sequence[str]] = "lowmembp", *, inplace: bool = False,
+    example_inputs: Any = None, example_kwargs: Optional[Dict[str, Any]] = None, **overrides: Any,
+) -> Tuple[nn.Module, List[Change]]:
+    """Applies ``recipe`` (a name, a list of names, or "all") to ``model``; returns (converted model,
+    what was changed and refused).
+
+    Recipe "lowmembp" overrides: ``norms=False`` keeps every norm; ``fold=True`` folds norm affines
+    into the linear layers that alone read their output (needs ``example_inputs`` and/or
+    ``example_kwargs``, one call the model accepts); ``gelu=`` / ``silu=`` choose the replacement by
+    abp operator name (``"regelu2"`` / ``"resilu2"`` by default, ``"gelu_b3"``, ``"silu_b2_uniform"``,
+    ...; the GELU's erf or tanh form is the module's own) or switch it off with ``None``;
+    ``leaky_relu=False`` keeps LeakyReLUs.
     Recipe "sampled" overrides: ``method=`` ("wtacrs", "crs", "uniform", "gaussian", "rademacher"),
     ``keep=`` (0.3) and ``layers=`` (fnmatch patterns of module names; SAMPLED_LAYERS by default,
-    e.g. ``["*.lora_A*"]`` for the LoRA setup of the WTA-CRS paper).
+    e.g. ``["*.lora_A*"]``).
+    Recipe "compress" overrides: ``bits=`` (8) and ``group_size=`` (256) of ``compress_saved``.
     With ``inplace=False`` (default) the model is deep-copied first, so the original stays usable
     as a baseline.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    if recipe not in RECIPES:
-        raise ValueError(f"recipe: expected one of {', '.join(RECIPES)}, got {recipe!r}")
+    recipes = _recipes(recipe)
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace: expected True or False, got {inplace!r}")
-    options = _check_overrides(recipe, overrides)
+    options = _check_overrides(recipes, overrides)
+    call = _example_call(example_inputs, example_kwargs)
     if not inplace:
         try:
             model = copy.deepcopy(model)
         except Exception as e:  # e.g. old-style weight_norm keeps a non-leaf weight tensor
             raise RuntimeError(f"model: could not be deep-copied ({type(e).__name__}: {e}); "
                                "pass inplace=True to convert it in place") from e
+    recognised = _recognise_all(model)
     changes: List[Change] = []
-    if recipe == "sampled":
-        return model, _convert_sampled(model, options["method"], options["keep"], options["layers"])
-    if options["norms"]:
-        changes += _convert_norms(model)
-    for kind in ("gelu", "silu"):
-        if options[kind] is not None:
-            changes += _convert_activations(model, kind, options[kind])
+    if "lowmembp" in recipes:
+        changes += _convert_lowmembp(model, options, recognised, call)
+    if "sampled" in recipes:
+        changes += _convert_sampled(model, options, recognised)
+    if "compress" in recipes:
+        changes += _convert_compress(model, options)
     return model, changes

@@ -3,12 +3,14 @@
 Every function computes the exact forward (fp32 maths, stored in the input's dtype) and saves only
 packed codes for the backward (ALGORITHMS.md §2, §4):
 
-- ``regelu2`` / ``resilu2``: 2-bit codes, LowMemoryBP's tables.
+- ``regelu2`` / ``resilu2``: 2-bit codes, LowMemoryBP's tables; ``regelu2(x, approximate="tanh")``
+  is GELU's tanh form with its own fitted table (operator ``regelu2_tanh``).
 - FewBit continuous activations (``gelu``, ``silu``, ``celu``, ``elu``, ``hardswish``, ``logsigmoid``,
   ``mish``, ``selu``, ``sigmoid``, ``softplus``, ``softsign``, ``tanh``, ``tanhshrink``): ``bits``-bit
   codes (1..4); ``weight="normal"`` (default) uses the tables fitted under a standard-normal weight,
   ``weight="uniform"`` the uniform-weight tables (parity with the published FewBit tables). The
-  tables are fitted for torch's default parameters only.
+  tables are fitted for torch's default parameters only; ``gelu(x, approximate="tanh")`` uses tables
+  fitted for the tanh form (operators ``gelu_tanh_b<bits>``).
 - Piecewise-linear activations (``relu``, ``relu6``, ``hardsigmoid``, ``leaky_relu``, ``threshold``,
   ``hardtanh``, ``hardshrink``, ``softshrink``): their exact derivative in 1 bit per element.
 
@@ -23,17 +25,19 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Any, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from . import _custom_ops, _launch, autograd
+from . import _affine_norm, _custom_ops, _launch, autograd
 
 __all__ = [
     "CONTINUOUS",
     "PIECEWISE",
+    "GELU_FORMS",
     "fewbit_operator",
+    "gelu_form",
     "apply",
     "regelu2",
     "resilu2",
@@ -92,16 +96,30 @@ PIECEWISE: Tuple[str, ...] = (
     "softshrink",
 )
 _WEIGHTS = ("normal", "uniform")
+#: GELU's two forms by torch's ``approximate=`` name: (FewBit table family, ReGELU2 operator).
+#: "gelu_tanh" is a table family without a torch.nn.functional name of its own.
+GELU_FORMS: Dict[str, Tuple[str, str]] = {"none": ("gelu", "regelu2"), "tanh": ("gelu_tanh", "regelu2_tanh")}
+_FEWBIT_FAMILIES = CONTINUOUS + ("gelu_tanh",)
+
+
+def gelu_form(approximate: str) -> Tuple[str, str]:
+    """(FewBit table family, ReGELU2 operator) of GELU's ``approximate`` form: ("gelu", "regelu2")
+    for "none" (erf form), ("gelu_tanh", "regelu2_tanh") for "tanh". Raises ValueError naming
+    ``approximate`` for anything else."""
+    form = GELU_FORMS.get(approximate) if isinstance(approximate, str) else None
+    if form is None:
+        raise ValueError(f"approximate: expected 'none' (erf form) or 'tanh' (tanh form), as torch's GELU, got {approximate!r}")
+    return form
 
 
 def fewbit_operator(activation: str, bits: int, weight: str = "normal") -> str:
-    """The operator name of a FewBit activation: ``gelu_b3``, ``gelu_b3_uniform``, ...
+    """The operator name of a FewBit activation: ``gelu_b3``, ``gelu_b3_uniform``, ``gelu_tanh_b2``, ...
 
-    Raises ValueError naming ``activation``, ``bits`` (not in 1..4) or ``weight`` (not "normal" or
-    "uniform").
+    ``activation`` is a name of CONTINUOUS or "gelu_tanh" (GELU's tanh form). Raises ValueError naming
+    ``activation``, ``bits`` (not in 1..4) or ``weight`` (not "normal" or "uniform").
     """
-    if activation not in CONTINUOUS:
-        raise ValueError(f"activation: expected one of {', '.join(CONTINUOUS)}, got {activation!r}")
+    if activation not in _FEWBIT_FAMILIES:
+        raise ValueError(f"activation: expected one of {', '.join(_FEWBIT_FAMILIES)}, got {activation!r}")
     if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (1, 2, 3, 4):
         raise ValueError(f"bits: expected 1, 2, 3 or 4 (bits per element of the saved codes), got {bits!r}")
     if weight not in _WEIGHTS:
@@ -138,9 +156,10 @@ def _require_default(function: str, name: str, value: Any, default: float) -> No
         )
 
 
-def regelu2(input: Tensor) -> Tensor:
-    """GELU (erf form) forward; ReGELU2 backward from 2-bit codes (ALGORITHMS.md §4)."""
-    return apply("regelu2", input)
+def regelu2(input: Tensor, approximate: str = "none") -> Tensor:
+    """GELU forward (erf form; ``approximate="tanh"``: tanh form); ReGELU2 backward from 2-bit codes
+    (ALGORITHMS.md §4; the tanh form's table is fitted by tools/regelu2_fit.py)."""
+    return apply(gelu_form(approximate)[1], input)
 
 
 def resilu2(input: Tensor) -> Tensor:
@@ -149,12 +168,9 @@ def resilu2(input: Tensor) -> Tensor:
 
 
 def gelu(input: Tensor, approximate: str = "none", *, bits: int = 3, weight: str = "normal") -> Tensor:
-    """GELU (erf form); FewBit ``bits``-bit backward. ``approximate="tanh"`` is not supported."""
-    if approximate != "none":
-        raise ValueError(
-            f"approximate: abp.functional.gelu computes the exact erf form only (approximate='none'), got {approximate!r}"
-        )
-    return apply(fewbit_operator("gelu", bits, weight), input)
+    """GELU, erf form (``approximate="none"``) or tanh form (``"tanh"``), each exact; FewBit
+    ``bits``-bit backward with the tables fitted for that form."""
+    return apply(fewbit_operator(gelu_form(approximate)[0], bits, weight), input)
 
 
 def silu(input: Tensor, inplace: bool = False, *, bits: int = 3, weight: str = "normal") -> Tensor:
@@ -311,7 +327,22 @@ def _autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
     return None
 
 
-def _ms_norm(op_name: str, input: Tensor, normalized_shape: Union[int, Sequence[int]], eps: float) -> Tensor:
+def _check_affine(name: str, value: Optional[Tensor], shape: Tuple[int, ...], input: Tensor) -> Optional[Tensor]:
+    """`value` (gamma or beta): None, or a floating tensor of `shape` on `input`'s device."""
+    if value is None:
+        return None
+    _launch.check_float_tensor(name, value, _launch.ROW_DTYPES)
+    if tuple(value.shape) != shape:
+        raise ValueError(f"{name}: expected shape {shape} (normalized_shape), got {tuple(value.shape)}")
+    if value.device != input.device:
+        raise ValueError(f"{name}: expected a tensor on {input.device} (the input's device), got {value.device}")
+    return value
+
+
+def _ms_norm(
+    op_name: str, input: Tensor, normalized_shape: Union[int, Sequence[int]], eps: float,
+    weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, weight_offset: float = 0.0,
+) -> Tensor:
     shape = check_normalized_shape(normalized_shape)
     _launch.check_float_tensor("input", input, _launch.ROW_DTYPES)
     k = len(shape)
@@ -321,27 +352,47 @@ def _ms_norm(op_name: str, input: Tensor, normalized_shape: Union[int, Sequence[
             f"got shape {tuple(input.shape)}"
         )
     eps = check_eps(eps)
+    weight = _check_affine("weight", weight, shape, input)
+    bias = _check_affine("bias", bias, shape, input)
+    offset = _launch.check_param("weight_offset", weight_offset)
+    if offset and weight is None:
+        raise ValueError("weight_offset: needs a weight (gamma = weight + weight_offset)")
     cols = math.prod(shape)
     rows_view = input if k == 1 else input.reshape(*input.shape[: input.dim() - k], cols)
     # Under autocast the consumer (a Linear) would cast an fp32 output and save that copy; emit
     # its compute dtype directly so that it saves this very tensor (ALGORITHMS.md §5).
     out_dtype = _autocast_dtype(input.device) if input.dtype == torch.float32 else None
-    y = apply(op_name, rows_view, (eps,), out_dtype)
+    if weight is None and bias is None:
+        y = apply(op_name, rows_view, (eps,), out_dtype)
+    else:
+        flat = lambda t: None if t is None else t.reshape(cols)  # noqa: E731
+        y = _affine_norm.affine_ms_norm(op_name, rows_view, eps, flat(weight), flat(bias), offset, out_dtype)
     return y if k == 1 else y.view(input.shape)
 
 
-def ms_layer_norm(input: Tensor, normalized_shape: Union[int, Sequence[int]], eps: float = 1e-5) -> Tensor:
-    """LayerNorm over the trailing ``normalized_shape`` dims, no affine: y = (x - mean) / sqrt(var + eps).
+def ms_layer_norm(
+    input: Tensor, normalized_shape: Union[int, Sequence[int]], eps: float = 1e-5, *,
+    weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, weight_offset: float = 0.0,
+) -> Tensor:
+    """LayerNorm over the trailing ``normalized_shape`` dims: y = gamma * (x - mean) / sqrt(var + eps) + beta,
+    gamma = weight + weight_offset (none without weight), beta = bias.
 
     Backward is exact (ALGORITHMS.md §5) and reads only y — the returned tensor itself, which the next
-    Linear keeps — and 1/sqrt(var + eps), one value per row (fp32; fp64 for fp64 input).
+    Linear keeps — and 1/sqrt(var + eps), one value per row (fp32; fp64 for fp64 input). With an
+    affine, it recovers the normalised value as (y - beta) / gamma (abp._affine_norm: exact up to that
+    division's rounding).
     """
-    return _ms_norm("ms_layernorm", input, normalized_shape, eps)
+    return _ms_norm("ms_layernorm", input, normalized_shape, eps, weight, bias, weight_offset)
 
 
-def ms_rms_norm(input: Tensor, normalized_shape: Union[int, Sequence[int]], eps: float = 1e-6) -> Tensor:
-    """RMSNorm over the trailing ``normalized_shape`` dims, no affine: y = x / sqrt(mean(x^2) + eps).
+def ms_rms_norm(
+    input: Tensor, normalized_shape: Union[int, Sequence[int]], eps: float = 1e-6, *,
+    weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, weight_offset: float = 0.0,
+) -> Tensor:
+    """RMSNorm over the trailing ``normalized_shape`` dims: y = gamma * x / sqrt(mean(x^2) + eps) + beta,
+    gamma = weight + weight_offset (1 + weight for Gemma-style norms), beta = bias.
 
-    Backward is exact and reads only y (the returned tensor) and one value per row.
+    Backward is exact and reads only y (the returned tensor) and one value per row; with an affine,
+    as for ms_layer_norm.
     """
-    return _ms_norm("ms_rmsnorm", input, normalized_shape, eps)
+    return _ms_norm("ms_rmsnorm", input, normalized_shape, eps, weight, bias, weight_offset)

@@ -11,6 +11,7 @@ __all__ = [
     "SavedTensor",
     "SavedTensorsCounter",
     "distinct_bytes",
+    "note_saved",
     "report",
     "saved_bytes",
     "storage_key",
@@ -53,13 +54,16 @@ class SavedTensorsCounter:
         self._hooks: Optional[Any] = None
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self._note(t)
+        return t
+
+    def _note(self, t: torch.Tensor) -> None:
         try:
             device, ptr, nbytes = storage_key(t)
         except RuntimeError:
             # A tensor without data (torch.compile's fake tensors while it traces): nothing is stored.
-            return t
+            return
         self.tensors.append(SavedTensor(tuple(t.shape), t.dtype, device, nbytes, ptr, self.tag))
-        return t
 
     @staticmethod
     def _unpack(t: torch.Tensor) -> torch.Tensor:
@@ -68,12 +72,28 @@ class SavedTensorsCounter:
     def __enter__(self) -> "SavedTensorsCounter":
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
+        _active.append(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         assert self._hooks is not None
+        _active.remove(self)
         self._hooks.__exit__(*exc)
         self._hooks = None
+
+
+# The counters entered and not yet left. saved_tensors_hooks do not nest (the innermost pair alone
+# runs), so a hook that stores something else in place of a saved tensor (compress_saved's codes)
+# tells these counters what it really keeps: one accounting of saved bytes, compressed or not.
+_active: List[SavedTensorsCounter] = []
+
+
+def note_saved(kept: Sequence[torch.Tensor]) -> None:
+    """Called by a saved-tensors pack hook that runs inside a SavedTensorsCounter (and so hides
+    the saves from it): records `kept`, the tensors it stores for one saved tensor."""
+    for counter in _active:
+        for t in kept:
+            counter._note(t)
 
     @property
     def total_bytes(self) -> int:

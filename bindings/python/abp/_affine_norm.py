@@ -1,0 +1,100 @@
+"""Memory-sharing norms that keep their affine parameters: y = gamma * n(x) + beta, backward from y.
+
+The row statistics and the normalisation run in the compiler's ms_layernorm / ms_rmsnorm kernels;
+only the per-feature affine map is torch code around them. Forward saves the returned output y
+(the storage the next Linear keeps anyway), gamma and beta (parameters, kept by the module
+anyway) and one value per row. Backward recovers the normalised value from the output,
+
+    n = (y - beta) / gamma,
+
+and hands ``dn = dy * gamma`` to the kernels' exact norm backward; ``dgamma = sum(dy * n)``,
+``dbeta = sum(dy)`` over the rows. That is the exact derivative up to the rounding of the recovery:
+an absolute error of about ulp(|y| + |beta|) / |gamma| in n (with a low-precision y under autocast,
+that precision's ulp). Where gamma is exactly 0, n is not recoverable: dx stays exact there
+(dn = dy * 0 = 0), but gamma's gradient at that feature reads 0. ``abp.convert`` refuses norms
+whose gamma has zeros; no host synchronisation checks it during training.
+
+``weight_offset`` covers Gemma-style norms, whose multiplier is ``1 + weight``.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _custom_ops, _launch, _lib
+
+__all__ = ["affine_ms_norm"]
+
+
+def _forward_kernels(op_name: str, x: Tensor, eps: float) -> Tuple[Tensor, Tensor]:
+    """(n, r): the normalised rows and the per-row statistic, from the compiler's forward kernel."""
+    op = _lib.kernel_library().operator(op_name)
+    if _custom_ops.compiling():
+        n, r = _custom_ops.register(op).fwd(x, eps)
+        return n, r
+    outputs, residuals = _launch.forward(op, (x,), (eps,))
+    rows = [t for i, t in enumerate(residuals) if op.residuals[i].kind == "rows"]
+    return outputs[0], rows[0]
+
+
+def _backward_kernels(op_name: str, n: Tensor, r: Tensor, dn: Tensor) -> Tensor:
+    """dx from the normalised rows, the per-row statistic and dn, through the kernels' exact backward."""
+    op = _lib.kernel_library().operator(op_name)
+    if _custom_ops.compiling():
+        return _custom_ops.register(op).bwd(n, r, dn)
+    dxs = _launch.backward(op, [n, r], [dn], n.shape, n.dtype, n.device)
+    assert dxs[0] is not None
+    return dxs[0]
+
+
+class _AffineMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, op_name: str, eps: float, offset: float, out_dtype: Optional[torch.dtype],
+        x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+    ) -> Tensor:
+        n, r = _forward_kernels(op_name, x, eps)
+        y = n
+        if weight is not None:
+            y = y * (weight.to(n.dtype) + offset) if offset else y * weight.to(n.dtype)
+        if bias is not None:
+            y = y + bias.to(n.dtype)
+        if out_dtype is not None and out_dtype != y.dtype:
+            y = y.to(out_dtype)
+        # y is saved as the very tensor returned: the next Linear saves the same storage.
+        ctx.save_for_backward(y, r, weight, bias)
+        ctx.abp = (op_name, offset, x.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        op_name, offset, dtype = ctx.abp
+        y, r, weight, bias = ctx.saved_tensors
+        compute = _launch.compute_dtype(dtype)
+        centred = y.to(compute)
+        if bias is not None:
+            centred = centred - bias.to(compute)
+        dy_c = dy.to(compute)
+        if weight is not None:
+            gamma = weight.to(compute) + offset if offset else weight.to(compute)
+            # A zero gamma makes n unrecoverable; dn is 0 there, so dx stays exact (module docstring).
+            n = centred / torch.where(gamma == 0, torch.ones_like(gamma), gamma)
+            dn = dy_c * gamma
+        else:
+            n, dn = centred, dy_c
+        dx = _backward_kernels(op_name, n.to(dtype), r, dn.to(dtype))
+        rows = tuple(range(dy.dim() - 1))
+        dweight = (dy_c * n).sum(rows).to(weight.dtype) if weight is not None and ctx.needs_input_grad[5] else None
+        dbias = dy_c.sum(rows).to(bias.dtype) if bias is not None and ctx.needs_input_grad[6] else None
+        return None, None, None, None, dx, dweight, dbias
+
+
+def affine_ms_norm(
+    op_name: str, x: Tensor, eps: float, weight: Optional[Tensor], bias: Optional[Tensor],
+    weight_offset: float, out_dtype: Optional[torch.dtype],
+) -> Tensor:
+    """Runs the memory-sharing norm `op_name` on rows `x` (..., d) with gamma = weight + weight_offset
+    and beta = bias (each (d,) or None); the arguments are checked by the caller."""
+    return _AffineMSNorm.apply(op_name, eps, weight_offset, out_dtype, x, weight, bias)

@@ -1,0 +1,303 @@
+"""What a leaf module computes, found by running it on probes, not by its class (abp.convert).
+
+A model's activations, norms and linear maps come in many classes (torch.nn's, transformers'
+GELUActivation / NewGELUActivation / T5LayerNorm / LlamaRMSNorm / Conv1D, timm's, a user's own).
+``recognise`` runs a leaf module on random probes in float64 (and float32) and compares the result
+with the functions abp can replace:
+
+- activations (no parameters, no buffers): GELU in erf form, GELU in tanh form, SiLU, and the
+  ReLU family (ReLU, LeakyReLU), elementwise within 1e-6 relative in float64 and 1e-5 in float32;
+  any other deterministic elementwise function is reported as an unknown activation;
+- norms (one or two parameters of the same shape, the normalised one(s) last): LayerNorm or
+  RMSNorm (mean-free), gamma = weight or 1 + weight (Gemma), with or without beta, fp32 upcasts
+  included; probed with randomised parameter values so that no initial value (ones, zeros) hides
+  which parameter is which; eps from the module's attributes or, failing that, estimated where it
+  matters (inputs of mean square near eps) and verified;
+- linear maps (a 2-D weight and an optional bias): y = x W^T + b (torch.nn.Linear) or y = x W + b
+  (transformers' Conv1D), in the module's own dtype, without copying the weight.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["Activation", "LinearMap", "Norm", "Unknown", "recognise", "is_leaf"]
+
+#: Attribute names under which modules keep their epsilon.
+_EPS_NAMES = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps", "norm_eps")
+
+
+@dataclass(frozen=True)
+class Activation:
+    """An elementwise activation: kind is "gelu", "gelu_tanh", "silu", "relu" or "leaky_relu"."""
+
+    kind: str
+    slope: float = 0.0  # LeakyReLU's negative slope
+
+
+@dataclass(frozen=True)
+class Norm:
+    """gamma * norm(x) + beta over the trailing ``shape``: kind is "layer" or "rms"."""
+
+    kind: str
+    shape: Tuple[int, ...]
+    eps: float
+    weight: Optional[str]  # the module's parameter names, or None
+    bias: Optional[str]
+    weight_offset: float  # gamma = weight + weight_offset (1.0 for Gemma-style norms)
+
+
+@dataclass(frozen=True)
+class LinearMap:
+    """y = x W^T + b (``transposed`` False, W is (out, in)) or y = x W + b (True, W is (in, out))."""
+
+    weight: str
+    bias: Optional[str]
+    transposed: bool
+    in_features: int
+    out_features: int
+
+
+@dataclass(frozen=True)
+class Unknown:
+    """A deterministic elementwise function none of the known activations matches."""
+
+    reason: str
+
+
+Recognised = Union[Activation, Norm, LinearMap, Unknown]
+
+
+def is_leaf(module: nn.Module) -> bool:
+    return next(iter(module.children()), None) is None
+
+
+def _close(got: Tensor, want: Tensor, rel: float) -> bool:
+    if got.shape != want.shape:
+        return False
+    got, want = got.to(torch.float64), want.to(torch.float64)
+    if not bool(torch.isfinite(got).all()):
+        return False
+    return bool(((got - want).abs() <= rel * (1 + want.abs())).all())
+
+
+def _run(module: nn.Module, x: Tensor) -> Optional[Tensor]:
+    """module(x) without gradients; None if it fails or returns something other than one tensor."""
+    try:
+        with torch.no_grad():
+            y = module(x)
+    except Exception:  # a module that cannot run on this probe is not the function we look for
+        return None
+    return y if isinstance(y, Tensor) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations
+# ---------------------------------------------------------------------------------------------
+
+_ACTIVATIONS: Dict[str, Callable[[Tensor], Tensor]] = {
+    "gelu": lambda x: F.gelu(x),
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+    "relu": F.relu,
+}
+
+
+def _activation_probe(dtype: torch.dtype) -> Tensor:
+    g = torch.Generator().manual_seed(1234)
+    dense = torch.linspace(-8, 8, 257, dtype=torch.float64)
+    spread = torch.randn(3, 5, 17, generator=g, dtype=torch.float64) * 3
+    return torch.cat([dense, spread.flatten()]).reshape(-1, 2).to(dtype)
+
+
+def _recognise_activation(module: nn.Module) -> Optional[Recognised]:
+    outputs = {}
+    for dtype in (torch.float64, torch.float32):
+        x = _activation_probe(dtype)
+        y = _run(module, x.clone())  # a clone: an in-place activation must not touch the probe
+        if y is None or y.shape != x.shape or y.dtype != dtype:
+            return None
+        outputs[dtype] = (x, y)
+    x64, y64 = outputs[torch.float64]
+    x32, y32 = outputs[torch.float32]
+    for kind, fn in _ACTIVATIONS.items():
+        if _close(y64, fn(x64), 1e-6) and _close(y32, fn(x32), 1e-5):
+            return Activation(kind)
+    negative = x64 < 0
+    if _close(y64[~negative], x64[~negative], 1e-12):
+        slope = float(y64[x64 == -8].item() / -8)
+        if 0 < abs(slope) < 1 and _close(y64, F.leaky_relu(x64, slope), 1e-9):
+            return Activation("leaky_relu", slope)
+    if _close(y64, x64, 0.0):
+        return None  # the identity (Dropout in eval mode, Identity): nothing to replace
+    # Deterministic and elementwise? Then it is an activation abp does not know.
+    again = _run(module, x64.clone())
+    perm = torch.randperm(x64.numel(), generator=torch.Generator().manual_seed(7))
+    permuted = _run(module, x64.flatten()[perm].reshape(x64.shape).clone())
+    if again is None or permuted is None or not torch.equal(again, y64):
+        return None
+    if not torch.equal(permuted.flatten(), y64.flatten()[perm]):
+        return None
+    return Unknown("an elementwise activation that is none of GELU (erf or tanh form), SiLU or the ReLU family")
+
+
+# ---------------------------------------------------------------------------------------------
+# Norms
+# ---------------------------------------------------------------------------------------------
+
+
+def _normalise(kind: str, x: Tensor, dims: Tuple[int, ...], eps: float) -> Tensor:
+    if kind == "layer":
+        x = x - x.mean(dims, keepdim=True)
+    return x / torch.sqrt(x.pow(2).mean(dims, keepdim=True) + eps)
+
+
+def _eps_candidates(module: nn.Module, dtype: torch.dtype) -> List[float]:
+    found = []
+    for name in _EPS_NAMES:
+        value = getattr(module, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            found.append(float(value))
+        elif value is None and name == "eps" and isinstance(module, getattr(nn, "RMSNorm", ())):
+            found.append(float(torch.finfo(dtype).eps))  # torch.nn.RMSNorm(eps=None)
+    return found
+
+
+def _estimate_eps(kind: str, probe: nn.Module, gamma: Tensor, beta: Optional[Tensor], shape: Tuple[int, ...]) -> Optional[float]:
+    """eps from the output on rows whose mean square is comparable to eps (1 / s^2 - var)."""
+    dims = tuple(range(-len(shape), 0))
+    g = torch.Generator().manual_seed(99)
+    for scale in (1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6):
+        x = torch.randn((4,) + shape, generator=g, dtype=torch.float64) * scale
+        y = _run(probe, x)
+        if y is None or y.shape != x.shape:
+            return None
+        n = (y.to(torch.float64) - (beta if beta is not None else 0)) / gamma
+        centred = x - x.mean(dims, keepdim=True) if kind == "layer" else x
+        var = centred.pow(2).mean(dims)
+        s = (n * centred).sum(dims) / centred.pow(2).sum(dims)
+        eps = 1 / s.pow(2) - var
+        ratio = (eps / var).median().item()
+        if 1e-2 <= ratio <= 1e2:
+            return float(eps.median().item())
+    return None
+
+
+def _norm_matches(kind: str, probe: nn.Module, gamma: Tensor, beta: Optional[Tensor], shape: Tuple[int, ...], eps: float) -> bool:
+    dims = tuple(range(-len(shape), 0))
+    g = torch.Generator().manual_seed(5)
+    for scale, shift in ((2.0, 0.5), (math.sqrt(eps), 0.0), (30.0, -3.0)):
+        x = torch.randn((3,) + shape, generator=g, dtype=torch.float64) * scale + shift * scale
+        y = _run(probe, x)
+        if y is None:
+            return False
+        want = _normalise(kind, x, dims, eps) * gamma + (beta if beta is not None else 0)
+        # Modules that compute in float32 internally (LLaMA's RMSNorm) are accurate to ~1e-7.
+        if not _close(y, want, 1e-5):
+            return False
+    x32 = torch.randn((2, 3) + shape, generator=g)
+    y32 = _run(probe.to(torch.float32), x32)
+    probe.to(torch.float64)
+    return y32 is not None and y32.dtype == torch.float32 and y32.shape == x32.shape
+
+
+def _recognise_norm(module: nn.Module, params: Dict[str, nn.Parameter]) -> Optional[Norm]:
+    shapes = {tuple(p.shape) for p in params.values()}
+    if len(params) not in (1, 2) or len(shapes) != 1:
+        return None
+    shape = shapes.pop()
+    if not shape or math.prod(shape) < 2:
+        return None
+    probe = copy.deepcopy(module).to(torch.float64)
+    g = torch.Generator().manual_seed(3)
+    values = {}
+    for name, p in probe.named_parameters(recurse=False):
+        # Random values: at initialisation (ones, zeros) gamma and beta could not be told apart.
+        values[name] = torch.rand(shape, generator=g, dtype=torch.float64) + 0.5
+        with torch.no_grad():
+            p.copy_(values[name])
+    names = list(values)
+    assignments: List[Tuple[Optional[str], Optional[str]]] = [(names[0], None)]
+    if len(names) == 2:
+        assignments = [(names[0], names[1]), (names[1], names[0])]
+    for kind in ("layer", "rms"):
+        for weight, bias in assignments:
+            for offset in (0.0, 1.0):
+                gamma = values[weight] + offset if weight is not None else torch.ones(shape, dtype=torch.float64)
+                beta = values[bias] if bias is not None else None
+                candidates = _eps_candidates(module, torch.float32)
+                estimate = _estimate_eps(kind, probe, gamma, beta, shape)
+                if estimate is not None:
+                    candidates.append(estimate)
+                for eps in candidates:
+                    if _norm_matches(kind, probe, gamma, beta, shape, eps):
+                        return Norm(kind, shape, eps, weight, bias, offset)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear maps
+# ---------------------------------------------------------------------------------------------
+
+
+def _recognise_linear(module: nn.Module, params: Dict[str, nn.Parameter]) -> Optional[LinearMap]:
+    matrices = [n for n, p in params.items() if p.dim() == 2]
+    vectors = [n for n, p in params.items() if p.dim() == 1]
+    if len(matrices) != 1 or len(vectors) > 1 or len(params) != len(matrices) + len(vectors):
+        return None
+    w_name = matrices[0]
+    w = params[w_name]
+    b_name = vectors[0] if vectors else None
+    b = params[b_name] if b_name is not None else None
+    if not w.is_floating_point() or w.device.type == "meta":
+        return None
+    rel = 1e-4 if w.dtype in (torch.float32, torch.float64) else 3e-2
+    for transposed in (False, True):
+        in_f, out_f = (w.shape[0], w.shape[1]) if transposed else (w.shape[1], w.shape[0])
+        if b is not None and b.shape[0] != out_f:
+            continue
+        x = torch.randn(2, 3, in_f, generator=torch.Generator().manual_seed(11)).to(device=w.device, dtype=w.dtype)
+        y = _run(module, x)
+        if y is None or y.shape != (2, 3, out_f):
+            continue
+        with torch.no_grad():
+            wf = w.to(torch.float64)
+            want = x.to(torch.float64) @ (wf if transposed else wf.t())
+            if b is not None:
+                want = want + b.to(torch.float64)
+        scale = want.abs().max().item() + 1e-30
+        if bool(((y.to(torch.float64) - want).abs() <= rel * scale).all()):
+            return LinearMap(w_name, b_name, transposed, int(in_f), int(out_f))
+    return None
+
+
+def recognise(module: nn.Module) -> Optional[Recognised]:
+    """What the leaf `module` computes, or None if it is none of the functions abp knows."""
+    if not is_leaf(module):
+        return None
+    params = dict(module.named_parameters(recurse=False))
+    if any(p.device.type == "meta" for p in params.values()):
+        return None
+    training = module.training
+    try:
+        if not params:
+            if next(iter(module.buffers()), None) is not None:
+                return None
+            return _recognise_activation(module)
+        if type(module) is nn.Linear and "forward" not in vars(module):
+            # torch's own Linear runs F.linear(x, weight, bias): nothing to probe (and no weight to copy).
+            return LinearMap("weight", "bias" if module.bias is not None else None, False,
+                             module.in_features, module.out_features)
+        if len(params) <= 2 and len({tuple(p.shape) for p in params.values()}) == 1:
+            norm = _recognise_norm(module, params)
+            if norm is not None:
+                return norm
+        return _recognise_linear(module, params)
+    finally:
+        module.train(training)

@@ -1,0 +1,185 @@
+"""A model's structure found by running it once (abp.convert), not by symbolic tracing.
+
+torch.fx cannot trace most models people train (transformers' and timm's use data-dependent
+Python, iterate over tensors, build masks in Python). ``record`` instead runs one example call
+eagerly, without gradients and with the RNG state restored afterwards, and records:
+
+- every module call (forward pre-hooks and hooks): how often each module ran, the tensors it was
+  given and the tensors it returned;
+- every torch function applied to a tensor (a TorchFunctionMode), with the stack of modules
+  running at that moment.
+
+Tensors are told apart by identity (all of them are kept alive until the run ends, so no id is
+reused). A *use* of a module's output is then either a later leaf module call given that tensor
+(what happens inside that module belongs to it; containers given it are looked through), or a
+torch function applied to it outside any such call (a residual add, a slice, a view). Reading
+only metadata (``.shape``, ``.size()``) is no use.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["Structure", "Use", "record"]
+
+# Tensor methods and properties that read metadata only.
+_METADATA = {"size", "dim", "numel", "stride", "is_floating_point", "is_contiguous", "data_ptr",
+             "element_size", "get_device", "__get__", "__len__", "nelement", "ndimension", "is_complex"}
+
+
+@dataclass(frozen=True)
+class Use:
+    """One use of a tensor: a module call (``module`` is its name) or a torch function (``function``)."""
+
+    module: Optional[str]
+    function: Optional[str]
+    within: str  # the innermost module running ("" = the top level)
+
+    def describe(self, modules: Dict[str, nn.Module]) -> str:
+        if self.module is not None:
+            return f"module `{self.module}` ({type(modules[self.module]).__name__})"
+        where = f" in `{self.within}`" if self.within else " at the top level"
+        return f"`{self.function}`{where}"
+
+
+@dataclass
+class Structure:
+    """What one example call showed (``record``)."""
+
+    calls: Dict[str, int] = field(default_factory=dict)  # module name -> times called
+    uses: Dict[str, List[Use]] = field(default_factory=dict)  # module name -> uses of its output(s), first call
+    foreign_parameter_uses: Dict[str, List[str]] = field(default_factory=dict)  # module -> its parameters used outside it
+    inputs: Dict[str, List[int]] = field(default_factory=dict)  # module name -> ids of its first call's tensor inputs
+
+
+def _tensors(value: Any) -> List[Tensor]:
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+class _Recorder(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: List[Tuple[str, int]] = []  # (module name, call number)
+        self.call_inputs: Dict[int, Set[int]] = {}  # call number -> ids of the tensors it was given
+        self.functions: List[Tuple[str, Tuple[int, ...], Tuple[Tuple[str, int], ...]]] = []
+        self.keep: List[Tensor] = []
+        # (name, call number, input ids, the call numbers of the modules running around it)
+        self.module_calls: List[Tuple[str, int, Tuple[int, ...], Tuple[int, ...]]] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        result = func(*args, **kwargs)
+        if name not in _METADATA:
+            tensors = _tensors(list(args)) + _tensors(kwargs)
+            if tensors:
+                self.keep.extend(tensors)
+                self.functions.append((name, tuple(id(t) for t in tensors), tuple(self.stack)))
+        self.keep.extend(_tensors(result))
+        return result
+
+
+def record(model: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any], watch: Sequence[str]) -> Structure:
+    """Runs ``model(*args, **kwargs)`` once and returns its Structure; ``watch`` names the modules
+    whose output uses are wanted. Gradients are off, the RNG state is restored, modes are kept."""
+    recorder = _Recorder()
+    structure = Structure()
+    names = {id(m): n for n, m in model.named_modules()}
+    outputs: Dict[str, Set[int]] = {}
+    created_at: Dict[str, int] = {}  # watched module -> the function count when its first call returned
+    counter = [0]
+    watched = set(watch)
+
+    def pre(module: nn.Module, inputs: Any) -> None:
+        name = names.get(id(module))
+        if name is None:
+            return
+        counter[0] += 1
+        ids = tuple(id(t) for t in _tensors(inputs))
+        recorder.keep.extend(_tensors(inputs))
+        recorder.call_inputs[counter[0]] = set(ids)
+        recorder.module_calls.append((name, counter[0], ids, tuple(n for _, n in recorder.stack)))
+        structure.calls[name] = structure.calls.get(name, 0) + 1
+        structure.inputs.setdefault(name, list(ids))
+        recorder.stack.append((name, counter[0]))
+
+    def post(module: nn.Module, inputs: Any, output: Any) -> None:
+        name = names.get(id(module))
+        if name is None:
+            return
+        recorder.stack.pop()
+        if name in watched and name not in outputs:
+            recorder.keep.extend(_tensors(output))
+            outputs[name] = {id(t) for t in _tensors(output)}
+            created_at[name] = len(recorder.functions)
+
+    handles = []
+    for module in model.modules():
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post))
+    devices = [d.index for d in {p.device for p in model.parameters()} if d.type == "cuda" and d.index is not None]
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), recorder:
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    _attribute_uses(model, recorder, structure, outputs, created_at)
+    _foreign_parameter_uses(model, recorder, structure)
+    recorder.keep.clear()
+    return structure
+
+
+def _attribute_uses(
+    model: nn.Module, recorder: _Recorder, structure: Structure, outputs: Dict[str, Set[int]], created_at: Dict[str, int]
+) -> None:
+    """A use is a leaf module call given the output, or a torch function applied to it outside any
+    such call. A container given the output (an attention block) is looked through: what reads the
+    output inside it (its projections, or its own torch code) are the uses."""
+    leaves = {n for n, m in model.named_modules() if next(iter(m.children()), None) is None}
+    for name, ids in outputs.items():
+        uses: List[Use] = []
+        leaf_calls = set()
+        for callee, number, inputs, _around in recorder.module_calls:
+            if callee != name and callee in leaves and ids & set(inputs):
+                leaf_calls.add(number)
+                use = Use(callee, None, "")
+                if use not in uses:
+                    uses.append(use)
+        for function, tensor_ids, stack in recorder.functions[created_at[name]:]:
+            if not ids & set(tensor_ids):
+                continue
+            if any(n in leaf_calls for _, n in stack):
+                continue  # inside a leaf module given the output: that module is the use
+            use = Use(None, function, stack[-1][0] if stack else "")
+            if use not in uses:
+                uses.append(use)
+        structure.uses[name] = uses
+
+
+def _foreign_parameter_uses(model: nn.Module, recorder: _Recorder, structure: Structure) -> None:
+    """For each module, its own parameters that a torch function used while it was not running."""
+    owners: Dict[int, List[Tuple[str, str]]] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for pname, p in module._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((prefix, pname))
+    for function, tensor_ids, stack in recorder.functions:
+        running = {n for n, _ in stack}
+        for tid in tensor_ids:
+            for owner, pname in owners.get(tid, []):
+                if owner and owner not in running and not any(o in running for o, _ in owners[tid]):
+                    found = structure.foreign_parameter_uses.setdefault(owner, [])
+                    text = f"`{owner}.{pname}` by `{function}`" + (f" in `{stack[-1][0]}`" if stack else " at the top level")
+                    if text not in found:
+                        found.append(text)

@@ -1,0 +1,218 @@
+"""abp.convert on the architectures people train: transformers' BERT, RoBERTa, ViT, LLaMA, Qwen2,
+Mistral, GPT-2, T5 (encoder, gated GELU) and timm's ViT, built from small configs (no downloads).
+
+For each: the converted model computes the same outputs (fp32), its gradients equal the original's
+where the recipe is exact (norms only) and the converted activations' defined derivative where it
+is not, nothing is refused for being untraceable, and the saved bytes of the norms and GELU/SiLU
+activations drop by at least 90 % (fp32: what remains is a 2-bit code per activation element and
+one value per norm row; the norm's output is the storage its consumer keeps anyway).
+Runs in the current-torch lane (transformers and timm are installed there), skipped elsewhere.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Tuple
+
+import pytest
+import torch
+
+import abp
+from abp import _recognise
+from abp.memory import report
+
+transformers = pytest.importorskip("transformers")
+
+HIDDEN = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def _ids(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(seed))
+
+
+def _pixels(seed: int = 0) -> torch.Tensor:
+    return torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+
+
+def _build(name: str) -> Tuple[torch.nn.Module, Callable[[], torch.Tensor]]:
+    t = transformers
+    if name == "bert":
+        return t.BertModel(t.BertConfig(vocab_size=100, **HIDDEN, **NO_DROPOUT)), _ids
+    if name == "roberta":
+        return t.RobertaModel(t.RobertaConfig(vocab_size=100, **HIDDEN, **NO_DROPOUT)), _ids
+    if name == "vit":
+        return t.ViTModel(t.ViTConfig(image_size=32, patch_size=8, **HIDDEN, **NO_DROPOUT)), _pixels
+    if name == "llama":
+        return t.LlamaForCausalLM(t.LlamaConfig(vocab_size=100, num_key_value_heads=2, **HIDDEN)), _ids
+    if name == "qwen2":
+        return t.Qwen2ForCausalLM(t.Qwen2Config(vocab_size=100, num_key_value_heads=2, **HIDDEN)), _ids
+    if name == "mistral":
+        return t.MistralForCausalLM(t.MistralConfig(vocab_size=100, num_key_value_heads=2, **HIDDEN)), _ids
+    if name == "gpt2":
+        config = t.GPT2Config(vocab_size=100, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+                              attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        return t.GPT2LMHeadModel(config), _ids
+    if name == "t5":
+        config = t.T5Config(vocab_size=100, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                            feed_forward_proj="gated-gelu", dropout_rate=0.0)
+        return t.T5EncoderModel(config), _ids
+    if name == "timm_vit":
+        timm = pytest.importorskip("timm")
+        return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, num_classes=5), _pixels
+    raise KeyError(name)
+
+
+ARCHITECTURES = ["bert", "roberta", "vit", "llama", "qwen2", "mistral", "gpt2", "t5", "timm_vit"]
+
+
+def _model(name: str) -> Tuple[torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model, make_input = _build(name)
+    model.train()
+    _perturb_norms(model)
+    return model, make_input()
+
+
+def _perturb_norms(model: torch.nn.Module) -> None:
+    """Trained-looking norms: gamma away from 1 and beta away from 0, so a wrong fold or recovery shows."""
+    g = torch.Generator().manual_seed(1)
+    for module in model.modules():
+        if isinstance(_recognise.recognise(module), _recognise.Norm):
+            with torch.no_grad():
+                for p in module.parameters(recurse=False):
+                    p.copy_(torch.rand(p.shape, generator=g) + 0.5 if p is getattr(module, "weight", None) else torch.randn(p.shape, generator=g) * 0.1)
+
+
+def _first(output: Any) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else output[0]
+
+
+def _loss(output: Any) -> torch.Tensor:
+    y = _first(output)
+    weights = torch.linspace(-1, 1, y.numel(), dtype=y.dtype).reshape(y.shape)
+    return (y * weights).sum()
+
+
+def _grads(model: torch.nn.Module, x: torch.Tensor) -> Dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    _loss(model(x)).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _kinds(model: torch.nn.Module) -> Dict[str, Any]:
+    return {n: s for n, m in model.named_modules() if n and (s := _recognise.recognise(m)) is not None}
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_lowmembp_keeps_the_function_and_removes_90_percent_of_norm_and_activation_bytes(name: str) -> None:
+    model, x = _model(name)
+    kinds = _kinds(model)
+    converted, changes = abp.convert(model, "lowmembp")
+    replaced = {c.module for c in changes if c.action == "replaced"}
+    norms = [n for n, s in kinds.items() if isinstance(s, _recognise.Norm)]
+    acts = [n for n, s in kinds.items() if isinstance(s, _recognise.Activation) and s.kind in ("gelu", "gelu_tanh", "silu")]
+    assert norms and acts, f"{name}: the probe found no norm or no GELU/SiLU ({kinds})"
+    assert set(norms) | set(acts) <= replaced, [c for c in changes if c.module in set(norms) | set(acts) and c.action != "replaced"]
+    assert not any("trace" in c.detail for c in changes)
+
+    torch.testing.assert_close(_first(converted(x)), _first(model(x)), rtol=1e-5, atol=1e-5)
+
+    after = report(converted, (x,), baseline=model, loss_fn=_loss)
+    assert after.baseline_per_module is not None and after.baseline_total_bytes is not None
+    ceiling = sum(after.baseline_per_module.get(n, 0) for n in norms + acts)
+    removed = after.baseline_total_bytes - after.total_bytes
+    assert ceiling > 0
+    assert removed >= 0.9 * ceiling, f"{name}: removed {removed} of the {ceiling} bytes the norms and activations saved"
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_norms_alone_give_the_exact_gradients(name: str) -> None:
+    model, x = _model(name)
+    converted, changes = abp.convert(model, "lowmembp", gelu=None, silu=None)
+    assert any(c.action == "replaced" for c in changes)
+    want, got = _grads(model, x), _grads(converted, x)
+    assert want.keys() == got.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} {key}: {m}")
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_activations_give_their_defined_derivative(name: str) -> None:
+    """Converting the norms too changes no gradient beyond what the activations define: the full
+    recipe's gradients equal those of the activations-only conversion (whose modules are tested
+    against their tables in test_activations)."""
+    model, x = _model(name)
+    acts_only, _ = abp.convert(model, "lowmembp", norms=False)
+    full, _ = abp.convert(model, "lowmembp")
+    want, got = _grads(acts_only, x), _grads(full, x)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} {key}: {m}")
+
+
+@pytest.mark.parametrize("name", ["bert", "llama", "gpt2"])
+def test_state_dict_loads_into_the_original_architecture(name: str) -> None:
+    model, x = _model(name)
+    converted, _ = abp.convert(model, "lowmembp")
+    assert converted.state_dict().keys() == model.state_dict().keys()
+    fresh, _ = _model(name)
+    fresh.load_state_dict(converted.state_dict())
+    torch.testing.assert_close(_first(fresh(x)), _first(model(x)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama", "vit", "gpt2", "t5"])
+def test_fold_runs_the_model_instead_of_tracing_it(name: str) -> None:
+    model, x = _model(name)
+    with pytest.raises(ValueError, match="example_inputs"):
+        abp.convert(model, "lowmembp", fold=True)
+    converted, changes = abp.convert(model, "lowmembp", fold=True, example_inputs=(x,))
+    folded = [c for c in changes if c.action == "folded"]
+    assert folded, f"{name}: nothing folded: {[c.detail for c in changes if 'not folded' in c.detail]}"
+    assert not any("trace" in c.detail for c in changes)
+    torch.testing.assert_close(_first(converted(x)), _first(model(x)), rtol=1e-4, atol=1e-4)
+
+
+def test_post_ln_bert_keeps_its_affine_and_shares_parameters() -> None:
+    model, x = _model("bert")
+    converted, changes = abp.convert(model, "lowmembp")
+    norm = converted.encoder.layer[0].output.LayerNorm
+    assert isinstance(norm, abp.nn.MSLayerNorm) and norm.elementwise_affine
+    assert norm.weight is dict(converted.named_parameters())["encoder.layer.0.output.LayerNorm.weight"]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
+def test_sampled_recipe_reaches_the_projections(name: str) -> None:
+    model, x = _model(name)
+    converted, changes = abp.convert(model, "sampled", keep=0.5)
+    sampled = [c for c in changes if c.action == "replaced"]
+    assert len(sampled) >= 2 * 2, changes  # at least attention-out and one FFN projection per layer
+    converted.eval()
+    model.eval()
+    torch.testing.assert_close(_first(converted(x)), _first(model(x)), rtol=1e-5, atol=1e-5)
+    converted.train()
+    _loss(converted(x)).backward()  # the sampled backward runs
+
+
+def test_peft_lora_layers_are_sampled() -> None:
+    peft = pytest.importorskip("peft")
+    model, x = _model("llama")
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["o_proj", "down_proj"]))
+    converted, changes = abp.convert(lora, "sampled", keep=0.5)
+    replaced = [c.module for c in changes if c.action == "replaced"]
+    assert replaced and all(".lora_A." in m or ".lora_B." in m for m in replaced), replaced
+    assert any(c.action == "refused" and "frozen" in c.detail for c in changes)
+    _loss(converted(x)).backward()
+    grads = [p.grad for n, p in converted.named_parameters() if "lora_B" in n]
+    assert grads and all(g is not None for g in grads)
+
+
+@pytest.mark.parametrize("name", ["bert", "llama", "gpt2"])
+def test_all_recipe_stacks_and_counts_compressed_bytes(name: str) -> None:
+    model, x = _model(name)
+    converted, changes = abp.convert(model, "all")
+    actions = {c.action for c in changes}
+    assert {"replaced", "wrapped"} <= actions
+    torch.testing.assert_close(_first(converted(x)), _first(model(x)), rtol=1e-5, atol=1e-5)
+    lowmembp, _ = abp.convert(model, ["lowmembp", "sampled"])
+    # compress_saved's codes are counted (not hidden from the report) and are smaller than what they replace.
+    stacked = report(converted, (x,), loss_fn=_loss).total_bytes
+    plain = report(lowmembp, (x,), loss_fn=_loss).total_bytes
+    assert 0 < stacked < plain
