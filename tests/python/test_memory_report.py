@@ -130,3 +130,36 @@ def test_argument_errors():
         abp.memory.report(nn.Linear(2, 2), x, baseline="original")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="inputs: expected a tensor or a tuple of positional arguments, got dict"):
         abp.memory.report(nn.Linear(2, 2), {"x": x})  # type: ignore[arg-type]
+
+
+def test_counters_see_what_compress_saved_keeps_instead():
+    """compress_saved's hooks hide the saves from an outer counter; it reports its codes instead, so
+    the one accounting counts compressed bytes (and parameters, which the report leaves out)."""
+    import abp.compress as C
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 64))
+    x = torch.randn(32, 256)
+    params = {abp.memory.storage_key(p)[:2] for p in model.parameters()}
+    with abp.memory.SavedTensorsCounter() as counter:
+        with C.compress_saved(bits=2) as compressed:
+            model(x).sum().backward()
+    activations = [s for s in counter.tensors if (s.device, s.storage_ptr) not in params]
+    assert abp.memory.distinct_bytes(activations) == compressed.stats["bytes_stored"]
+    assert 0 < compressed.stats["bytes_stored"] < compressed.stats["bytes_in"] / 8
+    assert len(counter.tensors) > len(activations)  # the Linears' weights were seen, and left out here
+
+
+def test_convert_compress_recipe_is_counted_by_report():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 64))
+    x = torch.randn(32, 256)
+    converted, changes = abp.convert(model, "compress", bits=4)
+    assert [c.action for c in changes] == ["wrapped"]
+    r = abp.memory.report(converted, (x,), baseline=model)
+    # fp32 at 4 bits: codes are 1/8 of the values, plus 8 header bytes per group of 256.
+    assert r.baseline_total_bytes is not None and r.total_bytes < r.baseline_total_bytes / 6
+    torch.testing.assert_close(converted(x), model(x))
+    import copy
+    twin = copy.deepcopy(converted)
+    assert twin.forward.__self__ is twin  # the wrapped forward is rebound to the copy

@@ -55,14 +55,17 @@ class _AffineMSNorm(torch.autograd.Function):
         ctx: Any, op_name: str, eps: float, offset: float, out_dtype: Optional[torch.dtype],
         x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
     ) -> Tensor:
-        n, r = _forward_kernels(op_name, x, eps)
+        # Half-precision rows run the kernels in fp32 so that y is rounded once, as torch's norms do.
+        compute = _launch.compute_dtype(x.dtype)
+        n, r = _forward_kernels(op_name, x.to(compute), eps)
         y = n
         if weight is not None:
             y = y * (weight.to(n.dtype) + offset) if offset else y * weight.to(n.dtype)
         if bias is not None:
             y = y + bias.to(n.dtype)
-        if out_dtype is not None and out_dtype != y.dtype:
-            y = y.to(out_dtype)
+        target = out_dtype if out_dtype is not None else x.dtype
+        if target != y.dtype:
+            y = y.to(target)
         # y is saved as the very tensor returned: the next Linear saves the same storage.
         ctx.save_for_backward(y, r, weight, bias)
         ctx.abp = (op_name, offset, x.dtype)
@@ -84,7 +87,7 @@ class _AffineMSNorm(torch.autograd.Function):
             dn = dy_c * gamma
         else:
             n, dn = centred, dy_c
-        dx = _backward_kernels(op_name, n.to(dtype), r, dn.to(dtype))
+        dx = _backward_kernels(op_name, n, r, dn).to(dtype)
         rows = tuple(range(dy.dim() - 1))
         dweight = (dy_c * n).sum(rows).to(weight.dtype) if weight is not None and ctx.needs_input_grad[5] else None
         dbias = dy_c.sum(rows).to(bias.dtype) if bias is not None and ctx.needs_input_grad[6] else None

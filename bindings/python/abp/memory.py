@@ -81,6 +81,15 @@ class SavedTensorsCounter:
         self._hooks.__exit__(*exc)
         self._hooks = None
 
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the distinct storages saved (a storage viewed by several saved tensors counts once)."""
+        return distinct_bytes(self.tensors)
+
+    def bytes_tagged(self, tag: Optional[str]) -> int:
+        """Bytes of the distinct storages saved while ``self.tag`` was ``tag``."""
+        return distinct_bytes([s for s in self.tensors if s.tag == tag])
+
 
 # The counters entered and not yet left. saved_tensors_hooks do not nest (the innermost pair alone
 # runs), so a hook that stores something else in place of a saved tensor (compress_saved's codes)
@@ -94,15 +103,6 @@ def note_saved(kept: Sequence[torch.Tensor]) -> None:
     for counter in _active:
         for t in kept:
             counter._note(t)
-
-    @property
-    def total_bytes(self) -> int:
-        """Bytes of the distinct storages saved (a storage viewed by several saved tensors counts once)."""
-        return distinct_bytes(self.tensors)
-
-    def bytes_tagged(self, tag: Optional[str]) -> int:
-        """Bytes of the distinct storages saved while ``self.tag`` was ``tag``."""
-        return distinct_bytes([s for s in self.tensors if s.tag == tag])
 
 
 def distinct_bytes(saved: List[SavedTensor]) -> int:
