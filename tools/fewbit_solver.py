@@ -48,8 +48,8 @@ Method (all fp64, numpy only):
 5. **Accurate J** and levels by composite Gauss–Legendre over the quadrature cells clipped to the
    table's intervals (integrand (f′ − L_i)² w, no cancellation). The refined table is kept only if
    its J does not exceed the DP table's J.
-6. **Mirror pairs.** Where f′(−x) = c + s·f′(x) (gelu, silu, hardswish, logsigmoid, softplus:
-   f′(x) + f′(−x) = 1; sigmoid, softsign, tanh, tanhshrink: even), the mirrored table
+6. **Mirror pairs.** Where f′(−x) = c + s·f′(x) (gelu, gelu_tanh, silu, hardswish, logsigmoid,
+   softplus: f′(x) + f′(−x) = 1; sigmoid, softsign, tanh, tanhshrink: even), the mirrored table
    t_i → −t_{K−2−i}, L_i → c + s·L_{K−1−i} has the same J, so an asymmetric optimum is one of a
    pair. The solver never forces symmetry; it only picks, between a table and its mirror of equal
    J (relative 1e-9), the one with the smaller sum of borders, so the choice does not depend on
@@ -199,6 +199,32 @@ def _gelu_d(x: Array) -> Array:
     return _normal_cdf(x) + x * _normal_pdf(x)
 
 
+# GELU, tanh form (torch's approximate="tanh", GPT-2's gelu_new): f = ½x(1 + tanh u) with
+# u = √(2/π)(x + 0.044715x³). Since ½(1 + tanh u) = σ(2u) and ½sech²u = 2σ(2u)σ(−2u), both are
+# evaluated through σ, which keeps full relative accuracy in the far tails (no 1 + tanh ≈ 0
+# cancellation and no cosh overflow).
+GELU_TANH_BETA = math.sqrt(2.0 / math.pi)
+GELU_TANH_KAPPA = 0.044715
+
+
+def _gelu_tanh_u(x: Array) -> Tuple[Array, Array]:
+    """u(x) = √(2/π)(x + 0.044715x³) and u′(x)."""
+    x = np.asarray(x, dtype=np.float64)
+    return (GELU_TANH_BETA * (x + GELU_TANH_KAPPA * x * x * x),
+            GELU_TANH_BETA * (1.0 + 3.0 * GELU_TANH_KAPPA * x * x))
+
+
+def _gelu_tanh(x: Array) -> Array:
+    u, _ = _gelu_tanh_u(x)
+    return np.asarray(x, dtype=np.float64) * _sigmoid(2.0 * u)
+
+
+def _gelu_tanh_d(x: Array) -> Array:  # σ(2u)(1 + 2x·u′·σ(−2u))
+    u, du = _gelu_tanh_u(x)
+    x = np.asarray(x, dtype=np.float64)
+    return _sigmoid(2.0 * u) * (1.0 + 2.0 * x * du * _sigmoid(-2.0 * u))
+
+
 def _silu(x: Array) -> Array:
     return x * _sigmoid(x)
 
@@ -289,6 +315,7 @@ ACTIVATIONS: Dict[str, Activation] = {
     a.name: a
     for a in (
         Activation("gelu", _gelu, _gelu_d, mirror=_COMPLEMENT),
+        Activation("gelu_tanh", _gelu_tanh, _gelu_tanh_d, mirror=_COMPLEMENT),
         Activation("silu", _silu, _silu_d, mirror=_COMPLEMENT),
         Activation("celu", _elu1, _elu1_d, breaks=(0.0,)),
         Activation("elu", _elu1, _elu1_d, breaks=(0.0,)),

@@ -6,6 +6,7 @@ from typing import Callable, Tuple
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import abp
 from abp_reference import (
@@ -43,6 +44,23 @@ def fewbit_call(act: str, bits: int, weight: str) -> Callable[[torch.Tensor], to
     return lambda x: fn(x, bits=bits, weight=weight)
 
 
+def gelu_tanh_torch(x: torch.Tensor) -> torch.Tensor:
+    """torch's GELU, tanh form: 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))."""
+    return F.gelu(x, approximate="tanh")
+
+
+# GELU's tanh form: (operator, abp function). Their tables are the manifests' (regelu2_tanh's is tied
+# to tools/regelu2_fit.py by test_regelu2_fit.py, the FewBit ones to the solver by test_fewbit_solver.py).
+GELU_TANH_OPS = [("regelu2_tanh", lambda x: abp.functional.regelu2(x, approximate="tanh"))] + [
+    (
+        abp.functional.fewbit_operator("gelu_tanh", bits, weight),
+        lambda x, b=bits, w=weight: abp.functional.gelu(x, approximate="tanh", bits=b, weight=w),
+    )
+    for bits in (1, 2, 3, 4)
+    for weight in ("normal", "uniform")
+]
+
+
 def bucket_cases():
     """(operator, abp function, torch forward, (borders, levels) as fp32 tensors) of every bucket operator."""
     cases = []
@@ -58,6 +76,10 @@ def bucket_cases():
                 lambda op=op: tuple(f32(v) for v in manifest_table(op)),
                 id=op,
             )
+        )
+    for op, fn in GELU_TANH_OPS:
+        cases.append(
+            pytest.param(op, fn, gelu_tanh_torch, lambda op=op: tuple(f32(v) for v in manifest_table(op)), id=op)
         )
     return cases
 
@@ -143,7 +165,17 @@ def test_piecewise_nonfinite_values_follow_torch(op, params, torch_fn):
     assert_bitwise_equal(dx, torch_grad(torch_fn, x.detach(), dy), f"{op} backward")
 
 
-DETERMINISM_OPS = ["regelu2", "resilu2", "gelu_b3", "silu_b4", "tanh_b1", "relu", "leaky_relu"]
+@pytest.mark.parametrize("op,fn", GELU_TANH_OPS, ids=[op for op, _ in GELU_TANH_OPS])
+def test_gelu_tanh_forward_is_the_tanh_form_not_the_erf_form(op, fn):
+    # The two forms differ by up to 4.7e-4 (near |x| = 2.7), far beyond the forward tolerance: an
+    # operator computing the erf form would fail here, whatever its backward.
+    x = torch.linspace(-4.0, 4.0, 801)
+    y = fn(x).double()
+    assert (y - gelu_tanh_torch(x.double())).abs().max() < 1e-6
+    assert (y - F.gelu(x.double())).abs().max() > 1e-4
+
+
+DETERMINISM_OPS = ["regelu2", "resilu2", "gelu_b3", "silu_b4", "tanh_b1", "relu", "leaky_relu", "regelu2_tanh", "gelu_tanh_b2"]
 
 
 @pytest.mark.parametrize("op", DETERMINISM_OPS)

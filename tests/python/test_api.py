@@ -5,6 +5,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -111,10 +112,17 @@ def test_default_parameters_given_explicitly_are_fine():
 
 def test_other_bad_parameters():
     x = torch.randn(3)
-    with pytest.raises(ValueError, match=r"^approximate: "):
-        abp.functional.gelu(x, approximate="tanh")
-    with pytest.raises(ValueError, match=r"^approximate: "):
-        abp.nn.GELU("tanh")
+    for bad in ("exact", "Tanh", None):
+        with pytest.raises(ValueError, match=r"^approximate: expected 'none' \(erf form\) or 'tanh'"):
+            abp.functional.gelu(x, approximate=bad)
+        with pytest.raises(ValueError, match=r"^approximate: "):
+            abp.nn.GELU(bad)
+        with pytest.raises(ValueError, match=r"^approximate: "):
+            abp.functional.regelu2(x, approximate=bad)
+        with pytest.raises(ValueError, match=r"^approximate: "):
+            abp.nn.ReGELU2(approximate=bad)
+    with pytest.raises(ValueError, match=r"^bits: "):
+        abp.nn.GELU("tanh", bits=5)
     with pytest.raises(ValueError, match=r"^min_val: expected min_val <= max_val"):
         abp.functional.hardtanh(x, 2.0, 1.0)
     with pytest.raises(ValueError, match=r"^min_val: "):
@@ -193,6 +201,46 @@ def test_lowmembp_modules_expose_the_published_constants_in_fp32(cls, op):
     assert torch.equal(module.borders, f32(borders)) and torch.equal(module.levels, f32(levels))
     assert torch.equal(module.borders, f32(manifest_table(op)[0]))
     assert module.saved_bits_per_element == 2 and op in repr(module)
+
+
+def _committed_regelu2_tanh_table():
+    """(borders, levels) of the #regelu2_tanh table as written in ops/lowmembp/regelu2_tanh.mlir."""
+    text = (Path(__file__).resolve().parents[2] / "ops" / "lowmembp" / "regelu2_tanh.mlir").read_text()
+    m = re.search(r"^#regelu2_tanh = #abp\.buckets<borders = \[(.*)\], levels = \[(.*)\]>$", text, re.M)
+    assert m, "no #regelu2_tanh table in ops/lowmembp/regelu2_tanh.mlir"
+    return [float(v) for v in m.group(1).split(", ")], [float(v) for v in m.group(2).split(", ")]
+
+
+def test_regelu2_tanh_module_exposes_the_committed_fitted_table_in_fp32():
+    module = abp.nn.ReGELU2(approximate="tanh")
+    borders, levels = _committed_regelu2_tanh_table()
+    assert module.operator == "regelu2_tanh" and module.saved_bits_per_element == 2
+    assert torch.equal(module.borders, f32(borders)) and torch.equal(module.levels, f32(levels))
+    assert module.levels[0] == 0 and module.levels[3] == 1  # the surrogate is 0 left of c1, x right of c3
+    assert "approximate='tanh'" in repr(module) and "regelu2_tanh" in repr(module)
+    assert "approximate='none'" in repr(abp.nn.ReGELU2()) and abp.nn.ReGELU2("none").operator == "regelu2"
+    x = torch.randn(100)
+    assert torch.equal(module(x), abp.functional.regelu2(x, approximate="tanh"))
+    assert torch.equal(module(x), abp.functional.regelu2(x, "tanh"))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("weight", ["normal", "uniform"])
+def test_gelu_tanh_modules_and_functions_pick_the_tanh_tables(bits, weight):
+    op = f"gelu_tanh_b{bits}" + ("_uniform" if weight == "uniform" else "")
+    module = abp.nn.GELU(approximate="tanh", bits=bits, weight=weight)
+    assert abp.functional.fewbit_operator("gelu_tanh", bits, weight) == op
+    assert module.operator == op and module.saved_bits_per_element == bits and module.activation == "gelu_tanh"
+    borders, levels = manifest_table(op)
+    assert torch.equal(module.borders, f32(borders)) and torch.equal(module.levels, f32(levels))
+    # The erf form's table is a different one (its own fit; the 1-bit uniform ones share the border 0).
+    erf = abp.nn.GELU(bits=bits, weight=weight)
+    assert erf.operator == op.replace("gelu_tanh", "gelu")
+    assert not (torch.equal(erf.borders, module.borders) and torch.equal(erf.levels, module.levels))
+    assert f"approximate='tanh', bits={bits}, weight='{weight}'" in repr(module)
+    x = torch.randn(100)
+    assert torch.equal(module(x), abp.functional.gelu(x, approximate="tanh", bits=bits, weight=weight))
+    assert torch.equal(abp.nn.GELU("tanh", bits=bits, weight=weight)(x), module(x))
 
 
 @pytest.mark.parametrize(

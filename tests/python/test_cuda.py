@@ -43,6 +43,12 @@ def bucket_cases():
             op = abp.functional.fewbit_operator(act, bits)
             cases.append((op, lambda x, a=act, b=bits: getattr(abp.functional, a)(x, bits=b), CONTINUOUS_TORCH[act]))
     cases.append(("gelu_b3_uniform", lambda x: abp.functional.gelu(x, bits=3, weight="uniform"), F.gelu))
+    # GELU's tanh form: ReGELU2-tanh and the FewBit tables (tables from the manifests).
+    gelu_tanh = lambda x: F.gelu(x, approximate="tanh")  # noqa: E731
+    cases.append(("regelu2_tanh", lambda x: abp.functional.regelu2(x, approximate="tanh"), gelu_tanh))
+    for bits in (1, 2, 3, 4):
+        op = abp.functional.fewbit_operator("gelu_tanh", bits)
+        cases.append((op, lambda x, b=bits: abp.functional.gelu(x, approximate="tanh", bits=b), gelu_tanh))
     return cases
 
 

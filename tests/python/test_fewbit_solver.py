@@ -91,6 +91,7 @@ def _sp(x: float) -> float:
 _SA, _SS = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
 FORWARD: Dict[str, Callable[[float], float]] = {
     "gelu": lambda x: 0.5 * x * (1.0 + math.erf(x / math.sqrt(2.0))),
+    "gelu_tanh": lambda x: 0.5 * x * (1.0 + math.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3))),
     "silu": lambda x: x * _sig(x),
     "celu": lambda x: x if x > 0 else math.expm1(x),
     "elu": lambda x: x if x > 0 else math.expm1(x),
@@ -266,6 +267,40 @@ def test_shifted_border_is_worse(solved, act: str, weight: str) -> None:
             t[i] += d
             j = fs.objective(act, weight, t, fs.optimal_levels(act, weight, t))
             assert j > tb.J, f"{act} {weight}: border {i} moved by {d} gives J={j!r} <= {tb.J!r}"
+
+
+# GELU, tanh form -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def solved_gelu_tanh() -> Dict[Tuple[str, int], fs.Table]:
+    return {(w, b): fs.solve("gelu_tanh", b, w) for w in WEIGHTS for b in BITS}
+
+
+def test_gelu_tanh_tables_file_is_what_the_solver_produces(solved_gelu_tanh) -> None:
+    """The committed gelu_tanh tables (and so ops/fewbit/gelu_tanh.mlir, test (e)) regenerate: a
+    fresh solve gives the same numbers, to the --check tolerance (1e-9 relative + 1e-10)."""
+    shipped = _shipped_tables()["tables"]["gelu_tanh"]
+    for (weight, bits), tb in solved_gelu_tanh.items():
+        new = {"borders": list(tb.borders), "levels": list(tb.levels), "J": tb.J}
+        assert fs.equivalent(json.dumps(shipped[weight][str(bits)]), json.dumps(new)), (weight, bits)
+
+
+def test_gelu_tanh_tables_are_fitted_to_the_tanh_form(solved_gelu_tanh) -> None:
+    """Each gelu_tanh table beats, on the tanh form's own J, the erf GELU table's borders of the same
+    bits (optimal for a different derivative); mirrors have equal J (f′(x) + f′(−x) = 1); moving a
+    border by ±0.05 raises J."""
+    for (weight, bits), tb in solved_gelu_tanh.items():
+        erf = fs.solve("gelu", bits, weight)
+        j_erf_table = fs.objective("gelu_tanh", weight, erf.borders,
+                                   fs.optimal_levels("gelu_tanh", weight, erf.borders))
+        # 1-bit: both optima put their border at 0, so only the levels (re-optimised here) differ.
+        assert tb.J < j_erf_table if bits > 1 else tb.J <= j_erf_table, (weight, bits, tb.J, j_erf_table)
+        mj = fs.objective("gelu_tanh", weight, *_mirror(list(tb.borders), list(tb.levels)))
+        assert abs(mj - tb.J) <= 1e-10 * tb.J
+        for i in range(len(tb.borders)):  # negative control, as (g)
+            for d in (-0.05, 0.05):
+                t = list(tb.borders)
+                t[i] += d
+                assert fs.objective("gelu_tanh", weight, t, fs.optimal_levels("gelu_tanh", weight, t)) > tb.J
 
 
 # Output formatting ----------------------------------------------------------------------------

@@ -76,6 +76,35 @@ def test_bucket_and_piecewise_operators_save_their_codes_only(op, bits, n):
     assert abp.memory.saved_bytes(abp.functional.apply, op, x) == packed(bits, n)
 
 
+@pytest.mark.parametrize("n", SIZES)
+def test_gelu_tanh_form_saves_2_bits_regelu2_and_k_bits_fewbit(n):
+    x = (torch.randn(n, generator=torch.Generator().manual_seed(n + 1)) * 2).requires_grad_()
+    assert abp.memory.saved_bytes(abp.functional.regelu2, x, approximate="tanh") == packed(2, n)
+    assert abp.memory.saved_bytes(abp.nn.ReGELU2(approximate="tanh"), x) == packed(2, n)
+    for bits in (1, 2, 3, 4):
+        for weight in ("normal", "uniform"):
+            saved = abp.memory.saved_bytes(abp.functional.gelu, x, approximate="tanh", bits=bits, weight=weight)
+            assert saved == packed(bits, n), (bits, n, weight, saved)
+            if n >= 8:
+                assert saved != packed(bits + 1, n)
+        assert abp.memory.saved_bytes(abp.nn.GELU(approximate="tanh", bits=bits), x) == packed(bits, n)
+
+
+def test_gelu_tanh_codes_follow_the_packing_layout():
+    n = 1003
+    x = (torch.randn(n, generator=torch.Generator().manual_seed(11)) * 3).requires_grad_()
+    for op, bits, fn in [("regelu2_tanh", 2, lambda t: abp.functional.regelu2(t, approximate="tanh"))] + [
+        (f"gelu_tanh_b{b}", b, lambda t, b=b: abp.functional.gelu(t, approximate="tanh", bits=b)) for b in (1, 2, 3, 4)
+    ]:
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            fn(x)
+        (codes,) = saved
+        assert codes.dtype == torch.uint8 and codes.numel() == packed(bits, n) and tail_bits_are_zero(codes, bits, n)
+        borders, _ = (f32(v) for v in manifest_table(op))
+        assert torch.equal(unpack_codes(codes, bits, n), bucket_codes(x.detach(), borders)), op
+
+
 @pytest.mark.parametrize("op,params", [("leaky_relu", (0.2,)), ("threshold", (0.1, 5.0)), ("hardtanh", (-2.0, 2.0))])
 def test_parameters_are_not_saved_per_element(op, params):
     n = 1001

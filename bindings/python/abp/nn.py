@@ -95,10 +95,18 @@ class AbpActivation(torch.nn.Module):
 
 
 class ReGELU2(AbpActivation):
-    """Exact GELU forward; ReGELU2 backward (2-bit codes, LowMemoryBP; ALGORITHMS.md §4)."""
+    """Exact GELU forward; ReGELU2 backward (2-bit codes, LowMemoryBP; ALGORITHMS.md §4).
 
-    def __init__(self) -> None:
-        super().__init__("regelu2")
+    ``approximate`` as torch.nn.GELU: "none" (erf form, operator ``regelu2``) or "tanh" (tanh form,
+    operator ``regelu2_tanh``, its table fitted to that form by tools/regelu2_fit.py).
+    """
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__(functional.gelu_form(approximate)[1])
+        self.approximate = approximate
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}, {super().extra_repr()}"
 
 
 class ReSiLU2(AbpActivation):
@@ -113,8 +121,11 @@ class _FewBit(AbpActivation):
 
     activation: str = ""
 
-    def __init__(self, *, bits: int = 3, weight: str = "normal") -> None:
-        super().__init__(functional.fewbit_operator(self.activation, bits, weight))
+    def __init__(self, *, bits: int = 3, weight: str = "normal", activation: Optional[str] = None) -> None:
+        # `activation` overrides the class's table family (GELU's tanh form: "gelu_tanh").
+        family = activation or self.activation
+        super().__init__(functional.fewbit_operator(family, bits, weight))
+        self.activation = family
         self.bits = bits
         self.weight = weight
 
@@ -131,14 +142,17 @@ def _require_default(module: str, name: str, value: Any, default: float) -> None
 
 
 class GELU(_FewBit):
-    """GELU (erf form); FewBit ``bits``-bit backward. ``approximate`` must be "none"."""
+    """GELU, erf form (``approximate="none"``) or tanh form (``"tanh"``, operators
+    ``gelu_tanh_b<bits>``); FewBit ``bits``-bit backward with the tables fitted for that form."""
 
     activation = "gelu"
 
     def __init__(self, approximate: str = "none", *, bits: int = 3, weight: str = "normal") -> None:
-        if approximate != "none":
-            raise ValueError(f"approximate: abp.nn.GELU computes the erf form only ('none'), got {approximate!r}")
-        super().__init__(bits=bits, weight=weight)
+        super().__init__(bits=bits, weight=weight, activation=functional.gelu_form(approximate)[0])
+        self.approximate = approximate
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}, {super().extra_repr()}"
 
 
 class SiLU(_FewBit):
