@@ -10,7 +10,9 @@ Runs in the current-torch lane (transformers and timm are installed there), skip
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Tuple
+import sys
+from pathlib import Path
+from typing import Any, Dict, Tuple
 
 import pytest
 import torch
@@ -21,55 +23,20 @@ from abp.memory import report
 
 transformers = pytest.importorskip("transformers")
 
-HIDDEN = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
-NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import model_zoo  # noqa: E402  (bench/model_zoo.py: the architectures, shared with bench_models.py)
 
-
-def _ids(seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(seed))
-
-
-def _pixels(seed: int = 0) -> torch.Tensor:
-    return torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
-
-
-def _build(name: str) -> Tuple[torch.nn.Module, Callable[[], torch.Tensor]]:
-    t = transformers
-    if name == "bert":
-        return t.BertModel(t.BertConfig(vocab_size=100, **HIDDEN, **NO_DROPOUT)), _ids
-    if name == "roberta":
-        return t.RobertaModel(t.RobertaConfig(vocab_size=100, **HIDDEN, **NO_DROPOUT)), _ids
-    if name == "vit":
-        return t.ViTModel(t.ViTConfig(image_size=32, patch_size=8, **HIDDEN, **NO_DROPOUT)), _pixels
-    if name == "llama":
-        return t.LlamaForCausalLM(t.LlamaConfig(vocab_size=100, num_key_value_heads=2, **HIDDEN)), _ids
-    if name == "qwen2":
-        return t.Qwen2ForCausalLM(t.Qwen2Config(vocab_size=100, num_key_value_heads=2, **HIDDEN)), _ids
-    if name == "mistral":
-        return t.MistralForCausalLM(t.MistralConfig(vocab_size=100, num_key_value_heads=2, **HIDDEN)), _ids
-    if name == "gpt2":
-        config = t.GPT2Config(vocab_size=100, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
-                              attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-        return t.GPT2LMHeadModel(config), _ids
-    if name == "t5":
-        config = t.T5Config(vocab_size=100, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
-                            feed_forward_proj="gated-gelu", dropout_rate=0.0)
-        return t.T5EncoderModel(config), _ids
-    if name == "timm_vit":
-        timm = pytest.importorskip("timm")
-        return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, num_classes=5), _pixels
-    raise KeyError(name)
-
-
-ARCHITECTURES = ["bert", "roberta", "vit", "llama", "qwen2", "mistral", "gpt2", "t5", "timm_vit"]
+ARCHITECTURES = list(model_zoo.ARCHITECTURES)
 
 
 def _model(name: str) -> Tuple[torch.nn.Module, torch.Tensor]:
     torch.manual_seed(0)
-    model, make_input = _build(name)
+    if name == "timm_vit":
+        pytest.importorskip("timm")
+    model, make_input = model_zoo.build(name)
     model.train()
     _perturb_norms(model)
-    return model, make_input()
+    return model, make_input(0)
 
 
 def _perturb_norms(model: torch.nn.Module) -> None:
