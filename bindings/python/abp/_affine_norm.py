@@ -10,9 +10,10 @@ anyway) and one value per row. Backward recovers the normalised value from the o
 and hands ``dn = dy * gamma`` to the kernels' exact norm backward; ``dgamma = sum(dy * n)``,
 ``dbeta = sum(dy)`` over the rows. That is the exact derivative up to the rounding of the recovery:
 an absolute error of about ulp(|y| + |beta|) / |gamma| in n (with a low-precision y under autocast,
-that precision's ulp). Where gamma is exactly 0, n is not recoverable: dx stays exact there
-(dn = dy * 0 = 0), but gamma's gradient at that feature reads 0. ``abp.convert`` refuses norms
-whose gamma has zeros; no host synchronisation checks it during training.
+that precision's ulp). Where gamma is exactly 0, n is not recoverable (it is taken as 0): the
+gradients of x and gamma at that feature are wrong, those at every other feature stay exact
+(dn = dy * 0 = 0 there, so the row means are unaffected). ``abp.convert`` refuses norms whose gamma
+has zeros; no host synchronisation checks it during training.
 
 ``weight_offset`` covers Gemma-style norms, whose multiplier is ``1 + weight``.
 """
@@ -82,7 +83,7 @@ class _AffineMSNorm(torch.autograd.Function):
         dy_c = dy.to(compute)
         if weight is not None:
             gamma = weight.to(compute) + offset if offset else weight.to(compute)
-            # A zero gamma makes n unrecoverable; dn is 0 there, so dx stays exact (module docstring).
+            # A zero gamma makes n unrecoverable there (module docstring); other features stay exact.
             n = centred / torch.where(gamma == 0, torch.ones_like(gamma), gamma)
             dn = dy_c * gamma
         else:

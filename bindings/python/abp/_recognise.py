@@ -209,9 +209,15 @@ def _norm_matches(kind: str, probe: nn.Module, gamma: Tensor, beta: Optional[Ten
 
 def _recognise_norm(module: nn.Module, params: Dict[str, nn.Parameter]) -> Optional[Norm]:
     shapes = {tuple(p.shape) for p in params.values()}
-    if len(params) not in (1, 2) or len(shapes) != 1:
-        return None
-    shape = shapes.pop()
+    if params:
+        if len(params) not in (1, 2) or len(shapes) != 1:
+            return None
+        shape = shapes.pop()
+    else:  # no affine: the width is the module's own normalized_shape, if it says
+        declared = getattr(module, "normalized_shape", None)
+        if not isinstance(declared, (tuple, list, torch.Size)) or not all(isinstance(d, int) for d in declared):
+            return None
+        shape = tuple(int(d) for d in declared)
     if not shape or math.prod(shape) < 2:
         return None
     probe = copy.deepcopy(module).to(torch.float64)
@@ -223,14 +229,24 @@ def _recognise_norm(module: nn.Module, params: Dict[str, nn.Parameter]) -> Optio
         with torch.no_grad():
             p.copy_(values[name])
     names = list(values)
-    assignments: List[Tuple[Optional[str], Optional[str]]] = [(names[0], None)]
-    if len(names) == 2:
+    assignments: List[Tuple[Optional[str], Optional[str]]] = [(None, None)]
+    if len(names) == 1:
+        assignments = [(names[0], None)]
+    elif len(names) == 2:
         assignments = [(names[0], names[1]), (names[1], names[0])]
+    # torch.nn.RMSNorm(eps=None) uses its input dtype's epsilon: float64's on the probe, the
+    # parameters' (float32's by default) in the model.
+    dtype_eps = isinstance(module, getattr(nn, "RMSNorm", ())) and getattr(module, "eps", 0) is None
+    model_dtype = next(iter(params.values())).dtype if params else torch.get_default_dtype()
     for kind in ("layer", "rms"):
         for weight, bias in assignments:
-            for offset in (0.0, 1.0):
+            for offset in ((0.0, 1.0) if weight is not None else (0.0,)):
                 gamma = values[weight] + offset if weight is not None else torch.ones(shape, dtype=torch.float64)
                 beta = values[bias] if bias is not None else None
+                if dtype_eps:
+                    if _norm_matches(kind, probe, gamma, beta, shape, float(torch.finfo(torch.float64).eps)):
+                        return Norm(kind, shape, float(torch.finfo(model_dtype).eps), weight, bias, offset)
+                    continue
                 candidates = _eps_candidates(module, torch.float32)
                 estimate = _estimate_eps(kind, probe, gamma, beta, shape)
                 if estimate is not None:
@@ -289,7 +305,7 @@ def recognise(module: nn.Module) -> Optional[Recognised]:
         if not params:
             if next(iter(module.buffers()), None) is not None:
                 return None
-            return _recognise_activation(module)
+            return _recognise_activation(module) or _recognise_norm(module, params)
         if type(module) is nn.Linear and "forward" not in vars(module):
             # torch's own Linear runs F.linear(x, weight, bias): nothing to probe (and no weight to copy).
             return LinearMap("weight", "bias" if module.bias is not None else None, False,

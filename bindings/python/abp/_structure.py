@@ -42,6 +42,8 @@ class Use:
     def describe(self, modules: Dict[str, nn.Module]) -> str:
         if self.module is not None:
             return f"module `{self.module}` ({type(modules[self.module]).__name__})"
+        if self.function == "the model's return value":
+            return "the model's return value"
         where = f" in `{self.within}`" if self.within else " at the top level"
         return f"`{self.function}`{where}"
 
@@ -64,6 +66,17 @@ def _tensors(value: Any) -> List[Tensor]:
     if isinstance(value, dict):
         return [t for v in value.values() for t in _tensors(v)]
     return []
+
+
+def _plain(value: Any) -> Any:
+    """A model output as plain containers (transformers' ModelOutput is a dict; dataclasses too)."""
+    if isinstance(value, Tensor):
+        return value
+    if isinstance(value, dict):
+        return list(value.values())
+    if hasattr(value, "__dataclass_fields__"):
+        return [getattr(value, f) for f in value.__dataclass_fields__]
+    return value
 
 
 class _Recorder(TorchFunctionMode):
@@ -130,11 +143,16 @@ def record(model: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any], watch:
     devices = [d.index for d in {p.device for p in model.parameters()} if d.type == "cuda" and d.index is not None]
     try:
         with torch.random.fork_rng(devices=devices), torch.no_grad(), recorder:
-            model(*args, **kwargs)
+            returned = model(*args, **kwargs)
     finally:
         for h in handles:
             h.remove()
     _attribute_uses(model, recorder, structure, outputs, created_at)
+    # A tensor the model returns is read by the caller: a use no fold may change.
+    returned_ids = {id(t) for t in _tensors(_plain(returned))}
+    for name, ids in outputs.items():
+        if ids & returned_ids:
+            structure.uses[name].append(Use(None, "the model's return value", ""))
     _foreign_parameter_uses(model, recorder, structure)
     recorder.keep.clear()
     return structure
@@ -161,7 +179,7 @@ def _attribute_uses(
                 continue
             if any(n in leaf_calls for _, n in stack):
                 continue  # inside a leaf module given the output: that module is the use
-            use = Use(None, function, stack[-1][0] if stack else "")
+            use = Use(None, function, stack[-1][0] if stack and stack[-1][0] else "")
             if use not in uses:
                 uses.append(use)
         structure.uses[name] = uses
@@ -180,6 +198,6 @@ def _foreign_parameter_uses(model: nn.Module, recorder: _Recorder, structure: St
             for owner, pname in owners.get(tid, []):
                 if owner and owner not in running and not any(o in running for o, _ in owners[tid]):
                     found = structure.foreign_parameter_uses.setdefault(owner, [])
-                    text = f"`{owner}.{pname}` by `{function}`" + (f" in `{stack[-1][0]}`" if stack else " at the top level")
+                    text = f"`{owner}.{pname}` by `{function}`" + (f" in `{stack[-1][0]}`" if stack and stack[-1][0] else " at the top level")
                     if text not in found:
                         found.append(text)

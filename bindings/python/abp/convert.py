@@ -275,6 +275,7 @@ def _fold_targets(
     recognised: Dict[int, Any], owners: Dict[int, List[str]],
 ) -> Tuple[Optional[List[str]], str]:
     """The linear layers to fold norm `name` into, or None and why it cannot be folded."""
+    norm_params = list(modules[name].parameters(recurse=False))
     calls = structure.calls.get(name, 0)
     if calls != 1:
         return None, (f"it ran {calls} times in the example call; folding needs exactly one call" if calls
@@ -300,6 +301,10 @@ def _fold_targets(
         refusal = _linear_refusal(use.module, target) if isinstance(target, nn.Linear) else _norm_refusal(target)
         if refusal is not None:
             return None, refusal
+        trains = {p.requires_grad for p in norm_params}
+        if trains != {getattr(target, spec.weight).requires_grad} and trains:
+            return None, (f"`{use.module}` is {'frozen' if not getattr(target, spec.weight).requires_grad else 'trainable'} "
+                          f"while the norm's parameters are not: folding would change what trains")
         if len(norm.shape) != 1 or spec.in_features != norm.shape[0]:
             return None, f"`{use.module}` has in_features {spec.in_features}; the norm's shape is {norm.shape}"
         for pname in (spec.weight, spec.bias):
@@ -485,10 +490,12 @@ def _convert_compress(model: nn.Module, options: Dict[str, Any]) -> List[Change]
 
 
 def _recognise_all(model: nn.Module) -> Dict[int, Any]:
-    """id(module) -> what each leaf module computes (abp's own modules are left out)."""
+    """id(module) -> what each leaf module computes (abp's own modules are left out, and so are
+    parametrized modules and their parametrization modules: what they compute is not their own)."""
     found: Dict[int, Any] = {}
+    skip = {id(m) for p in model.modules() if parametrize.is_parametrized(p) for m in p.parametrizations.modules()}
     for module in model.modules():
-        if id(module) in found or type(module).__module__.startswith("abp."):
+        if id(module) in found or id(module) in skip or type(module).__module__.startswith("abp."):
             continue
         spec = _recognise.recognise(module)
         if spec is not None:
@@ -531,6 +538,11 @@ def _convert_lowmembp(
             raise RuntimeError(f"example_inputs/example_kwargs: the example call failed ({type(e).__name__}: {e})") from e
     changes: List[Change] = []
     for name, module in modules.items():
+        if name and parametrize.is_parametrized(module):
+            inner = ", ".join(module.parametrizations.keys())
+            changes.append(Change(name, "refused", f"{type(module).__name__} not converted: its parameters ({inner}) are "
+                                  "parametrized (torch.nn.utils.parametrize); what it computes is not its own"))
+            continue
         spec = recognised.get(id(module))
         if not name or spec is None:
             continue
