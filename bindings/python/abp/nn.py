@@ -364,14 +364,39 @@ class Softshrink(_Piecewise):
 
 
 class _MSNorm(torch.nn.Module):
-    """Base of the memory-sharing norms: no parameters; backward from the output and one value per row."""
+    """Base of the memory-sharing norms: backward from the output and one value per row.
+
+    With ``elementwise_affine=True`` the module has torch.nn.LayerNorm's ``weight`` (gamma, ones) and,
+    with ``bias=True``, ``bias`` (beta, zeros); backward recovers the normalised value from the output
+    (abp._affine_norm). ``weight_offset`` makes the multiplier ``weight + weight_offset`` (1 for
+    Gemma-style norms, whose weight starts at zeros).
+    """
 
     operator: str
 
-    def __init__(self, normalized_shape: Any, eps: float) -> None:
+    def __init__(
+        self, normalized_shape: Any, eps: float, elementwise_affine: bool = False, bias: bool = True,
+        weight_offset: float = 0.0, device: Any = None, dtype: Any = None,
+    ) -> None:
         super().__init__()
         self.normalized_shape: Tuple[int, ...] = functional.check_normalized_shape(normalized_shape)
         self.eps: float = functional.check_eps(eps)
+        for name, flag in (("elementwise_affine", elementwise_affine), ("bias", bias)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name}: expected True or False, got {flag!r}")
+        self.elementwise_affine = elementwise_affine
+        self.weight_offset: float = check_param("weight_offset", weight_offset)
+        if self.weight_offset and not elementwise_affine:
+            raise ValueError("weight_offset: needs elementwise_affine=True (gamma = weight + weight_offset)")
+        self.weight: Optional[torch.nn.Parameter]
+        self.bias: Optional[torch.nn.Parameter]
+        if elementwise_affine:
+            start = 1.0 - self.weight_offset
+            self.weight = torch.nn.Parameter(torch.full(self.normalized_shape, start, device=device, dtype=dtype))
+            self.bias = torch.nn.Parameter(torch.zeros(self.normalized_shape, device=device, dtype=dtype)) if bias else None
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
 
     @property
     def saved_bits_per_row(self) -> float:
@@ -379,33 +404,44 @@ class _MSNorm(torch.nn.Module):
         return _lib.kernel_library().operator(self.operator).saved_bits_per_row
 
     def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, eps={self.eps}"
+        text = f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+        if self.elementwise_affine:
+            text += f", bias={self.bias is not None}"
+        return text + (f", weight_offset={self.weight_offset}" if self.weight_offset else "")
 
 
 class MSLayerNorm(_MSNorm):
-    """LayerNorm without affine whose backward reads only its output (shared with the next Linear)
-    and 1/sigma per row (ALGORITHMS.md §5). Fold gamma/beta into the following Linear layers with
-    ``abp.convert``."""
+    """LayerNorm whose backward reads only its output (shared with the next Linear) and 1/sigma per
+    row (ALGORITHMS.md §5); a drop-in for torch.nn.LayerNorm (same arguments and parameters)."""
 
     operator = "ms_layernorm"
 
-    def __init__(self, normalized_shape: Any, eps: float = 1e-5) -> None:
-        super().__init__(normalized_shape, eps)
+    def __init__(
+        self, normalized_shape: Any, eps: float = 1e-5, elementwise_affine: bool = False, bias: bool = True,
+        weight_offset: float = 0.0, device: Any = None, dtype: Any = None,
+    ) -> None:
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, weight_offset, device, dtype)
 
     def forward(self, input: Tensor) -> Tensor:
-        return functional.ms_layer_norm(input, self.normalized_shape, self.eps)
+        return functional.ms_layer_norm(input, self.normalized_shape, self.eps, weight=self.weight,
+                                        bias=self.bias, weight_offset=self.weight_offset)
 
 
 class MSRMSNorm(_MSNorm):
-    """RMSNorm without affine whose backward reads only its output and one value per row."""
+    """RMSNorm whose backward reads only its output and one value per row; a drop-in for
+    torch.nn.RMSNorm (``bias=False`` by default, as RMSNorms have none)."""
 
     operator = "ms_rmsnorm"
 
-    def __init__(self, normalized_shape: Any, eps: float = 1e-6) -> None:
-        super().__init__(normalized_shape, eps)
+    def __init__(
+        self, normalized_shape: Any, eps: float = 1e-6, elementwise_affine: bool = False, bias: bool = False,
+        weight_offset: float = 0.0, device: Any = None, dtype: Any = None,
+    ) -> None:
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, weight_offset, device, dtype)
 
     def forward(self, input: Tensor) -> Tensor:
-        return functional.ms_rms_norm(input, self.normalized_shape, self.eps)
+        return functional.ms_rms_norm(input, self.normalized_shape, self.eps, weight=self.weight,
+                                      bias=self.bias, weight_offset=self.weight_offset)
 
 
 class SampledLinear(torch.nn.Linear):
@@ -435,33 +471,46 @@ class SampledLinear(torch.nn.Linear):
         self.generator = generator
         # (cache, slot) once a sampling.GradNormCache is attached: p ∝ ‖x_t‖·‖dY_t‖ of the last visit.
         self.grad_norm_cache: Optional[Tuple[Any, int]] = None
+        # True when the weight is stored (in_features, out_features), as transformers' Conv1D keeps it.
+        self.transposed = False
 
     @classmethod
     def from_linear(
-        cls, linear: torch.nn.Linear, method: str = "wtacrs", keep: float = 0.3,
-        generator: Optional[torch.Generator] = None,
+        cls, linear: torch.nn.Module, method: str = "wtacrs", keep: float = 0.3,
+        generator: Optional[torch.Generator] = None, *, transposed: bool = False,
     ) -> "SampledLinear":
         """A SampledLinear sharing `linear`'s weight and bias Parameters (not copies), so an
-        optimizer built on the original keeps updating them."""
-        if not isinstance(linear, torch.nn.Linear):
-            raise TypeError(f"linear: expected a torch.nn.Linear, got {type(linear).__name__}")
-        module = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, method=method,
-                     keep=keep, device="meta", generator=generator)
-        module.weight = linear.weight
-        module.bias = linear.bias
+        optimizer built on the original keeps updating them.
+
+        `linear` is a torch.nn.Linear or, with ``transposed=True``, a module computing
+        ``x @ weight + bias`` with weight (in_features, out_features) (transformers' Conv1D): the
+        weight is then kept in that layout (same Parameter, same state_dict) and used transposed.
+        """
+        weight = getattr(linear, "weight", None)
+        if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 2:
+            raise TypeError(f"linear: expected a torch.nn.Linear (or a module with a 2-D weight Parameter), got {type(linear).__name__}")
+        if not transposed and not isinstance(linear, torch.nn.Linear):
+            raise TypeError(f"linear: expected a torch.nn.Linear, got {type(linear).__name__} (pass transposed=True for x @ W layouts)")
+        in_f, out_f = (weight.shape[0], weight.shape[1]) if transposed else (weight.shape[1], weight.shape[0])
+        bias = getattr(linear, "bias", None)
+        module = cls(in_f, out_f, bias=bias is not None, method=method, keep=keep, device="meta", generator=generator)
+        module.transposed = transposed
+        module.weight = weight
+        module.bias = bias
         module.train(linear.training)
         return module
 
     def forward(self, input: Tensor) -> Tensor:
+        weight = self.weight.t() if self.transposed else self.weight
         if not self.training:
-            return torch.nn.functional.linear(input, self.weight, self.bias)
+            return torch.nn.functional.linear(input, weight, self.bias)
         gamma = record = None
         if self.grad_norm_cache is not None and torch.is_grad_enabled():
             cache, slot = self.grad_norm_cache
             rows = input.numel() // input.shape[-1] if input.dim() and input.shape[-1] else 0
             gamma, record = cache.lookup(slot, rows, input.device)
-        return sampling.sampled_linear(input, self.weight, self.bias, method=self.method, keep=self.keep,
+        return sampling.sampled_linear(input, weight, self.bias, method=self.method, keep=self.keep,
                                        generator=self.generator, gamma=gamma, record=record)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, method={self.method!r}, keep={self.keep}"
+        return f"{super().extra_repr()}, method={self.method!r}, keep={self.keep}" + (", transposed=True" if self.transposed else "")
