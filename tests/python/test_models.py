@@ -183,3 +183,19 @@ def test_all_recipe_stacks_and_counts_compressed_bytes(name: str) -> None:
     stacked = report(converted, (x,), loss_fn=_loss).total_bytes
     plain = report(lowmembp, (x,), loss_fn=_loss).total_bytes
     assert 0 < stacked < plain
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
+def test_converted_model_compiles_without_graph_breaks_and_trains_like_eager(name: str) -> None:
+    if not abp._custom_ops.enabled():
+        pytest.skip("torch.compile of abp ops needs torch >= 2.4 (torch.library custom ops)")
+    model, x = _model(name)
+    converted, _ = abp.convert(model, "lowmembp")
+    explained = torch._dynamo.explain(converted)(x)
+    assert explained.graph_break_count == 0, [str(b.reason)[:200] for b in explained.break_reasons]
+    want = _grads(converted, x)
+    compiled = torch.compile(converted, backend="aot_eager")
+    got = _grads(compiled, x)
+    assert want.keys() == got.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {key}: {m}")
