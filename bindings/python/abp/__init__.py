@@ -128,7 +128,8 @@ def compile_operators(ir: str, origin: Optional[str] = None) -> List[str]:
     names = library.add_directory(directory)
     if _custom_ops.enabled():
         for name in names:
-            _custom_ops.register(library.operator(name))
+            if _custom_ops.registrable(library.operator(name)):
+                _custom_ops.register(library.operator(name))
     return names
 
 

@@ -4,6 +4,11 @@ torch.compile sees these as opaque operators with known output shapes, keeps the
 saves exactly the residuals their setup_context saves (the packed codes), so the memory saving
 survives compilation. On older torch this module reports `enabled() == False` and abp runs through
 the eager autograd.Function (abp.autograd).
+
+Both ops end in an optional dtype, as abp.autograd.OperatorFunction's out_dtype: the fwd op's
+``out_dtype`` casts the outputs (autocast's dtype for a norm feeding a Linear, which then saves
+that very tensor), and the bwd op's ``dtype`` is the dtype its kernels run in (the input's; by
+default the gradients').
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import torch
 from . import _launch, _lib
 from ._manifest import Operator, packed_bytes, parse_ref
 
-__all__ = ["enabled", "compiling", "supported_torch", "registered", "register", "apply_custom"]
+__all__ = ["enabled", "compiling", "supported_torch", "registered", "registrable", "register", "apply_custom"]
 
 
 def _torch_version() -> Tuple[int, int]:
@@ -78,6 +83,13 @@ def registered(op_name: str) -> bool:
     return op_name in _plans
 
 
+def registrable(op: Operator) -> bool:
+    """True for the operators abp registers: same-shaped ones with at least one output. Gathered
+    or per-row ones are launched by abp.sampling, and codecs without an output (gact_b<k>: input
+    to codes) by abp.compress; neither is differentiable as an op of its own."""
+    return op.same_shape and op.outputs > 0
+
+
 def _residual_sources(op: Operator) -> Tuple[Tuple[str, int], ...]:
     assert op.forward is not None
     sources: List[Tuple[str, int]] = []
@@ -125,6 +137,11 @@ def register(op: Operator) -> _Plan:
 
 
 def _define(op: Operator) -> _Plan:
+    if not registrable(op):
+        raise ValueError(
+            f"operator {op.name}: only same-shaped operators with at least one output become custom ops "
+            f"({op.outputs} outputs, same_shape={op.same_shape})"
+        )
     sources = _residual_sources(op)
     tensor_residuals = tuple(i for i, s in enumerate(sources) if s[0] == "tensor")
     scalar_residuals = tuple(i for i, s in enumerate(sources) if s[0] == "param")
@@ -133,12 +150,20 @@ def _define(op: Operator) -> _Plan:
     n_in, n_out, n_params = op.inputs, op.outputs, len(op.params)
     name = op.name
 
-    # abp::<op>_fwd(Tensor input0, ..., float param0, ...) -> (outputs..., tensor residuals...)
-    fwd_args = [f"Tensor input{i}" for i in range(n_in)] + [f"float param{i}" for i in range(n_params)]
+    # abp::<op>_fwd(Tensor input0, ..., float param0, ..., ScalarType? out_dtype=None)
+    #   -> (outputs..., tensor residuals...)
+    fwd_args = (
+        [f"Tensor input{i}" for i in range(n_in)]
+        + [f"float param{i}" for i in range(n_params)]
+        + ["ScalarType? out_dtype=None"]
+    )
 
     def fwd_impl(*args: Any) -> Any:
-        inputs, params = args[:n_in], args[n_in:]
+        inputs, params = args[:n_in], args[n_in : n_in + n_params]
+        out_dtype = args[n_in + n_params] if len(args) > n_in + n_params else None
         outputs, residuals = _launch.forward(op, inputs, params)
+        if out_dtype is not None and out_dtype != inputs[0].dtype:
+            outputs = [o.to(out_dtype) for o in outputs]
         produced = list(outputs) + [residuals[i] for i in tensor_residuals]
         # An op's outputs must not alias its inputs: copy any input passed through unchanged.
         produced = [t.clone() if any(t is x for x in inputs) else t for t in produced]
@@ -151,24 +176,30 @@ def _define(op: Operator) -> _Plan:
     @fwd.register_fake
     def _(*args: Any) -> Any:
         first = args[0]
-        produced = [first.new_empty(first.shape) for _ in range(n_out)]
+        out_dtype = args[n_in + n_params] if len(args) > n_in + n_params else None
+        produced = [first.new_empty(first.shape, dtype=out_dtype or first.dtype) for _ in range(n_out)]
         produced += [_fake_residual(op, i, first) for i in tensor_residuals]
         return produced[0] if len(produced) == 1 else tuple(produced)
 
-    # abp::<op>_bwd(Tensor residual..., Tensor grad0, ..., float scalar residual...) -> grads
+    # abp::<op>_bwd(Tensor residual..., Tensor grad0, ..., float scalar residual...,
+    #               ScalarType? dtype=None) -> grads (in `dtype`, by default the gradients')
     bwd_args = (
         [f"Tensor residual{i}" for i in saved_residuals]
         + [f"Tensor grad{i}" for i in range(n_out)]
         + [f"float residual{i}" for i in scalar_residuals]
+        + ["ScalarType? dtype=None"]
     )
+    n_tensors = len(saved_residuals) + n_out
+    n_bwd = n_tensors + len(scalar_residuals)
 
     def bwd_impl(*args: Any) -> Any:
         tensors = iter(args[: len(saved_residuals)])
-        grads = args[len(saved_residuals) : len(saved_residuals) + n_out]
-        scalars = iter(args[len(saved_residuals) + n_out :])
+        grads = args[len(saved_residuals) : n_tensors]
+        scalars = iter(args[n_tensors:n_bwd])
         residuals = [next(scalars) if s[0] == "param" else next(tensors) for s in sources]
         first = grads[0]
-        dxs = _launch.backward(op, residuals, grads, first.shape, first.dtype, first.device)
+        dtype = args[n_bwd] if len(args) > n_bwd and args[n_bwd] is not None else first.dtype
+        dxs = _launch.backward(op, residuals, grads, first.shape, dtype, first.device)
         dxs = [torch.zeros_like(first) if dx is None else dx for dx in dxs]
         return dxs[0] if len(dxs) == 1 else tuple(dxs)
 
@@ -178,7 +209,8 @@ def _define(op: Operator) -> _Plan:
     @bwd.register_fake
     def _(*args: Any) -> Any:
         first = args[len(saved_residuals)]
-        dxs = [first.new_empty(first.shape) for _ in range(n_in)]
+        dtype = args[n_bwd] if len(args) > n_bwd and args[n_bwd] is not None else first.dtype
+        dxs = [first.new_empty(first.shape, dtype=dtype) for _ in range(n_in)]
         return dxs[0] if len(dxs) == 1 else tuple(dxs)
 
     def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
@@ -189,6 +221,8 @@ def _define(op: Operator) -> _Plan:
         )
         ctx.abp_scalars = tuple(float(inputs[n_in + sources[i][1]]) for i in scalar_residuals)
         ctx.abp_input_shapes = tuple(inputs[i].shape for i in range(n_in))
+        ctx.abp_input_dtype = inputs[0].dtype
+        ctx.abp_non_tensors = len(inputs) - n_in  # the parameters and out_dtype: no gradient
 
     def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:
         output_grads = list(grads[:n_out])
@@ -200,10 +234,10 @@ def _define(op: Operator) -> _Plan:
                 # tensor is not reliable (codes are uint8), so take it from any given gradient.
                 like = next(x for x in output_grads if x is not None)
                 output_grads[i] = torch.zeros(shape, dtype=like.dtype, device=like.device)
-        result = bwd_op(*saved, *output_grads, *ctx.abp_scalars)
+        result = bwd_op(*saved, *output_grads, *ctx.abp_scalars, ctx.abp_input_dtype)
         dxs = result if isinstance(result, tuple) else (result,)
         shaped = tuple(dx.reshape(s) for dx, s in zip(dxs, ctx.abp_input_shapes))
-        return shaped + (None,) * n_params
+        return shaped + (None,) * ctx.abp_non_tensors
 
     fwd.register_autograd(backward, setup_context=setup_context)
     fwd_op = getattr(torch.ops.abp, f"{name}_fwd").default
@@ -214,8 +248,8 @@ def _register_on_open(library: _lib.KernelLibrary) -> None:
     # Every operator is registered when the library opens (abp opens it at import on torch >= 2.4),
     # so torch.compile finds them all and never traces a registration (which would break its graph).
     for op in library.operators.values():
-        if not op.same_shape:
-            continue  # launched directly by abp.sampling, never through the generic path
+        if not registrable(op):
+            continue  # launched directly by abp.sampling or abp.compress, never through the generic path
         try:
             register(op)
         except Exception as e:  # one odd operator must not make the others unusable
@@ -226,12 +260,15 @@ if _SUPPORTED:
     _lib.on_open(_register_on_open)
 
 
-def apply_custom(op_name: str, params: Sequence[float], inputs: Sequence[torch.Tensor]) -> Any:
-    """Runs `op_name` through abp::<op>_fwd: one output as a tensor, several as a tuple."""
+def apply_custom(
+    op_name: str, params: Sequence[float], inputs: Sequence[torch.Tensor], out_dtype: Optional[torch.dtype] = None
+) -> Any:
+    """Runs `op_name` through abp::<op>_fwd: one output as a tensor, several as a tuple.
+    ``out_dtype`` casts the outputs (as abp.autograd.OperatorFunction's)."""
     plan = _plans.get(op_name)
     if plan is None:
         plan = register(_lib.kernel_library().operator(op_name))
-    produced = plan.fwd(*inputs, *params)
+    produced = plan.fwd(*inputs, *params) if out_dtype is None else plan.fwd(*inputs, *params, out_dtype)
     if not isinstance(produced, tuple):
         return produced
     n_out = plan.op.outputs

@@ -24,7 +24,6 @@ trailing ``normalized_shape`` dimensions without affine parameters and save only
 from __future__ import annotations
 
 import math
-import struct
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
@@ -134,7 +133,7 @@ def apply(op_name: str, input: Tensor, params: Sequence[float] = (), out_dtype: 
     (torch >= 2.4) it calls the ``torch.ops.abp.<op>_fwd`` custom op instead, which the compiled graph
     keeps. Both launch the same kernels and save the same residuals. A row-wise operator (a norm)
     works on rows along the last dimension. ``out_dtype`` casts the output (see OperatorFunction;
-    eager path only).
+    the custom op's ``out_dtype`` does the same under torch.compile).
     """
     from . import _lib
 
@@ -143,7 +142,7 @@ def apply(op_name: str, input: Tensor, params: Sequence[float] = (), out_dtype: 
     _launch.check_float_tensor("input", input, dtypes)
     params = tuple(_launch.check_param(f"params[{i}]", p) for i, p in enumerate(params))
     if _custom_ops.compiling():
-        return _custom_ops.apply_custom(op_name, params, (input,))
+        return _custom_ops.apply_custom(op_name, params, (input,), out_dtype)
     return autograd.apply_eager(op_name, params, (input,), out_dtype)
 
 
@@ -299,14 +298,17 @@ def check_normalized_shape(normalized_shape: Union[int, Sequence[int]]) -> Tuple
     return shape
 
 
+# Rounding to fp32 (nearest, ties to even) makes (0, 2^-150] zero and [2^128 - 2^103, inf) infinite.
+_F32_ROUNDS_TO_ZERO = 2.0**-150
+_F32_ROUNDS_TO_INF = 2.0**128 - 2.0**103
+
+
 def check_eps(eps: Any) -> float:
     """``eps`` as a float: finite, > 0, and not 0 once rounded to fp32 (the kernels' parameter type)."""
     value = _launch.check_param("eps", eps)
-    try:
-        as_f32 = struct.unpack("f", struct.pack("f", value))[0] if math.isfinite(value) else math.nan
-    except OverflowError:
-        as_f32 = math.inf
-    if not (value > 0 and math.isfinite(as_f32) and as_f32 > 0):
+    # Comparisons only (NaN fails them): under torch.compile(dynamic=True) eps is a symbolic float,
+    # which comparisons guard on but struct.pack and math.isfinite cannot take.
+    if not (_F32_ROUNDS_TO_ZERO < value < _F32_ROUNDS_TO_INF):
         raise ValueError(f"eps: expected a positive, finite number representable in float32, got {eps!r}")
     return value
 
