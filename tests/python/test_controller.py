@@ -532,7 +532,7 @@ def test_training_with_the_controller_reduces_the_loss(kernels):
             loss = F.mse_loss(model(x), y)
             loss.backward()
             optimizer.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     assert controller.estimates == 3 and controller.average_bits() <= 2.0
     assert sum(losses[-5:]) / 5 < 0.3 * losses[0]
 

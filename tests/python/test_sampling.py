@@ -312,12 +312,13 @@ def _saved_bytes(fn: Callable[[], torch.Tensor], exclude: Tuple[torch.Tensor, ..
     """Bytes of the tensors autograd saves, each storage once, parameters left out."""
     saved: Dict[int, int] = {}
     tensors: List[torch.Tensor] = []
-    skip = {t.storage().data_ptr() for t in exclude}
+    # storage_key: untyped_storage on torch 2 (tensor.storage() is deprecated there), storage on 1.13.
+    skip = {abp.memory.storage_key(t)[1] for t in exclude}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.storage().data_ptr()
+        _, ptr, nbytes = abp.memory.storage_key(t)
         if ptr not in skip:
-            saved[ptr] = t.storage().nbytes() if hasattr(t.storage(), "nbytes") else t.storage().size() * t.element_size()
+            saved[ptr] = nbytes
             tensors.append(t)
         return t
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from abp import _selection as selection
 from abp import vcas
+from abp.memory import storage_key
 from abp_reference import library_or_skip
 
 
@@ -399,7 +400,8 @@ def test_training_with_sampling_saves_what_exact_training_saves() -> None:
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             if t.data_ptr() not in params:
-                seen[t.storage().data_ptr()] = t.storage().size() * t.element_size()
+                _, ptr, nbytes = storage_key(t)  # untyped_storage on torch 2, storage on 1.13
+                seen[ptr] = nbytes
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
