@@ -59,9 +59,10 @@ def _loss(output: Any) -> torch.Tensor:
     return (y * weights).sum()
 
 
-def _grads(model: torch.nn.Module, x: torch.Tensor) -> Dict[str, torch.Tensor]:
+def _grads(model: torch.nn.Module, x: torch.Tensor, run: Any = None) -> Dict[str, torch.Tensor]:
+    """Gradients of `model`'s parameters after a backward through ``run`` (default: the model)."""
     model.zero_grad(set_to_none=True)
-    _loss(model(x)).backward()
+    _loss((run if run is not None else model)(x)).backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -195,7 +196,9 @@ def test_converted_model_compiles_without_graph_breaks_and_trains_like_eager(nam
     assert explained.graph_break_count == 0, [str(b.reason)[:200] for b in explained.break_reasons]
     want = _grads(converted, x)
     compiled = torch.compile(converted, backend="aot_eager")
-    got = _grads(compiled, x)
-    assert want.keys() == got.keys()
+    got = _grads(converted, x, compiled)
+    assert want.keys() <= got.keys()
+    # Compiled graphs give zeros (not None) to parameters the loss does not reach (BERT's pooler).
+    assert all(not bool(got[k].any()) for k in got.keys() - want.keys())
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {key}: {m}")
