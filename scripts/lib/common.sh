@@ -1,12 +1,17 @@
 # common.sh — shared by scripts/demo and scripts/test: install what is missing, then build.
-# Idempotent: a machine that already has everything runs no apt-get, and an up-to-date build
-# tree makes the build step a no-op.
+# Idempotent: a machine that already has everything runs no apt-get, an up-to-date torch 2.x venv
+# no pip, and an up-to-date build tree makes the build step a no-op.
 set -euo pipefail
 
 ABP_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 ABP_BUILD="${ABP_BUILD_DIR:-$ABP_ROOT/build}"
 # Debian's python3-torch and friends live in the system interpreter, not a pyenv one on PATH.
 ABP_PYTHON=/usr/bin/python3
+# The second test lane (scripts/test, ctest's pytest-torch2): a current torch 2.x with transformers,
+# timm, peft and accelerate from PyPI, in a virtual environment outside the clone (~5.7 GB, made
+# once by abp_torch2_venv from the pinned scripts/lib/torch2-requirements.txt).
+ABP_VENV="${ABP_VENV:-$HOME/.cache/abp/venv-torch2}"
+ABP_TORCH2_REQUIREMENTS="$ABP_ROOT/scripts/lib/torch2-requirements.txt"
 
 # MLIR/LLVM pinned to 19: libmlir-19 and libmlir-22 conflict and apt would remove the other.
 # mlir-19-tools is needed by MLIR's CMake config (mlir-tblgen, mlir-pdll) although
@@ -15,7 +20,7 @@ ABP_PACKAGES=(
   cmake ninja-build g++
   libmlir-19-dev mlir-19-tools llvm-19-dev llvm-19-tools
   libfmt-dev libgtest-dev
-  python3-dev python3-numpy python3-pytest python3-torch
+  python3-dev python3-numpy python3-pytest python3-torch python3-venv
 )
 
 abp_log() { printf '[abp] %s\n' "$*" >&2; }
@@ -41,14 +46,67 @@ abp_install_missing() {
   fi
 }
 
+# The venv's stamp: the requirements file and the interpreter it is made from (a new Debian
+# Python makes a new venv).
+abp_torch2_stamp() {
+  { cat "$ABP_TORCH2_REQUIREMENTS"; "$ABP_PYTHON" -c 'import sys; print(sys.executable, sys.version)'; } |
+    sha256sum | cut -d' ' -f1
+}
+
+# Makes $ABP_VENV once and sets ABP_TORCH2_PYTHON to its interpreter. The stamp file is written
+# last, after pip check: a venv without the current stamp (half-installed, interrupted, or made
+# from an older requirements file) is removed and made again. A lock keeps two scripts from
+# building it at once. Quick (no pip) when the stamp matches.
+abp_torch2_venv() {
+  local stamp_file="$ABP_VENV/.abp-stamp" want
+  want="$(abp_torch2_stamp)"
+  if [ -x "$ABP_VENV/bin/python" ] && [ "$(cat "$stamp_file" 2>/dev/null)" = "$want" ]; then
+    export ABP_TORCH2_PYTHON="$ABP_VENV/bin/python"
+    return 0
+  fi
+  mkdir -p "$(dirname "$ABP_VENV")"
+  (
+    flock 9
+    # Another script may have finished it while this one waited for the lock.
+    if [ -x "$ABP_VENV/bin/python" ] && [ "$(cat "$stamp_file" 2>/dev/null)" = "$want" ]; then
+      exit 0
+    fi
+    if [ -e "$ABP_VENV" ] && [ ! -f "$ABP_VENV/pyvenv.cfg" ] && [ -n "$(ls -A "$ABP_VENV")" ]; then
+      abp_log "error: ABP_VENV=$ABP_VENV exists and is not a virtual environment; not removing it"
+      exit 1
+    fi
+    abp_log "making the torch 2.x venv $ABP_VENV from $ABP_TORCH2_REQUIREMENTS (downloads ~5 GB from PyPI)"
+    rm -rf "$ABP_VENV"
+    "$ABP_PYTHON" -m venv "$ABP_VENV"
+    "$ABP_VENV/bin/python" -m pip install -q --no-input --disable-pip-version-check --progress-bar off \
+      --no-deps --only-binary :all: -r "$ABP_TORCH2_REQUIREMENTS"
+    "$ABP_VENV/bin/python" -m pip check >/dev/null
+    "$ABP_VENV/bin/python" -c 'import torch, transformers, timm, peft, accelerate, numpy, pytest'
+    printf '%s\n' "$want" >"$stamp_file.tmp"
+    mv "$stamp_file.tmp" "$stamp_file"
+  ) 9>"$ABP_VENV.lock"
+  export ABP_TORCH2_PYTHON="$ABP_VENV/bin/python"
+}
+
 abp_build() {
+  local configure=()
   if [ ! -f "$ABP_BUILD/build.ninja" ]; then
+    configure=(
+      -DCMAKE_BUILD_TYPE=Release
+      -DMLIR_DIR=/usr/lib/llvm-19/lib/cmake/mlir
+      -DCUDAToolkit_ROOT=/usr/local/cuda
+      -DPython3_EXECUTABLE="$ABP_PYTHON"
+    )
+  fi
+  # The torch 2.x lane's interpreter (abp_torch2_venv): configure again whenever the cache does not
+  # hold it yet (a build tree configured before the lane existed, or with another venv).
+  if [ -n "${ABP_TORCH2_PYTHON:-}" ] &&
+    ! grep -qxF "ABP_TORCH2_PYTHON:STRING=$ABP_TORCH2_PYTHON" "$ABP_BUILD/CMakeCache.txt" 2>/dev/null; then
+    configure+=(-DABP_TORCH2_PYTHON:STRING="$ABP_TORCH2_PYTHON")
+  fi
+  if ((${#configure[@]})); then
     abp_log "configuring $ABP_BUILD"
-    cmake -G Ninja -S "$ABP_ROOT" -B "$ABP_BUILD" \
-      -DCMAKE_BUILD_TYPE=Release \
-      -DMLIR_DIR=/usr/lib/llvm-19/lib/cmake/mlir \
-      -DCUDAToolkit_ROOT=/usr/local/cuda \
-      -DPython3_EXECUTABLE="$ABP_PYTHON" >/dev/null
+    cmake -G Ninja -S "$ABP_ROOT" -B "$ABP_BUILD" "${configure[@]}" >/dev/null
   fi
   # Two cores: one build at a time, two jobs.
   cmake --build "$ABP_BUILD" -j 2
