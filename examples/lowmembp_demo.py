@@ -2,8 +2,9 @@
 
     PYTHONPATH=bindings/python python3 examples/lowmembp_demo.py [--steps 60] [--device cpu|cuda]
 
-The conversion replaces every LayerNorm by MS-LayerNorm with its affine folded into the q/k/v and
-fc1 Linears (and the head), and GELU by ReGELU2. It prints what the converter changed, the bytes
+The conversion replaces every LayerNorm by MS-LayerNorm keeping its affine parameters (backward
+recovers the normalised value from the output, which the next Linear keeps anyway), and GELU by
+ReGELU2. It prints what the converter changed, the bytes
 saved for backward per step (``abp.memory.report``, each storage once, parameters left out) and the
 final training loss of both runs (same seed, data and initial function).
 """

@@ -43,7 +43,7 @@ def test_lowmembp_demo_converts_trains_and_saves_less():
     out = run_example("lowmembp_demo.py", ["--steps", "2", "--batch", "8", "--seq", "8", "--dim", "16", "--depth", "1",
                                            "--device", "cpu"])
     assert "replaced  blocks.0.norm1       LayerNorm -> MSLayerNorm" in out, out
-    assert "folded    head" in out and "refused" not in out, out
+    assert "affine kept" in out and "refused" not in out, out
     saved = [line for line in out.splitlines() if line.startswith("saved for backward per step")]
     assert saved and "x less" in saved[0], out
     assert "as written  final loss" in out and "lowmembp    final loss" in out, out

@@ -418,7 +418,7 @@ def test_sampled_linear_module() -> None:
     assert got == 3 * 20 * 8 * 4  # eval mode: a plain Linear (saves its input)
     with pytest.raises(ValueError, match=r"keep must be in \(0, 1\]"):
         abp.nn.SampledLinear(8, 5, keep=0.0)
-    with pytest.raises(TypeError, match="linear: expected a torch.nn.Linear, got Conv1d"):
+    with pytest.raises(TypeError, match="linear: expected a torch.nn.Linear \\(or a module with a 2-D weight Parameter\\), got Conv1d"):
         abp.nn.SampledLinear.from_linear(torch.nn.Conv1d(2, 2, 1))
 
 
@@ -484,7 +484,7 @@ def test_convert_sampled_options_and_refusals() -> None:
     _, changes = abp.convert(model, recipe="sampled")
     refused = [c for c in changes if c.action == "refused"]
     assert [c.module for c in refused] == ["0.SelfAttention.o"] and "forward hooks" in refused[0].detail
-    with pytest.raises(TypeError, match="unknown override\\(s\\) gelu for recipe 'sampled'; valid keywords are method, keep, layers"):
+    with pytest.raises(TypeError, match="unknown override\\(s\\) gelu for recipe\\(s\\) sampled; valid keywords are method, keep, layers"):
         abp.convert(model, recipe="sampled", gelu="regelu2")
     with pytest.raises(ValueError, match=r"keep must be in \(0, 1\]"):
         abp.convert(model, recipe="sampled", keep=2)
