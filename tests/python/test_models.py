@@ -202,3 +202,26 @@ def test_converted_model_compiles_without_graph_breaks_and_trains_like_eager(nam
     assert all(not bool(got[k].any()) for k in got.keys() - want.keys())
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {key}: {m}")
+
+
+@pytest.mark.parametrize("name", ["bert", "llama", "gpt2", "t5", "timm_vit"])
+def test_saved_bytes_per_converted_module_are_what_the_scheme_promises(name: str) -> None:
+    """Each 2-bit activation saves ceil(n / 4) bytes of codes; each norm saves its output (the
+    storage its consumer keeps, counted here as the norm saves it first) and 4 bytes per row."""
+    model, x = _model(name)
+    converted, _ = abp.convert(model, "lowmembp")
+    sizes: Dict[str, Tuple[int, int]] = {}
+    hooks = []
+    for module_name, module in converted.named_modules():
+        if isinstance(module, (abp.nn.AbpActivation, abp.nn.MSLayerNorm, abp.nn.MSRMSNorm)):
+            def record(m: torch.nn.Module, args: Any, out: torch.Tensor, key: str = module_name) -> None:
+                sizes[key] = (out.numel(), out.numel() // out.shape[-1])
+            hooks.append(module.register_forward_hook(record))
+    after = report(converted, (x,), loss_fn=_loss)
+    for h in hooks:
+        h.remove()
+    assert sizes
+    for module_name, (numel, rows) in sizes.items():
+        module = converted.get_submodule(module_name)
+        want = -(-numel * 2 // 8) if isinstance(module, abp.nn.AbpActivation) else numel * 4 + rows * 4
+        assert after.per_module.get(module_name, 0) == want, (module_name, after.per_module.get(module_name), want)
