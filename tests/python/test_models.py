@@ -225,3 +225,17 @@ def test_saved_bytes_per_converted_module_are_what_the_scheme_promises(name: str
         module = converted.get_submodule(module_name)
         want = -(-numel * 2 // 8) if isinstance(module, abp.nn.AbpActivation) else numel * 4 + rows * 4
         assert after.per_module.get(module_name, 0) == want, (module_name, after.per_module.get(module_name), want)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "t5", "llama", "bert"])
+def test_fewbit_recipe_picks_each_activations_own_form(name: str) -> None:
+    model, x = _model(name)
+    kinds = _kinds(model)
+    converted, changes = abp.convert(model, "lowmembp", gelu="gelu_b3", silu="silu_b3")
+    torch.testing.assert_close(_first(converted(x)), _first(model(x)), rtol=1e-5, atol=1e-5)
+    acts = {n: s.kind for n, s in kinds.items() if isinstance(s, _recognise.Activation) and s.kind in ("gelu", "gelu_tanh", "silu")}
+    assert acts
+    for module_name, kind in acts.items():
+        module = converted.get_submodule(module_name)
+        want = {"gelu": "gelu_b3", "gelu_tanh": "gelu_tanh_b3", "silu": "silu_b3"}[kind]
+        assert getattr(module, "operator", None) == want, (module_name, module)
