@@ -24,6 +24,7 @@ from torch.nn.utils import parametrize
 
 import abp
 from abp_reference import library_or_skip
+from norm_lookalikes import BertLayerNorm
 
 
 @pytest.fixture(autouse=True)
@@ -171,19 +172,6 @@ class EpsRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
-class BertLayerNorm(nn.Module):
-    """Old BERT code's LayerNorm: parameters named gamma / beta, eps=1e-12 hard-coded (no attribute)."""
-
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.gamma, self.beta = nn.Parameter(torch.ones(d)), nn.Parameter(torch.zeros(d))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        u = x.mean(-1, keepdim=True)
-        s = (x - u).pow(2).mean(-1, keepdim=True)
-        return self.gamma * (x - u) / torch.sqrt(s + 1e-12) + self.beta
 
 
 class Conv1D(nn.Module):

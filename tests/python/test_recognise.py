@@ -14,6 +14,7 @@ import abp
 from abp._recognise import Activation, LinearMap, Norm, Unknown, is_leaf, recognise
 from abp._structure import Use, record
 from abp_reference import library_or_skip
+from norm_lookalikes import BertLayerNorm
 
 # ---------------------------------------------------------------------------------------------
 # Modules written as other libraries write them
@@ -68,19 +69,6 @@ class GemmaRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
         return (out * (1.0 + self.weight.float())).type_as(x)
-
-
-class HardCodedEpsLayerNorm(nn.Module):
-    """Old BERT code: gamma / beta, eps=1e-12 hard-coded (no attribute to read it from)."""
-
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.gamma, self.beta = nn.Parameter(torch.ones(d)), nn.Parameter(torch.zeros(d))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        u = x.mean(-1, keepdim=True)
-        s = (x - u).pow(2).mean(-1, keepdim=True)
-        return self.gamma * (x - u) / torch.sqrt(s + 1e-12) + self.beta
 
 
 class WeightOnlyLayerNorm(nn.Module):
@@ -216,7 +204,7 @@ def test_gemma_norm_is_one_plus_weight():
 
 
 def test_eps_is_estimated_when_no_attribute_holds_it():
-    found = recognise(HardCodedEpsLayerNorm(16))
+    found = recognise(BertLayerNorm(16))
     assert isinstance(found, Norm) and (found.kind, found.shape, found.weight, found.bias) == ("layer", (16,), "gamma", "beta")
     assert found.eps == pytest.approx(1e-12, rel=1e-3) and found.weight_offset == 0.0
     found = recognise(WeightOnlyLayerNorm(16))
