@@ -349,8 +349,8 @@ def test_vit_default_mode_keeps_the_affine_and_the_parameters():
         ms = converted.get_submodule(n)
         assert type(ms) is abp.nn.MSLayerNorm and ms.elementwise_affine and ms.eps == 1e-5
         assert ms.weight is weights[n] and ms.bias is biases[n], "the same Parameter objects"
-        assert replaced[n] == ("LayerNorm -> MSLayerNorm (LayerNorm, eps=1e-05, affine kept: backward recovers the "
-                               "normalised value from the output)")
+        assert replaced[n].startswith("LayerNorm -> MSLayerNorm (LayerNorm, eps=1e-05, affine kept: backward recovers the "
+                                      "normalised value from the output); keeps its dtype under autocast")
     assert {id(p) for g in optimizer.param_groups for p in g["params"]} == {id(p) for p in converted.parameters()}
     assert list(converted.state_dict()) == list(reference.state_dict())
     reference_copy = copy.deepcopy(reference)
@@ -573,8 +573,8 @@ def test_vit_fold_folds_every_pre_ln_norm_and_keeps_the_function():
                                  **{f"blocks.{i}.norm2": [f"blocks.{i}.fc1"] for i in (0, 1)}, "norm": ["head"]}
     assert all(d == f"folded gamma and beta in float64 from `{d.rsplit('`', 2)[1]}`" for d in by_action(changes, "folded").values())
     replaced = by_action(changes, "replaced")
-    assert replaced["norm"] == "LayerNorm -> LayerNorm, memory-sharing (affine folded into head)"
-    assert replaced["blocks.0.norm1"] == ("LayerNorm -> LayerNorm, memory-sharing (affine folded into blocks.0.attn.q, "
+    assert replaced["norm"] == "LayerNorm -> MSLayerNorm (LayerNorm, eps=1e-05, affine folded into head)"
+    assert replaced["blocks.0.norm1"] == ("LayerNorm -> MSLayerNorm (LayerNorm, eps=1e-05, affine folded into blocks.0.attn.q, "
                                           "blocks.0.attn.k, blocks.0.attn.v)")
     for n in norms:
         ms = converted.get_submodule(n)
@@ -593,7 +593,7 @@ def test_fold_into_several_linears():
     x = torch.randn(2, 6, 32, dtype=torch.float64)
     converted, changes = abp.convert(model, gelu=None, fold=True, example_inputs=x)
     assert folds_of(changes) == {"norm1": ["q", "k", "v"], "norm2": ["fc1"]}
-    assert by_action(changes, "replaced")["norm1"] == "LayerNorm -> LayerNorm, memory-sharing (affine folded into q, k, v)"
+    assert by_action(changes, "replaced")["norm1"] == "LayerNorm -> MSLayerNorm (LayerNorm, eps=1e-05, affine folded into q, k, v)"
     out0, dx0, g0 = grads(model, x)
     out1, dx1, g1 = grads(converted, x)
     torch.testing.assert_close(out1, out0, rtol=0, atol=1e-10)
@@ -624,7 +624,7 @@ def test_gemma_fold_uses_one_plus_weight():
     x = torch.randn(3, 5, 16, dtype=torch.float64)
     converted, changes = abp.convert(model, silu=None, fold=True, example_inputs=x)
     assert folds_of(changes) == {"norm": ["q"]}
-    assert by_action(changes, "replaced")["norm"] == "GemmaRMSNorm -> RMSNorm (1 + weight), memory-sharing (affine folded into q)"
+    assert by_action(changes, "replaced")["norm"] == "GemmaRMSNorm -> MSRMSNorm (RMSNorm (1 + weight), eps=1e-06, affine folded into q)"
     expected = model.q.weight.detach() * (1 + model.norm.weight.detach())
     torch.testing.assert_close(converted.q.weight.detach(), expected, rtol=0, atol=1e-12)
     # GemmaRMSNorm computes in float32 even for float64 input; the MS norm in float64.
@@ -996,7 +996,7 @@ def test_example_call_errors():
     model = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 4))
     with pytest.raises(TypeError, match="example_inputs: expected a tensor or a tuple of positional arguments, got int"):
         abp.convert(model, fold=True, example_inputs=3)
-    with pytest.raises(TypeError, match="example_kwargs: expected a dict of keyword arguments, got list"):
+    with pytest.raises(TypeError, match="example_kwargs: expected a dict \\(a mapping\\) of keyword arguments, got list"):
         abp.convert(model, fold=True, example_kwargs=[torch.randn(2, 8)])
     with pytest.raises(RuntimeError, match=r"example_inputs/example_kwargs: the example call failed \(RuntimeError: "):
         abp.convert(model, fold=True, example_inputs=torch.randn(2, 5))
@@ -1018,7 +1018,9 @@ def test_weight_norm_linear_is_not_folded_in_place_and_cannot_be_deep_copied():
             abp.convert(model, fold=True, example_inputs=x)
     weight_v = model[1].weight_v.detach().clone()
     converted, changes = abp.convert(model, inplace=True, fold=True, example_inputs=x)
-    assert "not folded: Linear `1` has forward pre-hooks" in by_action(changes, "replaced")["0"]
+    detail = by_action(changes, "replaced")["0"]
+    # weight_norm recomputes the weight from weight_v / weight_g: a pre-hook, and a use of its parameters outside it.
+    assert "not folded: Linear `1` has forward pre-hooks" in detail or "not folded: `1`'s parameters are also used outside it" in detail
     assert isinstance(converted[0], abp.nn.MSLayerNorm) and converted[0].elementwise_affine
     assert torch.equal(converted[1].weight_v, weight_v)
     torch.testing.assert_close(converted(x), before, rtol=0, atol=1e-10)
@@ -1365,7 +1367,7 @@ def test_compress_recipe_wraps_the_forward():
     torch.manual_seed(12)
     model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16))
     converted, changes = abp.convert(model, "compress", bits=4)
-    assert changes == [abp.Change("", "wrapped", "forward runs inside compress_saved(bits=4, group_size=256)")]
+    assert changes == [abp.Change("", "wrapped", "forward runs inside compress_saved(bits=4, group_size=256) (forward hooks)")]
     assert list(converted.state_dict()) == list(model.state_dict())
     x = torch.randn(8, 16, 16, requires_grad=True)
     torch.testing.assert_close(converted(x), model(x), rtol=0, atol=0)
@@ -1445,3 +1447,125 @@ def test_exports():
     assert {"convert", "Change", "convert_"} <= set(abp.__all__)
     with pytest.raises(dataclasses.FrozenInstanceError):
         abp.Change("a", "replaced", "x").module = "b"  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------------------------------------
+# What a user's model may do that convert must see (review findings)
+# ---------------------------------------------------------------------------------------------
+
+
+class LinearWeightReadElsewhere(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.fc, self.head = nn.LayerNorm(8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.fc(self.norm(x))) + nn.functional.linear(x, self.fc.weight)
+
+
+class NormOutputReadThroughProperty(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return self.fc(h) + h.T.T
+
+
+@pytest.mark.parametrize("cls, reason", [
+    (LinearWeightReadElsewhere, "`fc`'s parameters are also used outside it"),
+    (NormOutputReadThroughProperty, "its output also feeds `__get__`"),
+])
+def test_fold_sees_every_read_that_a_fold_would_change(cls, reason):
+    torch.manual_seed(3)
+    model = cls().double()
+    randomize_norms(model)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    converted, changes = abp.convert(model, fold=True, example_inputs=x)
+    assert not by_action(changes, "folded")
+    assert reason in by_action(changes, "replaced")["norm"]
+    torch.testing.assert_close(converted(x), model(x), rtol=0, atol=1e-10)
+
+
+class InPlaceAfterNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(nn.functional.relu(self.norm(self.fc1(x)), inplace=True))
+
+
+def test_a_norm_whose_output_is_modified_in_place_is_refused():
+    """The memory-sharing backward reads the output: an in-place op on it would fail backward."""
+    x = torch.randn(4, 8)
+    sequential = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.ReLU(inplace=True), nn.Linear(8, 2))
+    converted, changes = abp.convert(sequential)
+    assert "the next module `2` (ReLU) works in place" in by_action(changes, "refused")["1"]
+    converted(x).sum().backward()
+    functional = InPlaceAfterNorm()
+    converted, changes = abp.convert(functional, example_inputs=x)
+    assert "its output is modified in place (`relu(inplace=True)`" in by_action(changes, "refused")["norm"]
+    converted(x).sum().backward()
+    sequential[2].inplace = False  # what the reason suggests
+    converted, changes = abp.convert(sequential)
+    assert "1" in by_action(changes, "replaced")
+    converted(x).sum().backward()
+
+
+def test_under_autocast_norms_keep_their_dtype_unless_linear_layers_alone_read_them():
+    torch.manual_seed(4)
+    post_ln = nn.Sequential(nn.LayerNorm(8))  # the output is the model's (a residual stream)
+    x = torch.randn(4, 8)
+    plain, _ = abp.convert(post_ln)
+    seen, _ = abp.convert(post_ln, example_inputs=x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert plain(x).dtype == seen(x).dtype == torch.float32  # an fp32 residual stream stays fp32
+    pre_ln = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 4))
+    plain, changes = abp.convert(pre_ln)
+    assert "keeps its dtype under autocast (pass example_inputs=" in by_action(changes, "replaced")["0"]
+    seen, changes = abp.convert(pre_ln, example_inputs=x)
+    assert not seen[0].autocast_output is False and "keeps its dtype" not in by_action(changes, "replaced")["0"]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert seen[0](x).dtype == torch.bfloat16 and plain[0](x).dtype == torch.float32
+        # The Linear saves the norm's bf16 output itself, not a cast copy: less saved than without the example.
+        assert abp.memory.saved_bytes(lambda: seen(x)) < abp.memory.saved_bytes(lambda: plain(x))
+
+
+def test_convert_has_no_side_effects_on_hooks_rng_and_buffers():
+    calls = []
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.LayerNorm(8), nn.Dropout(0.5), nn.GELU(), nn.Linear(8, 4))
+    model[4].register_forward_hook(lambda *a: calls.append("gelu"))
+    example = torch.randn(16, 8) * 5 + 3
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    converted, changes = abp.convert(model, fold=True, example_inputs=example)
+    assert torch.equal(torch.rand(3), expected), "probes and the example call restore the RNG state"
+    assert calls == [] or calls == ["gelu"]  # the probes never reach the hook; the example call may
+    assert torch.equal(converted[1].running_mean, model[1].running_mean)
+    assert int(converted[1].num_batches_tracked) == int(model[1].num_batches_tracked) == 0
+    assert "refused" in {c.action for c in changes if c.module == "4"}  # hooked: not replaced
+
+
+def test_example_kwargs_may_be_any_mapping():
+    from collections import UserDict
+
+    class KwargsOnly(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.fc = nn.LayerNorm(8), nn.Linear(8, 4)
+
+        def forward(self, *, hidden: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.norm(hidden))
+
+    model = KwargsOnly()
+    converted, changes = abp.convert(model, fold=True, example_kwargs=UserDict(hidden=torch.randn(3, 8)))
+    assert by_action(changes, "folded") and by_action(changes, "replaced")
+
+
+def test_fold_needs_an_example_only_where_there_is_an_affine_to_fold():
+    model = nn.Sequential(nn.LayerNorm(8, elementwise_affine=False), nn.Linear(8, 4))
+    converted, changes = abp.convert(model, fold=True)
+    assert isinstance(converted[0], abp.nn.MSLayerNorm) and not converted[0].elementwise_affine

@@ -238,9 +238,11 @@ def test_linear_subclasses_are_probed():
     assert recognise(DoubledLinear(16, 8)) is None
 
 
-def test_meta_modules_are_not_probed():
-    assert recognise(nn.Linear(16, 8, device="meta")) is None
-    assert recognise(nn.LayerNorm(16, device="meta")) is None
+def test_meta_modules_are_recognised_without_running_them_on_the_meta_device():
+    # torch's Linear is known by its class; a norm is probed on an empty CPU copy (values are random anyway).
+    assert recognise(nn.Linear(16, 8, device="meta")) == LinearMap("weight", "bias", False, 16, 8)
+    assert recognise(nn.LayerNorm(16, device="meta")) == Norm("layer", (16,), 1e-5, "weight", "bias", 0.0)
+    assert recognise(PlainLinearSubclass(16, 8, device="meta")) is None  # a linear map must run to be known
 
 
 # ---------------------------------------------------------------------------------------------
@@ -571,3 +573,20 @@ def test_affine_norm_argument_errors(library, cls, kwargs, error, match):
 def test_functional_affine_argument_errors(library, kwargs, error, match):
     with pytest.raises(error, match=match):
         abp.functional.ms_layer_norm(torch.randn(3, 8), 8, **kwargs)
+
+
+def test_embeddings_and_wide_parameters_are_not_probed_as_norms():
+    from abp._recognise import _may_be_norm
+
+    embedding = nn.Embedding(1000, 64)
+    assert not _may_be_norm(embedding, dict(embedding.named_parameters()))
+    assert recognise(embedding) is None
+    two_d = nn.LayerNorm((4, 16))
+    assert _may_be_norm(two_d, dict(two_d.named_parameters()))  # its declared normalized_shape
+
+
+def test_a_bias_free_linear_subclass_is_recognised_from_a_few_output_features():
+    class NoBias(nn.Linear):
+        pass
+
+    assert recognise(NoBias(64, 300, bias=False)) == LinearMap("weight", None, False, 64, 300)

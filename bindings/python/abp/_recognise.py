@@ -13,8 +13,13 @@ with the functions abp can replace:
   included; probed with randomised parameter values so that no initial value (ones, zeros) hides
   which parameter is which; eps from the module's attributes or, failing that, estimated where it
   matters (inputs of mean square near eps) and verified;
-- linear maps (a 2-D weight and an optional bias): y = x W^T + b (torch.nn.Linear) or y = x W + b
-  (transformers' Conv1D), in the module's own dtype, without copying the weight.
+- linear maps (a 2-D weight and an optional bias): y = x W^T + b (torch.nn.Linear, known without a
+  probe) or y = x W + b (transformers' Conv1D), run in the module's own dtype and device and
+  compared on a few output features, so the weight is never copied.
+
+Norm probes run a CPU float64 copy of the module (small: one or two vectors), whatever its device,
+meta included. Modules with one or two parameters of one 1-D (or declared ``normalized_shape``)
+shape are probed as norms, so an embedding table is not.
 """
 from __future__ import annotations
 
@@ -88,10 +93,11 @@ def _close(got: Tensor, want: Tensor, rel: float) -> bool:
 
 
 def _run(module: nn.Module, x: Tensor) -> Optional[Tensor]:
-    """module(x) without gradients; None if it fails or returns something other than one tensor."""
+    """module.forward(x) without gradients (the user's hooks do not see probes); None if it fails
+    or returns something other than one tensor."""
     try:
         with torch.no_grad():
-            y = module(x)
+            y = module.forward(x)
     except Exception:  # a module that cannot run on this probe is not the function we look for
         return None
     return y if isinstance(y, Tensor) else None
@@ -220,7 +226,11 @@ def _recognise_norm(module: nn.Module, params: Dict[str, nn.Parameter]) -> Optio
         shape = tuple(int(d) for d in declared)
     if not shape or math.prod(shape) < 2:
         return None
-    probe = copy.deepcopy(module).to(torch.float64)
+    # A CPU copy whatever the module's device (CUDA, meta): its parameters are set at random anyway.
+    probe = copy.deepcopy(module)
+    if any(p.device.type == "meta" for p in probe.parameters(recurse=False)):
+        probe = probe.to_empty(device="cpu")
+    probe = probe.to(device="cpu", dtype=torch.float64)
     g = torch.Generator().manual_seed(3)
     values = {}
     for name, p in probe.named_parameters(recurse=False):
@@ -274,46 +284,68 @@ def _recognise_linear(module: nn.Module, params: Dict[str, nn.Parameter]) -> Opt
     if not w.is_floating_point() or w.device.type == "meta":
         return None
     rel = 1e-4 if w.dtype in (torch.float32, torch.float64) else 3e-2
+    g = torch.Generator().manual_seed(11)
     for transposed in (False, True):
         in_f, out_f = (w.shape[0], w.shape[1]) if transposed else (w.shape[1], w.shape[0])
         if b is not None and b.shape[0] != out_f:
             continue
-        x = torch.randn(2, 3, in_f, generator=torch.Generator().manual_seed(11)).to(device=w.device, dtype=w.dtype)
+        x = torch.randn(2, 3, in_f, generator=g).to(device=w.device, dtype=w.dtype)
         y = _run(module, x)
         if y is None or y.shape != (2, 3, out_f):
             continue
+        # The reference for a few output features: no copy of the whole weight (it may be large).
+        cols = torch.randperm(out_f, generator=g)[:8].to(w.device)
         with torch.no_grad():
-            wf = w.to(torch.float64)
-            want = x.to(torch.float64) @ (wf if transposed else wf.t())
+            rows = (w[:, cols].t() if transposed else w[cols]).to(torch.float64)
+            want = x.to(torch.float64) @ rows.t()
             if b is not None:
-                want = want + b.to(torch.float64)
+                want = want + b[cols].to(torch.float64)
+        got = y[..., cols].to(torch.float64)
         scale = want.abs().max().item() + 1e-30
-        if bool(((y.to(torch.float64) - want).abs() <= rel * scale).all()):
+        if bool(((got - want).abs() <= rel * scale).all()):
             return LinearMap(w_name, b_name, transposed, int(in_f), int(out_f))
     return None
 
 
+#: Norms over more features than this are not probed (no model normalises rows that wide; an
+#: embedding table with one 2-D parameter would otherwise be copied and probed as a norm).
+_MAX_NORM_FEATURES = 1 << 20
+
+
+def _may_be_norm(module: nn.Module, params: Dict[str, nn.Parameter]) -> bool:
+    """One or two parameters of one shape that is 1-D or the module's declared normalized_shape."""
+    if len(params) > 2 or len({tuple(p.shape) for p in params.values()}) != 1 or hasattr(module, "num_embeddings"):
+        return False
+    shape = tuple(next(iter(params.values())).shape)
+    declared = getattr(module, "normalized_shape", None)
+    declared = tuple(declared) if isinstance(declared, (tuple, list, torch.Size)) else None
+    return (len(shape) == 1 or shape == declared) and 0 < math.prod(shape) <= _MAX_NORM_FEATURES
+
+
 def recognise(module: nn.Module) -> Optional[Recognised]:
-    """What the leaf `module` computes, or None if it is none of the functions abp knows."""
+    """What the leaf `module` computes, or None if it is none of the functions abp knows.
+
+    Probes run the module's forward without gradients and without its hooks; the caller restores
+    the random state (a module may draw, e.g. Dropout)."""
     if not is_leaf(module):
         return None
     params = dict(module.named_parameters(recurse=False))
-    if any(p.device.type == "meta" for p in params.values()):
-        return None
+    if type(module) is nn.Linear and "forward" not in vars(module):
+        # torch's own Linear runs F.linear(x, weight, bias): nothing to probe (and no weight to copy).
+        return LinearMap("weight", "bias" if module.bias is not None else None, False,
+                         module.in_features, module.out_features)
     training = module.training
     try:
         if not params:
             if next(iter(module.buffers()), None) is not None:
                 return None
             return _recognise_activation(module) or _recognise_norm(module, params)
-        if type(module) is nn.Linear and "forward" not in vars(module):
-            # torch's own Linear runs F.linear(x, weight, bias): nothing to probe (and no weight to copy).
-            return LinearMap("weight", "bias" if module.bias is not None else None, False,
-                             module.in_features, module.out_features)
-        if len(params) <= 2 and len({tuple(p.shape) for p in params.values()}) == 1:
+        if _may_be_norm(module, params):
             norm = _recognise_norm(module, params)
             if norm is not None:
                 return norm
+        if any(p.device.type == "meta" for p in params.values()):
+            return None  # a linear map on the meta device cannot be run
         return _recognise_linear(module, params)
     finally:
         module.train(training)

@@ -56,6 +56,7 @@ class Structure:
     uses: Dict[str, List[Use]] = field(default_factory=dict)  # module name -> uses of its output(s), first call
     foreign_parameter_uses: Dict[str, List[str]] = field(default_factory=dict)  # module -> its parameters used outside it
     inputs: Dict[str, List[int]] = field(default_factory=dict)  # module name -> ids of its first call's tensor inputs
+    modified: Dict[str, List[str]] = field(default_factory=dict)  # module name -> in-place ops on its output
 
 
 def _tensors(value: Any) -> List[Tensor]:
@@ -93,7 +94,10 @@ class _Recorder(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func))
         result = func(*args, **kwargs)
-        if name not in _METADATA:
+        if kwargs.get("inplace") is True:  # F.relu(x, inplace=True) reaches the mode as `relu`
+            name = f"{name}(inplace=True)"
+        # A property read that returns a tensor (.T, .mT, .data, .real) is a use, not metadata.
+        if name not in _METADATA or _tensors(result):
             tensors = _tensors(list(args)) + _tensors(kwargs)
             if tensors:
                 self.keep.extend(tensors)
@@ -104,7 +108,9 @@ class _Recorder(TorchFunctionMode):
 
 def record(model: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any], watch: Sequence[str]) -> Structure:
     """Runs ``model(*args, **kwargs)`` once and returns its Structure; ``watch`` names the modules
-    whose output uses are wanted. Gradients are off, the RNG state is restored, modes are kept."""
+    whose output uses are wanted. Gradients are off, the RNG state and the buffers are restored,
+    modes are kept. Every tensor of the call stays alive until it returns: pass a small example
+    (one short sequence) for a large model."""
     recorder = _Recorder()
     structure = Structure()
     names = {id(m): n for n, m in model.named_modules()}
@@ -141,12 +147,17 @@ def record(model: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any], watch:
         handles.append(module.register_forward_pre_hook(pre))
         handles.append(module.register_forward_hook(post))
     devices = [d.index for d in {p.device for p in model.parameters()} if d.type == "cuda" and d.index is not None]
+    # Buffers the call may update (BatchNorm's running statistics) are put back afterwards.
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
     try:
         with torch.random.fork_rng(devices=devices), torch.no_grad(), recorder:
             returned = model(*args, **kwargs)
     finally:
         for h in handles:
             h.remove()
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
     _attribute_uses(model, recorder, structure, outputs, created_at)
     # A tensor the model returns is read by the caller: a use no fold may change.
     returned_ids = {id(t) for t in _tensors(_plain(returned))}
@@ -183,6 +194,15 @@ def _attribute_uses(
             if use not in uses:
                 uses.append(use)
         structure.uses[name] = uses
+        # In-place ops on the output itself, wherever they run (nn.ReLU(inplace=True) included).
+        modified = []
+        for function, tensor_ids, stack in recorder.functions[created_at[name]:]:
+            in_place = (function.endswith("_") and not function.endswith("__")) or function.endswith("(inplace=True)")
+            if tensor_ids and tensor_ids[0] in ids and in_place:
+                where = f"`{function}` in `{stack[-1][0]}`" if stack and stack[-1][0] else f"`{function}`"
+                if where not in modified:
+                    modified.append(where)
+        structure.modified[name] = modified
 
 
 def _foreign_parameter_uses(model: nn.Module, recorder: _Recorder, structure: Structure) -> None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
-import types
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -232,8 +232,9 @@ def _also_at(paths: List[str]) -> str:
 def _fold_into(module: nn.Module, spec: LinearMap, gamma: Optional[Tensor], beta: Optional[Tensor]) -> str:
     """W' = W diag(gamma), b' = b + W beta (for x W + b layouts: rows scaled), in float64 and cast back.
 
-    The layer keeps its Parameter objects (an optimizer holding them stays valid); a missing bias is
-    registered on the same module, trainable like its weight.
+    The layer keeps its Parameter objects (with ``inplace=True``, an optimizer holding them stays
+    valid); a missing bias is registered on the same module, trainable like its weight, and the
+    change detail says it is new.
     """
     weight = getattr(module, spec.weight)
     bias = getattr(module, spec.bias) if spec.bias is not None else None
@@ -256,7 +257,8 @@ def _fold_into(module: nn.Module, spec: LinearMap, gamma: Optional[Tensor], beta
         if new_b is not None:
             bias.copy_(new_b.to(bias.dtype))
     parts = "gamma and beta" if beta is not None else "gamma"
-    return f"folded {parts} in float64{' (bias added for beta)' if added else ''}"
+    note = " (bias added for beta: a new Parameter, not in an optimizer or DDP wrapper built before)" if added else ""
+    return f"folded {parts} in float64{note}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,6 +300,9 @@ def _fold_targets(
             return None, f"`{use.module}` ran {structure.calls.get(use.module, 0)} times; folding would change its other calls"
         if len(structure.inputs.get(use.module, [])) != 1:
             return None, f"`{use.module}` takes more than the norm's output"
+        elsewhere = structure.foreign_parameter_uses.get(use.module)
+        if elsewhere:
+            return None, f"`{use.module}`'s parameters are also used outside it ({elsewhere[0]}); folding would change that use"
         refusal = _linear_refusal(use.module, target) if isinstance(target, nn.Linear) else _norm_refusal(target)
         if refusal is not None:
             return None, refusal
@@ -316,11 +321,11 @@ def _fold_targets(
     return targets, ""
 
 
-def _ms_norm(spec: Norm, affine: bool) -> nn.Module:
+def _ms_norm(spec: Norm, affine: bool, autocast_output: bool) -> nn.Module:
     cls = abp_nn.MSLayerNorm if spec.kind == "layer" else abp_nn.MSRMSNorm
     return cls(spec.shape, spec.eps, elementwise_affine=affine and spec.weight is not None,
                bias=affine and spec.bias is not None, weight_offset=spec.weight_offset if affine else 0.0,
-               device="meta")
+               device="meta", autocast_output=autocast_output)
 
 
 def _convert_norm(
@@ -343,6 +348,17 @@ def _convert_norm(
         abp_nn.MSLayerNorm(spec.shape, spec.eps)  # checks eps as the kernels take it
     except (TypeError, ValueError) as e:
         return refused(f"no memory-sharing norm for it: {e}")
+    in_place = structure.modified.get(name) if structure is not None else None
+    if in_place:
+        return refused(f"its output is modified in place ({in_place[0]}), and the memory-sharing backward reads it")
+    after = _next_in_sequential(model, name)
+    if after is not None and getattr(after[1], "inplace", False) is True:
+        return refused(f"the next module `{after[0]}` ({type(after[1]).__name__}) works in place on its output, which the "
+                       "memory-sharing backward reads (set its inplace=False to convert this norm)")
+    # Under autocast the output may be emitted in the autocast dtype only where linear layers alone
+    # read it (they would cast it anyway); elsewhere (a residual stream) it keeps its dtype.
+    linear_only = structure is not None and bool(structure.uses.get(name)) and all(
+        u.module is not None and isinstance(recognised.get(id(modules[u.module])), LinearMap) for u in structure.uses[name])
     targets: Optional[List[str]] = None
     why_not = ""
     if fold and (gamma is not None or beta is not None):
@@ -351,12 +367,14 @@ def _convert_norm(
     if targets is not None:
         changes = [Change(t, "folded", f"{_fold_into(modules[t], recognised[id(modules[t])], gamma, beta)} from `{name}`")
                    for t in targets]
-        _replace(model, paths, _ms_norm(spec, affine=False))
-        changes.append(Change(name, "replaced", f"{kind} -> {label}, memory-sharing (affine folded into {', '.join(targets)}){_also_at(paths)}"))
+        folded = _ms_norm(spec, affine=False, autocast_output=True)
+        _replace(model, paths, folded)
+        changes.append(Change(name, "replaced", f"{kind} -> {type(folded).__name__} ({label}, eps={spec.eps:g}, affine folded "
+                              f"into {', '.join(targets)}){_also_at(paths)}"))
         return changes
     if gamma is not None and bool((gamma == 0).any()):
         return refused(f"gamma is 0 at {int((gamma == 0).sum())} feature(s); backward recovers the normalised value as (y - beta) / gamma")
-    replacement = _ms_norm(spec, affine=True)
+    replacement = _ms_norm(spec, affine=True, autocast_output=linear_only)
     renamed = []
     if spec.weight is not None:
         replacement.weight = getattr(module, spec.weight)
@@ -374,7 +392,24 @@ def _convert_norm(
         detail += f"; parameters renamed {', '.join(renamed)}"
     if fold and why_not:
         detail += f"; not folded: {why_not}"
+    if not linear_only:
+        detail += ("; keeps its dtype under autocast" + ("" if structure is not None else
+                   " (pass example_inputs= to let norms read only by linear layers emit the autocast dtype)"))
     return [Change(name, "replaced", detail + _also_at(paths))]
+
+
+def _next_in_sequential(model: nn.Module, name: str) -> Optional[Tuple[str, nn.Module]]:
+    """(name, module) after `name` in its parent, when the parent is an nn.Sequential."""
+    parent_name, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    if not isinstance(parent, nn.Sequential):
+        return None
+    keys = list(parent._modules)
+    at = keys.index(attr) if attr in keys else -1
+    if at < 0 or at + 1 >= len(keys):
+        return None
+    nxt = keys[at + 1]
+    return (f"{parent_name}.{nxt}" if parent_name else nxt), parent._modules[nxt]  # type: ignore[return-value]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,11 +476,11 @@ def _convert_sampled(model: nn.Module, options: Dict[str, Any], recognised: Dict
     changes: List[Change] = []
     done = set()
     for name, module in list(model.named_modules()):
-        if id(module) in done or not any(fnmatch.fnmatchcase(name, p) for p in layers):
+        if not name or id(module) in done or not any(fnmatch.fnmatchcase(name, p) for p in layers):
             continue
         done.add(id(module))
-        if isinstance(module, abp_nn.SampledLinear):
-            continue
+        if type(module).__module__.startswith("abp."):
+            continue  # already abp's (a SampledLinear, an MS norm, an activation)
         spec = recognised.get(id(module))
         if isinstance(spec, LinearMap):
             changes.append(_sample_one(model, name, module, spec, method, keep, paths[id(module)]))
@@ -469,19 +504,46 @@ def _convert_sampled(model: nn.Module, options: Dict[str, Any], recognised: Dict
 # ---------------------------------------------------------------------------------------------
 
 
-def _compressed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    bits, group_size = self._abp_compress
-    with compress.compress_saved(bits=bits, group_size=group_size):
-        return type(self).forward(self, *args, **kwargs)
+class CompressSavedHooks:
+    """A forward pre-hook and hook pair that runs a module's forward inside ``compress_saved``.
+
+    Hooks rather than a replaced forward: a forward already set on the instance (accelerate's
+    dispatch hooks, a user's wrapper) keeps running, the state_dict is unchanged, and the model
+    still deep-copies and pickles (a copy gets its own pair). On torch >= 2.0 the hook runs even
+    when forward raises; on 1.13 a block left open by a raising forward is closed at the next call.
+    """
+
+    def __init__(self, bits: int, group_size: int) -> None:
+        self.bits = bits
+        self.group_size = group_size
+        self._open: List[compress.compress_saved] = []
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {"bits": self.bits, "group_size": self.group_size, "_open": []}
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        while self._open:  # left open by a forward that raised (torch 1.13 has no always_call)
+            self._open.pop().__exit__(None, None, None)
+        block = compress.compress_saved(bits=self.bits, group_size=self.group_size)
+        block.__enter__()
+        self._open.append(block)
+
+    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._open:
+            self._open.pop().__exit__(None, None, None)
 
 
 def _convert_compress(model: nn.Module, options: Dict[str, Any]) -> List[Change]:
     """Runs the model's forward inside ``compress_saved``: every saved tensor that abp's recipes left
-    as it was (codes and per-row values are not floating or too small) is stored as group codes.
-    The forward is bound to the instance (``deepcopy`` rebinds it to the copy); state_dict is unchanged."""
-    model._abp_compress = (options["bits"], options["group_size"])  # type: ignore[assignment]
-    model.forward = types.MethodType(_compressed_forward, model)  # type: ignore[assignment]
-    return [Change("", "wrapped", f"forward runs inside compress_saved(bits={options['bits']}, group_size={options['group_size']})")]
+    as it was (codes and per-row values are not floating or too small) is stored as group codes."""
+    hooks = CompressSavedHooks(options["bits"], options["group_size"])
+    model.register_forward_pre_hook(hooks.enter)
+    try:
+        model.register_forward_hook(hooks.leave, always_call=True)  # type: ignore[call-arg]
+    except TypeError:  # torch < 2.0
+        model.register_forward_hook(hooks.leave)
+    return [Change("", "wrapped", f"forward runs inside compress_saved(bits={options['bits']}, group_size={options['group_size']}) "
+                   "(forward hooks)")]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -514,8 +576,8 @@ def _example_call(example_inputs: Any, example_kwargs: Any) -> Optional[Tuple[Tu
         args = tuple(example_inputs)
     else:
         raise TypeError(f"example_inputs: expected a tensor or a tuple of positional arguments, got {type(example_inputs).__name__}")
-    if example_kwargs is not None and not isinstance(example_kwargs, dict):
-        raise TypeError(f"example_kwargs: expected a dict of keyword arguments, got {type(example_kwargs).__name__}")
+    if example_kwargs is not None and not isinstance(example_kwargs, Mapping):
+        raise TypeError(f"example_kwargs: expected a dict (a mapping) of keyword arguments, got {type(example_kwargs).__name__}")
     return args, dict(example_kwargs or {})
 
 
@@ -527,11 +589,12 @@ def _convert_lowmembp(
     owners = _parameter_owners(model)
     norms = {n: m for n, m in modules.items() if n and isinstance(recognised.get(id(m)), Norm)}
     structure = None
-    if options["norms"] and options["fold"] and norms:
-        if call is None:
-            raise ValueError("fold=True: pass example_inputs= (a tensor or a tuple of positional arguments) and/or "
-                             "example_kwargs= (a dict): one call the model accepts, run once to see which layers read "
-                             "each norm's output")
+    affine = any(recognised[id(m)].weight is not None or recognised[id(m)].bias is not None for m in norms.values())
+    if options["norms"] and options["fold"] and affine and call is None:
+        raise ValueError("fold=True: pass example_inputs= (a tensor or a tuple of positional arguments) and/or "
+                         "example_kwargs= (a dict): one call the model accepts, run once to see which layers read "
+                         "each norm's output")
+    if options["norms"] and norms and call is not None:
         try:
             structure = _structure.record(model, call[0], call[1], list(norms))
         except Exception as e:
@@ -587,7 +650,9 @@ def convert(
         except Exception as e:  # e.g. old-style weight_norm keeps a non-leaf weight tensor
             raise RuntimeError(f"model: could not be deep-copied ({type(e).__name__}: {e}); "
                                "pass inplace=True to convert it in place") from e
-    recognised = _recognise_all(model)
+    devices = [d.index for d in {p.device for p in model.parameters()} if d.type == "cuda" and d.index is not None]
+    with torch.random.fork_rng(devices=devices):  # probes may draw (a Dropout in training mode)
+        recognised = _recognise_all(model) if ("lowmembp" in recipes or "sampled" in recipes) else {}
     changes: List[Change] = []
     if "lowmembp" in recipes:
         changes += _convert_lowmembp(model, options, recognised, call)

@@ -344,6 +344,7 @@ def _check_affine(name: str, value: Optional[Tensor], shape: Tuple[int, ...], in
 def _ms_norm(
     op_name: str, input: Tensor, normalized_shape: Union[int, Sequence[int]], eps: float,
     weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, weight_offset: float = 0.0,
+    autocast_output: bool = True,
 ) -> Tensor:
     shape = check_normalized_shape(normalized_shape)
     _launch.check_float_tensor("input", input, _launch.ROW_DTYPES)
@@ -361,9 +362,13 @@ def _ms_norm(
         raise ValueError("weight_offset: needs a weight (gamma = weight + weight_offset)")
     cols = math.prod(shape)
     rows_view = input if k == 1 else input.reshape(*input.shape[: input.dim() - k], cols)
+    if not isinstance(autocast_output, bool):
+        raise TypeError(f"autocast_output: expected True or False, got {autocast_output!r}")
     # Under autocast the consumer (a Linear) would cast an fp32 output and save that copy; emit
-    # its compute dtype directly so that it saves this very tensor (ALGORITHMS.md §5).
-    out_dtype = _autocast_dtype(input.device) if input.dtype == torch.float32 else None
+    # its compute dtype directly so that it saves this very tensor (ALGORITHMS.md §5). Where the
+    # output also feeds something else (a residual stream), autocast_output=False keeps the
+    # input's dtype, so an fp32 residual stream stays fp32.
+    out_dtype = _autocast_dtype(input.device) if input.dtype == torch.float32 and autocast_output else None
     if weight is None and bias is None:
         y = apply(op_name, rows_view, (eps,), out_dtype)
     else:
@@ -375,6 +380,7 @@ def _ms_norm(
 def ms_layer_norm(
     input: Tensor, normalized_shape: Union[int, Sequence[int]], eps: float = 1e-5, *,
     weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, weight_offset: float = 0.0,
+    autocast_output: bool = True,
 ) -> Tensor:
     """LayerNorm over the trailing ``normalized_shape`` dims: y = gamma * (x - mean) / sqrt(var + eps) + beta,
     gamma = weight + weight_offset (none without weight), beta = bias.
@@ -382,14 +388,16 @@ def ms_layer_norm(
     Backward is exact (ALGORITHMS.md §5) and reads only y — the returned tensor itself, which the next
     Linear keeps — and 1/sqrt(var + eps), one value per row (fp32; fp64 for fp64 input). With an
     affine, it recovers the normalised value as (y - beta) / gamma (abp._affine_norm: exact up to that
-    division's rounding).
+    division's rounding). Under autocast an fp32 input gives an output in the autocast dtype (what
+    the next Linear would cast it to) unless ``autocast_output=False``.
     """
-    return _ms_norm("ms_layernorm", input, normalized_shape, eps, weight, bias, weight_offset)
+    return _ms_norm("ms_layernorm", input, normalized_shape, eps, weight, bias, weight_offset, autocast_output)
 
 
 def ms_rms_norm(
     input: Tensor, normalized_shape: Union[int, Sequence[int]], eps: float = 1e-6, *,
     weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, weight_offset: float = 0.0,
+    autocast_output: bool = True,
 ) -> Tensor:
     """RMSNorm over the trailing ``normalized_shape`` dims: y = gamma * x / sqrt(mean(x^2) + eps) + beta,
     gamma = weight + weight_offset (1 + weight for Gemma-style norms), beta = bias.
@@ -397,4 +405,4 @@ def ms_rms_norm(
     Backward is exact and reads only y (the returned tensor) and one value per row; with an affine,
     as for ms_layer_norm.
     """
-    return _ms_norm("ms_rmsnorm", input, normalized_shape, eps, weight, bias, weight_offset)
+    return _ms_norm("ms_rmsnorm", input, normalized_shape, eps, weight, bias, weight_offset, autocast_output)

@@ -369,16 +369,22 @@ class _MSNorm(torch.nn.Module):
     With ``elementwise_affine=True`` the module has torch.nn.LayerNorm's ``weight`` (gamma, ones) and,
     with ``bias=True``, ``bias`` (beta, zeros); backward recovers the normalised value from the output
     (abp._affine_norm). ``weight_offset`` makes the multiplier ``weight + weight_offset`` (1 for
-    Gemma-style norms, whose weight starts at zeros).
+    Gemma-style norms, whose weight starts at zeros). Under autocast an fp32 input gives an output in
+    the autocast dtype, so the next Linear saves this very tensor; ``autocast_output=False`` keeps
+    the input's dtype (for an output that also feeds a residual stream; abp.convert decides it
+    from the consumers it sees).
     """
 
     operator: str
 
     def __init__(
         self, normalized_shape: Any, eps: float, elementwise_affine: bool = False, bias: bool = True,
-        weight_offset: float = 0.0, device: Any = None, dtype: Any = None,
+        weight_offset: float = 0.0, device: Any = None, dtype: Any = None, autocast_output: bool = True,
     ) -> None:
         super().__init__()
+        if not isinstance(autocast_output, bool):
+            raise TypeError(f"autocast_output: expected True or False, got {autocast_output!r}")
+        self.autocast_output = autocast_output
         self.normalized_shape: Tuple[int, ...] = functional.check_normalized_shape(normalized_shape)
         self.eps: float = functional.check_eps(eps)
         for name, flag in (("elementwise_affine", elementwise_affine), ("bias", bias)):
@@ -407,41 +413,47 @@ class _MSNorm(torch.nn.Module):
         text = f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
         if self.elementwise_affine:
             text += f", bias={self.bias is not None}"
+        if not self.autocast_output:
+            text += ", autocast_output=False"
         return text + (f", weight_offset={self.weight_offset}" if self.weight_offset else "")
 
 
 class MSLayerNorm(_MSNorm):
     """LayerNorm whose backward reads only its output (shared with the next Linear) and 1/sigma per
-    row (ALGORITHMS.md §5); a drop-in for torch.nn.LayerNorm (same arguments and parameters)."""
+    row (ALGORITHMS.md §5); with ``elementwise_affine=True`` a drop-in for torch.nn.LayerNorm (same
+    parameters and state_dict; the default is no affine, unlike torch's)."""
 
     operator = "ms_layernorm"
 
     def __init__(
         self, normalized_shape: Any, eps: float = 1e-5, elementwise_affine: bool = False, bias: bool = True,
-        weight_offset: float = 0.0, device: Any = None, dtype: Any = None,
+        weight_offset: float = 0.0, device: Any = None, dtype: Any = None, autocast_output: bool = True,
     ) -> None:
-        super().__init__(normalized_shape, eps, elementwise_affine, bias, weight_offset, device, dtype)
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, weight_offset, device, dtype, autocast_output)
 
     def forward(self, input: Tensor) -> Tensor:
         return functional.ms_layer_norm(input, self.normalized_shape, self.eps, weight=self.weight,
-                                        bias=self.bias, weight_offset=self.weight_offset)
+                                        bias=self.bias, weight_offset=self.weight_offset,
+                                        autocast_output=self.autocast_output)
 
 
 class MSRMSNorm(_MSNorm):
-    """RMSNorm whose backward reads only its output and one value per row; a drop-in for
-    torch.nn.RMSNorm (``bias=False`` by default, as RMSNorms have none)."""
+    """RMSNorm whose backward reads only its output and one value per row; with
+    ``elementwise_affine=True`` a drop-in for torch.nn.RMSNorm given a numeric eps (the default is
+    no affine, unlike torch's; ``bias=False`` by default, as RMSNorms have none)."""
 
     operator = "ms_rmsnorm"
 
     def __init__(
         self, normalized_shape: Any, eps: float = 1e-6, elementwise_affine: bool = False, bias: bool = False,
-        weight_offset: float = 0.0, device: Any = None, dtype: Any = None,
+        weight_offset: float = 0.0, device: Any = None, dtype: Any = None, autocast_output: bool = True,
     ) -> None:
-        super().__init__(normalized_shape, eps, elementwise_affine, bias, weight_offset, device, dtype)
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, weight_offset, device, dtype, autocast_output)
 
     def forward(self, input: Tensor) -> Tensor:
         return functional.ms_rms_norm(input, self.normalized_shape, self.eps, weight=self.weight,
-                                      bias=self.bias, weight_offset=self.weight_offset)
+                                      bias=self.bias, weight_offset=self.weight_offset,
+                                      autocast_output=self.autocast_output)
 
 
 class SampledLinear(torch.nn.Linear):
