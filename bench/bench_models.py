@@ -6,7 +6,9 @@ abp.memory.report (each storage once; parameters and buffers left out; compress_
 counted): exact, "lowmembp" (MS norms + ReGELU2/ReSiLU2), "lowmembp" with FewBit 3-bit GELU/SiLU,
 "sampled" (WTA-CRS, keep 0.3) and "all" (those stacked with compress_saved at 8 bits). The
 *ceiling* is what the exact model's norms and GELU/SiLU activations saved: what LowMemoryBP can
-remove at most. Peak memory and step time need a GPU (bench/results: none run yet for this table).
+remove at most. Each model is converted with ``example_inputs=`` (one batch), as docs/python.md
+recommends: then norms that only linear layers read emit the autocast dtype under autocast.
+Peak memory and step time need a GPU (bench/results: none run yet for this table).
 
     PYTHONPATH=bindings/python ABP_LIBRARY=build/lib/libabp.so python bench/bench_models.py [--out FILE]
 """
@@ -66,7 +68,8 @@ def run(names: List[str]) -> List[Dict[str, Any]]:
         kinds = {n: s for n, m in model.named_modules() if n and (s := _recognise.recognise(m)) is not None}
         parts = [n for n, s in kinds.items() if isinstance(s, _recognise.Norm)
                  or (isinstance(s, _recognise.Activation) and s.kind in ("gelu", "gelu_tanh", "silu"))]
-        converted = {label: abp.convert(model, **spec)[0] for label, spec in RECIPES.items()}
+        # With the example call, norms read only by linear layers emit the autocast dtype (docs/python.md).
+        converted = {label: abp.convert(model, **spec, example_inputs=(x,))[0] for label, spec in RECIPES.items()}
         for autocast in (False, True):
             exact = _measure(model, x, autocast)
             row: Dict[str, Any] = {"model": name, "dtype": "bf16 autocast" if autocast else "fp32",
