@@ -1569,3 +1569,21 @@ def test_fold_needs_an_example_only_where_there_is_an_affine_to_fold():
     model = nn.Sequential(nn.LayerNorm(8, elementwise_affine=False), nn.Linear(8, 4))
     converted, changes = abp.convert(model, fold=True)
     assert isinstance(converted[0], abp.nn.MSLayerNorm) and not converted[0].elementwise_affine
+
+
+def test_a_norm_keeping_fp32_under_autocast_saves_its_output_in_the_autocast_dtype():
+    torch.manual_seed(5)
+    norm = nn.LayerNorm(64)
+    randomize_norms(nn.Sequential(norm))
+    ms = abp.nn.MSLayerNorm(64, elementwise_affine=True, autocast_output=False)
+    ms.weight, ms.bias = norm.weight, norm.bias
+    x = torch.randn(8, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert ms(x).dtype == torch.float32
+        # a bf16 copy of the output, 1/sigma per row, and gamma and beta (parameters, kept anyway)
+        assert abp.memory.saved_bytes(lambda: ms(x)) == 8 * 64 * 2 + 8 * 4 + 2 * 64 * 4
+        g = torch.randn(8, 64)
+        got = torch.autograd.grad(ms(x), [x, norm.weight, norm.bias], g)
+    want = torch.autograd.grad(norm(x), [x, norm.weight, norm.bias], g)
+    for a, b in zip(got, want):  # bf16-accurate: n recovered from the bf16 copy
+        torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)

@@ -61,7 +61,7 @@ class _AffineMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, op_name: str, eps: float, offset: float, out_dtype: Optional[torch.dtype],
-        x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+        save_dtype: Optional[torch.dtype], x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
     ) -> Tensor:
         # Half-precision rows run the kernels in fp32 so that y is rounded once, as torch's norms do.
         compute = _launch.compute_dtype(x.dtype)
@@ -74,8 +74,11 @@ class _AffineMSNorm(torch.autograd.Function):
         target = out_dtype if out_dtype is not None else x.dtype
         if target != y.dtype:
             y = y.to(target)
-        # y is saved as the very tensor returned: the next Linear saves the same storage.
-        ctx.save_for_backward(y, r, weight, bias)
+        # y is saved as the very tensor returned: the next Linear saves the same storage. With a
+        # save_dtype (autocast, an output kept in fp32 for a residual stream) a copy in that dtype
+        # is saved instead: half the bytes, as accurate as autocast's own matmuls.
+        saved = y if save_dtype is None or save_dtype == y.dtype else y.to(save_dtype)
+        ctx.save_for_backward(saved, r, weight, bias)
         ctx.abp = (op_name, offset, x.dtype)
         return y
 
@@ -97,15 +100,16 @@ class _AffineMSNorm(torch.autograd.Function):
             n, dn = centred, dy_c
         dx = _backward_kernels(op_name, n, r, dn).to(dtype)
         rows = tuple(range(dy.dim() - 1))
-        dweight = (dy_c * n).sum(rows).to(weight.dtype) if weight is not None and ctx.needs_input_grad[5] else None
-        dbias = dy_c.sum(rows).to(bias.dtype) if bias is not None and ctx.needs_input_grad[6] else None
-        return None, None, None, None, dx, dweight, dbias
+        dweight = (dy_c * n).sum(rows).to(weight.dtype) if weight is not None and ctx.needs_input_grad[6] else None
+        dbias = dy_c.sum(rows).to(bias.dtype) if bias is not None and ctx.needs_input_grad[7] else None
+        return None, None, None, None, None, dx, dweight, dbias
 
 
 def affine_ms_norm(
     op_name: str, x: Tensor, eps: float, weight: Optional[Tensor], bias: Optional[Tensor],
-    weight_offset: float, out_dtype: Optional[torch.dtype],
+    weight_offset: float, out_dtype: Optional[torch.dtype], save_dtype: Optional[torch.dtype] = None,
 ) -> Tensor:
     """Runs the memory-sharing norm `op_name` on rows `x` (..., d) with gamma = weight + weight_offset
-    and beta = bias (each (d,) or None); the arguments are checked by the caller."""
-    return _AffineMSNorm.apply(op_name, eps, weight_offset, out_dtype, x, weight, bias)
+    and beta = bias (each (d,) or None), output in `out_dtype` (default: x's), saving it in
+    `save_dtype` (default: itself); the arguments are checked by the caller."""
+    return _AffineMSNorm.apply(op_name, eps, weight_offset, out_dtype, save_dtype, x, weight, bias)

@@ -368,12 +368,17 @@ def _ms_norm(
     # its compute dtype directly so that it saves this very tensor (ALGORITHMS.md §5). Where the
     # output also feeds something else (a residual stream), autocast_output=False keeps the
     # input's dtype, so an fp32 residual stream stays fp32.
-    out_dtype = _autocast_dtype(input.device) if input.dtype == torch.float32 and autocast_output else None
+    autocast = _autocast_dtype(input.device) if input.dtype == torch.float32 else None
+    out_dtype = autocast if autocast_output else None
+    # An fp32 output kept for a residual stream is saved in the autocast dtype (affine norms): the
+    # Linear reading it saves its own cast copy anyway, and backward is then bf16-accurate, as
+    # autocast's matmuls are.
+    save_dtype = None if autocast_output else autocast
     if weight is None and bias is None:
         y = apply(op_name, rows_view, (eps,), out_dtype)
     else:
         flat = lambda t: None if t is None else t.reshape(cols)  # noqa: E731
-        y = _affine_norm.affine_ms_norm(op_name, rows_view, eps, flat(weight), flat(bias), offset, out_dtype)
+        y = _affine_norm.affine_ms_norm(op_name, rows_view, eps, flat(weight), flat(bias), offset, out_dtype, save_dtype)
     return y if k == 1 else y.view(input.shape)
 
 
