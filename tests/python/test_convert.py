@@ -1441,7 +1441,7 @@ def test_model_must_be_a_module():
 def test_exports():
     assert abp.convert is abp.convert_.convert and abp.Change is abp.convert_.Change
     assert abp.convert_.RECIPES == ("lowmembp", "sampled", "compress")
-    assert set(abp.convert_.__all__) == {"Change", "convert", "RECIPES", "SAMPLED_LAYERS"}
+    assert set(abp.convert_.__all__) == {"Change", "CompressSavedHooks", "convert", "RECIPES", "SAMPLED_LAYERS"}
     assert all(hasattr(abp.convert_, n) for n in abp.convert_.__all__)
     assert {"*mlp.c_fc", "*mlp.c_proj", "*self_attn.o_proj", "*mlp.fc1"} <= set(abp.convert_.SAMPLED_LAYERS)
     assert {"convert", "Change", "convert_"} <= set(abp.__all__)

@@ -42,7 +42,7 @@ from . import _recognise, _structure, compress, sampling
 from . import nn as abp_nn
 from ._recognise import Activation, LinearMap, Norm, Unknown
 
-__all__ = ["Change", "convert", "RECIPES", "SAMPLED_LAYERS"]
+__all__ = ["Change", "CompressSavedHooks", "convert", "RECIPES", "SAMPLED_LAYERS"]
 
 #: The recipes ``convert`` knows; ``"all"`` is all of them.
 RECIPES: Tuple[str, ...] = ("lowmembp", "sampled", "compress")
