@@ -16,3 +16,16 @@ class BertLayerNorm(nn.Module):
         u = x.mean(-1, keepdim=True)
         s = (x - u).pow(2).mean(-1, keepdim=True)
         return self.gamma * (x - u) / torch.sqrt(s + 1e-12) + self.beta
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: scales by (1 + w), w starting at zeros, computed in float32."""
+
+    def __init__(self, d: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(d))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).type_as(x)

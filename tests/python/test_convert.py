@@ -24,7 +24,7 @@ from torch.nn.utils import parametrize
 
 import abp
 from abp_reference import library_or_skip
-from norm_lookalikes import BertLayerNorm
+from norm_lookalikes import BertLayerNorm, GemmaRMSNorm
 
 
 @pytest.fixture(autouse=True)
@@ -138,19 +138,6 @@ class LlamaBlock(nn.Module):
         h = self.post_attention_layernorm(x)
         x = x + self.down(self.act(self.gate(h)) * self.up(h))
         return self.lm_head(self.final_norm(x))
-
-
-class GemmaRMSNorm(nn.Module):
-    """Gemma's RMSNorm: scales by (1 + w), w starting at zeros, computed in float32."""
-
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(d))
-        self.eps = 1e-6
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.float())).type_as(x)
 
 
 class Gemma(nn.Module):

@@ -14,7 +14,7 @@ import abp
 from abp._recognise import Activation, LinearMap, Norm, Unknown, is_leaf, recognise
 from abp._structure import Use, record
 from abp_reference import library_or_skip
-from norm_lookalikes import BertLayerNorm
+from norm_lookalikes import BertLayerNorm, GemmaRMSNorm
 
 # ---------------------------------------------------------------------------------------------
 # Modules written as other libraries write them
@@ -58,17 +58,6 @@ class LlamaRMSNorm(nn.Module):
         x = x.to(torch.float32)
         variance = x.pow(2).mean(-1, keepdim=True)
         return self.weight * (x * torch.rsqrt(variance + self.variance_epsilon)).to(dtype)
-
-
-class GemmaRMSNorm(nn.Module):
-    def __init__(self, d: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(d))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.float())).type_as(x)
 
 
 class WeightOnlyLayerNorm(nn.Module):
