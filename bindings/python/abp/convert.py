@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -505,12 +506,13 @@ def _convert_sampled(model: nn.Module, options: Dict[str, Any], recognised: Dict
 
 
 class CompressSavedHooks:
-    """A forward pre-hook and hook pair that runs a module's forward inside ``compress_saved``.
+    """Runs a module's forward inside ``compress_saved``: a forward pre-hook and hook pair.
 
     Hooks rather than a replaced forward: a forward already set on the instance (accelerate's
     dispatch hooks, a user's wrapper) keeps running, the state_dict is unchanged, and the model
-    still deep-copies and pickles (a copy gets its own pair). On torch >= 2.0 the hook runs even
-    when forward raises; on 1.13 a block left open by a raising forward is closed at the next call.
+    still deep-copies and pickles (a copy gets its own pair). The hook runs even when forward
+    raises (``always_call``, torch >= 2.0), so no block is left open. torch 1.13 has no
+    ``always_call``: there ``wrap`` puts the forward inside a try/finally instead.
     """
 
     def __init__(self, bits: int, group_size: int) -> None:
@@ -522,8 +524,6 @@ class CompressSavedHooks:
         return {"bits": self.bits, "group_size": self.group_size, "_open": []}
 
     def enter(self, module: nn.Module, args: Any) -> None:
-        while self._open:  # left open by a forward that raised (torch 1.13 has no always_call)
-            self._open.pop().__exit__(None, None, None)
         block = compress.compress_saved(bits=self.bits, group_size=self.group_size)
         block.__enter__()
         self._open.append(block)
@@ -532,18 +532,31 @@ class CompressSavedHooks:
         if self._open:
             self._open.pop().__exit__(None, None, None)
 
+    def wrap(self, forward: Any, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        """torch < 2.0: ``forward(module, *args, **kwargs)`` inside one block, closed whatever happens."""
+        self.enter(module, args)
+        try:
+            return forward(module, *args, **kwargs)
+        finally:
+            self.leave(module, args, None)
+
 
 def _convert_compress(model: nn.Module, options: Dict[str, Any]) -> List[Change]:
     """Runs the model's forward inside ``compress_saved``: every saved tensor that abp's recipes left
     as it was (codes and per-row values are not floating or too small) is stored as group codes."""
     hooks = CompressSavedHooks(options["bits"], options["group_size"])
-    model.register_forward_pre_hook(hooks.enter)
     try:
         model.register_forward_hook(hooks.leave, always_call=True)  # type: ignore[call-arg]
-    except TypeError:  # torch < 2.0
-        model.register_forward_hook(hooks.leave)
+        model.register_forward_pre_hook(hooks.enter)
+        how = "forward hooks"
+    except TypeError:  # torch < 2.0: no always_call; the forward itself runs in a try/finally
+        if "forward" in vars(model):
+            raise ValueError("recipe compress: this model has a forward of its own instance (a wrapper); on torch < 2.0 "
+                             "convert cannot keep it, use `with abp.compress_saved(...)` around the forward instead")
+        model.forward = functools.partial(hooks.wrap, type(model).forward, model)  # type: ignore[assignment]
+        how = "forward wrapped"
     return [Change("", "wrapped", f"forward runs inside compress_saved(bits={options['bits']}, group_size={options['group_size']}) "
-                   "(forward hooks)")]
+                   f"({how})")]
 
 
 # ---------------------------------------------------------------------------------------------
