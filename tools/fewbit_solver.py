@@ -1003,14 +1003,16 @@ def generated_block(act: str, tables: Dict[str, Dict[int, Table]]) -> List[str]:
     return lines
 
 
-def rewrite_ops_text(text: str, block: List[str], path: str) -> str:
-    """Replace the lines strictly between the BEGIN/END markers; ValueError without them."""
+def rewrite_ops_text(text: str, block: List[str], path: str,
+                     begin: str = BEGIN_MARKER, end: str = END_MARKER) -> str:
+    """Replace the lines strictly between the `begin`/`end` marker lines; ValueError without
+    exactly one pair (tools/regelu2_fit.py passes its own markers)."""
     lines = text.split("\n")
-    begins = [i for i, ln in enumerate(lines) if ln.strip() == BEGIN_MARKER]
-    ends = [i for i, ln in enumerate(lines) if ln.strip() == END_MARKER]
+    begins = [i for i, ln in enumerate(lines) if ln.strip() == begin]
+    ends = [i for i, ln in enumerate(lines) if ln.strip() == end]
     if len(begins) != 1 or len(ends) != 1 or ends[0] < begins[0]:
-        raise ValueError(f"{path}: expected one '{BEGIN_MARKER}' line followed by one "
-                         f"'{END_MARKER}' line, found {len(begins)} and {len(ends)}")
+        raise ValueError(f"{path}: expected one '{begin}' line followed by one "
+                         f"'{end}' line, found {len(begins)} and {len(ends)}")
     return "\n".join(lines[: begins[0] + 1] + block + lines[ends[0]:])
 
 

@@ -356,14 +356,8 @@ def generated_block(f: Fit) -> List[str]:
 
 
 def rewrite_ops_text(text: str, block: List[str], path: str) -> str:
-    """Replaces the lines strictly between the markers; ValueError without exactly one pair."""
-    lines = text.split("\n")
-    begins = [i for i, ln in enumerate(lines) if ln.strip() == BEGIN_MARKER]
-    ends = [i for i, ln in enumerate(lines) if ln.strip() == END_MARKER]
-    if len(begins) != 1 or len(ends) != 1 or ends[0] < begins[0]:
-        raise ValueError(f"{path}: expected one '{BEGIN_MARKER}' line followed by one "
-                         f"'{END_MARKER}' line, found {len(begins)} and {len(ends)}")
-    return "\n".join(lines[: begins[0] + 1] + block + lines[ends[0]:])
+    """The solver's marker rewrite with this tool's markers; ValueError without exactly one pair."""
+    return fs.rewrite_ops_text(text, block, path, BEGIN_MARKER, END_MARKER)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
