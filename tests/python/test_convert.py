@@ -549,6 +549,15 @@ def test_fold_needs_example_inputs():
     abp.convert(nn.Sequential(nn.Linear(4, 4), nn.GELU()), fold=True)
 
 
+def assert_fold_keeps_the_function(model: nn.Module, converted: nn.Module, changes: List[abp.Change], x: torch.Tensor) -> None:
+    """Same output and input gradient (fp64, 1e-10); parameter gradients as the fold's chain rule says."""
+    out0, dx0, g0 = grads(model, x)
+    out1, dx1, g1 = grads(converted, x)
+    torch.testing.assert_close(out1, out0, rtol=0, atol=1e-10)
+    torch.testing.assert_close(dx1, dx0, rtol=0, atol=1e-10)
+    assert_gradients_follow_the_fold(model, g0, g1, folds_of(changes))
+
+
 def test_vit_fold_folds_every_pre_ln_norm_and_keeps_the_function():
     model = make(ViT)
     x = torch.randn(2, 6, 32, dtype=torch.float64)
@@ -568,11 +577,7 @@ def test_vit_fold_folds_every_pre_ln_norm_and_keeps_the_function():
         assert type(ms) is abp.nn.MSLayerNorm and not ms.elementwise_affine and ms.weight is None and ms.bias is None
     assert isinstance(model.blocks[0].norm2, nn.LayerNorm), "inplace=False must not touch the original"
     for probe in (x, torch.randn(3, 4, 32, dtype=torch.float64)):  # not only the example call
-        out0, dx0, g0 = grads(model, probe)
-        out1, dx1, g1 = grads(converted, probe)
-        torch.testing.assert_close(out1, out0, rtol=0, atol=1e-10)
-        torch.testing.assert_close(dx1, dx0, rtol=0, atol=1e-10)
-        assert_gradients_follow_the_fold(model, g0, g1, folds_of(changes))
+        assert_fold_keeps_the_function(model, converted, changes, probe)
 
 
 def test_fold_into_several_linears():
@@ -581,11 +586,7 @@ def test_fold_into_several_linears():
     converted, changes = abp.convert(model, gelu=None, fold=True, example_inputs=x)
     assert folds_of(changes) == {"norm1": ["q", "k", "v"], "norm2": ["fc1"]}
     assert by_action(changes, "replaced")["norm1"] == "LayerNorm -> MSLayerNorm (LayerNorm, eps=1e-05, affine folded into q, k, v)"
-    out0, dx0, g0 = grads(model, x)
-    out1, dx1, g1 = grads(converted, x)
-    torch.testing.assert_close(out1, out0, rtol=0, atol=1e-10)
-    torch.testing.assert_close(dx1, dx0, rtol=0, atol=1e-10)
-    assert_gradients_follow_the_fold(model, g0, g1, folds_of(changes))
+    assert_fold_keeps_the_function(model, converted, changes, x)
 
 
 def test_llama_fold():
@@ -599,11 +600,7 @@ def test_llama_fold():
     assert converted.input_layernorm.eps == 1e-6 and converted.input_layernorm.normalized_shape == (32,)
     assert all(d == f"folded gamma in float64 from `{d.rsplit('`', 2)[1]}`" for d in by_action(changes, "folded").values())
     assert converted.lm_head.bias is None and converted.gate.bias is None, "RMSNorm has no beta: no bias is added"
-    out0, dx0, g0 = grads(model, x)
-    out1, dx1, g1 = grads(converted, x)
-    torch.testing.assert_close(out1, out0, rtol=0, atol=1e-10)
-    torch.testing.assert_close(dx1, dx0, rtol=0, atol=1e-10)
-    assert_gradients_follow_the_fold(model, g0, g1, folds_of(changes))
+    assert_fold_keeps_the_function(model, converted, changes, x)
 
 
 def test_gemma_fold_uses_one_plus_weight():
@@ -891,11 +888,7 @@ def test_not_folded_norms_keep_their_affine_and_say_why(make_model, name, reason
     ms = converted.get_submodule(name)
     assert isinstance(ms, abp.nn.MSLayerNorm) and ms.elementwise_affine
     torch.testing.assert_close(ms.weight, model.get_submodule(name).weight, rtol=0, atol=0)
-    out0, dx0, g0 = grads(model, x)
-    out1, dx1, g1 = grads(converted, x)
-    torch.testing.assert_close(out1, out0, rtol=0, atol=1e-10)
-    torch.testing.assert_close(dx1, dx0, rtol=0, atol=1e-10)
-    assert_gradients_follow_the_fold(model, g0, g1, folds_of(changes))
+    assert_fold_keeps_the_function(model, converted, changes, x)
     # Default mode: the same model converts with the affine kept and says nothing about folding.
     default, changes = abp.convert(model)
     assert "not folded" not in by_action(changes, "replaced")[name] and not folds_of(changes)
