@@ -299,15 +299,18 @@ def _is_parameter(t: torch.Tensor) -> bool:
     return False
 
 
+def _compressible(t: torch.Tensor, min_numel: int) -> bool:
+    """`eligible` without the parameter test (which compress_saved makes first, once)."""
+    if t.layout != torch.strided or t.device.type not in ("cpu", "cuda") or t.numel() < max(min_numel, 1):
+        return False
+    return t.dtype == torch.bool or t.dtype in _FLOAT_DTYPES
+
+
 def eligible(t: torch.Tensor, min_numel: int) -> bool:
     """The default rule of `compress_saved` (docs/python.md): a floating-point (fp32, fp16, bf16,
     fp64) or bool tensor on the CPU or a CUDA device, dense, with at least `min_numel` elements,
     that is not a parameter (nor a view or autocast copy of one)."""
-    if t.layout != torch.strided or t.device.type not in ("cpu", "cuda") or t.numel() < max(min_numel, 1):
-        return False
-    if t.dtype != torch.bool and t.dtype not in _FLOAT_DTYPES:
-        return False
-    return not _is_parameter(t)
+    return _compressible(t, min_numel) and not _is_parameter(t)
 
 
 class compress_saved:
@@ -405,7 +408,7 @@ class compress_saved:
             return t  # kept by its module anyway: neither compressed nor counted in stats
         self.stats["tensors"] += 1
         self.stats["bytes_in"] += t.numel() * t.element_size()
-        wanted = eligible(t, self.min_numel) and (self.filter is None or bool(self.filter(t)))
+        wanted = _compressible(t, self.min_numel) and (self.filter is None or bool(self.filter(t)))
         if wanted and t.dtype == torch.bool:
             c = _pack_mask(t)
         elif wanted and (bits := self._choose(t)) != 32:
