@@ -84,11 +84,9 @@ class _Recorder(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.stack: List[Tuple[str, int]] = []  # (module name, call number)
-        self.call_inputs: Dict[int, Set[int]] = {}  # call number -> ids of the tensors it was given
         self.functions: List[Tuple[str, Tuple[int, ...], Tuple[Tuple[str, int], ...]]] = []
         self.keep: List[Tensor] = []
-        # (name, call number, input ids, the call numbers of the modules running around it)
-        self.module_calls: List[Tuple[str, int, Tuple[int, ...], Tuple[int, ...]]] = []
+        self.module_calls: List[Tuple[str, int, Tuple[int, ...]]] = []  # (name, call number, input ids)
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
@@ -126,8 +124,7 @@ def record(model: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any], watch:
         counter[0] += 1
         ids = tuple(id(t) for t in _tensors(inputs))
         recorder.keep.extend(_tensors(inputs))
-        recorder.call_inputs[counter[0]] = set(ids)
-        recorder.module_calls.append((name, counter[0], ids, tuple(n for _, n in recorder.stack)))
+        recorder.module_calls.append((name, counter[0], ids))
         structure.calls[name] = structure.calls.get(name, 0) + 1
         structure.inputs.setdefault(name, list(ids))
         recorder.stack.append((name, counter[0]))
@@ -179,7 +176,7 @@ def _attribute_uses(
     for name, ids in outputs.items():
         uses: List[Use] = []
         leaf_calls = set()
-        for callee, number, inputs, _around in recorder.module_calls:
+        for callee, number, inputs in recorder.module_calls:
             if callee != name and callee in leaves and ids & set(inputs):
                 leaf_calls.add(number)
                 use = Use(callee, None, "")
