@@ -29,17 +29,10 @@ from . import _custom_ops, _launch, _lib
 __all__ = ["affine_ms_norm"]
 
 
-def _plan(op_name: str) -> Any:
-    """The operator's torch.library ops, read without a lock (torch.compile cannot trace one):
-    every operator is registered when the kernel library opens (abp._custom_ops)."""
-    plan = _custom_ops._plans.get(op_name)
-    return plan if plan is not None else _custom_ops.register(_lib.kernel_library().operator(op_name))
-
-
 def _forward_kernels(op_name: str, x: Tensor, eps: float) -> Tuple[Tensor, Tensor]:
     """(n, r): the normalised rows and the per-row statistic, from the compiler's forward kernel."""
     if _custom_ops.compiling():
-        n, r = _plan(op_name).fwd(x, eps)
+        n, r = _custom_ops.plan(op_name).fwd(x, eps)
         return n, r
     op = _lib.kernel_library().operator(op_name)
     outputs, residuals = _launch.forward(op, (x,), (eps,))
@@ -50,7 +43,7 @@ def _forward_kernels(op_name: str, x: Tensor, eps: float) -> Tuple[Tensor, Tenso
 def _backward_kernels(op_name: str, n: Tensor, r: Tensor, dn: Tensor) -> Tensor:
     """dx from the normalised rows, the per-row statistic and dn, through the kernels' exact backward."""
     if _custom_ops.compiling():
-        return _plan(op_name).bwd(n, r, dn)
+        return _custom_ops.plan(op_name).bwd(n, r, dn)
     op = _lib.kernel_library().operator(op_name)
     dxs = _launch.backward(op, [n, r], [dn], n.shape, n.dtype, n.device)
     assert dxs[0] is not None

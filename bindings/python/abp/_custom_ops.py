@@ -22,7 +22,7 @@ import torch
 from . import _launch, _lib
 from ._manifest import Operator, packed_bytes, parse_ref
 
-__all__ = ["enabled", "compiling", "supported_torch", "registered", "registrable", "register", "apply_custom"]
+__all__ = ["enabled", "compiling", "supported_torch", "registered", "registrable", "register", "plan", "apply_custom"]
 
 
 def _torch_version() -> Tuple[int, int]:
@@ -260,17 +260,22 @@ if _SUPPORTED:
     _lib.on_open(_register_on_open)
 
 
+def plan(op_name: str) -> _Plan:
+    """The custom ops of `op_name`, read without taking the lock (torch.compile cannot trace one):
+    every operator is registered when the kernel library opens; a later one is registered here."""
+    found = _plans.get(op_name)
+    return found if found is not None else register(_lib.kernel_library().operator(op_name))
+
+
 def apply_custom(
     op_name: str, params: Sequence[float], inputs: Sequence[torch.Tensor], out_dtype: Optional[torch.dtype] = None
 ) -> Any:
     """Runs `op_name` through abp::<op>_fwd: one output as a tensor, several as a tuple.
     ``out_dtype`` casts the outputs (as abp.autograd.OperatorFunction's)."""
-    plan = _plans.get(op_name)
-    if plan is None:
-        plan = register(_lib.kernel_library().operator(op_name))
-    produced = plan.fwd(*inputs, *params) if out_dtype is None else plan.fwd(*inputs, *params, out_dtype)
+    plan_ = plan(op_name)
+    produced = plan_.fwd(*inputs, *params) if out_dtype is None else plan_.fwd(*inputs, *params, out_dtype)
     if not isinstance(produced, tuple):
         return produced
-    n_out = plan.op.outputs
+    n_out = plan_.op.outputs
     return produced[0] if n_out == 1 else tuple(produced[:n_out])
 
