@@ -162,8 +162,8 @@ def _hooks_of(module: nn.Module) -> List[str]:
     return [label for label, attr in kinds if getattr(module, attr, None)]
 
 
-def _norm_refusal(module: nn.Module) -> Optional[str]:
-    """Why `module` must not be replaced even if it computes the norm (None if it may).
+def _replacement_refusal(module: nn.Module) -> Optional[str]:
+    """Why `module` must not be replaced or folded into (None if it may).
 
     A replacement has neither hooks nor parametrizations: dropping them would change what runs.
     """
@@ -304,7 +304,7 @@ def _fold_targets(
         elsewhere = structure.foreign_parameter_uses.get(use.module)
         if elsewhere:
             return None, f"`{use.module}`'s parameters are also used outside it ({elsewhere[0]}); folding would change that use"
-        refusal = _linear_refusal(use.module, target) if isinstance(target, nn.Linear) else _norm_refusal(target)
+        refusal = _linear_refusal(use.module, target) if isinstance(target, nn.Linear) else _replacement_refusal(target)
         if refusal is not None:
             return None, refusal
         trains = {p.requires_grad for p in norm_params}
@@ -339,7 +339,7 @@ def _convert_norm(
     def refused(reason: str) -> List[Change]:
         return [Change(name, "refused", f"{kind} ({label}) not replaced: {reason}")]
 
-    refusal = _norm_refusal(module)
+    refusal = _replacement_refusal(module)
     if refusal is not None:
         return refused(refusal)
     if spec.weight is None and spec.bias is not None:
@@ -452,7 +452,7 @@ def _convert_activation(model: nn.Module, name: str, module: nn.Module, spec: An
 
 
 def _sample_one(model: nn.Module, name: str, module: nn.Module, spec: LinearMap, method: str, keep: float, paths: List[str]) -> Change:
-    why = _linear_refusal(name, module) if type(module) is nn.Linear or isinstance(module, nn.Linear) else None
+    why = _linear_refusal(name, module) if isinstance(module, nn.Linear) else None
     if why is None and _hooks_of(module):
         why = f"`{name}` has {' and '.join(_hooks_of(module))}, which the replacement would not carry"
     if why is None and parametrize.is_parametrized(module):
