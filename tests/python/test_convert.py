@@ -1568,3 +1568,45 @@ def test_a_norm_keeping_fp32_under_autocast_saves_its_output_in_the_autocast_dty
     want = torch.autograd.grad(norm(x), [x, norm.weight, norm.bias], g)
     for a, b in zip(got, want):  # bf16-accurate: n recovered from the bf16 copy
         torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)
+
+
+def test_new_user_mistakes_get_a_pointer():
+    model = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 4))
+    x = torch.randn(3, 8)
+    with pytest.raises(TypeError, match="inplace, example_inputs, example_kwargs; did you mean example_inputs\\?"):
+        abp.convert(model, example_input=(x,))
+    with pytest.raises(TypeError, match="got dict; pass keyword arguments as example_kwargs="):
+        abp.convert(model, example_inputs={"input": x})
+
+
+def test_sampled_recipe_says_when_no_layer_matched():
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4))
+    _, changes = abp.convert(model, "sampled")
+    assert by_action(changes, "refused")[""].startswith("recipe sampled: no module name matched layers=")
+    _, changes = abp.convert(model, "sampled", layers=["0"])
+    assert "0" in by_action(changes, "replaced") and "" not in by_action(changes, "refused")
+
+
+class ChannelsFirstLayerNorm(nn.Module):
+    """timm's LayerNorm2d: normalises over the channels of (N, C, H, W)."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.ones(c)), nn.Parameter(torch.zeros(c))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.layer_norm(x.permute(0, 2, 3, 1), x.shape[1:2], self.weight, self.bias).permute(0, 3, 1, 2)
+
+
+def test_a_norm_abp_has_no_replacement_for_is_listed_not_skipped():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), ChannelsFirstLayerNorm(8), nn.BatchNorm2d(8))
+    _, changes = abp.convert(model)
+    refused = by_action(changes, "refused")
+    assert "neither LayerNorm nor RMSNorm over the last dimension" in refused["1"]
+    assert "neither LayerNorm nor RMSNorm over the last dimension" in refused["2"]
+
+
+def test_with_an_example_a_norm_says_why_it_keeps_its_dtype():
+    model = nn.Sequential(nn.LayerNorm(8))
+    _, changes = abp.convert(model, example_inputs=torch.randn(3, 8))
+    assert "keeps its dtype under autocast (its output also feeds the model's return value)" in by_action(changes, "replaced")["0"]

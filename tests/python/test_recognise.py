@@ -148,7 +148,7 @@ def test_other_elementwise_functions_are_unknown(module):
 
 
 @pytest.mark.parametrize("module", [nn.Dropout(0.1), nn.Dropout(0.1).eval(), nn.Identity(), nn.Softmax(-1),
-                                    nn.Sequential(nn.GELU()), nn.BatchNorm1d(16), nn.Embedding(10, 16), nn.Flatten()],
+                                    nn.Sequential(nn.GELU()), nn.BatchNorm1d(16).eval(), nn.Embedding(10, 16), nn.Flatten()],
                          ids=lambda m: f"{type(m).__name__}{'' if m.training else '-eval'}")
 def test_not_recognised(module):
     training = module.training
@@ -204,6 +204,11 @@ def test_eps_is_estimated_when_no_attribute_holds_it():
 def test_a_one_dimensional_parameter_is_not_enough_for_a_norm(module):
     assert not isinstance(recognise(module), Norm)
     assert recognise(module) is None
+
+
+def test_a_normalisation_abp_cannot_replace_is_unknown_with_the_reason():
+    found = recognise(nn.BatchNorm1d(16))  # training mode: batch statistics make it scale-invariant
+    assert isinstance(found, Unknown) and "neither LayerNorm nor RMSNorm over the last dimension" in found.reason
 
 
 # ---------------------------------------------------------------------------------------------

@@ -71,7 +71,8 @@ class LinearMap:
 
 @dataclass(frozen=True)
 class Unknown:
-    """A deterministic elementwise function none of the known activations matches."""
+    """A deterministic elementwise function none of the known activations matches, or a module
+    with a norm's parameters that computes no norm abp has (the reason says which)."""
 
     reason: str
 
@@ -307,6 +308,24 @@ def _recognise_linear(module: nn.Module, params: Dict[str, nn.Parameter]) -> Opt
     return None
 
 
+def _normalises(module: nn.Module) -> bool:
+    """True if a CPU float64 copy of `module` gives the same output for x and 10·x on an (N, C) or
+    (N, C, H, W) input (C its parameters' length): a normalisation abp has no replacement for
+    (channels-first, batch statistics), not a scale-and-shift such as LayerScale."""
+    probe = copy.deepcopy(module)
+    if any(p.device.type == "meta" for p in probe.parameters(recurse=False)):
+        probe = probe.to_empty(device="cpu")
+    probe = probe.to(device="cpu", dtype=torch.float64)
+    c = next(probe.parameters()).shape[0]
+    g = torch.Generator().manual_seed(17)
+    for shape in ((6, c), (2, c, 3, 3)):
+        x = torch.randn(shape, generator=g, dtype=torch.float64) + 0.3
+        y, y10 = _run(probe, x), _run(probe, 10 * x)
+        if y is not None and y10 is not None and y.shape == x.shape and _close(y10, y, 1e-4) and not _close(y, x, 1e-6):
+            return True
+    return False
+
+
 #: Norms over more features than this are not probed (no model normalises rows that wide; an
 #: embedding table with one 2-D parameter would otherwise be copied and probed as a norm).
 _MAX_NORM_FEATURES = 1 << 20
@@ -344,6 +363,10 @@ def recognise(module: nn.Module) -> Optional[Recognised]:
             norm = _recognise_norm(module, params)
             if norm is not None:
                 return norm
+            if all(p.dim() == 1 for p in params.values()) and _normalises(module):
+                return Unknown("its parameters look like a norm's (one or two vectors of one shape), but it computes "
+                               "neither LayerNorm nor RMSNorm over the last dimension (a channels-first norm, "
+                               "batch statistics or another normalisation)")
         if any(p.device.type == "meta" for p in params.values()):
             return None  # a linear map on the meta device cannot be run
         return _recognise_linear(module, params)

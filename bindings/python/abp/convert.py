@@ -29,6 +29,7 @@ fold) is refused with the reason in the returned ``Change`` list.
 from __future__ import annotations
 
 import copy
+import difflib
 import fnmatch
 import functools
 from collections.abc import Mapping
@@ -65,6 +66,10 @@ _DEFAULTS: Dict[str, Dict[str, Any]] = {
     # 8 bits: the width that trains like exact on real data (docs/python.md); 2-4 bits are opt-in.
     "compress": {"bits": 8, "group_size": 256},
 }
+
+
+#: convert's own keywords (beside the recipes' options).
+_CONVERT_KEYWORDS: Tuple[str, ...] = ("inplace", "example_inputs", "example_kwargs")
 
 
 @dataclass(frozen=True)
@@ -121,9 +126,12 @@ def _check_overrides(recipes: Tuple[str, ...], overrides: Dict[str, Any]) -> Dic
         defaults.update(_DEFAULTS[r])
     unknown = sorted(set(overrides) - set(defaults))
     if unknown:
+        known = list(defaults) + list(_CONVERT_KEYWORDS)
+        near = [m for u in unknown for m in difflib.get_close_matches(u, known, n=1)]
         raise TypeError(
             f"convert: unknown override(s) {', '.join(unknown)} for recipe(s) {', '.join(recipes)}; valid keywords are "
-            f"{', '.join(defaults)}"
+            f"{', '.join(defaults)} (recipe options) and {', '.join(_CONVERT_KEYWORDS)}"
+            + (f"; did you mean {', '.join(near)}?" if near else "")
         )
     options = dict(defaults, **overrides)
     if "sampled" in recipes:
@@ -394,8 +402,13 @@ def _convert_norm(
     if fold and why_not:
         detail += f"; not folded: {why_not}"
     if not linear_only:
-        detail += ("; keeps its dtype under autocast" + ("" if structure is not None else
-                   " (pass example_inputs= to let norms read only by linear layers emit the autocast dtype)"))
+        if structure is None:
+            why = " (pass example_inputs= to let norms read only by linear layers emit the autocast dtype)"
+        else:
+            other = [u for u in structure.uses.get(name, [])
+                     if u.module is None or not isinstance(recognised.get(id(modules[u.module])), LinearMap)]
+            why = f" (its output also feeds {other[0].describe(modules)})" if other else " (it did not run in the example call)"
+        detail += "; keeps its dtype under autocast" + why
     return [Change(name, "replaced", detail + _also_at(paths))]
 
 
@@ -497,6 +510,10 @@ def _convert_sampled(model: nn.Module, options: Dict[str, Any], recognised: Dict
             if id(sub) not in done and not isinstance(sub, abp_nn.SampledLinear):
                 done.add(id(sub))
                 changes.append(_sample_one(model, sub_name, sub, recognised[id(sub)], method, keep, paths[id(sub)]))
+    if not done and layers:
+        changes.append(Change("", "refused", "recipe sampled: no module name matched layers= (SAMPLED_LAYERS knows T5, "
+                              "BERT/RoBERTa, ViT, timm, GPT-2 and LLaMA-style names); pass layers=[...] with this "
+                              "model's attention-output and FFN projections, e.g. ['*.fc1', '*.fc2', '*.out_proj']"))
     return changes
 
 
@@ -588,7 +605,9 @@ def _example_call(example_inputs: Any, example_kwargs: Any) -> Optional[Tuple[Tu
     elif isinstance(example_inputs, (tuple, list)):
         args = tuple(example_inputs)
     else:
-        raise TypeError(f"example_inputs: expected a tensor or a tuple of positional arguments, got {type(example_inputs).__name__}")
+        hint = "; pass keyword arguments as example_kwargs=" if isinstance(example_inputs, Mapping) else ""
+        raise TypeError(f"example_inputs: expected a tensor or a tuple of positional arguments, got "
+                        f"{type(example_inputs).__name__}{hint}")
     if example_kwargs is not None and not isinstance(example_kwargs, Mapping):
         raise TypeError(f"example_kwargs: expected a dict (a mapping) of keyword arguments, got {type(example_kwargs).__name__}")
     return args, dict(example_kwargs or {})
