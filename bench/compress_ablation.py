@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 import abp
 
-CLASSES = ("layernorm", "attention", "linear", "gelu", "dropout")
+CLASSES = ("stats", "layernorm", "attention", "fused-qk", "fused-v", "fused-out", "linear", "gelu", "dropout")
 
 # ---------------------------------------------------------------------------------------------
 # Which op is saving: wrappers around the functions the model's ops go through.
@@ -82,10 +82,29 @@ def install_tags() -> None:
     F.gelu = _tagged("gelu", F.gelu)
     torch.bmm = _tagged("attention", torch.bmm)
     torch.baddbmm = _tagged("attention", torch.baddbmm)
+    if hasattr(F, "scaled_dot_product_attention"):  # torch >= 2: MultiheadAttention's fused path
+        F.scaled_dot_product_attention = _tagged("fused", F.scaled_dot_product_attention)
 
 
-def current_class() -> str:
-    return _current[-1] if _current else "other"
+_fused_inputs_seen = [0]
+
+
+def current_class(t: torch.Tensor) -> str:
+    """The class of a tensor being saved (the pack hook runs inside the op that saves it)."""
+    c = _current[-1] if _current else "other"
+    # A normalisation's or attention's per-row statistics (LayerNorm's mean and 1/std, fused
+    # attention's logsumexp) are outputs that carry no gradient.
+    if c in ("layernorm", "attention", "fused") and t.grad_fn is None and not t.requires_grad:
+        return "stats"
+    if c != "fused":
+        return c
+    # Fused attention (torch >= 2, no dropout: the CPU flash kernel) saves its inputs key,
+    # query, value in that order, then its output (whose grad_fn is the fused node itself).
+    if "Attention" in type(t.grad_fn).__name__:
+        _fused_inputs_seen[0] = 0
+        return "fused-out"
+    _fused_inputs_seen[0] += 1
+    return "fused-qk" if _fused_inputs_seen[0] <= 2 else "fused-v"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,7 +156,7 @@ def load_digits_patches():
 def make_filter(mode: str, cls: Optional[str], counts: Dict[str, int]) -> Optional[Callable]:
     """mode: exact | all | only | except."""
     def filt(t: torch.Tensor) -> bool:
-        c = current_class()
+        c = current_class(t)
         k = c if c != "other" else f"other:{type(t.grad_fn).__name__}:{tuple(t.shape)}"
         counts[k] = counts.get(k, 0) + 1
         if mode == "all":
@@ -148,10 +167,11 @@ def make_filter(mode: str, cls: Optional[str], counts: Dict[str, int]) -> Option
     return filt
 
 
-def run(config: dict, seed: int, data, epochs: int, batch: int, lr: float = 1e-3, log_every: int = 10) -> dict:
+def run(config: dict, seed: int, data, epochs: int, batch: int, lr: float = 1e-3, log_every: int = 10,
+        dropout: float = 0.1) -> dict:
     xtr, ytr, xte, yte = data
     torch.manual_seed(seed)
-    model = PatchTransformer()
+    model = PatchTransformer(p=dropout)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     mode, cls = config["mode"], config.get("cls")
     counts: Dict[str, int] = {}
@@ -202,6 +222,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=12)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--dropout", type=float, default=0.1)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     ap.add_argument("--only", default=None, help="comma-separated config names (default: all)")
     ap.add_argument("--out", default=None)
@@ -219,7 +240,7 @@ def main() -> None:
     for cfg in configs:
         runs = []
         for s in range(args.seeds):
-            r = run(cfg, s, data, args.epochs, args.batch, args.lr)
+            r = run(cfg, s, data, args.epochs, args.batch, args.lr, dropout=args.dropout)
             runs.append(r)
             print(f"{cfg['name']:>18} seed {s}: acc {r['test_acc']:.3f} loss {r['train_loss_last_epoch']:.3f} "
                   f"gnorm max {r['grad_norm_max']:.3g} last {r['grad_norm_last']:.3g} ({r['seconds']} s)",

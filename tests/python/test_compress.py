@@ -76,11 +76,10 @@ def test_offset_moves_the_stream_so_tensors_sharing_a_seed_draw_independently():
     torch.manual_seed(9)
     saved = []
     with C.compress_saved(bits=4) as block:
-        block.pack(a)
-        block.pack(b)
-        saved = list(block._packed.values())
-    assert np.array_equal(codes_of(saved[0][1]), ref.quantize_groups(a, 4, 256, seed, 0)[0])
-    assert np.array_equal(codes_of(saved[1][1]), ref.quantize_groups(b, 4, 256, seed, a.numel())[0])
+        saved = [block.pack(a), block.pack(b)]
+    # Stored when the op saving them is done (here: at the block's end), in the order saved.
+    assert np.array_equal(codes_of(saved[0].value), ref.quantize_groups(a, 4, 256, seed, 0)[0])
+    assert np.array_equal(codes_of(saved[1].value), ref.quantize_groups(b, 4, 256, seed, a.numel())[0])
     # An offset that is not a multiple of 4 takes the kernels' position-by-position path.
     odd = C.quantize(x, 2, 64, seed=5, offset=3)
     assert np.array_equal(codes_of(odd), ref.quantize_groups(x, 2, 64, 5, 3)[0])

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional
 from . import _custom_ops, _lib, autograd, cache, compress, functional, memory, nn, sampling, vcas
 from . import convert as convert_  # the module (RECIPES, Change); `abp.convert` is the function
 from .compress import compress_saved
+from ._guard import DivergenceError, DivergenceWarning
 from .controller import CompressionController, TensorKey, allocate_bits
 from .convert import Change, convert
 from ._errors import AbpError, CompileError, Status
@@ -34,6 +35,8 @@ __all__ = [
     "cache",
     "compress",
     "compress_saved",
+    "DivergenceError",
+    "DivergenceWarning",
     "CompressionController",
     "TensorKey",
     "allocate_bits",

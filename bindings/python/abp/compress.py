@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 
-from . import _launch, _lib, memory
+from . import _guard, _launch, _lib, _save_rules, memory
 from ._manifest import packed_bytes
 
 __all__ = [
@@ -279,24 +279,29 @@ def _pack_mask(m: torch.Tensor) -> CompressedTensor:
     return CompressedTensor("mask", 1, 8, tuple(m.shape), torch.bool, m.device, packed)
 
 
-def _is_parameter(t: torch.Tensor) -> bool:
-    """A parameter, or a view or cast of one (ALGORITHMS.md §6.1: autocast's weight copy)."""
+def _parameter_of(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """The parameter `t` is, or is a view or cast of (ALGORITHMS.md §6.1: autocast's weight
+    copy); None for an activation."""
     if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
-        return True
+        return t
     base = t._base
     if base is not None and (isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)):
-        return True
+        return base
     node = t.grad_fn
     for _ in range(3):  # a short chain of views and casts ending at a leaf's gradient accumulator
         if node is None or type(node).__name__ not in _PARAMETER_VIEWS:
-            return False
+            return None
         nexts = [f for f, _ in node.next_functions if f is not None]
         if len(nexts) != 1:
-            return False
+            return None
         node = nexts[0]
         if type(node).__name__ == "AccumulateGrad":
-            return True
-    return False
+            return node.variable
+    return None
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    return _parameter_of(t) is not None
 
 
 def _compressible(t: torch.Tensor, min_numel: int) -> bool:
@@ -311,6 +316,27 @@ def eligible(t: torch.Tensor, min_numel: int) -> bool:
     fp64) or bool tensor on the CPU or a CUDA device, dense, with at least `min_numel` elements,
     that is not a parameter (nor a view or autocast copy of one)."""
     return _compressible(t, min_numel) and not _is_parameter(t)
+
+
+class _Deferred:
+    """What the pack hook returns for a tensor to compress: the tensor until the op saving it has
+    saved everything (its rule may then ask for more bits), then what it is stored as."""
+
+    __slots__ = ("value", "bits", "choice", "tags", "pending")
+
+    def __init__(self, t: torch.Tensor, bits: int, choice: int, tags: memory.Tags) -> None:
+        self.value: Any = t
+        self.bits = bits
+        self.choice = choice  # the index of its bits_for call in the block, -1 without bits_for
+        self.tags = tags  # the memory counters active at the save, with their tags
+        self.pending = True
+
+
+def _kept_tensors(kept: Any) -> List[torch.Tensor]:
+    """The tensors that hold what is stored for a saved tensor."""
+    if isinstance(kept, _Deferred):
+        kept = kept.value
+    return kept.tensors() if isinstance(kept, CompressedTensor) else [kept]
 
 
 class compress_saved:
@@ -328,6 +354,22 @@ class compress_saved:
 
     A tensor saved twice (a ReLU's output that the next Linear saves as its input) is compressed
     once: both saves get the same CompressedTensor, so backward reads one reconstruction.
+
+    **Op rules** (`op_rules`, on by default; torch >= 2, where autograd numbers its nodes): some
+    ops' backward passes are not linear in what they save, and compressing that damages training.
+    Fused scaled-dot-product attention recomputes its probabilities from the saved query, key and
+    logsumexp through exp(): those are stored at 8 bits at least (abp._save_rules;
+    docs/compressed-training.md has the measurements). To know the op, a tensor is stored when
+    the op saving it has saved everything: at the next op's first save, the block's end, or the
+    first read in backward, whichever comes first, so one op's saves are held as they are a
+    little longer. `floors` / `last_floors` map the index of a `bits_for` call whose width a
+    rule raised to that width (the controller counts it against its budget).
+
+    **Divergence guard** (`guard`: "warn", the default, "raise", or False): when backward ends,
+    the norm of the gradients of the parameters the block saw is recorded for that model; if it
+    is not finite, or the median of the last 20 steps exceeds 8 times the median of steps 5-24,
+    a `DivergenceWarning` (with "raise", a `DivergenceError`) says so once, naming this setting
+    and what to use instead. Norms are read on the host every 20 steps.
 
     After the block, `stats` holds the count and bytes of the activations saved, each distinct
     tensor counted once (parameters, their views and autocast copies are left out: the modules
@@ -347,6 +389,8 @@ class compress_saved:
         bits_for: Optional[Callable[[torch.Tensor], int]] = None,
         generator: Optional[torch.Generator] = None,
         exact_relu: bool = True,
+        op_rules: bool = True,
+        guard: Union[bool, str] = "warn",
     ) -> None:
         self.bits = _check_bits(bits)
         self.group_size = _check_group_size(group_size)
@@ -361,7 +405,18 @@ class compress_saved:
         self.bits_for = bits_for
         self.generator = generator
         self.exact_relu = bool(exact_relu)
+        self.op_rules = bool(op_rules)
+        if guard is True:
+            guard = "warn"
+        if guard not in (False, None, "warn", "raise"):
+            raise ValueError(f"guard: expected 'warn', 'raise' or False, got {guard!r}")
+        self.guard: Union[bool, str] = guard or False
+        #: What the guard's message calls this block.
+        self.label = f"abp.compress_saved(bits={self.bits})" if bits_for is None else "abp.compress_saved(bits_for=...)"
+        self._guarded: Optional[Dict[int, torch.Tensor]] = None
         self.stats: Dict[str, int] = {}
+        #: After a block: bits_for call index → the width an op's rule raised that tensor to.
+        self.last_floors: Dict[int, int] = {}
         self._hooks: Optional[Any] = None
         self._reset()
 
@@ -376,10 +431,18 @@ class compress_saved:
         # and blocks draw independent numbers.
         self._seed: Optional[int] = None
         self._offset = 0
+        # The saves of the op saving now, not yet stored, and that op's rule once it is known.
+        self._group: List[_Deferred] = []
+        self._group_sequence: Optional[int] = None
+        self._group_rule: Optional[Tuple[Any, _save_rules.Floors]] = None
+        # bits_for calls in this block, and those whose width an op's rule raised: index → floor.
+        self._choices = 0
+        self.floors: Dict[int, int] = {}
 
     def _choose(self, t: torch.Tensor) -> int:
         if self.bits_for is None:
             return self.bits
+        self._choices += 1
         bits = self.bits_for(t)
         if bits == 32:
             return 32
@@ -390,55 +453,127 @@ class compress_saved:
         return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version)
 
     def pack(self, t: torch.Tensor) -> Any:
-        """The saved_tensors_hooks pack hook: a CompressedTensor, or `t` itself if not eligible."""
+        """The saved_tensors_hooks pack hook: a `_Deferred` for a tensor to compress, `t` itself
+        for one kept as it is, or a CompressedTensor (a mask, or where ops are not told apart)."""
+        sequence = _save_rules.sequence_number() if self.op_rules else None
+        if self._group and sequence != self._group_sequence:
+            self._flush()  # the previous op has saved all it saves
+        self._group_sequence = sequence
+        if sequence is not None and t.grad_fn is not None and self._group_rule is None:
+            rule = _save_rules.rule_for(t.grad_fn)
+            if rule is not None and t.grad_fn._sequence_nr() == sequence - 1:  # the op saving now
+                self._group_rule = (t.grad_fn, rule)
+                for box in self._group:
+                    self._raise_to_floor(box)
         key = self._identity(t)
         seen = self._packed.get(key)
         # The same tensor object (a weak reference: memory freed and reused is another tensor).
         if seen is not None and seen[0]() is t:
-            memory.note_saved(seen[1].tensors() if seen[1] is not None else [t])
-            return seen[1] or t
-        result = self._pack_new(t)
-        memory.note_saved(result.tensors() if isinstance(result, CompressedTensor) else [t])
-        # Only the codes are kept here; a tensor stored as is is remembered by identity alone.
-        self._packed[key] = (weakref.ref(t), result if isinstance(result, CompressedTensor) else None)
+            kept = seen[1]
+            if isinstance(kept, _Deferred):
+                self._raise_to_floor(kept)
+                if kept.pending:
+                    return kept  # its bytes are noted when it is stored
+            memory.note_saved(_kept_tensors(kept) if kept is not None else [t])
+            return kept if kept is not None else t
+        result = self._pack_new(t, sequence is not None)
+        if not (isinstance(result, _Deferred) and result.pending):
+            memory.note_saved(_kept_tensors(result) if result is not t else [t])
+        # Only what replaces the tensor is kept here; a tensor kept as is is remembered by identity.
+        self._packed[key] = (weakref.ref(t), result if result is not t else None)
         return result
 
-    def _pack_new(self, t: torch.Tensor) -> Any:
-        if _is_parameter(t):
+    def _pack_new(self, t: torch.Tensor, defer: bool) -> Any:
+        parameter = _parameter_of(t)
+        if parameter is not None:
+            if self.guard and self._guarded is not None:
+                self._guarded.setdefault(id(parameter), parameter)
             return t  # kept by its module anyway: neither compressed nor counted in stats
         self.stats["tensors"] += 1
         self.stats["bytes_in"] += t.numel() * t.element_size()
         wanted = _compressible(t, self.min_numel) and (self.filter is None or bool(self.filter(t)))
         if wanted and t.dtype == torch.bool:
-            c = _pack_mask(t)
-        elif wanted and (bits := self._choose(t)) != 32:
-            if self._seed is None:
-                self._seed = draw_seed(self.generator)
-            c = _quantize(t, bits, self.group_size, self._seed, self._offset)
-            if self.exact_relu and t.grad_fn is not None and type(t.grad_fn).__name__ in _SUPPORT_PRODUCERS:
-                c.support = _pack_mask(t > 0)
-            # Stretches start on multiples of 8, where the kernels draw four elements per Philox call.
-            self._offset += (t.numel() + 7) // 8 * 8
-        else:
+            return self._count_compressed(_pack_mask(t))
+        bits = self._choose(t) if wanted else 32
+        if bits == 32:
+            return self._store(t, bits)
+        box = _Deferred(t, bits, self._choices - 1 if self.bits_for is not None else -1, memory.current_tags())
+        if not defer:  # ops are not told apart (torch 1.13): stored at once
+            box.value, box.pending = self._store(t, bits), False
+            return box
+        # Stored when the op saving it has saved everything (the next op's first save, the
+        # block's end or backward's first read): by then the op's rule is known.
+        self._group.append(box)
+        self._raise_to_floor(box)
+        return box
+
+    def _raise_to_floor(self, box: "_Deferred") -> None:
+        """Raises a pending tensor's width to the floor of the op saving it, if that op is known."""
+        if self._group_rule is None or not box.pending or box not in self._group:
+            return
+        node, rule = self._group_rule
+        floor = _save_rules.floor_of(box.value, node, rule)
+        if floor is not None and box.bits != 32 and box.bits < floor:
+            box.bits = floor
+            if box.choice >= 0:
+                self.floors[box.choice] = floor
+
+    def _store(self, t: torch.Tensor, bits: int) -> Any:
+        """`t` at `bits` (32: as it is), counted in stats."""
+        if bits == 32:
             # A tensor kept as it is costs its storage, once however many views of it are saved.
             storage = memory.storage_key(t)
             if storage not in self._raw_storages:
                 self._raw_storages.add(storage)
                 self.stats["bytes_stored"] += storage[2]
             return t
+        if self._seed is None:
+            self._seed = draw_seed(self.generator)
+        c = _quantize(t, bits, self.group_size, self._seed, self._offset)
+        if self.exact_relu and t.grad_fn is not None and type(t.grad_fn).__name__ in _SUPPORT_PRODUCERS:
+            c.support = _pack_mask(t > 0)
+        # Stretches start on multiples of 8, where the kernels draw four elements per Philox call.
+        self._offset += (t.numel() + 7) // 8 * 8
+        return self._count_compressed(c)
+
+    def _count_compressed(self, c: CompressedTensor) -> CompressedTensor:
         self.stats["compressed"] += 1
         self.stats["bytes_compressed"] += c.nbytes
         self.stats["bytes_stored"] += c.nbytes
         return c
 
-    @staticmethod
-    def unpack(saved: Any) -> torch.Tensor:
+    def _flush(self) -> None:
+        """Stores the pending tensors of the last op, in the order it saved them."""
+        group, self._group, self._group_rule = self._group, [], None
+        for box in group:
+            box.value = self._store(box.value, box.bits)
+            box.pending = False
+            memory.note_saved(_kept_tensors(box.value), box.tags)
+
+    def unpack(self, saved: Any) -> torch.Tensor:
         """The saved_tensors_hooks unpack hook."""
+        if self._guarded:
+            # Backward has begun: check the gradients of the parameters the block saw when it ends.
+            parameters, self._guarded = list(self._guarded.values()), None
+            _guard.after_backward(lambda: self._check_gradients(parameters))
+        if isinstance(saved, _Deferred):
+            if saved.pending:
+                self._flush()  # backward has begun: the forward's last op saved all it saves
+            saved = saved.value
         return dequantize(saved) if isinstance(saved, CompressedTensor) else saved
+
+    def _check_gradients(self, parameters: List[torch.Tensor]) -> None:
+        norm = _guard.gradient_norm(parameters)
+        if norm is None:
+            return
+        reason = _guard.watch_for(parameters[0]).record(norm)
+        if reason is not None:
+            _guard.alarm(self.guard, self.label, reason)
 
     def __enter__(self) -> "compress_saved":
         self.stats = {"tensors": 0, "compressed": 0, "bytes_in": 0, "bytes_stored": 0, "bytes_compressed": 0}
         self._reset()
+        self._guarded = {} if self.guard else None  # id → parameter, until backward reads the first save
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._hooks.__enter__()
         return self
@@ -447,4 +582,6 @@ class compress_saved:
         hooks, self._hooks = self._hooks, None
         assert hooks is not None
         hooks.__exit__(*exc)
+        self._flush()
+        self.last_floors = dict(self.floors)
         self._reset()  # the graph keeps what it saved; this block holds nothing after it

@@ -30,10 +30,11 @@ import heapq
 import math
 import numbers
 import operator
+import warnings
 from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import partial
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -64,25 +65,32 @@ def _lowering_cost(c: float, d: int, rung: int) -> float:
     return (_variance(c, low) - _variance(c, high)) / (d * (high - low))
 
 
-def _greedy(sensitivities: Sequence[float], numels: Sequence[int], budget: int) -> List[int]:
-    """The §6.3 greedy for an integer budget of Σ b·D bits; inputs already validated."""
+def _greedy(sensitivities: Sequence[float], numels: Sequence[int], budget: int,
+            minimum: Optional[Sequence[int]] = None, strict: bool = True) -> List[int]:
+    """The §6.3 greedy for an integer budget of Σ b·D bits; inputs already validated. No tensor
+    goes below its `minimum` width; when that leaves the budget out of reach, `strict` raises,
+    otherwise the allocation is every tensor at the fewest bits it may have."""
     # Clamp as GACT does: a NaN, an infinity or an absurd value means "very sensitive", and keeps
     # the heap's costs finite and comparable.
     c = [MAX_SENSITIVITY if not math.isfinite(v) or v > MAX_SENSITIVITY else v for v in sensitivities]
     rung = [0] * len(c)
     total = 32 * sum(numels)
     # (cost, index): equal costs are broken by the smaller index, so the result is deterministic.
-    heap = [(_lowering_cost(c[i], numels[i], 0), i) for i in range(len(c))]
+    low = [1] * len(c) if minimum is None else list(minimum)
+    heap = [(_lowering_cost(c[i], numels[i], 0), i) for i in range(len(c)) if RUNGS[1] >= low[i]]
     heapq.heapify(heap)
     while total > budget:
         if not heap:
-            raise ValueError(f"avg_bits: the budget of {budget} bits is below 1 bit per element")
+            if not strict:
+                break
+            raise ValueError(f"avg_bits: the budget of {budget} bits is below what the tensors' minimum "
+                             "widths need (1 bit per element, or an op's minimum)")
         _, i = heapq.heappop(heap)
         total -= numels[i] * (RUNGS[rung[i]] - RUNGS[rung[i] + 1])
         rung[i] += 1
         # The per-bit cost of the next rung down is never smaller than this one's (the ladder is
         # convex), so a tensor's rungs leave the heap in order and one entry per tensor suffices.
-        if rung[i] + 1 < len(RUNGS):
+        if rung[i] + 1 < len(RUNGS) and RUNGS[rung[i] + 1] >= low[i]:
             heapq.heappush(heap, (_lowering_cost(c[i], numels[i], rung[i]), i))
     return [RUNGS[r] for r in rung]
 
@@ -106,17 +114,21 @@ def _budget(avg_bits: float, total_numel: int) -> int:
     return math.floor(Fraction(avg_bits) * total_numel)
 
 
-def allocate_bits(sensitivities: Sequence[float], numels: Sequence[int], avg_bits: float) -> List[int]:
+def allocate_bits(sensitivities: Sequence[float], numels: Sequence[int], avg_bits: float,
+                  minimum_bits: Optional[Sequence[int]] = None) -> List[int]:
     """Bits per tensor, each in (32, 8, 4, 2, 1), by the greedy of ALGORITHMS.md §6.3.
 
     Starts with every tensor at 32 (raw); while Σ b_l·D_l > avg_bits·Σ D_l, lowers by one rung the
     tensor with the smallest [C/(2^{b'}−1)² − C/(2^b−1)²] / (D·(b − b')), ties going to the
     smaller index. The result never exceeds the budget; it may undershoot it, since the rungs are
-    coarse. Sensitivities that are NaN, infinite or above 1e10 count as 1e10.
+    coarse. Sensitivities that are NaN, infinite or above 1e10 count as 1e10. `minimum_bits`
+    (one of RUNGS per tensor) keeps a tensor at or above that width: the op rules of
+    ``compress_saved`` (fused attention's query, key and logsumexp need 8 bits).
 
     Raises TypeError or ValueError naming the argument for a sensitivity that is not a number or
     is negative, a numel that is not an int > 0, lengths that differ, or an avg_bits that is not a
-    positive number; ValueError if avg_bits < 1 (no allocation can meet it).
+    positive number; ValueError if avg_bits < 1 or below what the minimum widths need (no
+    allocation can meet it).
     """
     c: List[float] = []
     for i, v in enumerate(_as_list(sensitivities, "sensitivities")):
@@ -142,12 +154,20 @@ def allocate_bits(sensitivities: Sequence[float], numels: Sequence[int], avg_bit
         d.append(n)
     if len(c) != len(d):
         raise ValueError(f"numels: expected one per sensitivity ({len(c)}), got {len(d)}")
+    low: Optional[List[int]] = None
+    if minimum_bits is not None:
+        low = _as_list(minimum_bits, "minimum_bits")
+        if len(low) != len(c):
+            raise ValueError(f"minimum_bits: expected one per sensitivity ({len(c)}), got {len(low)}")
+        for i, b in enumerate(low):
+            if isinstance(b, bool) or not isinstance(b, int) or b not in RUNGS:
+                raise ValueError(f"minimum_bits[{i}]: expected one of {', '.join(map(str, RUNGS))}, got {b!r}")
     avg = _check_avg_bits(avg_bits, 0.0, low_inclusive=False)
     if not d:
         return []
     if avg < 1:
         raise ValueError(f"avg_bits: {avg_bits!r} is below 1 bit per element, which no allocation meets")
-    return _greedy(c, d, _budget(avg, sum(d)))
+    return _greedy(c, d, _budget(avg, sum(d)), low)
 
 
 def _as_list(values: Any, name: str) -> List[Any]:
@@ -372,6 +392,7 @@ class CompressionController:
         min_numel: int = 1024,
         filter: Optional[Callable[[torch.Tensor], bool]] = None,
         generator: Optional[torch.Generator] = None,
+        guard: Union[bool, str] = "warn",
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -392,13 +413,14 @@ class CompressionController:
         # support would spend a bit per element outside the budget, so the controller stores
         # ReLU outputs as plain codes; the probes measure the bias that costs like any other error.
         self._saver = compress_saved(self._initial, group_size, min_numel=min_numel, filter=filter,
-                                     bits_for=self._bits_for, generator=generator, exact_relu=False)
+                                     bits_for=self._bits_for, generator=generator, exact_relu=False, guard=guard)
+        self._saver.label = f"abp.CompressionController(avg_bits={avg:g})"
         # Replays draw their quantisation seeds here, never from torch's default generator: a draw
         # there would shift the dropout masks of the layers after the probed tensor.
         self._replay_generator = torch.Generator()
         self._replay_saver = compress_saved(self._initial, group_size, min_numel=min_numel, filter=filter,
                                             bits_for=self._bits_for, generator=self._replay_generator,
-                                            exact_relu=False)
+                                            exact_relu=False, guard=False)
 
         self._bits: Dict[TensorKey, int] = {}
         self._numels: Dict[TensorKey, int] = {}
@@ -408,6 +430,9 @@ class CompressionController:
         self._next_probe = 0
         self._stats: Dict[str, int] = {}
         self._last_seen: Dict[TensorKey, int] = {}
+        # Keys an op rule of compress_saved stores at more bits than asked: key → fewest bits.
+        self._floors: Dict[TensorKey, int] = {}
+        self._order: List[TensorKey] = []
 
         # Per-step state.
         self._active = False
@@ -507,6 +532,7 @@ class CompressionController:
         self._counts[ident] = index + 1
         key = TensorKey(path, shape, t.dtype, index)
         self._seen[key] = t.numel()
+        self._order.append(key)
         if self._replaying:
             return 1 if key == self._target else 32
         return self._bits.get(key, self._initial)
@@ -518,7 +544,7 @@ class CompressionController:
             raise RuntimeError("CompressionController: used after remove()")
         if self._active:
             raise RuntimeError("CompressionController: `with controller:` blocks cannot nest")
-        self._stack, self._counts, self._seen, self._calls = [], {}, {}, []
+        self._stack, self._counts, self._seen, self._calls, self._order = [], {}, {}, [], []
         self._probing = self._step >= self._next_probe
         if self._probing:
             self._install_recorder()
@@ -538,6 +564,10 @@ class CompressionController:
             self._active = False
             self._stats = dict(self._saver.stats)
             self._last_seen = dict(self._seen)
+            # Widths the op rules raised (compress_saved's floors), kept for the allocations.
+            for index, floor in self._saver.last_floors.items():
+                key = self._order[index]
+                self._floors[key] = max(self._floors.get(key, 1), floor)
             probing = self._probing
             self._uninstall_recorder()
         if exc_type is not None:
@@ -645,13 +675,24 @@ class CompressionController:
 
         fixed = [k for k in step_keys if k not in replayed]
         total = sum(step_keys.values())
-        # Unprobed keys keep the initial width (≤ avg_bits), so what is left per probed element is
-        # at least avg_bits ≥ 1: the greedy always finds an allocation.
-        budget = _budget(self._avg_bits, total) - sum(self._initial * step_keys[k] for k in fixed)
-        widths = _greedy([sensitivity[k] for k in probed], [step_keys[k] for k in probed], budget) if probed else []
+
+        def least(k: TensorKey) -> int:  # the fewest bits an op rule allows for k
+            return self._floors.get(k, 1)
+
+        # Unprobed keys keep the initial width (≤ avg_bits, or their op's minimum); the probed
+        # ones share what is left, none below its op's minimum.
+        budget = _budget(self._avg_bits, total) - sum(max(self._initial, least(k)) * step_keys[k] for k in fixed)
+        widths = _greedy([sensitivity[k] for k in probed], [step_keys[k] for k in probed], budget,
+                         [least(k) for k in probed], strict=False) if probed else []
         allocated = dict(zip(probed, widths))
-        self._bits = {k: allocated.get(k, self._initial) for k in step_keys}
+        self._bits = {k: allocated.get(k, max(self._initial, least(k))) for k in step_keys}
         self._numels = dict(step_keys)
+        over = sum(b * step_keys[k] for k, b in self._bits.items()) - _budget(self._avg_bits, total)
+        if over > 0:
+            warnings.warn(
+                f"CompressionController(avg_bits={self._avg_bits:g}): the op rules' minimum widths "
+                f"(fused attention's query, key and logsumexp at 8 bits) exceed the budget; the "
+                f"allocation averages {self.average_bits():.2f} bits per element", RuntimeWarning, stacklevel=3)
         self._sensitivity = sensitivity
         self._estimates += 1
 

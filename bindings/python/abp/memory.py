@@ -54,16 +54,16 @@ class SavedTensorsCounter:
         self._hooks: Optional[Any] = None
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        self._note(t)
+        self._note(t, self.tag)
         return t
 
-    def _note(self, t: torch.Tensor) -> None:
+    def _note(self, t: torch.Tensor, tag: Optional[str]) -> None:
         try:
             device, ptr, nbytes = storage_key(t)
         except RuntimeError:
             # A tensor without data (torch.compile's fake tensors while it traces): nothing is stored.
             return
-        self.tensors.append(SavedTensor(tuple(t.shape), t.dtype, device, nbytes, ptr, self.tag))
+        self.tensors.append(SavedTensor(tuple(t.shape), t.dtype, device, nbytes, ptr, tag))
 
     @staticmethod
     def _unpack(t: torch.Tensor) -> torch.Tensor:
@@ -97,12 +97,22 @@ class SavedTensorsCounter:
 _active: List[SavedTensorsCounter] = []
 
 
-def note_saved(kept: Sequence[torch.Tensor]) -> None:
+Tags = Tuple[Tuple[SavedTensorsCounter, Optional[str]], ...]
+
+
+def current_tags() -> Tags:
+    """The counters active now with their tags: what a pack hook that decides later how to store
+    a tensor passes to `note_saved` then, so the save is counted where it happened."""
+    return tuple((counter, counter.tag) for counter in _active)
+
+
+def note_saved(kept: Sequence[torch.Tensor], tags: Optional[Tags] = None) -> None:
     """Called by a saved-tensors pack hook that runs inside a SavedTensorsCounter (and so hides
-    the saves from it): records `kept`, the tensors it stores for one saved tensor."""
-    for counter in _active:
+    the saves from it): records `kept`, the tensors it stores for one saved tensor, in the
+    counters of `tags` (from `current_tags` at the save), by default those active now."""
+    for counter, tag in current_tags() if tags is None else tags:
         for t in kept:
-            counter._note(t)
+            counter._note(t, tag)
 
 
 def distinct_bytes(saved: List[SavedTensor]) -> int:

@@ -1,0 +1,297 @@
+"""Two small real training tasks whose data ships with what scripts/test installs (no downloads).
+
+* **digits**: scikit-learn's 1,797 8x8 handwritten digits (the CSV inside Debian's
+  python3-sklearn, read with numpy: the torch 2.x venv need not import scikit-learn), as 16
+  patches of 2x2 pixels, classified by a pre-LN transformer (2 blocks, d 64, 4 heads,
+  torch.nn.MultiheadAttention, GELU MLP). A fixed split: 1,437 to train, 360 to test.
+* **charlm**: a byte-level language model of the Python standard library's own source (the
+  interpreter's ``*.py`` files in sorted order; the first 600 kB to train, the next 60 kB to
+  validate), with a LLaMA-style model (2 blocks, d 64, RMSNorm, rotary positions, causal
+  scaled-dot-product attention, SwiGLU MLP).
+
+`train(task, setting, seed, ...)` trains one model and returns its final metrics, the saved
+activation bytes of a step (as stored, and as they were), the mean step time and the gradient
+norm trace. A setting is one of `SETTINGS`: exact training, or a way to compress what autograd
+saves. bench/bench_compressed_training.py runs the full comparison; tests/python/
+test_compressed_training.py a CI-sized one.
+"""
+from __future__ import annotations
+
+import contextlib
+import gzip
+import importlib.util
+import math
+import sysconfig
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import abp
+
+# Debian's python3-sklearn (scripts/lib/common.sh installs it); any importable scikit-learn first.
+_DEBIAN_SKLEARN = Path("/usr/lib/python3/dist-packages/sklearn")
+
+
+def _sklearn_data(name: str) -> Path:
+    spec = importlib.util.find_spec("sklearn")
+    roots = [Path(p) for p in (spec.submodule_search_locations or [])] if spec is not None else []
+    for root in roots + [_DEBIAN_SKLEARN]:
+        path = root / "datasets" / "data" / name
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"{name}: scikit-learn's data file was not found (install python3-sklearn)")
+
+
+def digits() -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x_train, y_train, x_test, y_test): x as (N, 16, 4) patches scaled to [-1, 1]."""
+    with gzip.open(_sklearn_data("digits.csv.gz"), "rt") as f:
+        table = np.loadtxt(f, delimiter=",", dtype=np.float32)
+    x = torch.from_numpy(table[:, :64]).reshape(-1, 8, 8) / 16.0
+    x = (x - 0.5) / 0.5
+    x = x.reshape(-1, 4, 2, 4, 2).permute(0, 1, 3, 2, 4).reshape(-1, 16, 4)  # 2x2 patches, row-major
+    y = torch.from_numpy(table[:, 64]).long()
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    test, train = perm[:360], perm[360:]
+    return x[train], y[train], x[test], y[test]
+
+
+def python_source(train_bytes: int = 600_000, val_bytes: int = 60_000) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The standard library's source as bytes: (train, validation), uint8 → int64 tensors."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    chunks, total = [], 0
+    for path in sorted(stdlib.glob("*.py")):
+        data = path.read_bytes()
+        chunks.append(data)
+        total += len(data)
+        if total >= train_bytes + val_bytes:
+            break
+    text = np.frombuffer(b"".join(chunks)[: train_bytes + val_bytes], dtype=np.uint8)
+    if len(text) < train_bytes + val_bytes:
+        raise RuntimeError(f"{stdlib}: fewer than {train_bytes + val_bytes} bytes of Python source")
+    data = torch.from_numpy(text.astype(np.int64))
+    return data[:train_bytes], data[train_bytes:]
+
+
+# ---------------------------------------------------------------------------------------------
+# Models.
+
+
+class PatchTransformer(nn.Module):
+    """A pre-LN ViT-style classifier of digit patches."""
+
+    class Block(nn.Module):
+        def __init__(self, d: int, heads: int) -> None:
+            super().__init__()
+            self.ln1 = nn.LayerNorm(d)
+            self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+            self.ln2 = nn.LayerNorm(d)
+            self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.ln1(x)
+            x = x + self.attn(h, h, h, need_weights=False)[0]
+            return x + self.mlp(self.ln2(x))
+
+    def __init__(self, d: int = 64, heads: int = 4, blocks: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, d)
+        self.pos = nn.Parameter(torch.randn(1, 16, d) * 0.02)
+        self.blocks = nn.ModuleList([self.Block(d, heads) for _ in range(blocks)])
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) + self.pos
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.ln(h).mean(dim=1))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    if hasattr(F, "scaled_dot_product_attention"):  # torch >= 2: the fused kernels
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    n = q.shape[-2]
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    mask = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+    return scores.masked_fill(mask, float("-inf")).softmax(-1) @ v
+
+
+class TinyLlama(nn.Module):
+    """A LLaMA-style byte-level language model."""
+
+    class Block(nn.Module):
+        def __init__(self, d: int, heads: int) -> None:
+            super().__init__()
+            self.heads = heads
+            self.attn_norm = RMSNorm(d)
+            self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+            self.mlp_norm = RMSNorm(d)
+            self.gate, self.up = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, 3 * d, bias=False)
+            self.down = nn.Linear(3 * d, d, bias=False)
+            self.act = nn.SiLU()
+
+        def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+            b, n, d = x.shape
+            h = self.attn_norm(x)
+            q, k, v = (p(h).view(b, n, self.heads, d // self.heads).transpose(1, 2) for p in (self.q, self.k, self.v))
+            a = _causal_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v)
+            x = x + self.o(a.transpose(1, 2).reshape(b, n, d))
+            h = self.mlp_norm(x)
+            return x + self.down(self.act(self.gate(h)) * self.up(h))
+
+    def __init__(self, vocab: int = 256, d: int = 64, heads: int = 4, blocks: int = 2, context: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList([self.Block(d, heads) for _ in range(blocks)])
+        self.norm = RMSNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        hd = d // heads
+        freq = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
+        angles = torch.outer(torch.arange(context).float(), freq)
+        self.register_buffer("cos", torch.cat((angles, angles), -1).cos(), persistent=False)
+        self.register_buffer("sin", torch.cat((angles, angles), -1).sin(), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        n = tokens.shape[1]
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h, self.cos[:n], self.sin[:n])
+        return self.head(self.norm(h))
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings: what happens to the saved activations.
+
+#: name → how to wrap each step: exact, compress_saved at a width (op rules on, or off to show
+#: what they prevent), or the adaptive controller.
+SETTINGS = ("exact", "compress-8", "compress-4", "compress-2", "compress-2-no-rules", "controller-2")
+
+
+def _step_context(setting: str, model: nn.Module) -> Callable[[], Any]:
+    if setting == "exact":
+        return contextlib.nullcontext
+    if setting.startswith("controller-"):
+        controller = abp.CompressionController(model, avg_bits=float(setting.split("-")[1]), interval=100)
+        return lambda: controller
+    if setting.startswith("compress-"):
+        parts = setting.split("-")
+        bits, rules = int(parts[1]), not setting.endswith("no-rules")
+        return lambda: abp.compress_saved(bits=bits, op_rules=rules)
+    raise ValueError(f"setting: expected one of {', '.join(SETTINGS)}, got {setting!r}")
+
+
+def _grad_norm(model: nn.Module) -> float:
+    norms = [p.grad.detach().norm() for p in model.parameters() if p.grad is not None]
+    return float(torch.norm(torch.stack(norms)))
+
+
+def train(task: str, setting: str, seed: int, *, steps: Optional[int] = None, log_every: int = 10) -> Dict[str, Any]:
+    """Trains `task` ("digits" or "charlm") under `setting` from `seed`; returns its metrics.
+
+    digits: AdamW lr 1e-3, batch 64, `steps` (default 12 epochs = 276 steps); metric test accuracy.
+    charlm: AdamW lr 3e-3, batch 32 of 64 bytes, `steps` (default 600); metric validation loss
+    (nats per byte) over 64 fixed windows.
+    """
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(1000 + seed)  # batches
+    if task == "digits":
+        xtr, ytr, xte, yte = digits()
+        model: nn.Module = PatchTransformer()
+        lr, batch, total = 1e-3, 64, steps if steps is not None else 276
+
+        def batches() -> Any:
+            while True:
+                order = torch.randperm(len(ytr), generator=gen)
+                for i in range(0, len(ytr) - batch + 1, batch):
+                    idx = order[i:i + batch]
+                    yield xtr[idx], ytr[idx]
+
+        def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(out, y)
+
+        def evaluate() -> Dict[str, float]:
+            with torch.no_grad():
+                return {"test_accuracy": float((model(xte).argmax(1) == yte).float().mean())}
+    elif task == "charlm":
+        train_text, val_text = python_source()
+        context, batch = 64, 32
+        model = TinyLlama(context=context)
+        lr, total = 3e-3, steps if steps is not None else 600
+
+        def batches() -> Any:
+            while True:
+                starts = torch.randint(0, len(train_text) - context - 1, (batch,), generator=gen)
+                window = torch.stack([train_text[s:s + context + 1] for s in starts.tolist()])
+                yield window[:, :-1], window[:, 1:]
+
+        def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+        starts = torch.linspace(0, len(val_text) - context - 2, 64).long().tolist()
+        val = torch.stack([val_text[s:s + context + 1] for s in starts])
+
+        def evaluate() -> Dict[str, float]:
+            with torch.no_grad():
+                return {"val_loss": float(loss_of(model(val[:, :-1]), val[:, 1:]))}
+    else:
+        raise ValueError(f"task: expected 'digits' or 'charlm', got {task!r}")
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    context_of = _step_context(setting, model)
+    trace: List[List[float]] = []
+    saved_bytes = 0
+    seconds = 0.0
+    losses: List[float] = []
+    data = batches()
+    model.train()
+    for step in range(total):
+        x, y = next(data)
+        last = step == total - 1
+        # The last step counts what autograd keeps (abp.memory's accounting: compressed codes
+        # as stored, each storage once, parameters and buffers left out).
+        counter = abp.memory.SavedTensorsCounter() if last else contextlib.nullcontext()
+        start = time.perf_counter()
+        with counter, context_of():
+            loss = loss_of(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+        seconds += time.perf_counter() - start
+        if step % log_every == 0 or last:
+            trace.append([step, _grad_norm(model)])
+        if last:
+            kept = {abp.memory.storage_key(t)[:2] for t in list(model.parameters()) + list(model.buffers())}
+            saved_bytes = abp.memory.distinct_bytes(
+                [s for s in counter.tensors if (s.device, s.storage_ptr) not in kept])
+        opt.step()
+        losses.append(float(loss.detach()))
+    model.eval()
+    result: Dict[str, Any] = {"task": task, "setting": setting, "seed": seed, "steps": total}
+    result.update(evaluate())
+    tail = losses[-max(1, total // 10):]
+    result["train_loss_tail"] = sum(tail) / len(tail)
+    result["saved_bytes"] = saved_bytes
+    result["step_ms"] = 1000 * seconds / total
+    result["grad_norm_trace"] = trace
+    result["grad_norm_max"] = max(g for _, g in trace)
+    return result

@@ -1,0 +1,118 @@
+"""The divergence guard of compressed training: watches the gradient norm, warns when it runs away.
+
+Compression that damages the backward pass does not fail loudly: the loss stalls while the norm
+of the gradient grows step after step (from about 2 to 10^6 in 250 steps on a real task,
+docs/compressed-training.md), and the user gets a silently worse model. Exact training keeps its
+gradient norm within a small factor of where it settled after the first steps. The guard compares
+the two: after backward, the norm of the gradients of the parameters the compressed block saw;
+its reference is the median over steps `skip`..`skip + window`; it alarms when a norm is not
+finite or when the median of the last `window` steps exceeds `factor` times the reference.
+
+The norms stay on the device and are read every `window` steps (one host sync then). A watch
+belongs to a model (found by the first parameter a block sees), so a new ``compress_saved`` per
+step shares it.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import warnings
+import weakref
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+__all__ = ["DivergenceError", "DivergenceWarning", "GradientWatch"]
+
+
+class DivergenceWarning(RuntimeWarning):
+    """Compressed training's gradient norm is running away (see abp.compress_saved's `guard`)."""
+
+
+class DivergenceError(RuntimeError):
+    """Raised instead of a DivergenceWarning with ``guard="raise"``."""
+
+
+class GradientWatch:
+    """The gradient-norm history of one model under compressed training, and the alarm rule."""
+
+    def __init__(self, *, skip: int = 5, window: int = 20, factor: float = 8.0) -> None:
+        self.skip, self.window, self.factor = skip, window, factor
+        self.norms: List[float] = []  # one per step, read from the device every `window` steps
+        self._pending: List[torch.Tensor] = []
+        self.reference: Optional[float] = None
+        self.alarmed = False
+
+    def record(self, norm: torch.Tensor) -> Optional[str]:
+        """Adds one step's gradient norm (a 0-d tensor); returns the alarm's reason, once."""
+        self._pending.append(norm.detach())
+        if len(self._pending) < self.window:
+            return None
+        return self.add([float(v) for v in torch.stack(self._pending).cpu().tolist()])
+
+    def add(self, norms: Iterable[float]) -> Optional[str]:
+        """Adds gradient norms read on the host; returns the alarm's reason, once."""
+        self._pending = []
+        for value in norms:
+            self.norms.append(value)
+            reason = self._check()
+            if reason is not None and not self.alarmed:
+                self.alarmed = True
+                return reason
+        return None
+
+    def _check(self) -> Optional[str]:
+        step, value = len(self.norms) - 1, self.norms[-1]
+        if not math.isfinite(value):
+            return f"the gradient norm is {value} at step {step}"
+        start = self.skip
+        if self.reference is None and len(self.norms) >= start + self.window:
+            self.reference = statistics.median(self.norms[start:start + self.window])
+        if self.reference is None or len(self.norms) < start + 2 * self.window:
+            return None
+        recent = statistics.median(self.norms[-self.window:])
+        if recent > self.factor * self.reference:
+            return (f"the gradient norm grew from {self.reference:.3g} (median of steps {start}-"
+                    f"{start + self.window - 1}) to {recent:.3g} (median of steps {step - self.window + 1}-{step})")
+        return None
+
+
+# One watch per model: keyed by the first parameter a compressed block sees (by identity: a
+# tensor's == is elementwise), dropped with it.
+_watches: Dict[int, Tuple["weakref.ref[torch.Tensor]", GradientWatch]] = {}
+
+
+def watch_for(parameter: torch.Tensor) -> GradientWatch:
+    key = id(parameter)
+    entry = _watches.get(key)
+    if entry is None or entry[0]() is not parameter:
+        entry = _watches[key] = (weakref.ref(parameter, lambda _, key=key: _watches.pop(key, None)), GradientWatch())
+    return entry[1]
+
+
+def gradient_norm(parameters: Iterable[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The 2-norm of the gradients of `parameters` (those that have one), on their device."""
+    grads = [p.grad.detach() for p in parameters if p.grad is not None]
+    if not grads:
+        return None
+    devices = {g.device for g in grads}
+    device = grads[0].device if len(devices) == 1 else torch.device("cpu")
+    return torch.norm(torch.stack([g.float().norm().to(device) for g in grads]))
+
+
+def after_backward(callback: Callable[[], Any]) -> bool:
+    """Runs `callback` when the backward pass running now ends; False outside backward."""
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
+    except RuntimeError:
+        return False
+    return True
+
+
+def alarm(mode: str, who: str, reason: str) -> None:
+    message = (f"{who}: {reason}, as compressed training that diverges does. Store the saved "
+               "activations at more bits (bits=4 or 8), or use abp.CompressionController, which keeps "
+               "the tensors whose compression hurts wide; guard=False silences this check")
+    if mode == "raise":
+        raise DivergenceError(message)
+    warnings.warn(message, DivergenceWarning, stacklevel=2)

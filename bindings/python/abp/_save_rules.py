@@ -1,0 +1,80 @@
+"""Per-op rules for compressed saved tensors: the fewest bits each op's saves may be stored at.
+
+Stochastic rounding is unbiased, so a gradient stays unbiased where backward uses the saved
+tensor linearly: a matmul's inputs, a product's factors, a mask. Fused scaled-dot-product
+attention (torch >= 2: the flash, memory-efficient, cuDNN and CPU flash kernels) does not: its
+backward recomputes the attention probabilities P = exp(q kᵀ · scale − lse) from the saved query,
+key and row logsumexp. An error in any of the three enters through exp(), so it biases P
+multiplicatively and P's rows no longer sum to one; on a real task 2-bit codes for them make
+training diverge (docs/compressed-training.md has the measurements). The value and the output
+enter linearly (dV = Pᵀ dO, and D = rowsum(dO ∘ O)), and stay at the bits asked for.
+
+A rule is found from the op's autograd node. An op saves its inputs before it runs and its
+outputs after, so `compress_saved` holds one op's saves until the op is known (see there): a
+saved output whose grad_fn is the node reveals it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+import torch
+
+#: The fewest bits for what fused attention recomputes its probabilities from (query, key,
+#: logsumexp). 8 bits is the narrowest width measured to train as exact training does.
+FUSED_ATTENTION_MIN_BITS = 8
+
+
+@dataclass(frozen=True)
+class Floors:
+    """Minimum bits for what one op saves; None: any width.
+
+    `inputs[i]` is for the op's i-th input (its node's i-th next function); `outputs` for the
+    op's differentiable outputs; `other` for the rest (outputs that carry no gradient, such as a
+    logsumexp, and inputs that cannot be matched to a position).
+    """
+
+    inputs: Tuple[Optional[int], ...]
+    outputs: Optional[int]
+    other: Optional[int]
+
+
+_FUSED_ATTENTION = Floors(inputs=(FUSED_ATTENTION_MIN_BITS, FUSED_ATTENTION_MIN_BITS, None),
+                          outputs=None, other=FUSED_ATTENTION_MIN_BITS)
+
+
+def rule_for(node: Any) -> Optional[Floors]:
+    """The floors of the op whose autograd node is `node`, or None if it has none."""
+    name = type(node).__name__
+    # ScaledDotProduct{Flash,FlashAttentionForCpu,Efficient,Cudnn,FusedAttentionOverrideable}...Backward0
+    if name.startswith("ScaledDotProduct") and "Attention" in name:
+        return _FUSED_ATTENTION
+    return None
+
+
+def _is_input(t: torch.Tensor, edge: Tuple[Any, int]) -> bool:
+    fn, output_nr = edge
+    if fn is None:
+        return False
+    if t.grad_fn is not None:
+        return t.grad_fn is fn and t.output_nr == output_nr
+    return getattr(fn, "variable", None) is t  # a leaf's AccumulateGrad
+
+
+def floor_of(t: torch.Tensor, node: Any, floors: Floors) -> Optional[int]:
+    """The floor for `t`, one of the tensors the op of `node` saved."""
+    if t.grad_fn is node:
+        return floors.outputs
+    for i, edge in enumerate(node.next_functions):
+        if _is_input(t, edge):
+            return floors.inputs[i] if i < len(floors.inputs) else floors.other
+    return floors.other
+
+
+def sequence_number() -> Optional[int]:
+    """The autograd node counter of this thread: an op's node takes the current value, so every
+    save an op makes (inputs before it runs, outputs after) sees the same count, and its node's
+    sequence number is that count minus one. None where torch lacks it (1.13): ops are not told
+    apart and no rule applies."""
+    get = getattr(torch._C._autograd, "_get_sequence_nr", None)
+    return get() if get is not None else None

@@ -1,0 +1,236 @@
+"""compress_saved's op rules (fused attention's query, key and logsumexp at 8 bits at least), the
+controller's allocation under those minimum widths, and the divergence guard.
+
+The rules need autograd's node numbers (torch >= 2) and fused attention; those tests are skipped
+on torch 1.13. The guard and allocation tests run in both lanes.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import List, Tuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import abp
+import abp.compress as C
+from abp import _guard, _save_rules
+from abp.controller import allocate_bits
+from abp_reference import library_or_skip
+
+needs_rules = pytest.mark.skipif(
+    _save_rules.sequence_number() is None or not hasattr(F, "scaled_dot_product_attention"),
+    reason="op rules need torch >= 2 (autograd node numbers, fused attention)")
+
+
+def _attention_inputs(seed: int = 0) -> Tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    base = [torch.randn(4, 4, 32, 16, generator=g, requires_grad=True) for _ in range(3)]
+    return tuple(base) + tuple(t * 1.0 for t in base)  # the leaves, then non-leaf views of them
+
+
+def _saved_widths(op_rules: bool) -> List[Tuple[str, int]]:
+    """(what, stored width) for each tensor fused attention saves under compress_saved(bits=2)."""
+    library_or_skip()
+    _, _, _, q, k, v = _attention_inputs()
+    asked: List[torch.Tensor] = []
+
+    def bits_for(t: torch.Tensor) -> int:
+        asked.append(t)
+        return 2
+
+    with C.compress_saved(bits=2, bits_for=bits_for, min_numel=1, op_rules=op_rules) as block:
+        out = F.scaled_dot_product_attention(q, k, v)
+    floors = block.last_floors
+    names = []
+    for i, t in enumerate(asked):
+        what = ("query" if t is q else "key" if t is k else "value" if t is v else
+                "output" if t.grad_fn is out.grad_fn else "logsumexp" if t.dim() == 3 else "other")
+        names.append((what, floors.get(i, 2)))
+    out.sum().backward()
+    return sorted(names)
+
+
+@needs_rules
+def test_fused_attention_keeps_query_key_and_logsumexp_at_eight_bits() -> None:
+    widths = dict(_saved_widths(op_rules=True))
+    assert widths.get("query") == 8 and widths.get("key") == 8
+    assert widths.get("value") == 2 and widths.get("output") == 2
+    # The CPU flash kernel saves its row logsumexp; the math fallback saves none.
+    assert widths.get("logsumexp", 8) == 8
+
+
+@needs_rules
+def test_without_op_rules_every_tensor_gets_the_bits_asked() -> None:
+    assert all(bits == 2 for _, bits in _saved_widths(op_rules=False))
+
+
+@needs_rules
+def test_the_floors_are_stored_and_the_gradient_stays_close() -> None:
+    """Stored bytes are those of the raised widths; the gradient of q through 8-bit q/k/lse and 2-bit
+    v/out stays close to exact, where 2 bits on everything is far off (the damage of exp())."""
+    library_or_skip()
+
+    def grads(**kw) -> Tuple[List[torch.Tensor], dict]:
+        torch.manual_seed(3)
+        q0, k0, v0, q, k, v = _attention_inputs(1)
+        ctx = C.compress_saved(bits=2, min_numel=1, **kw) if kw else None
+        if ctx is None:
+            out = F.scaled_dot_product_attention(q, k, v)
+            stats = {}
+        else:
+            with ctx as block:
+                out = F.scaled_dot_product_attention(q, k, v)
+            stats = dict(block.stats)
+        (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
+        return [q0.grad, k0.grad, v0.grad], stats
+
+    exact, _ = grads()
+    ruled, stats = grads(op_rules=True)
+    unruled, _ = grads(op_rules=False)
+
+    def rel(a: List[torch.Tensor]) -> float:
+        return float(torch.norm(torch.cat([(x - y).flatten() for x, y in zip(a, exact)])) /
+                     torch.norm(torch.cat([y.flatten() for y in exact])))
+
+    assert rel(ruled) < 0.5 * rel(unruled)
+    # bytes: q, k (8 bits), v, out (2 bits), lse (8 bits), each with fp32 (min, scale) per 256.
+    n, rows = 4 * 4 * 32 * 16, 4 * 4 * 32
+
+    def stored(numel: int, bits: int) -> int:
+        groups = -(-numel // 256)
+        return 8 * groups + -(-bits * numel // 8)
+
+    lse = stored(rows, 8) if stats["compressed"] == 5 else 0
+    assert stats["bytes_compressed"] == 2 * stored(n, 8) + 2 * stored(n, 2) + lse
+
+
+@needs_rules
+def test_a_floor_applies_to_the_op_that_saves_not_to_later_ones() -> None:
+    """The op after attention (a product saving its inputs) keeps the asked width."""
+    library_or_skip()
+    _, _, _, q, k, v = _attention_inputs()
+    w = torch.randn(4, 4, 32, 16, requires_grad=True)
+    asked: List[torch.Tensor] = []
+    with C.compress_saved(bits=2, bits_for=lambda t: asked.append(t) or 2, min_numel=1) as block:
+        out = F.scaled_dot_product_attention(q, k, v)
+        y = out * w
+    raised = {i for i in block.last_floors}
+    later = [i for i, t in enumerate(asked) if t is out or t is w]
+    assert later and not raised & set(later)
+    y.sum().backward()
+
+
+@needs_rules
+def test_controller_counts_the_floors_against_its_budget() -> None:
+    library_or_skip()
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = nn.Linear(32, 96)
+            self.out = nn.Linear(32, 32)
+            self.mlp = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, n, _ = x.shape
+            q, k, v = self.qkv(x).view(b, n, 3, 2, 16).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, 32)
+            h = x + self.out(a)
+            return h + self.mlp(h)
+
+    torch.manual_seed(0)
+    model = Attention()
+    controller = abp.CompressionController(model, avg_bits=2, interval=1, min_numel=1)
+    for _ in range(2):
+        x = torch.randn(8, 32, 32)
+        with controller:
+            model(x).pow(2).mean().backward()
+    bits = controller.bits
+    assert controller.average_bits() <= 2 + 1e-9
+    floored = controller._floors  # the keys of q, k (and the CPU flash kernel's logsumexp)
+    assert len(floored) >= 2 and all(bits[k] >= 8 for k in floored)
+    assert any(b <= 2 for b in bits.values())
+
+
+def test_allocate_bits_respects_minimum_widths_and_the_budget() -> None:
+    c, d = [1.0, 1.0, 100.0, 0.01], [100, 100, 100, 100]
+    bits = allocate_bits(c, d, 3.0, minimum_bits=[8, 1, 1, 1])
+    assert bits[0] >= 8 and sum(b * n for b, n in zip(bits, d)) <= 3 * sum(d)
+    free = allocate_bits(c, d, 3.0)
+    assert free[0] < 8
+    with pytest.raises(ValueError, match="minimum widths"):
+        allocate_bits(c, d, 2.0, minimum_bits=[8, 8, 1, 1])
+    with pytest.raises(ValueError, match=r"minimum_bits\[1\]: expected one of 32, 8, 4, 2, 1, got 3"):
+        allocate_bits(c, d, 3.0, minimum_bits=[8, 3, 1, 1])
+    with pytest.raises(ValueError, match=r"minimum_bits: expected one per sensitivity \(4\), got 2"):
+        allocate_bits(c, d, 3.0, minimum_bits=[8, 1])
+
+
+# ---------------------------------------------------------------------------------------------------
+# The divergence guard.
+
+
+def test_watch_is_quiet_on_a_steady_norm_and_alarms_once_on_growth_or_nan() -> None:
+    steady = _guard.GradientWatch()
+    assert steady.add([2.0 + 0.5 * math.sin(i) for i in range(400)]) is None
+    growing = _guard.GradientWatch()
+    reason = growing.add([2.0 * 1.05 ** i for i in range(200)])
+    assert reason is not None and "grew from" in reason and "median of steps 5-24" in reason
+    assert growing.add([1e9] * 40) is None  # once
+    nan = _guard.GradientWatch()
+    assert "is nan at step 3" in nan.add([1.0, 1.0, 1.0, float("nan")])
+    # A norm that settles lower (fine-tuning) or grows 5-fold stays quiet.
+    assert _guard.GradientWatch().add([10.0] * 25 + [1.0] * 100 + [5.0] * 100) is None
+
+
+def test_record_reads_the_device_every_window_steps() -> None:
+    watch = _guard.GradientWatch(window=4)
+    for i in range(3):
+        assert watch.record(torch.tensor(1.0)) is None
+    assert watch.norms == []
+    watch.record(torch.tensor(1.0))
+    assert watch.norms == [1.0] * 4
+
+
+def _blow_up_training(guard) -> int:
+    """A model whose gradients grow 10 % a step (a hook scales them), trained under a fresh
+    compress_saved per step; returns the step the guard raised at (or -1)."""
+    library_or_skip()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8))
+    scale = [1.0]
+    for p in model.parameters():
+        p.register_hook(lambda g: g * scale[0])
+    x = torch.randn(64, 64)
+    for step in range(200):
+        scale[0] *= 1.1
+        with C.compress_saved(bits=8, guard=guard):
+            loss = model(x).pow(2).mean()
+            model.zero_grad()
+            try:
+                loss.backward()
+            except abp.DivergenceError as e:
+                assert "abp.compress_saved(bits=8): the gradient norm grew from" in str(e)
+                assert "CompressionController" in str(e) and "guard=False" in str(e)
+                return step
+    return -1
+
+
+def test_guard_raises_when_training_blows_up() -> None:
+    step = _blow_up_training("raise")
+    assert 40 <= step < 120  # 8-fold growth at 10 % a step: ~22 steps past the reference window
+
+
+def test_guard_warns_by_default_and_can_be_turned_off() -> None:
+    library_or_skip()
+    with pytest.warns(abp.DivergenceWarning, match="the gradient norm grew"):
+        _blow_up_training("warn")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", abp.DivergenceWarning)
+        assert _blow_up_training(False) == -1
+    with pytest.raises(ValueError, match="guard: expected 'warn', 'raise' or False, got 'loud'"):
+        C.compress_saved(guard="loud")
