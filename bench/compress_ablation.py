@@ -44,7 +44,6 @@ import math
 import os
 import platform
 import subprocess
-import sys
 import time
 from typing import Callable, Dict, List, Optional
 

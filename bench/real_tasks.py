@@ -23,6 +23,7 @@ import importlib.util
 import math
 import sysconfig
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -259,12 +260,33 @@ def train(task: str, setting: str, seed: int, *, steps: Optional[int] = None, lo
 
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     context_of = _step_context(setting, model)
-    trace: List[List[float]] = []
-    saved_bytes = 0
-    seconds = 0.0
-    losses: List[float] = []
     data = batches()
     model.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", abp.DivergenceWarning)
+        losses, trace, seconds, saved_bytes = _loop(model, opt, data, loss_of, context_of, total, log_every)
+    alarms = [str(w.message) for w in caught if issubclass(w.category, abp.DivergenceWarning)]
+    model.eval()
+    result: Dict[str, Any] = {"task": task, "setting": setting, "seed": seed, "steps": total}
+    result.update(evaluate())
+    tail = losses[-max(1, total // 10):]
+    result["train_loss_tail"] = sum(tail) / len(tail)
+    result["saved_bytes"] = saved_bytes
+    result["step_ms"] = 1000 * seconds / total
+    result["grad_norm_trace"] = trace
+    result["grad_norm_max"] = max(g for _, g in trace)
+    result["divergence_warning"] = alarms[0] if alarms else None
+    return result
+
+
+def _loop(model: nn.Module, opt: torch.optim.Optimizer, data: Any, loss_of: Callable[..., torch.Tensor],
+          context_of: Callable[[], Any], total: int, log_every: int) -> Tuple[List[float], List[List[float]], float, int]:
+    """The training steps: (losses, gradient-norm trace, seconds in forward+backward, saved bytes
+    of the last step)."""
+    trace: List[List[float]] = []
+    seconds = 0.0
+    saved_bytes = 0
+    losses: List[float] = []
     for step in range(total):
         x, y = next(data)
         last = step == total - 1
@@ -285,13 +307,4 @@ def train(task: str, setting: str, seed: int, *, steps: Optional[int] = None, lo
                 [s for s in counter.tensors if (s.device, s.storage_ptr) not in kept])
         opt.step()
         losses.append(float(loss.detach()))
-    model.eval()
-    result: Dict[str, Any] = {"task": task, "setting": setting, "seed": seed, "steps": total}
-    result.update(evaluate())
-    tail = losses[-max(1, total // 10):]
-    result["train_loss_tail"] = sum(tail) / len(tail)
-    result["saved_bytes"] = saved_bytes
-    result["step_ms"] = 1000 * seconds / total
-    result["grad_norm_trace"] = trace
-    result["grad_norm_max"] = max(g for _, g in trace)
-    return result
+    return losses, trace, seconds, saved_bytes

@@ -20,7 +20,7 @@ ABP_PACKAGES=(
   cmake ninja-build g++
   libmlir-19-dev mlir-19-tools llvm-19-dev llvm-19-tools
   libfmt-dev libgtest-dev
-  python3-dev python3-numpy python3-pytest python3-torch python3-venv
+  python3-dev python3-numpy python3-pytest python3-sklearn python3-torch python3-venv
 )
 
 abp_log() { printf '[abp] %s\n' "$*" >&2; }

@@ -1,5 +1,5 @@
-"""compress_saved's op rules (fused attention's query, key and logsumexp at 8 bits at least), the
-controller's allocation under those minimum widths, and the divergence guard.
+"""compress_saved's op rules (fused attention's query, key and logsumexp, log_softmax's output: 8
+bits at least), the controller's allocation under those minimum widths, and the divergence guard.
 
 The rules need autograd's node numbers (torch >= 2) and fused attention; those tests are skipped
 on torch 1.13. The guard and allocation tests run in both lanes.
@@ -122,6 +122,27 @@ def test_a_floor_applies_to_the_op_that_saves_not_to_later_ones() -> None:
     later = [i for i, t in enumerate(asked) if t is out or t is w]
     assert later and not raised & set(later)
     y.sum().backward()
+
+
+@needs_rules
+def test_log_softmax_keeps_its_log_probabilities_at_eight_bits() -> None:
+    """Cross-entropy's log_softmax saves its output (read through exp() in backward); the logits'
+    producer and the loss's other saves keep the asked width."""
+    library_or_skip()
+    torch.manual_seed(0)
+    h = torch.randn(512, 32, requires_grad=True)
+    w = torch.randn(256, 32, requires_grad=True)
+    target = torch.randint(0, 256, (512,))
+    asked: List[torch.Tensor] = []
+    x = h * 1.0  # an activation (a leaf that requires grad counts as a parameter)
+    with C.compress_saved(bits=2, bits_for=lambda t: asked.append(t) or 2, min_numel=1) as block:
+        logits = x @ w.t()
+        loss = F.cross_entropy(logits, target)
+    raised = block.last_floors
+    widths = {("log_probs" if type(t.grad_fn).__name__ == "LogSoftmaxBackward0" else
+               "h" if t is x else "other"): raised.get(i, 2) for i, t in enumerate(asked)}
+    assert widths["log_probs"] == 8 and widths["h"] == 2
+    loss.backward()
 
 
 @needs_rules

@@ -7,7 +7,10 @@ backward recomputes the attention probabilities P = exp(q kᵀ · scale − lse)
 key and row logsumexp. An error in any of the three enters through exp(), so it biases P
 multiplicatively and P's rows no longer sum to one; on a real task 2-bit codes for them make
 training diverge (docs/compressed-training.md has the measurements). The value and the output
-enter linearly (dV = Pᵀ dO, and D = rowsum(dO ∘ O)), and stay at the bits asked for.
+enter linearly (dV = Pᵀ dO, and D = rowsum(dO ∘ O)), and stay at the bits asked for. Likewise
+log_softmax (cross-entropy's first half) saves its output y, the log-probabilities, and its
+backward reads exp(y): 2-bit codes of a language model's log-probabilities cost it most of
+what it learns.
 
 A rule is found from the op's autograd node. An op saves its inputs before it runs and its
 outputs after, so `compress_saved` holds one op's saves until the op is known (see there): a
@@ -39,8 +42,13 @@ class Floors:
     other: Optional[int]
 
 
+#: The fewest bits for log_softmax's saved output (cross-entropy's log-probabilities), whose
+#: backward is dy − exp(y) · Σ dy.
+LOG_SOFTMAX_MIN_BITS = 8
+
 _FUSED_ATTENTION = Floors(inputs=(FUSED_ATTENTION_MIN_BITS, FUSED_ATTENTION_MIN_BITS, None),
                           outputs=None, other=FUSED_ATTENTION_MIN_BITS)
+_LOG_SOFTMAX = Floors(inputs=(), outputs=LOG_SOFTMAX_MIN_BITS, other=None)
 
 
 def rule_for(node: Any) -> Optional[Floors]:
@@ -49,6 +57,8 @@ def rule_for(node: Any) -> Optional[Floors]:
     # ScaledDotProduct{Flash,FlashAttentionForCpu,Efficient,Cudnn,FusedAttentionOverrideable}...Backward0
     if name.startswith("ScaledDotProduct") and "Attention" in name:
         return _FUSED_ATTENTION
+    if name == "LogSoftmaxBackward0":
+        return _LOG_SOFTMAX
     return None
 
 

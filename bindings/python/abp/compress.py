@@ -308,7 +308,11 @@ def _compressible(t: torch.Tensor, min_numel: int) -> bool:
     """`eligible` without the parameter test (which compress_saved makes first, once)."""
     if t.layout != torch.strided or t.device.type not in ("cpu", "cuda") or t.numel() < max(min_numel, 1):
         return False
-    return t.dtype == torch.bool or t.dtype in _FLOAT_DTYPES
+    if t.dtype == torch.bool:
+        return True
+    # A per-row statistic (a reduction kept with its dimension: a norm's mean or 1/std) scales a
+    # whole row in backward, and costs 1/width of that row: kept as it is.
+    return t.dtype in _FLOAT_DTYPES and not (t.dim() >= 2 and t.shape[-1] == 1)
 
 
 def eligible(t: torch.Tensor, min_numel: int) -> bool:
