@@ -198,7 +198,7 @@ def _step_context(setting: str, model: nn.Module) -> Callable[[], Any]:
     if setting.startswith("compress-"):
         parts = setting.split("-")
         bits, rules = int(parts[1]), not setting.endswith("no-rules")
-        return lambda: abp.compress_saved(bits=bits, op_rules=rules)
+        return lambda: abp.compress_saved(bits=bits, op_rules=rules, allow_low_bits=True)
     raise ValueError(f"setting: expected one of {', '.join(SETTINGS)}, got {setting!r}")
 
 

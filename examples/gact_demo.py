@@ -40,7 +40,7 @@ def main() -> None:
             wrap = lambda s=saver: s  # noqa: E731
         else:
             bits = int(name[0])
-            wrap = lambda b=bits: abp.compress_saved(bits=b, min_numel=256)  # noqa: E731
+            wrap = lambda b=bits: abp.compress_saved(bits=b, allow_low_bits=True, min_numel=256)  # noqa: E731
             saver = None
         # What one step saves, each storage once (compress_saved's stats; the controller's stats
         # are those of its compress_saved).

@@ -159,7 +159,7 @@ def mlp(seed: int = 0) -> torch.nn.Module:
 @pytest.mark.parametrize("bits", C.BITS)
 def test_saved_bytes_are_the_codes_plus_group_headers(bits):
     model, x = mlp(), torch.randn(32, 256)
-    with C.compress_saved(bits=bits, group_size=256) as saved:
+    with C.compress_saved(bits=bits, allow_low_bits=True, group_size=256) as saved:
         model(x).sum().backward()
     # Saved: the input (32x256) and the ReLU output (32x512, also the second Linear's input: once),
     # which also keeps its 1-bit support (exact_relu).
@@ -167,7 +167,7 @@ def test_saved_bytes_are_the_codes_plus_group_headers(bits):
     assert saved.stats["compressed"] == 2
     codes = sum(math.ceil(n * bits / 8) + header_bytes(n, 256, torch.float32) for n in sizes)
     assert saved.stats["bytes_compressed"] == codes + 32 * 512 // 8
-    with C.compress_saved(bits=bits, group_size=256, exact_relu=False) as plain:
+    with C.compress_saved(bits=bits, allow_low_bits=True, group_size=256, exact_relu=False) as plain:
         model(x).sum().backward()
     assert plain.stats["bytes_compressed"] == codes
     # The second Linear's weight (saved for the ReLU's gradient) is a parameter: the module keeps it
@@ -201,7 +201,7 @@ def test_linear_weight_gradient_is_unbiased():
     for r in range(runs):
         torch.manual_seed(10_000 + r)
         lin.weight.grad = None
-        with C.compress_saved(bits=2, group_size=64, min_numel=1):
+        with C.compress_saved(bits=2, allow_low_bits=True, group_size=64, min_numel=1):
             lin(x).backward(dy)
         grads.append(lin.weight.grad.double())
     g = torch.stack(grads)
@@ -225,7 +225,7 @@ def test_nonlinear_backward_bias_is_small_at_8_bits_and_measurable_at_1_bit():
         acc = torch.zeros_like(exact)
         for r in range(runs):
             torch.manual_seed(500 + r)
-            with C.compress_saved(bits=bits):
+            with C.compress_saved(bits=bits, allow_low_bits=True):
                 acc += torch.autograd.grad(F.gelu(x), x, dy, retain_graph=True)[0].double()
         return acc / runs
 
@@ -327,7 +327,7 @@ def test_determinism_and_independent_draws():
     for _ in range(2):
         model.zero_grad()
         torch.manual_seed(21)
-        with C.compress_saved(bits=2):
+        with C.compress_saved(bits=2, allow_low_bits=True):
             model(inp).sum().backward()
         grads.append([p.grad.clone() for p in model.parameters()])
     assert all(torch.equal(u, v) for u, v in zip(*grads))
@@ -351,6 +351,14 @@ def test_bad_arguments_name_what_was_wrong():
         C.compress_saved(min_numel=-1)
     with pytest.raises(TypeError, match="filter"):
         C.compress_saved(filter=3)  # type: ignore[arg-type]
+    # One width below 4 bits for every tensor is refused, naming what to use instead.
+    for low in (1, 2):
+        with pytest.raises(ValueError, match=rf"bits={low}: {low}-bit codes for every saved tensor did not train "
+                                             r"a language model.*bits=4.*CompressionController.*allow_low_bits=True"):
+            C.compress_saved(bits=low)
+        C.compress_saved(bits=low, allow_low_bits=True)
+    assert C.compress_saved().bits == 4
+    C.compress_saved(bits=2, bits_for=lambda t: 2)  # per-tensor widths (the controller's) are not uniform
     # An error in a saved-tensors hook reaches the caller as torch's RuntimeError, message intact.
     with pytest.raises((ValueError, RuntimeError), match=r"bits_for\(tensor\): expected one of 1, 2, 4, 8, got 5"):
         with C.compress_saved(bits_for=lambda t: 5):
@@ -359,10 +367,10 @@ def test_bad_arguments_name_what_was_wrong():
 
 def test_filter_and_min_numel_choose_what_is_compressed():
     model, x = mlp(), torch.randn(32, 256)
-    with C.compress_saved(bits=2, filter=lambda t: t.shape[-1] == 512) as only_hidden:
+    with C.compress_saved(bits=2, allow_low_bits=True, filter=lambda t: t.shape[-1] == 512) as only_hidden:
         model(x).sum().backward()
     assert only_hidden.stats["compressed"] == 1
-    with C.compress_saved(bits=2, min_numel=32 * 256 + 1) as big_only:
+    with C.compress_saved(bits=2, allow_low_bits=True, min_numel=32 * 256 + 1) as big_only:
         model(x).sum().backward()
     assert big_only.stats["compressed"] == 1
 
@@ -395,7 +403,7 @@ def test_relu_outputs_keep_their_support_so_relu_backward_stays_exact():
     exact = model[0].weight.grad.clone()
     for bits in (1, 2, 8):
         model.zero_grad()
-        with C.compress_saved(bits=bits, filter=lambda t: t.shape[-1] == 512) as saved:
+        with C.compress_saved(bits=bits, allow_low_bits=True, filter=lambda t: t.shape[-1] == 512) as saved:
             model(x).square().sum().backward()
         assert saved.stats["compressed"] == 1
         n = 32 * 512

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
-import torch
 import torch.nn.functional as F
 
 from abp import _save_rules

@@ -1354,6 +1354,8 @@ def test_compress_recipe_wraps_the_forward():
     torch.testing.assert_close(converted(x), model(x), rtol=0, atol=0)
     report = abp.memory.report(converted, x, baseline=model)
     assert report.total_bytes < report.baseline_total_bytes / 2
+    low, _ = abp.convert(model, "compress", bits=2, allow_low_bits=True)
+    assert abp.memory.report(low, x).total_bytes < report.total_bytes
     again = copy.deepcopy(converted)
     assert abp.memory.report(again, x).total_bytes == report.total_bytes, "a deep copy compresses as well"
     assert type(model).forward is nn.Sequential.forward and "forward" not in vars(model)
@@ -1392,7 +1394,7 @@ def test_recipe_lists_and_all():
          "unknown override\\(s\\) nonsense for recipe\\(s\\) lowmembp; valid keywords are norms, fold, gelu, silu, leaky_relu"),
         ({"keep": 0.5}, TypeError, "unknown override\\(s\\) keep for recipe\\(s\\) lowmembp"),
         ({"recipe": "compress", "gelu": None}, TypeError, "unknown override\\(s\\) gelu for recipe\\(s\\) compress"),
-        ({"recipe": "all", "nonsense": 2}, TypeError, "valid keywords are norms, fold, gelu, silu, leaky_relu, method, keep, layers, bits, group_size"),
+        ({"recipe": "all", "nonsense": 2}, TypeError, "valid keywords are norms, fold, gelu, silu, leaky_relu, method, keep, layers, bits, group_size, allow_low_bits"),
         ({"gelu": "gelu_b9"}, ValueError, "gelu: expected one of regelu2, gelu_b1"),
         ({"gelu": True}, ValueError, "gelu: expected one of regelu2"),
         ({"silu": "regelu2"}, ValueError, "silu: expected one of resilu2"),
@@ -1404,6 +1406,8 @@ def test_recipe_lists_and_all():
         ({"recipe": "sampled", "layers": "*.fc1"}, TypeError, "layers: expected a sequence of fnmatch patterns"),
         ({"recipe": "sampled", "layers": [1]}, TypeError, "layers: expected a sequence of fnmatch patterns"),
         ({"recipe": "compress", "bits": 5}, ValueError, "bits"),
+        ({"recipe": "compress", "bits": 2}, ValueError, "bits=2: 2-bit codes for every saved tensor .*allow_low_bits=True"),
+        ({"recipe": "compress", "allow_low_bits": 1}, TypeError, "allow_low_bits: expected True or False, got 1"),
         ({"recipe": "compress", "group_size": 0}, ValueError, "group_size"),
     ],
 )

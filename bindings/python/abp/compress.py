@@ -322,6 +322,21 @@ def eligible(t: torch.Tensor, min_numel: int) -> bool:
     return _compressible(t, min_numel) and not _is_parameter(t)
 
 
+#: The narrowest uniform width compress_saved accepts unless told otherwise (`allow_low_bits`).
+MIN_UNIFORM_BITS = 4
+
+
+def check_uniform_bits(bits: int, allow_low_bits: bool, name: str = "bits") -> None:
+    """Refuses one width below 4 bits for every saved tensor, unless `allow_low_bits`."""
+    if bits < MIN_UNIFORM_BITS and not allow_low_bits:
+        raise ValueError(
+            f"{name}={bits}: {bits}-bit codes for every saved tensor did not train a language model to exact "
+            "training's loss (docs/compressed-training.md: 2.03 against 1.63 nats per byte, diverging) although "
+            "they do on small image classifiers. Use bits=4 (within 1 % there), or abp.CompressionController(model, "
+            "avg_bits=...), which picks a width per tensor by its measured sensitivity; or pass "
+            "allow_low_bits=True to accept the risk (the divergence guard still watches)")
+
+
 class _Deferred:
     """What the pack hook returns for a tensor to compress: the tensor until the op saving it has
     saved everything (its rule may then ask for more bits), then what it is stored as."""
@@ -344,7 +359,11 @@ def _kept_tensors(kept: Any) -> List[torch.Tensor]:
 
 
 class compress_saved:
-    """``with abp.compress_saved(bits=2, group_size=256):`` compresses what autograd saves.
+    """``with abp.compress_saved(bits=4, group_size=256):`` compresses what autograd saves.
+
+    A uniform width below 4 bits (`bits` 1 or 2 without `bits_for`) raises ValueError unless
+    `allow_low_bits=True`: measured on a language model it does not train as exact training does
+    (docs/compressed-training.md).
 
     Every eligible saved tensor (see `eligible`, or a custom ``filter(tensor) -> bool``) is stored
     as `bits`-bit group codes when saved and dequantized when backward reads it; bool masks are
@@ -385,7 +404,7 @@ class compress_saved:
 
     def __init__(
         self,
-        bits: int = 2,
+        bits: int = 4,
         group_size: int = 256,
         *,
         min_numel: int = 1024,
@@ -395,8 +414,11 @@ class compress_saved:
         exact_relu: bool = True,
         op_rules: bool = True,
         guard: Union[bool, str] = "warn",
+        allow_low_bits: bool = False,
     ) -> None:
         self.bits = _check_bits(bits)
+        if bits_for is None:
+            check_uniform_bits(bits, allow_low_bits)
         self.group_size = _check_group_size(group_size)
         if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
             raise ValueError(f"min_numel: expected an int >= 0, got {min_numel!r}")

@@ -63,8 +63,9 @@ SAMPLED_LAYERS: Tuple[str, ...] = (
 _DEFAULTS: Dict[str, Dict[str, Any]] = {
     "lowmembp": {"norms": True, "fold": False, "gelu": "regelu2", "silu": "resilu2", "leaky_relu": True},
     "sampled": {"method": "wtacrs", "keep": 0.3, "layers": SAMPLED_LAYERS},
-    # 8 bits: the width that trains like exact on real data (docs/python.md); 2-4 bits are opt-in.
-    "compress": {"bits": 8, "group_size": 256},
+    # 8 bits: the width that trains like exact on real data (docs/compressed-training.md); 4 bits
+    # comes within 1 %; 1-2 bits need allow_low_bits=True.
+    "compress": {"bits": 8, "group_size": 256, "allow_low_bits": False},
 }
 
 
@@ -143,6 +144,9 @@ def _check_overrides(recipes: Tuple[str, ...], overrides: Dict[str, Any]) -> Dic
     if "compress" in recipes:
         compress._check_bits(options["bits"])
         compress._check_group_size(options["group_size"])
+        if not isinstance(options["allow_low_bits"], bool):
+            raise TypeError(f"allow_low_bits: expected True or False, got {options['allow_low_bits']!r}")
+        compress.check_uniform_bits(options["bits"], options["allow_low_bits"])
     if "lowmembp" in recipes:
         for flag in ("norms", "fold", "leaky_relu"):
             if not isinstance(options[flag], bool):
@@ -532,16 +536,17 @@ class CompressSavedHooks:
     ``always_call``: there ``wrap`` puts the forward inside a try/finally instead.
     """
 
-    def __init__(self, bits: int, group_size: int) -> None:
+    def __init__(self, bits: int, group_size: int, allow_low_bits: bool = False) -> None:
         self.bits = bits
         self.group_size = group_size
+        self.allow_low_bits = allow_low_bits
         self._open: List[compress.compress_saved] = []
 
     def __getstate__(self) -> Dict[str, Any]:
-        return {"bits": self.bits, "group_size": self.group_size, "_open": []}
+        return {"bits": self.bits, "group_size": self.group_size, "allow_low_bits": self.allow_low_bits, "_open": []}
 
     def enter(self, module: nn.Module, args: Any) -> None:
-        block = compress.compress_saved(bits=self.bits, group_size=self.group_size)
+        block = compress.compress_saved(bits=self.bits, group_size=self.group_size, allow_low_bits=self.allow_low_bits)
         block.__enter__()
         self._open.append(block)
 
@@ -561,7 +566,7 @@ class CompressSavedHooks:
 def _convert_compress(model: nn.Module, options: Dict[str, Any]) -> List[Change]:
     """Runs the model's forward inside ``compress_saved``: every saved tensor that abp's recipes left
     as it was (codes and per-row values are not floating or too small) is stored as group codes."""
-    hooks = CompressSavedHooks(options["bits"], options["group_size"])
+    hooks = CompressSavedHooks(options["bits"], options["group_size"], options["allow_low_bits"])
     try:
         model.register_forward_hook(hooks.leave, always_call=True)  # type: ignore[call-arg]
         model.register_forward_pre_hook(hooks.enter)
@@ -665,7 +670,8 @@ def convert(
     Recipe "sampled" overrides: ``method=`` ("wtacrs", "crs", "uniform", "gaussian", "rademacher"),
     ``keep=`` (0.3) and ``layers=`` (fnmatch patterns of module names; SAMPLED_LAYERS by default,
     e.g. ``["*.lora_A*"]``).
-    Recipe "compress" overrides: ``bits=`` (8) and ``group_size=`` (256) of ``compress_saved``.
+    Recipe "compress" overrides: ``bits=`` (8), ``group_size=`` (256) and ``allow_low_bits=`` (False:
+    ``bits`` 1 or 2 raise ValueError) of ``compress_saved``.
     With ``inplace=False`` (default) the model is deep-copied first, so the original stays usable
     as a baseline.
     """
