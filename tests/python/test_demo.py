@@ -61,6 +61,16 @@ def test_gact_demo_trains_compressed_runs_and_saves_less():
     assert 1.0 <= average <= 2.0, out  # the budget is never exceeded
 
 
+def test_real_data_demo_prints_accuracy_and_saved_bytes_per_setting():
+    out = run_example("real_data_demo.py", ["--steps", "3"])
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
+    assert set(rows) == {"exact", "compress-8", "compress-4", "compress-2", "controller-2"}, out
+    accuracy = {name: float(row.split("accuracy")[1].split("%")[0]) for name, row in rows.items()}
+    assert all(0 <= a <= 100 for a in accuracy.values()), out
+    less = {name: float(row.split("(")[1].split("x less")[0]) for name, row in rows.items()}
+    assert less["exact"] == 1.0 and less["compress-2"] > less["compress-4"] > less["compress-8"] > 1.5, out
+
+
 def test_sampled_demo_trains_wtacrs_and_vcas_runs():
     out = run_example("sampled_demo.py", ["--steps", "12", "--batch", "8", "--seq", "16", "--dim", "32", "--depth", "1",
                                           "--device", "cpu"])
