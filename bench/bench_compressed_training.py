@@ -63,6 +63,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default: each task's own)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    try:  # the code this run loads: HEAD now, not when it ends
+        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
     results: Dict[str, Any] = {}
     for task in args.tasks.split(","):
         runs: Dict[str, List[Dict[str, Any]]] = {}
@@ -80,10 +84,6 @@ def main() -> None:
             print(f"{task:>7} {row['setting']:>20}: mean {row[f'mean_{metric}']:.4f}  within exact spread: "
                   f"{row['within_exact_spread']}  saved {row['saved_bytes'] / 2**20:.2f} MiB  {row['step_ms']:.1f} ms/step",
                   flush=True)
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
     out = {
         "what": "compressed vs exact training on real data (bench/real_tasks.py)",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),

@@ -49,6 +49,7 @@ import math
 import os
 import platform
 import subprocess
+import sys
 import time
 from typing import Callable, Dict, List, Optional
 
@@ -57,6 +58,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import abp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import real_tasks  # noqa: E402
 
 CLASSES = ("stats", "layernorm", "attention", "fused-qk", "fused-v", "fused-out", "linear", "gelu", "dropout")
 
@@ -144,17 +148,8 @@ class PatchTransformer(nn.Module):
 
 
 def load_digits_patches():
-    from sklearn.datasets import load_digits
-    data = load_digits()
-    x = torch.tensor(data.images, dtype=torch.float32) / 16.0  # (N, 8, 8) in [0, 1]
-    x = (x - 0.5) / 0.5
-    # 16 patches of 2x2 pixels, row-major over the 4x4 patch grid
-    x = x.reshape(-1, 4, 2, 4, 2).permute(0, 1, 3, 2, 4).reshape(-1, 16, 4)
-    y = torch.tensor(data.target, dtype=torch.long)
-    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))  # fixed split
-    n_test = 360
-    te, tr = perm[:n_test], perm[n_test:]
-    return x[tr], y[tr], x[te], y[te]
+    """The digits split of real_tasks.py (scikit-learn's CSV read with numpy: no sklearn import)."""
+    return real_tasks.digits()
 
 
 def make_filter(mode: str, cls: Optional[str], counts: Dict[str, int]) -> Optional[Callable]:
