@@ -54,7 +54,6 @@ import time
 from typing import Callable, Dict, List, Optional
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import abp
@@ -116,37 +115,6 @@ def current_class(t: torch.Tensor) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int, p: float) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(d)
-        self.attn = nn.MultiheadAttention(d, heads, dropout=p, batch_first=True)
-        self.drop1 = nn.Dropout(p)
-        self.ln2 = nn.LayerNorm(d)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), nn.Dropout(p))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.ln1(x)
-        x = x + self.drop1(self.attn(h, h, h, need_weights=False)[0])
-        return x + self.mlp(self.ln2(x))
-
-
-class PatchTransformer(nn.Module):
-    def __init__(self, d: int = 64, heads: int = 4, blocks: int = 2, p: float = 0.1) -> None:
-        super().__init__()
-        self.embed = nn.Linear(4, d)
-        self.pos = nn.Parameter(torch.randn(1, 16, d) * 0.02)
-        self.blocks = nn.ModuleList([Block(d, heads, p) for _ in range(blocks)])
-        self.ln = nn.LayerNorm(d)
-        self.head = nn.Linear(d, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, 16, 4)
-        h = self.embed(x) + self.pos
-        for b in self.blocks:
-            h = b(h)
-        return self.head(self.ln(h).mean(dim=1))
-
-
 def load_digits_patches():
     """The digits split of real_tasks.py (scikit-learn's CSV read with numpy: no sklearn import)."""
     return real_tasks.digits()
@@ -170,7 +138,7 @@ def run(config: dict, seed: int, data, epochs: int, batch: int, lr: float = 1e-3
         dropout: float = 0.1) -> dict:
     xtr, ytr, xte, yte = data
     torch.manual_seed(seed)
-    model = PatchTransformer(p=dropout)
+    model = real_tasks.PatchTransformer(p=dropout)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     mode, cls = config["mode"], config.get("cls")
     counts: Dict[str, int] = {}

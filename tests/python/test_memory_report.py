@@ -62,6 +62,9 @@ def test_innermost_module_tuple_inputs_top_level_and_buffers():
     with abp.memory.SavedTensorsCounter() as counter:  # the buffer was saved: left out, not missed
         model(x, y)
     assert any(s.shape == (8,) and s.storage_ptr == model.scale.data_ptr() for s in counter.tensors)
+    # activation_bytes leaves out the model's parameters and buffers, as the report does.
+    assert counter.total_bytes > r.total_bytes
+    assert counter.activation_bytes(model) == r.total_bytes
 
 
 def test_backward_runs_and_grads_are_left_as_they_were():

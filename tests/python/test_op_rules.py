@@ -44,7 +44,7 @@ def _saved_widths(op_rules: bool) -> List[Tuple[str, int]]:
 
     with C.compress_saved(bits=2, bits_for=bits_for, min_numel=1, op_rules=op_rules) as block:
         out = F.scaled_dot_product_attention(q, k, v)
-    floors = block.last_floors
+    floors = block.floors
     names = []
     for i, t in enumerate(asked):
         what = ("query" if t is q else "key" if t is k else "value" if t is v else
@@ -118,7 +118,7 @@ def test_a_floor_applies_to_the_op_that_saves_not_to_later_ones() -> None:
     with C.compress_saved(bits=2, bits_for=lambda t: asked.append(t) or 2, min_numel=1) as block:
         out = F.scaled_dot_product_attention(q, k, v)
         y = out * w
-    raised = {i for i in block.last_floors}
+    raised = set(block.floors)
     later = [i for i, t in enumerate(asked) if t is out or t is w]
     assert later and not raised & set(later)
     y.sum().backward()
@@ -138,7 +138,7 @@ def test_log_softmax_keeps_its_log_probabilities_at_eight_bits() -> None:
     with C.compress_saved(bits=2, bits_for=lambda t: asked.append(t) or 2, min_numel=1) as block:
         logits = x @ w.t()
         loss = F.cross_entropy(logits, target)
-    raised = block.last_floors
+    raised = block.floors
     widths = {("log_probs" if type(t.grad_fn).__name__ == "LogSoftmaxBackward0" else
                "h" if t is x else "other"): raised.get(i, 2) for i, t in enumerate(asked)}
     assert widths["log_probs"] == 8 and widths["h"] == 2

@@ -81,10 +81,12 @@ def floor_of(t: torch.Tensor, node: Any, floors: Floors) -> Optional[int]:
     return floors.other
 
 
+_GET_SEQUENCE_NR = getattr(torch._C._autograd, "_get_sequence_nr", None)
+
+
 def sequence_number() -> Optional[int]:
     """The autograd node counter of this thread: an op's node takes the current value, so every
     save an op makes (inputs before it runs, outputs after) sees the same count, and its node's
     sequence number is that count minus one. None where torch lacks it (1.13): ops are not told
     apart and no rule applies."""
-    get = getattr(torch._C._autograd, "_get_sequence_nr", None)
-    return get() if get is not None else None
+    return _GET_SEQUENCE_NR() if _GET_SEQUENCE_NR is not None else None

@@ -385,8 +385,8 @@ class compress_saved:
     docs/compressed-training.md has the measurements). To know the op, a tensor is stored when
     the op saving it has saved everything: at the next op's first save, the block's end, or the
     first read in backward, whichever comes first, so one op's saves are held as they are a
-    little longer. `floors` / `last_floors` map the index of a `bits_for` call whose width a
-    rule raised to that width (the controller counts it against its budget).
+    little longer. `floors` maps the index of each `bits_for` call of the last block whose width
+    a rule raised to that width (the controller counts it against its budget).
 
     **Divergence guard** (`guard`: "warn", the default, "raise", or False): when backward ends,
     the norm of the gradients of the parameters the block saw is recorded for that model; if it
@@ -441,8 +441,8 @@ class compress_saved:
         self.label = f"abp.compress_saved(bits={self.bits})" if bits_for is None else "abp.compress_saved(bits_for=...)"
         self._guarded: Optional[Dict[int, torch.Tensor]] = None
         self.stats: Dict[str, int] = {}
-        #: After a block: bits_for call index → the width an op's rule raised that tensor to.
-        self.last_floors: Dict[int, int] = {}
+        #: The last block's bits_for call index → the width an op's rule raised that tensor to.
+        self.floors: Dict[int, int] = {}
         self._hooks: Optional[Any] = None
         self._reset()
 
@@ -461,9 +461,8 @@ class compress_saved:
         self._group: List[_Deferred] = []
         self._group_sequence: Optional[int] = None
         self._group_rule: Optional[Tuple[Any, _save_rules.Floors]] = None
-        # bits_for calls in this block, and those whose width an op's rule raised: index → floor.
+        # bits_for calls in this block (their indices key `floors`).
         self._choices = 0
-        self.floors: Dict[int, int] = {}
 
     def _choose(self, t: torch.Tensor) -> int:
         if self.bits_for is None:
@@ -535,7 +534,7 @@ class compress_saved:
 
     def _raise_to_floor(self, box: "_Deferred") -> None:
         """Raises a pending tensor's width to the floor of the op saving it, if that op is known."""
-        if self._group_rule is None or not box.pending or box not in self._group:
+        if self._group_rule is None or not box.pending:  # pending: in the current op's group
             return
         node, rule = self._group_rule
         floor = _save_rules.floor_of(box.value, node, rule)
@@ -599,6 +598,7 @@ class compress_saved:
     def __enter__(self) -> "compress_saved":
         self.stats = {"tensors": 0, "compressed": 0, "bytes_in": 0, "bytes_stored": 0, "bytes_compressed": 0}
         self._reset()
+        self.floors = {}
         self._guarded = {} if self.guard else None  # id → parameter, until backward reads the first save
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._hooks.__enter__()
@@ -609,5 +609,4 @@ class compress_saved:
         assert hooks is not None
         hooks.__exit__(*exc)
         self._flush()
-        self.last_floors = dict(self.floors)
         self._reset()  # the graph keeps what it saved; this block holds nothing after it

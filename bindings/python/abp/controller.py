@@ -532,9 +532,9 @@ class CompressionController:
         self._counts[ident] = index + 1
         key = TensorKey(path, shape, t.dtype, index)
         self._seen[key] = t.numel()
-        self._order.append(key)
         if self._replaying:
             return 1 if key == self._target else 32
+        self._order.append(key)  # the step's own calls, whose indices compress_saved's floors use
         return self._bits.get(key, self._initial)
 
     # -- the step ----------------------------------------------------------------------------------
@@ -565,7 +565,7 @@ class CompressionController:
             self._stats = dict(self._saver.stats)
             self._last_seen = dict(self._seen)
             # Widths the op rules raised (compress_saved's floors), kept for the allocations.
-            for index, floor in self._saver.last_floors.items():
+            for index, floor in self._saver.floors.items():
                 key = self._order[index]
                 self._floors[key] = max(self._floors.get(key, 1), floor)
             probing = self._probing

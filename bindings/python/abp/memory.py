@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -86,6 +86,12 @@ class SavedTensorsCounter:
         """Bytes of the distinct storages saved (a storage viewed by several saved tensors counts once)."""
         return distinct_bytes(self.tensors)
 
+    def activation_bytes(self, model: torch.nn.Module) -> int:
+        """`total_bytes` without the storages of `model`'s parameters and buffers, which the model
+        keeps whether or not autograd also saves them."""
+        kept = model_storages(model)
+        return distinct_bytes([s for s in self.tensors if (s.device, s.storage_ptr) not in kept])
+
     def bytes_tagged(self, tag: Optional[str]) -> int:
         """Bytes of the distinct storages saved while ``self.tag`` was ``tag``."""
         return distinct_bytes([s for s in self.tensors if s.tag == tag])
@@ -113,6 +119,11 @@ def note_saved(kept: Sequence[torch.Tensor], tags: Optional[Tags] = None) -> Non
     for counter, tag in current_tags() if tags is None else tags:
         for t in kept:
             counter._note(t, tag)
+
+
+def model_storages(model: torch.nn.Module) -> Set[Tuple[str, int]]:
+    """(device, data pointer) of the storages of `model`'s parameters and buffers."""
+    return {storage_key(t)[:2] for t in list(model.parameters()) + list(model.buffers())}
 
 
 def distinct_bytes(saved: List[SavedTensor]) -> int:
@@ -209,7 +220,7 @@ def _measure(model: torch.nn.Module, inputs: Tuple[Any, ...], loss_fn: Optional[
     counter = SavedTensorsCounter()
     handles = _innermost_module_tags(model, counter)
     # Kept by the module anyway, whether or not autograd also saves them.
-    kept = {storage_key(t)[:2] for t in list(model.parameters()) + list(model.buffers())}
+    kept = model_storages(model)
     leaves = _grad_leaves(model, inputs)
     grads = [t.grad for t in leaves]
     for t in leaves:  # backward would otherwise accumulate into the existing .grad tensors in place
