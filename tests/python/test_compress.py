@@ -358,6 +358,15 @@ def test_bad_arguments_name_what_was_wrong():
             C.compress_saved(bits=low)
         C.compress_saved(bits=low, allow_low_bits=True)
     assert C.compress_saved().bits == 4
+    for flag in ("exact_relu", "op_rules", "allow_low_bits"):
+        with pytest.raises(TypeError, match=f"{flag}: expected True or False, got 'no'"):
+            C.compress_saved(**{flag: "no"})
+    block = C.compress_saved()
+    with block:
+        with pytest.raises(RuntimeError, match="compress_saved: this block is already open"):
+            block.__enter__()
+    with block:  # the failed entry left nothing installed: the block opens and closes again
+        pass
     C.compress_saved(bits=2, bits_for=lambda t: 2)  # per-tensor widths (the controller's) are not uniform
     # An error in a saved-tensors hook reaches the caller as torch's RuntimeError, message intact.
     with pytest.raises((ValueError, RuntimeError), match=r"bits_for\(tensor\): expected one of 1, 2, 4, 8, got 5"):
