@@ -177,6 +177,29 @@ def test_saved_bytes_are_the_codes_plus_group_headers(bits):
     assert saved.stats["bytes_stored"] == saved.stats["bytes_compressed"]
 
 
+def test_views_of_one_input_saved_by_several_ops_are_stored_once():
+    # Three projections of one 3-D input (attention's q, k and v): each Linear saves its own new
+    # 2-D view of the input. They are the same memory, so one set of codes serves all three, and
+    # every weight gradient reads the same reconstruction.
+    torch.manual_seed(0)
+    q, k, v = (torch.nn.Linear(64, 64, bias=False) for _ in range(3))
+    h = torch.randn(8, 32, 64)
+    with C.compress_saved(bits=4, group_size=256) as saved:
+        (q(h) + k(h) + v(h)).sum().backward()
+    n = 8 * 32 * 64
+    assert saved.stats["tensors"] == 1 and saved.stats["compressed"] == 1
+    assert saved.stats["bytes_compressed"] == n * 4 // 8 + header_bytes(n, 256, torch.float32)
+    # dL/dW = 1ᵀ ĥ for each projection: equal gradients, from one reconstruction.
+    assert torch.equal(k.weight.grad, q.weight.grad) and torch.equal(v.weight.grad, q.weight.grad)
+    exact = (h.reshape(-1, 64).sum(0)).expand(64, 64)
+    # (4-bit noise summed over 256 rows: about 0.16 of the exact norm.)
+    assert not torch.equal(q.weight.grad, exact) and (q.weight.grad - exact).norm() <= 0.3 * exact.norm()
+    # A view of a different region of the same base is a different tensor.
+    with C.compress_saved(bits=4, group_size=256) as halves:
+        (q(h[:4]) + k(h[4:])).sum().backward()
+    assert halves.stats["compressed"] == 2
+
+
 def test_parameters_and_their_views_and_casts_are_not_compressed():
     model, x = mlp(), torch.randn(32, 256)
     seen = []

@@ -375,8 +375,9 @@ class compress_saved:
     block draws one Philox key from `generator` (torch's default generator if None) when it first
     compresses a tensor; its tensors use consecutive stretches of that key's counters.
 
-    A tensor saved twice (a ReLU's output that the next Linear saves as its input) is compressed
-    once: both saves get the same CompressedTensor, so backward reads one reconstruction.
+    A tensor saved twice (a ReLU's output that the next Linear saves as its input, or the 2-D
+    views of one 3-D input that the q, k and v projections save) is compressed once: both saves
+    get the same CompressedTensor, so backward reads one reconstruction.
 
     **Op rules** (`op_rules`, on by default; torch >= 2, where autograd numbers its nodes): some
     ops' backward passes are not linear in what they save, and compressing that damages training.
@@ -480,6 +481,15 @@ class compress_saved:
     def _identity(t: torch.Tensor) -> Tuple[Any, ...]:
         return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version)
 
+    @staticmethod
+    def _owner(t: torch.Tensor) -> torch.Tensor:
+        """The tensor whose storage `t` lives in: its base for a view. Two saves with the same
+        identity and the same live owner are the same memory, unchanged since (views share their
+        base's version counter): a Linear given a 3-D input saves a new 2-D view of it, so the
+        q, k and v projections of one input would otherwise be stored three times."""
+        base = t._base
+        return t if base is None else base
+
     def pack(self, t: torch.Tensor) -> Any:
         """The saved_tensors_hooks pack hook: a `_Deferred` for a tensor to compress, `t` itself
         for one kept as it is, or a CompressedTensor (a mask, or where ops are not told apart)."""
@@ -495,8 +505,8 @@ class compress_saved:
                     self._raise_to_floor(box)
         key = self._identity(t)
         seen = self._packed.get(key)
-        # The same tensor object (a weak reference: memory freed and reused is another tensor).
-        if seen is not None and seen[0]() is t:
+        # The same memory: a weak reference to its owner (memory freed and reused is another tensor).
+        if seen is not None and seen[0]() is self._owner(t):
             kept = seen[1]
             if isinstance(kept, _Deferred):
                 self._raise_to_floor(kept)
@@ -508,7 +518,7 @@ class compress_saved:
         if not (isinstance(result, _Deferred) and result.pending):
             memory.note_saved(_kept_tensors(result) if result is not t else [t])
         # Only what replaces the tensor is kept here; a tensor kept as is is remembered by identity.
-        self._packed[key] = (weakref.ref(t), result if result is not t else None)
+        self._packed[key] = (weakref.ref(self._owner(t)), result if result is not t else None)
         return result
 
     def _pack_new(self, t: torch.Tensor, defer: bool) -> Any:
