@@ -72,14 +72,14 @@ def test_offset_moves_the_stream_so_tensors_sharing_a_seed_draw_independently():
     # compress_saved: one key per block, consecutive counters per tensor.
     torch.manual_seed(9)
     seed = C.draw_seed()
-    a, b = torch.randn(32, 512), torch.randn(32, 256)
+    a, b = activation(32, 512), activation(32, 256)
     torch.manual_seed(9)
     saved = []
     with C.compress_saved(bits=4) as block:
         saved = [block.pack(a), block.pack(b)]
     # Stored when the op saving them is done (here: at the block's end), in the order saved.
-    assert np.array_equal(codes_of(saved[0].value), ref.quantize_groups(a, 4, 256, seed, 0)[0])
-    assert np.array_equal(codes_of(saved[1].value), ref.quantize_groups(b, 4, 256, seed, a.numel())[0])
+    assert np.array_equal(codes_of(saved[0].value), ref.quantize_groups(a.detach(), 4, 256, seed, 0)[0])
+    assert np.array_equal(codes_of(saved[1].value), ref.quantize_groups(b.detach(), 4, 256, seed, a.numel())[0])
     # An offset that is not a multiple of 4 takes the kernels' position-by-position path.
     odd = C.quantize(x, 2, 64, seed=5, offset=3)
     assert np.array_equal(codes_of(odd), ref.quantize_groups(x, 2, 64, 5, 3)[0])
@@ -151,6 +151,12 @@ def test_variance_scales_as_the_inverse_square_of_the_levels():
 
 # --- compress_saved --------------------------------------------------------------------------
 
+def activation(*shape: int) -> torch.Tensor:
+    """Random values on the gradient path (a clone of a leaf, so not a parameter, and one whose
+    backward saves nothing, so it can be differentiated again): what compress_saved compresses."""
+    return torch.randn(*shape, requires_grad=True).clone()
+
+
 def mlp(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64))
@@ -158,7 +164,7 @@ def mlp(seed: int = 0) -> torch.nn.Module:
 
 @pytest.mark.parametrize("bits", C.BITS)
 def test_saved_bytes_are_the_codes_plus_group_headers(bits):
-    model, x = mlp(), torch.randn(32, 256)
+    model, x = mlp(), activation(32, 256)
     with C.compress_saved(bits=bits, allow_low_bits=True, group_size=256) as saved:
         model(x).sum().backward()
     # Saved: the input (32x256) and the ReLU output (32x512, also the second Linear's input: once),
@@ -175,6 +181,12 @@ def test_saved_bytes_are_the_codes_plus_group_headers(bits):
     assert saved.stats["bytes_in"] == sum(sizes) * 4
     assert saved.stats["tensors"] == 2
     assert saved.stats["bytes_stored"] == saved.stats["bytes_compressed"]
+    # An input off the gradient path (the data batch) is a constant of backward: kept as it is.
+    with C.compress_saved(bits=bits, allow_low_bits=True, group_size=256) as data:
+        model(x.detach()).sum().backward()
+    assert data.stats["compressed"] == 1 and data.stats["tensors"] == 2
+    assert data.stats["bytes_stored"] == codes - math.ceil(32 * 256 * bits / 8) - header_bytes(32 * 256, 256, torch.float32) \
+        + 32 * 512 // 8 + 32 * 256 * 4
 
 
 def test_views_of_one_input_saved_by_several_ops_are_stored_once():
@@ -183,7 +195,7 @@ def test_views_of_one_input_saved_by_several_ops_are_stored_once():
     # every weight gradient reads the same reconstruction.
     torch.manual_seed(0)
     q, k, v = (torch.nn.Linear(64, 64, bias=False) for _ in range(3))
-    h = torch.randn(8, 32, 64)
+    h = activation(8, 32, 64)
     with C.compress_saved(bits=4, group_size=256) as saved:
         (q(h) + k(h) + v(h)).sum().backward()
     n = 8 * 32 * 64
@@ -191,7 +203,7 @@ def test_views_of_one_input_saved_by_several_ops_are_stored_once():
     assert saved.stats["bytes_compressed"] == n * 4 // 8 + header_bytes(n, 256, torch.float32)
     # dL/dW = 1ᵀ ĥ for each projection: equal gradients, from one reconstruction.
     assert torch.equal(k.weight.grad, q.weight.grad) and torch.equal(v.weight.grad, q.weight.grad)
-    exact = (h.reshape(-1, 64).sum(0)).expand(64, 64)
+    exact = (h.detach().reshape(-1, 64).sum(0)).expand(64, 64)
     # (4-bit noise summed over 256 rows: about 0.16 of the exact norm.)
     assert not torch.equal(q.weight.grad, exact) and (q.weight.grad - exact).norm() <= 0.3 * exact.norm()
     # A view of a different region of the same base is a different tensor.
@@ -216,16 +228,16 @@ def test_parameters_and_their_views_and_casts_are_not_compressed():
 def test_linear_weight_gradient_is_unbiased():
     torch.manual_seed(0)
     lin = torch.nn.Linear(48, 16)
-    x = torch.randn(40, 48) * 2
+    x = activation(40, 48) * 2
     dy = torch.randn(40, 16)
-    exact = dy.t().double() @ x.double()
+    exact = dy.t().double() @ x.detach().double()
     runs = 1000
     grads = []
     for r in range(runs):
         torch.manual_seed(10_000 + r)
         lin.weight.grad = None
         with C.compress_saved(bits=2, allow_low_bits=True, group_size=64, min_numel=1):
-            lin(x).backward(dy)
+            lin(x).backward(dy, inputs=[lin.weight])
         grads.append(lin.weight.grad.double())
     g = torch.stack(grads)
     mean, sd = g.mean(0), g.std(0)

@@ -66,6 +66,7 @@ def test_saved_bytes_shrink_as_the_widths_promise(setting: str, most: float) -> 
 def test_without_op_rules_two_bit_training_diverges_and_the_guard_says_so() -> None:
     exact = [r["test_accuracy"] for r in runs("exact")]
     broken = [real_tasks.train("digits", "compress-2-no-rules", seed) for seed in SEEDS[:2]]
-    assert statistics.mean(r["test_accuracy"] for r in broken) < min(exact) - 0.1
+    # Below the worst exact seed by more than exact training's own seed spread.
+    assert statistics.mean(r["test_accuracy"] for r in broken) < min(exact) - (max(exact) - min(exact))
     assert max(r["grad_norm_max"] for r in broken) > 5 * max(r["grad_norm_max"] for r in runs("exact"))
     assert any(r["divergence_warning"] is not None for r in broken)

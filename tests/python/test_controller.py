@@ -212,11 +212,12 @@ class Skippable(nn.Module):
 
 
 class Constant(nn.Module):
-    """h · 3, as a product with a constant tensor: the saved constant quantises exactly at any
-    width, so its sensitivity is exactly 0 if and only if the replays are deterministic."""
+    """h · 3, as a product with a constant tensor on the gradient path (h · 0 + 3): the saved
+    constant quantises exactly at any width, so its sensitivity is exactly 0 if and only if the
+    replays are deterministic."""
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h * torch.full_like(h, 3.0)
+        return h * (h * 0.0 + 3.0)
 
 
 def stochastic_model() -> nn.Module:
@@ -226,7 +227,9 @@ def stochastic_model() -> nn.Module:
 
 def batch(seed: int, n: int = 64, d_in: int = 16, d_out: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, d_in, generator=g), torch.randn(n, d_out, generator=g)
+    # The input on the gradient path (a clone of a leaf that requires grad), as the hidden state
+    # of a larger model would be: compress_saved keeps an input that requires no grad as it is.
+    return torch.randn(n, d_in, generator=g).requires_grad_().clone(), torch.randn(n, d_out, generator=g)
 
 
 def train_step(controller: CompressionController, model: nn.Module, x: torch.Tensor, y: torch.Tensor,

@@ -142,7 +142,8 @@ def test_counters_see_what_compress_saved_keeps_instead():
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 64))
-    x = torch.randn(32, 256)
+    # A hidden state on the gradient path (an input that requires no grad is kept as it is).
+    x = torch.randn(32, 256, requires_grad=True).clone()
     params = {abp.memory.storage_key(p)[:2] for p in model.parameters()}
     with abp.memory.SavedTensorsCounter() as counter:
         with C.compress_saved(bits=2, allow_low_bits=True) as compressed:
@@ -156,7 +157,8 @@ def test_counters_see_what_compress_saved_keeps_instead():
 def test_convert_compress_recipe_is_counted_by_report():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 64))
-    x = torch.randn(32, 256)
+    # A hidden state on the gradient path (an input that requires no grad is kept as it is).
+    x = torch.randn(32, 256, requires_grad=True).clone()
     converted, changes = abp.convert(model, "compress", bits=4)
     assert [c.action for c in changes] == ["wrapped"]
     r = abp.memory.report(converted, (x,), baseline=model)

@@ -310,15 +310,21 @@ def _compressible(t: torch.Tensor, min_numel: int) -> bool:
         return False
     if t.dtype == torch.bool:
         return True
+    # A floating tensor off the gradient path (an attention mask, a rotary table, the input batch,
+    # a logsumexp) is a constant of backward, not an activation: the caller or the model usually
+    # holds it anyway, and it may hold values group codes cannot carry (a mask's -inf decodes to
+    # NaN). As GACT does, only tensors that require grad are compressed.
+    if not t.requires_grad:
+        return False
     # A per-row statistic (a reduction kept with its dimension: a norm's mean or 1/std) scales a
     # whole row in backward, and costs 1/width of that row: kept as it is.
     return t.dtype in _FLOAT_DTYPES and not (t.dim() >= 2 and t.shape[-1] == 1)
 
 
 def eligible(t: torch.Tensor, min_numel: int) -> bool:
-    """The default rule of `compress_saved` (docs/python.md): a floating-point (fp32, fp16, bf16,
-    fp64) or bool tensor on the CPU or a CUDA device, dense, with at least `min_numel` elements,
-    that is not a parameter (nor a view or autocast copy of one)."""
+    """The default rule of `compress_saved` (docs/python.md): a bool tensor, or a floating-point
+    (fp32, fp16, bf16, fp64) one that requires grad, on the CPU or a CUDA device, dense, with at
+    least `min_numel` elements, that is not a parameter (nor a view or autocast copy of one)."""
     return _compressible(t, min_numel) and not _is_parameter(t)
 
 
@@ -382,8 +388,9 @@ class compress_saved:
     **Op rules** (`op_rules`, on by default; torch >= 2, where autograd numbers its nodes): some
     ops' backward passes are not linear in what they save, and compressing that damages training.
     Fused scaled-dot-product attention recomputes its probabilities from the saved query, key and
-    logsumexp through exp(): those are stored at 8 bits at least (abp._save_rules;
-    docs/compressed-training.md has the measurements). To know the op, a tensor is stored when
+    logsumexp through exp(): the query and key are stored at 8 bits at least (abp._save_rules;
+    docs/compressed-training.md has the measurements; the logsumexp needs no gradient and is
+    kept as it is). To know the op, a tensor is stored when
     the op saving it has saved everything: at the next op's first save, the block's end, or the
     first read in backward, whichever comes first, so one op's saves are held as they are a
     little longer. `floors` maps the index of each `bits_for` call of the last block whose width

@@ -123,7 +123,7 @@ def allocate_bits(sensitivities: Sequence[float], numels: Sequence[int], avg_bit
     smaller index. The result never exceeds the budget; it may undershoot it, since the rungs are
     coarse. Sensitivities that are NaN, infinite or above 1e10 count as 1e10. `minimum_bits`
     (one of RUNGS per tensor) keeps a tensor at or above that width: the op rules of
-    ``compress_saved`` (fused attention's query, key and logsumexp need 8 bits).
+    ``compress_saved`` (fused attention's query and key need 8 bits).
 
     Raises TypeError or ValueError naming the argument for a sensitivity that is not a number or
     is negative, a numel that is not an int > 0, lengths that differ, or an avg_bits that is not a
@@ -691,7 +691,7 @@ class CompressionController:
         if over > 0:
             warnings.warn(
                 f"CompressionController(avg_bits={self._avg_bits:g}): the op rules' minimum widths "
-                f"(fused attention's query, key and logsumexp at 8 bits) exceed the budget; the "
+                f"(fused attention's query and key at 8 bits) exceed the budget; the "
                 f"allocation averages {self.average_bits():.2f} bits per element", RuntimeWarning, stacklevel=3)
         self._sensitivity = sensitivity
         self._estimates += 1
