@@ -189,14 +189,19 @@ class TinyLlama(nn.Module):
 
 #: name → how to wrap each step: exact, compress_saved at a width (op rules on, or off to show
 #: what they prevent), or the adaptive controller.
-SETTINGS = ("exact", "compress-8", "compress-4", "compress-2", "compress-2-no-rules", "controller-2")
+SETTINGS = ("exact", "compress-8", "compress-4", "compress-2", "compress-2-no-rules",
+            "controller-4", "controller-3", "controller-2")
 
 
 def _step_context(setting: str, model: nn.Module) -> Callable[[], Any]:
     if setting == "exact":
         return contextlib.nullcontext
     if setting.startswith("controller-"):
-        controller = abp.CompressionController(model, avg_bits=float(setting.split("-")[1]), interval=100)
+        avg = float(setting.split("-")[1])
+        # Below 4 bits the controller needs allow_low_bits; a 2-bit budget is only met with 1-bit
+        # codes (fused attention's query and key take 8).
+        controller = abp.CompressionController(model, avg_bits=avg, interval=100, allow_low_bits=avg < 4,
+                                               min_bits=1 if avg < 3 else 2)
         return lambda: controller
     if setting.startswith("compress-"):
         parts = setting.split("-")

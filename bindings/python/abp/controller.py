@@ -8,7 +8,7 @@ B_avg·Σ_l D_l.
 `CompressionController` drives `abp.compress.compress_saved` with such an allocation during
 training. Wrap each training step's forward and backward in ``with controller:``::
 
-    controller = abp.CompressionController(model, avg_bits=2.0)
+    controller = abp.CompressionController(model, avg_bits=4.0)
     for x, y in loader:
         optimizer.zero_grad()
         with controller:
@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from .compress import compress_saved
+from .compress import MIN_UNIFORM_BITS, compress_saved
 
 __all__ = ["CompressionController", "TensorKey", "allocate_bits", "RUNGS"]
 
@@ -184,6 +184,16 @@ def _as_list(values: Any, name: str) -> List[Any]:
 
 # ---------------------------------------------------------------------------------------------------
 # The controller.
+
+
+def check_average_bits(avg_bits: float, allow_low_bits: bool) -> None:
+    """Refuses a budget below 4 bits per element, unless `allow_low_bits`."""
+    if avg_bits < MIN_UNIFORM_BITS and not allow_low_bits:
+        raise ValueError(
+            f"avg_bits={avg_bits:g}: budgets below {MIN_UNIFORM_BITS} bits did not train as exact training does "
+            "(docs/compressed-training.md: on a language model, 2.36 at avg_bits=2 and 1.85 at avg_bits=3 against "
+            "1.64 nats per byte; digits 83 % against 93 %). Use avg_bits=4 or abp.compress_saved(bits=4), or pass "
+            "allow_low_bits=True to accept the risk (the divergence guard still watches)")
 
 
 @dataclass(frozen=True)
@@ -385,7 +395,7 @@ class CompressionController:
     def __init__(
         self,
         model: torch.nn.Module,
-        avg_bits: float = 2.0,
+        avg_bits: float = 4.0,
         *,
         group_size: int = 256,
         interval: int = 1000,
@@ -393,12 +403,21 @@ class CompressionController:
         filter: Optional[Callable[[torch.Tensor], bool]] = None,
         generator: Optional[torch.Generator] = None,
         guard: Union[bool, str] = "warn",
+        min_bits: int = 2,
+        allow_low_bits: bool = False,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(min_bits, bool) or not isinstance(min_bits, int) or min_bits not in RUNGS[1:]:
+            raise ValueError(f"min_bits: expected one of {', '.join(map(str, RUNGS[1:]))}, got {min_bits!r}")
+        if not isinstance(allow_low_bits, bool):
+            raise TypeError(f"allow_low_bits: expected True or False, got {allow_low_bits!r}")
         avg = _check_avg_bits(avg_bits, 1.0, low_inclusive=True)
         if avg > 32:
             raise ValueError(f"avg_bits: expected a number in [1, 32], got {avg_bits!r}")
+        if avg < min_bits:
+            raise ValueError(f"avg_bits: {avg_bits!r} is below min_bits={min_bits}, which no allocation meets")
+        check_average_bits(avg, allow_low_bits)
         if isinstance(interval, bool) or not isinstance(interval, int):
             raise TypeError(f"interval: expected an int >= 1, got {type(interval).__name__}")
         if interval < 1:
@@ -408,6 +427,7 @@ class CompressionController:
         self._model = model
         self._avg_bits = avg
         self._interval = interval
+        self._min_bits = min_bits
         self._initial = max(b for b in (8, 4, 2, 1) if b <= avg)
         # compress_saved validates group_size, min_numel and filter, naming them. Its exact ReLU
         # support would spend a bit per element outside the budget, so the controller stores
@@ -676,8 +696,8 @@ class CompressionController:
         fixed = [k for k in step_keys if k not in replayed]
         total = sum(step_keys.values())
 
-        def least(k: TensorKey) -> int:  # the fewest bits an op rule allows for k
-            return self._floors.get(k, 1)
+        def least(k: TensorKey) -> int:  # the fewest bits min_bits and an op rule allow for k
+            return max(self._floors.get(k, 1), self._min_bits)
 
         # Unprobed keys keep the initial width (≤ avg_bits, or their op's minimum); the probed
         # ones share what is left, none below its op's minimum.
@@ -690,8 +710,8 @@ class CompressionController:
         over = sum(b * step_keys[k] for k, b in self._bits.items()) - _budget(self._avg_bits, total)
         if over > 0:
             warnings.warn(
-                f"CompressionController(avg_bits={self._avg_bits:g}): the op rules' minimum widths "
-                f"(fused attention's query and key at 8 bits) exceed the budget; the "
+                f"CompressionController(avg_bits={self._avg_bits:g}): the minimum widths (min_bits={self._min_bits}, "
+                f"and fused attention's query and key at 8 bits) exceed the budget; the "
                 f"allocation averages {self.average_bits():.2f} bits per element", RuntimeWarning, stacklevel=3)
         self._sensitivity = sensitivity
         self._estimates += 1
