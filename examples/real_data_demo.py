@@ -4,7 +4,7 @@
 
 The digits task of bench/real_tasks.py (1,437 training images as 16 patches, 360 held out), the
 same seed and data for each setting: exact; ``abp.compress_saved`` at 8, 4 and 2 bits (2 bits
-needs ``allow_low_bits=True``); ``abp.CompressionController(avg_bits=2)``. Prints each one's test
+needs ``allow_low_bits=True``); ``abp.CompressionController(avg_bits=4)``. Prints each one's test
 accuracy, the bytes a step saves for backward (counted by ``abp.memory``), the step time, and
 whether the divergence guard warned. bench/bench_compressed_training.py runs the full comparison
 (both tasks, several seeds); docs/compressed-training.md has its results.
@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import real_tasks  # noqa: E402
 
-SETTINGS = ("exact", "compress-8", "compress-4", "compress-2", "controller-2")
+SETTINGS = ("exact", "compress-8", "compress-4", "compress-2", "controller-4")
 
 
 def main() -> None:

@@ -4,10 +4,10 @@ Scikit-learn's digits with a small transformer (bench/real_tasks.py), 12 epochs,
 `compress_saved(bits=4)` reaches exact training's test accuracy: its mean is within the exact
 seeds' spread, or within 0.3 points of the exact mean, whichever is larger, and it stores at most
 a fifth of the bytes. (Uniform 2 bits is refused by default: it fails on the language model of
-bench/real_tasks.py. `CompressionController(avg_bits=2)` does not reach exact training's accuracy
-yet; docs/compressed-training.md has both.)
-Without the op rules (``op_rules=False``), 2-bit codes of fused attention's query, key and
-logsumexp make the same training diverge on torch >= 2, and the divergence guard says so.
+bench/real_tasks.py; so are controller budgets below 4 bits, which do not reach exact training
+either: docs/compressed-training.md has both.)
+Without the op rules (``op_rules=False``), 2-bit codes of fused attention's query and key make
+the same training diverge on torch >= 2, and the divergence guard says so.
 
 Runs in the current-torch lane only (a few minutes on 2 cores): fused attention, whose saved
 tensors the rules protect, does not exist on torch 1.13.

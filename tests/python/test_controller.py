@@ -155,6 +155,11 @@ def test_bad_arguments_raise_naming_the_argument(args, error, pattern):
 # CompressionController: models
 
 
+
+#: Most tests here exercise the mechanism at GACT's own settings: budgets below 4 bits (refused
+#: by default) and the full ladder down to 1 bit (off by default: min_bits=2).
+GACT_LADDER: Dict[str, Any] = {"allow_low_bits": True, "min_bits": 1}
+
 @pytest.fixture
 def kernels() -> None:
     library_or_skip()
@@ -253,7 +258,7 @@ def test_planted_sensitive_tensor_gets_more_bits_and_the_budget_holds(kernels):
     torch.manual_seed(0)
     model = Planted()
     x, y = batch(0)
-    controller = CompressionController(model, 2.0, interval=100)
+    controller = CompressionController(model, 2.0, **GACT_LADDER, interval=100)
     train_step(controller, model, x, y)
     assert controller.estimates == 1 and controller.step == 1
     bits, sens = controller.bits, controller.sensitivity
@@ -271,10 +276,28 @@ def test_planted_sensitive_tensor_gets_more_bits_and_the_budget_holds(kernels):
     assert controller.stats["bytes_compressed"] != before["bytes_compressed"]
 
 
+def test_min_bits_keeps_the_allocation_off_narrower_codes(kernels):
+    """With GACT's ladder the planted model's insensitive tensors go to 1 bit so that the sensitive
+    one can have more; with min_bits=2 (the default) none goes below 2, and a 2-bit budget leaves
+    every tensor at 2."""
+    widths = {}
+    for min_bits in (1, 2):
+        torch.manual_seed(0)
+        model = Planted()
+        x, y = batch(0)
+        controller = CompressionController(model, 2.0, allow_low_bits=True, min_bits=min_bits, interval=100)
+        train_step(controller, model, x, y)
+        widths[min_bits] = controller.bits
+        assert controller.average_bits() <= 2.0
+    assert min(widths[1].values()) == 1 and max(widths[1].values()) > 2
+    assert set(widths[2].values()) == {2}
+    assert CompressionController(Planted()).avg_bits == 4.0  # the default budget is not refused
+
+
 def test_keys_are_printable_and_stable_across_steps_and_estimates(kernels):
     torch.manual_seed(1)
     model = Planted()
-    controller = CompressionController(model, 3.0, interval=2)
+    controller = CompressionController(model, 3.0, **GACT_LADDER, interval=2)
     allocations = []
     for step in range(5):
         x, y = batch(step)
@@ -302,7 +325,7 @@ def test_iteration_0_saves_at_the_target_width(kernels, avg_bits, width):
     torch.manual_seed(2)
     model = Planted()
     x, y = batch(2)
-    controller = CompressionController(model, avg_bits, interval=10)
+    controller = CompressionController(model, avg_bits, **GACT_LADDER, interval=10)
     assert controller.initial_bits == width
     assert controller.average_bits() == width
     train_step(controller, model, x, y)
@@ -324,7 +347,7 @@ def test_keys_do_not_shift_when_a_branch_is_skipped(kernels):
     model = Skippable()
     x, _ = batch(3)
     y = torch.randn(64, 4)
-    controller = CompressionController(model, 2.0, interval=3)
+    controller = CompressionController(model, 2.0, **GACT_LADDER, interval=3)
     train_step(controller, model, x, y, skip=False)  # probe step, with a keyword argument
     full = controller.last_step_keys
     assert controller.estimates == 1 and set(controller.bits) == set(full)
@@ -359,7 +382,7 @@ def test_a_module_called_twice_gets_two_indices(kernels):
 
     twice = Twice()
     x, y = batch(4)
-    controller = CompressionController(twice, 2.0)
+    controller = CompressionController(twice, 2.0, **GACT_LADDER)
     train_step(controller, twice, x, y)
     indices = sorted(k.index for k in controller.bits if k.module == "body.1.1")
     assert indices == [0, 1]
@@ -371,7 +394,7 @@ def test_estimates_happen_at_step_0_and_every_interval_steps(kernels):
     model = Planted()
     calls: List[int] = []
     model.head.register_forward_pre_hook(lambda m, a: calls.append(1))
-    controller = CompressionController(model, 2.0, interval=3)
+    controller = CompressionController(model, 2.0, **GACT_LADDER, interval=3)
     estimates, passes = [], []
     for step in range(7):
         before = len(calls)
@@ -396,7 +419,7 @@ def test_probe_steps_leave_grad_rng_and_buffers_as_the_users_step_left_them(kern
         inside: List[torch.Tensor] = []
         model.zero_grad()
         if use_controller:
-            controller = CompressionController(model, 2.0, generator=g, min_numel=512)
+            controller = CompressionController(model, 2.0, **GACT_LADDER, generator=g, min_numel=512)
             with controller:
                 F.mse_loss(model(x), y).backward()
                 inside = [p.grad.clone() for p in model.parameters()]
@@ -426,7 +449,7 @@ def test_replays_are_deterministic_under_dropout(kernels, monkeypatch):
     def constant_sensitivity() -> float:
         torch.manual_seed(7)
         model = stochastic_model()
-        controller = CompressionController(model, 2.0, min_numel=512)
+        controller = CompressionController(model, 2.0, **GACT_LADDER, min_numel=512)
         train_step(controller, model, x, y)
         (key,) = keys_of(controller.sensitivity, "4")
         return controller.sensitivity[key]
@@ -442,7 +465,7 @@ def test_replays_run_under_the_autocast_of_the_recorded_call(kernels, monkeypatc
         torch.manual_seed(11)
         model = Planted()
         x, y = batch(11)
-        controller = CompressionController(model, 2.0)
+        controller = CompressionController(model, 2.0, **GACT_LADDER)
         with controller:
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 out = model(x)
@@ -464,7 +487,7 @@ def test_tensors_saved_outside_the_model_keep_the_initial_width(kernels):
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32))
     x, _ = batch(8)
     target = torch.randn(64, 32)
-    controller = CompressionController(model, 3.0)
+    controller = CompressionController(model, 3.0, **GACT_LADDER)
     with controller:
         out = model(x)
         loss = (out - target).pow(2).mean()  # pow saves out − target: a (64, 32) tensor outside
@@ -489,7 +512,7 @@ def test_nothing_recorded_survives_the_probe(kernels, monkeypatch):
     torch.manual_seed(9)
     model = Planted()
     x, y = batch(9)
-    controller = CompressionController(model, 2.0)
+    controller = CompressionController(model, 2.0, **GACT_LADDER)
     with controller:
         out = model(x)  # the user keeps the output (and its graph) beyond the step
         F.mse_loss(out, y).backward(retain_graph=True)
@@ -506,7 +529,7 @@ def test_an_evaluation_block_postpones_the_estimate(kernels):
     torch.manual_seed(10)
     model = Planted()
     x, y = batch(10)
-    controller = CompressionController(model, 2.0, interval=5)
+    controller = CompressionController(model, 2.0, **GACT_LADDER, interval=5)
     with controller, torch.no_grad():
         model(x)
     assert controller.step == 1 and controller.estimates == 0
@@ -524,7 +547,7 @@ def test_training_with_the_controller_reduces_the_loss(kernels):
     teacher = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    controller = CompressionController(model, 2.0, interval=20, min_numel=256)
+    controller = CompressionController(model, 2.0, **GACT_LADDER, interval=20, min_numel=256)
     x = torch.randn(256, 16)
     with torch.no_grad():
         y = teacher(x)
@@ -559,6 +582,12 @@ def test_training_with_the_controller_reduces_the_loss(kernels):
         (dict(min_numel=-1), ValueError, r"^min_numel"),
         (dict(filter=3), TypeError, r"^filter"),
         (dict(generator=0), TypeError, r"^generator: expected a torch.Generator or None, got int"),
+        (dict(avg_bits=2), ValueError, r"^avg_bits=2: budgets below 4 bits did not train .* allow_low_bits=True"),
+        (dict(avg_bits=3.5), ValueError, r"^avg_bits=3.5: budgets below 4 bits"),
+        (dict(min_bits=3), ValueError, r"^min_bits: expected one of 8, 4, 2, 1, got 3"),
+        (dict(min_bits=True), ValueError, r"^min_bits: expected one of"),
+        (dict(avg_bits=3, min_bits=4, allow_low_bits=True), ValueError, r"^avg_bits: 3 is below min_bits=4"),
+        (dict(allow_low_bits=1), TypeError, r"^allow_low_bits: expected True or False, got 1"),
     ],
 )
 def test_bad_constructor_arguments_name_the_argument(kwargs, error, pattern):
@@ -571,7 +600,7 @@ def test_bad_constructor_arguments_name_the_argument(kwargs, error, pattern):
 def test_usage_errors_and_remove(kernels):
     model = Planted()
     x, y = batch(13)
-    controller = CompressionController(model, 2.0)
+    controller = CompressionController(model, 2.0, **GACT_LADDER)
     with pytest.raises(RuntimeError, match="cannot nest"):
         with controller:
             with controller:

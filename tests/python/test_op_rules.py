@@ -203,7 +203,7 @@ def test_controller_counts_the_floors_against_its_budget() -> None:
 
     torch.manual_seed(0)
     model = Attention()
-    controller = abp.CompressionController(model, avg_bits=2, interval=1, min_numel=1)
+    controller = abp.CompressionController(model, avg_bits=2, interval=1, min_numel=1, allow_low_bits=True, min_bits=1)
     for _ in range(2):
         x = torch.randn(8, 32, 32)
         with controller:

@@ -338,9 +338,9 @@ def check_uniform_bits(bits: int, allow_low_bits: bool, name: str = "bits") -> N
         raise ValueError(
             f"{name}={bits}: {bits}-bit codes for every saved tensor did not train a language model to exact "
             "training's loss (docs/compressed-training.md: 1.96 against 1.63 nats per byte) although "
-            "they do on small image classifiers. Use bits=4 (within 1 % there), or abp.CompressionController(model, "
-            "avg_bits=...), which picks a width per tensor by its measured sensitivity; or pass "
-            "allow_low_bits=True to accept the risk (the divergence guard still watches)")
+            "they do on small image classifiers. Use bits=4 (within 1 % there); abp.CompressionController, which "
+            "picks a width per tensor by its measured sensitivity, did not do better below 4 bits on average "
+            "either. Or pass allow_low_bits=True to accept the risk (the divergence guard still watches)")
 
 
 class _Deferred:
