@@ -368,6 +368,32 @@ def test_determinism_and_independent_draws():
     assert all(torch.equal(u, v) for u, v in zip(*grads))
 
 
+def test_blocks_do_not_nest():
+    # saved_tensors_hooks nest with the innermost winning: an outer block would see nothing.
+    model, x = mlp(), activation(32, 256)
+    outer = C.compress_saved(bits=8)
+    with outer:
+        with pytest.raises(RuntimeError, match=r"^abp\.compress_saved\(bits=4\): opened inside "
+                                               r"abp\.compress_saved\(bits=8\), whose block is still open"):
+            with C.compress_saved(bits=4):
+                pass
+        controller = abp.CompressionController(model)
+        with pytest.raises(RuntimeError, match=r"opened inside abp\.compress_saved\(bits=8\)"):
+            with controller:
+                pass
+        model(x).sum().backward()  # the outer block still holds, and saw the step
+    assert outer.stats["compressed"] == 2
+    # A model converted with the compress recipe opens its own block in forward.
+    converted, _ = abp.convert(mlp(), "compress", bits=8)
+    with pytest.raises(RuntimeError, match=r"^abp\.compress_saved\(bits=8\): opened inside abp\.compress_saved"
+                                           r"\(bits=4\).*do not wrap such a model in another"):
+        with C.compress_saved(bits=4):
+            converted(x)
+    with C.compress_saved(bits=4) as again:  # nothing was left open
+        model(x).sum().backward()
+    assert again.stats["compressed"] == 2
+
+
 def test_bad_arguments_name_what_was_wrong():
     x = torch.randn(10)
     with pytest.raises(ValueError, match="bits: expected one of 1, 2, 4, 8, got 3"):

@@ -111,8 +111,9 @@ def after_backward(callback: Callable[[], Any]) -> bool:
 
 def alarm(mode: str, who: str, reason: str) -> None:
     message = (f"{who}: {reason}, as compressed training that diverges does. Store the saved "
-               "activations at more bits (bits=4 or 8), or use abp.CompressionController, which keeps "
-               "the tensors whose compression hurts wide; guard=False silences this check")
+               "activations at more bits than this setting does (compress_saved(bits=8) is the widest); if "
+               "exact training diverges too, the cause is not compression (the learning rate, for one). "
+               "guard=False silences this check")
     if mode == "raise":
         raise DivergenceError(message)
     warnings.warn(message, DivergenceWarning, stacklevel=2)

@@ -13,6 +13,7 @@ packed to 1 bit, exactly, and a ReLU's output also keeps its support (x > 0) at 
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
@@ -328,6 +329,9 @@ def eligible(t: torch.Tensor, min_numel: int) -> bool:
     return _compressible(t, min_numel) and not _is_parameter(t)
 
 
+#: The label of the compress_saved block open in this thread, if any (blocks do not nest).
+_OPEN = threading.local()
+
 #: The narrowest uniform width compress_saved accepts unless told otherwise (`allow_low_bits`).
 MIN_UNIFORM_BITS = 4
 
@@ -619,17 +623,27 @@ class compress_saved:
         if self._hooks is not None:
             raise RuntimeError("compress_saved: this block is already open (a `with` block of the same object "
                                "cannot be entered again before it exits)")
+        outer = getattr(_OPEN, "label", None)
+        if outer is not None:
+            # saved_tensors_hooks nest with the innermost winning: the outer block would see nothing
+            # and its stats, guard and (a controller's) allocation would silently be void.
+            raise RuntimeError(
+                f"{self.label}: opened inside {outer}, whose block is still open; the inner block would take "
+                "every saved tensor and the outer one see none. Use one block (abp.convert's compress and all "
+                "recipes open one in the model's forward: do not wrap such a model in another)")
         self.stats = {"tensors": 0, "compressed": 0, "bytes_in": 0, "bytes_stored": 0, "bytes_compressed": 0}
         self._reset()
         self.floors = {}
         self._guarded = {} if self.guard else None  # id → parameter, until backward reads the first save
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._hooks.__enter__()
+        _OPEN.label = self.label
         return self
 
     def __exit__(self, *exc: Any) -> None:
         hooks, self._hooks = self._hooks, None
         assert hooks is not None
+        _OPEN.label = None
         hooks.__exit__(*exc)
         self._flush()
         self._reset()  # the graph keeps what it saved; this block holds nothing after it
