@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import abp
 import abp.compress as C
+from abp import _save_rules
 from abp_reference import library_or_skip, tail_bits_are_zero, unpack_codes
 import gact_reference as ref
 
@@ -414,7 +415,7 @@ def test_bad_arguments_name_what_was_wrong():
         C.compress_saved(filter=3)  # type: ignore[arg-type]
     # One width below 4 bits for every tensor is refused, naming what to use instead.
     for low in (1, 2):
-        with pytest.raises(ValueError, match=rf"bits={low}: {low}-bit codes for every saved tensor did not train "
+        with pytest.raises(ValueError, match=rf"bits={low}: one width of 2 bits or fewer for every saved tensor did not train "
                                              r"a language model.*bits=4.*CompressionController.*allow_low_bits=True"):
             C.compress_saved(bits=low)
         C.compress_saved(bits=low, allow_low_bits=True)
@@ -430,9 +431,38 @@ def test_bad_arguments_name_what_was_wrong():
         pass
     C.compress_saved(bits=2, bits_for=lambda t: 2)  # per-tensor widths (the controller's) are not uniform
     # An error in a saved-tensors hook reaches the caller as torch's RuntimeError, message intact.
-    with pytest.raises((ValueError, RuntimeError), match=r"bits_for\(tensor\): expected one of 1, 2, 4, 8, got 5"):
-        with C.compress_saved(bits_for=lambda t: 5):
-            mlp()(torch.randn(4, 256)).sum().backward()
+    for wrong in (5, True, "4"):
+        with pytest.raises((ValueError, RuntimeError), match=r"bits_for\(tensor\): expected one of 1, 2, 4, 8 or 32, got"):
+            with C.compress_saved(bits_for=lambda t, w=wrong: w):
+                mlp()(torch.randn(4, 256)).sum().backward()
+    with pytest.raises(TypeError, match="^generator: expected a torch.Generator or None, got str"):
+        C.compress_saved(generator="g")
+
+
+def test_a_saved_tensor_changed_in_place_fails_as_it_does_without_compression():
+    # A save is held until its op is known (op rules), and torch skips its own version check for
+    # tensors its hooks packed: the change must still be caught, not turned into a wrong gradient.
+    # (Without the hold, on torch 1.13 or with op_rules=False, the codes are taken at the save and
+    # backward reads the values as they were then: no error, and the right gradient.)
+    w = torch.randn(64, 64, requires_grad=True)
+    h = activation(32, 64)
+    with C.compress_saved(bits=8, min_numel=1) as block:
+        y = h @ w
+        h.add_(100.0)
+        held = any(isinstance(b, C._Deferred) for b in block._group)
+        if held:
+            with pytest.raises(RuntimeError, match="modified by an in-place operation"):
+                y.sum().backward()
+        else:
+            y.sum().backward()
+            assert (w.grad - (h.detach() - 100.0).sum(0)[:, None].expand(64, 64)).abs().max() < 1.0
+    if _save_rules.sequence_number() is not None:
+        assert held
+    # Unchanged, the same code trains.
+    h = activation(32, 64)
+    with C.compress_saved(bits=8, min_numel=1):
+        (h @ w).sum().backward()
+    assert w.grad is not None and torch.isfinite(w.grad).all()
 
 
 def test_filter_and_min_numel_choose_what_is_compressed():

@@ -1406,7 +1406,7 @@ def test_recipe_lists_and_all():
         ({"recipe": "sampled", "layers": "*.fc1"}, TypeError, "layers: expected a sequence of fnmatch patterns"),
         ({"recipe": "sampled", "layers": [1]}, TypeError, "layers: expected a sequence of fnmatch patterns"),
         ({"recipe": "compress", "bits": 5}, ValueError, "bits"),
-        ({"recipe": "compress", "bits": 2}, ValueError, "bits=2: 2-bit codes for every saved tensor .*allow_low_bits=True"),
+        ({"recipe": "compress", "bits": 2}, ValueError, "bits=2: one width of 2 bits or fewer for every saved tensor .*allow_low_bits=True"),
         ({"recipe": "compress", "allow_low_bits": 1}, TypeError, "allow_low_bits: expected True or False, got 1"),
         ({"recipe": "compress", "group_size": 0}, ValueError, "group_size"),
     ],

@@ -213,6 +213,11 @@ def test_controller_counts_the_floors_against_its_budget() -> None:
     floored = controller._floors  # the keys of q, k (and the CPU flash kernel's logsumexp)
     assert len(floored) >= 2 and all(bits[k] >= 8 for k in floored)
     assert any(b <= 2 for b in bits.values())
+    # The probes store each key at 1 bit, rules or not: q and k measured at 8 bits would look
+    # 255² times less sensitive than they are (and could never win a wider width).
+    sens = controller.sensitivity
+    others = sorted(v for k, v in sens.items() if k not in floored)
+    assert max(sens[k] for k in floored) > others[len(others) // 2]
 
 
 def test_allocate_bits_respects_minimum_widths_and_the_budget() -> None:

@@ -340,8 +340,8 @@ def check_uniform_bits(bits: int, allow_low_bits: bool, name: str = "bits") -> N
     """Refuses one width below 4 bits for every saved tensor, unless `allow_low_bits`."""
     if bits < MIN_UNIFORM_BITS and not allow_low_bits:
         raise ValueError(
-            f"{name}={bits}: {bits}-bit codes for every saved tensor did not train a language model to exact "
-            "training's loss (docs/compressed-training.md: 1.96 against 1.63 nats per byte) although "
+            f"{name}={bits}: one width of 2 bits or fewer for every saved tensor did not train a language model to "
+            "exact training's loss (docs/compressed-training.md: 1.96 at 2 bits against 1.63 nats per byte) although "
             "they do on small image classifiers. Use bits=4 (within 1 % there); abp.CompressionController, which "
             "picks a width per tensor by its measured sensitivity, did not do better below 4 bits on average "
             "either. Or pass allow_low_bits=True to accept the risk (the divergence guard still watches)")
@@ -351,7 +351,7 @@ class _Deferred:
     """What the pack hook returns for a tensor to compress: the tensor until the op saving it has
     saved everything (its rule may then ask for more bits), then what it is stored as."""
 
-    __slots__ = ("value", "bits", "choice", "tags", "pending")
+    __slots__ = ("value", "bits", "choice", "tags", "pending", "version", "modified")
 
     def __init__(self, t: torch.Tensor, bits: int, choice: int, tags: memory.Tags) -> None:
         self.value: Any = t
@@ -359,6 +359,10 @@ class _Deferred:
         self.choice = choice  # the index of its bits_for call in the block, -1 without bits_for
         self.tags = tags  # the memory counters active at the save, with their tags
         self.pending = True
+        # torch checks a saved tensor's version when backward reads it, but not when hooks packed
+        # it: a tensor held back and changed in place before it is stored must fail as torch would.
+        self.version = t._version
+        self.modified = False
 
 
 def _kept_tensors(kept: Any) -> List[torch.Tensor]:
@@ -436,6 +440,8 @@ class compress_saved:
             raise ValueError(f"min_numel: expected an int >= 0, got {min_numel!r}")
         if filter is not None and not callable(filter):
             raise TypeError(f"filter: expected a callable taking a tensor, got {type(filter).__name__}")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}")
         if bits_for is not None and not callable(bits_for):
             raise TypeError(f"bits_for: expected a callable taking a tensor, got {type(bits_for).__name__}")
         self.min_numel = min_numel
@@ -484,9 +490,11 @@ class compress_saved:
             return self.bits
         self._choices += 1
         bits = self.bits_for(t)
-        if bits == 32:
+        if bits == 32 and not isinstance(bits, bool):
             return 32
-        return _check_bits(bits, "bits_for(tensor)")
+        if isinstance(bits, bool) or not isinstance(bits, int) or bits not in BITS:
+            raise ValueError(f"bits_for(tensor): expected one of {', '.join(map(str, BITS))} or 32, got {bits!r}")
+        return bits
 
     @staticmethod
     def _identity(t: torch.Tensor) -> Tuple[Any, ...]:
@@ -595,6 +603,7 @@ class compress_saved:
         """Stores the pending tensors of the last op, in the order it saved them."""
         group, self._group, self._group_rule = self._group, [], None
         for box in group:
+            box.modified = box.value._version != box.version
             box.value = self._store(box.value, box.bits)
             box.pending = False
             memory.note_saved(_kept_tensors(box.value), box.tags)
@@ -608,6 +617,11 @@ class compress_saved:
         if isinstance(saved, _Deferred):
             if saved.pending:
                 self._flush()  # backward has begun: the forward's last op saved all it saves
+            if saved.modified:
+                raise RuntimeError(
+                    "compress_saved: one of the tensors needed for gradient computation was modified by an "
+                    f"in-place operation after it was saved (version {saved.version}); torch raises the same "
+                    "error without compress_saved. Use the out-of-place op, or clone the tensor before changing it")
             saved = saved.value
         return dequantize(saved) if isinstance(saved, CompressedTensor) else saved
 

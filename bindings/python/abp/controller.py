@@ -358,8 +358,9 @@ class CompressionController:
 
     **Initial width.** Before the first estimate, and for keys absent from the last one, a tensor
     gets the largest of (8, 4, 2, 1) that is ≤ `avg_bits`. So step 0 already saves at the target
-    width (GACT's started at 4 bits for a 2-bit target, ALGORITHMS.md §6.6), and the budget is
-    never exceeded: GACT's rule "4 if B ≤ 4" overshoots a 3-bit budget by a third.
+    width (GACT's started at 4 bits for a 2-bit target, ALGORITHMS.md §6.6), over the budget only by
+    what the op rules' minimum widths add: GACT's rule "4 if B ≤ 4" overshoots a 3-bit budget by a
+    third.
 
     **Sensitivity estimate** (at step 0, then every `interval` steps, after the user's backward,
     in the exit of that step's block). During such a step the controller records each call of
@@ -388,7 +389,7 @@ class CompressionController:
     every torch version.
 
     Inspection: `bits` (key → width), `sensitivity` (key → C_l of the last estimate), `step`
-    (steps completed), `estimates` (estimates done), `average_bits()` (≤ `avg_bits`), `stats`
+    (steps completed), `estimates` (estimates done), `average_bits()` (≤ `avg_bits` unless the minimum widths exceed it), `stats`
     (the last step's ``compress_saved`` byte counts), `last_step_keys` (key → numel of the keys
     saved by the last step). `remove()` removes every hook.
     """
@@ -439,9 +440,11 @@ class CompressionController:
         # Replays draw their quantisation seeds here, never from torch's default generator: a draw
         # there would shift the dropout masks of the layers after the probed tensor.
         self._replay_generator = torch.Generator()
+        # Without op rules: each probe stores its key at 1 bit, as the variance model assumes, even
+        # where a rule would raise it (query and key measured at 8 bits looked 255² times safer).
         self._replay_saver = compress_saved(self._initial, group_size, min_numel=min_numel, filter=filter,
                                             bits_for=self._bits_for, generator=self._replay_generator,
-                                            exact_relu=False, guard=False)
+                                            exact_relu=False, guard=False, op_rules=False)
 
         self._bits: Dict[TensorKey, int] = {}
         self._numels: Dict[TensorKey, int] = {}
@@ -454,6 +457,7 @@ class CompressionController:
         # Keys an op rule of compress_saved stores at more bits than asked: key → fewest bits.
         self._floors: Dict[TensorKey, int] = {}
         self._order: List[TensorKey] = []
+        self._warned_over = False
 
         # Per-step state.
         self._active = False
@@ -709,11 +713,13 @@ class CompressionController:
         self._bits = {k: allocated.get(k, max(self._initial, least(k))) for k in step_keys}
         self._numels = dict(step_keys)
         over = sum(b * step_keys[k] for k, b in self._bits.items()) - _budget(self._avg_bits, total)
-        if over > 0:
+        if over > 0 and not self._warned_over:
+            self._warned_over = True  # once per controller: every estimate would say it again
             warnings.warn(
-                f"CompressionController(avg_bits={self._avg_bits:g}): the minimum widths (min_bits={self._min_bits}, "
-                f"and fused attention's query and key at 8 bits) exceed the budget; the "
-                f"allocation averages {self.average_bits():.2f} bits per element", RuntimeWarning, stacklevel=3)
+                f"CompressionController(avg_bits={self._avg_bits:g}): the minimum widths (min_bits={self._min_bits}; "
+                f"the op rules' 8 bits for fused attention's query and key and log_softmax's output) exceed the "
+                f"budget; the allocation averages {self.average_bits():.2f} bits per element", RuntimeWarning,
+                stacklevel=3)
         self._sensitivity = sensitivity
         self._estimates += 1
 
