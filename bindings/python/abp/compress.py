@@ -113,9 +113,12 @@ def draw_seed(generator: Optional[torch.Generator] = None) -> int:
     return int(torch.randint(0, 2**63 - 1, (1,), generator=generator, device=device).item())
 
 
-def _check_bits(bits: Any, name: str = "bits") -> int:
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in BITS:
-        raise ValueError(f"{name}: expected one of {', '.join(map(str, BITS))}, got {bits!r}")
+def _check_bits(bits: Any, name: str = "bits", raw: bool = False) -> int:
+    """`bits` if it is one of BITS (or, with `raw`, 32: "keep as is"); ValueError naming `name`."""
+    widths = BITS + ((32,) if raw else ())
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in widths:
+        allowed = ", ".join(map(str, BITS)) + (" or 32" if raw else "")
+        raise ValueError(f"{name}: expected one of {allowed}, got {bits!r}")
     return bits
 
 
@@ -432,6 +435,9 @@ class compress_saved:
         guard: Union[bool, str] = "warn",
         allow_low_bits: bool = False,
     ) -> None:
+        for flag, value in (("exact_relu", exact_relu), ("op_rules", op_rules), ("allow_low_bits", allow_low_bits)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{flag}: expected True or False, got {value!r}")
         self.bits = _check_bits(bits)
         if bits_for is None:
             check_uniform_bits(bits, allow_low_bits)
@@ -448,9 +454,6 @@ class compress_saved:
         self.filter = filter
         self.bits_for = bits_for
         self.generator = generator
-        for flag, value in (("exact_relu", exact_relu), ("op_rules", op_rules), ("allow_low_bits", allow_low_bits)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{flag}: expected True or False, got {value!r}")
         self.exact_relu = exact_relu
         self.op_rules = op_rules
         if guard is True:
@@ -489,12 +492,7 @@ class compress_saved:
         if self.bits_for is None:
             return self.bits
         self._choices += 1
-        bits = self.bits_for(t)
-        if bits == 32 and not isinstance(bits, bool):
-            return 32
-        if isinstance(bits, bool) or not isinstance(bits, int) or bits not in BITS:
-            raise ValueError(f"bits_for(tensor): expected one of {', '.join(map(str, BITS))} or 32, got {bits!r}")
-        return bits
+        return _check_bits(self.bits_for(t), "bits_for(tensor)", raw=True)
 
     @staticmethod
     def _identity(t: torch.Tensor) -> Tuple[Any, ...]:

@@ -389,9 +389,10 @@ class CompressionController:
     every torch version.
 
     Inspection: `bits` (key → width), `sensitivity` (key → C_l of the last estimate), `step`
-    (steps completed), `estimates` (estimates done), `average_bits()` (≤ `avg_bits` unless the minimum widths exceed it), `stats`
-    (the last step's ``compress_saved`` byte counts), `last_step_keys` (key → numel of the keys
-    saved by the last step). `remove()` removes every hook.
+    (steps completed), `estimates` (estimates done), `average_bits()` (≤ `avg_bits` unless the
+    minimum widths exceed it), `stats` (the last step's ``compress_saved`` byte counts),
+    `last_step_keys` (key → numel of the keys saved by the last step). `remove()` removes every
+    hook.
     """
 
     def __init__(

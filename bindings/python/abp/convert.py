@@ -141,12 +141,9 @@ def _check_overrides(recipes: Tuple[str, ...], overrides: Dict[str, Any]) -> Dic
         layers = options["layers"]
         if isinstance(layers, str) or not isinstance(layers, Sequence) or not all(isinstance(p, str) for p in layers):
             raise TypeError(f"layers: expected a sequence of fnmatch patterns (str), got {layers!r}")
-    if "compress" in recipes:
-        compress._check_bits(options["bits"])
-        compress._check_group_size(options["group_size"])
-        if not isinstance(options["allow_low_bits"], bool):
-            raise TypeError(f"allow_low_bits: expected True or False, got {options['allow_low_bits']!r}")
-        compress.check_uniform_bits(options["bits"], options["allow_low_bits"])
+    if "compress" in recipes:  # compress_saved checks its own arguments, naming them
+        compress.compress_saved(bits=options["bits"], group_size=options["group_size"],
+                                allow_low_bits=options["allow_low_bits"])
     if "lowmembp" in recipes:
         for flag in ("norms", "fold", "leaky_relu"):
             if not isinstance(options[flag], bool):
