@@ -25,7 +25,7 @@ import sysconfig
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -193,7 +193,13 @@ SETTINGS = ("exact", "compress-8", "compress-4", "compress-2", "compress-2-no-ru
             "controller-4", "controller-3", "controller-2")
 
 
-def _step_context(setting: str, model: nn.Module) -> Callable[[], Any]:
+#: A custom setting: given the model, what to wrap each step in (a context manager factory).
+Setting = Union[str, Callable[[nn.Module], Callable[[], Any]]]
+
+
+def _step_context(setting: Setting, model: nn.Module) -> Callable[[], Any]:
+    if callable(setting):
+        return setting(model)
     if setting == "exact":
         return contextlib.nullcontext
     if setting.startswith("controller-"):
@@ -215,8 +221,9 @@ def _grad_norm(model: nn.Module) -> float:
     return float(torch.norm(torch.stack(norms)))
 
 
-def train(task: str, setting: str, seed: int, *, steps: Optional[int] = None, log_every: int = 10) -> Dict[str, Any]:
-    """Trains `task` ("digits" or "charlm") under `setting` from `seed`; returns its metrics.
+def train(task: str, setting: Setting, seed: int, *, steps: Optional[int] = None, log_every: int = 10) -> Dict[str, Any]:
+    """Trains `task` ("digits" or "charlm") under `setting` (one of SETTINGS, or a callable giving
+    the model a context factory for each step) from `seed`; returns its metrics.
 
     digits: AdamW lr 1e-3, batch 64, `steps` (default 12 epochs = 276 steps); metric test accuracy.
     charlm: AdamW lr 3e-3, batch 32 of 64 bytes, `steps` (default 600); metric validation loss
@@ -275,7 +282,8 @@ def train(task: str, setting: str, seed: int, *, steps: Optional[int] = None, lo
         losses, trace, seconds, saved_bytes = _loop(model, opt, data, loss_of, context_of, total, log_every)
     alarms = [str(w.message) for w in caught if issubclass(w.category, abp.DivergenceWarning)]
     model.eval()
-    result: Dict[str, Any] = {"task": task, "setting": setting, "seed": seed, "steps": total}
+    result: Dict[str, Any] = {"task": task, "setting": setting if isinstance(setting, str) else "custom",
+                              "seed": seed, "steps": total}
     result.update(evaluate())
     tail = losses[-max(1, total // 10):]
     result["train_loss_tail"] = sum(tail) / len(tail)
