@@ -37,9 +37,13 @@ const CompilerLibrary &compilerLibrary() {
     void *handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (!handle) {
       const char *why = dlerror();
+      // Where the file is there but its dependencies are not (an installed wheel on a machine
+      // without LLVM 19), dlerror names the missing one; say how to get it either way.
       failure = "cannot load the abp compiler library '" + path + "' (" + (why ? why : "?") +
-                "); compiling operator IR at run time needs a build with "
-                "ABP_ENABLE_COMPILER=ON (or set ABP_COMPILER_LIBRARY)";
+                "); compiling operator IR at run time needs it and LLVM 19's shared libraries "
+                "(Debian/Ubuntu: apt install libllvm19 libfmt9), which an abp built with "
+                "ABP_ENABLE_COMPILER=ON installs beside libabp.so; or set ABP_COMPILER_LIBRARY "
+                "to a libabp_compiler.so. The op library's operators run without it";
       return;
     }
     SymbolResolver resolve(handle);

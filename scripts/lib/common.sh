@@ -12,6 +12,9 @@ ABP_PYTHON=/usr/bin/python3
 # once by abp_torch2_venv from the pinned scripts/lib/torch2-requirements.txt).
 ABP_VENV="${ABP_VENV:-$HOME/.cache/abp/venv-torch2}"
 ABP_TORCH2_REQUIREMENTS="$ABP_ROOT/scripts/lib/torch2-requirements.txt"
+# The install tests build the wheel with scikit-build-core from this small venv (pinned).
+ABP_BUILD_VENV="${ABP_BUILD_VENV:-$HOME/.cache/abp/venv-build}"
+ABP_BUILD_REQUIREMENTS="$ABP_ROOT/scripts/lib/build-requirements.txt"
 
 # MLIR/LLVM pinned to 19: libmlir-19 and libmlir-22 conflict and apt would remove the other.
 # mlir-19-tools is needed by MLIR's CMake config (mlir-tblgen, mlir-pdll) although
@@ -46,46 +49,60 @@ abp_install_missing() {
   fi
 }
 
-# The venv's stamp: the requirements file and the interpreter it is made from (a new Debian
-# Python makes a new venv).
-abp_torch2_stamp() {
-  { cat "$ABP_TORCH2_REQUIREMENTS"; "$ABP_PYTHON" -c 'import sys; print(sys.executable, sys.version)'; } |
+# A venv's stamp: its requirements file and the interpreter it is made from (a new Debian Python
+# makes a new venv).
+abp_venv_stamp() {
+  { cat "$1"; "$ABP_PYTHON" -c 'import sys; print(sys.executable, sys.version)'; } |
     sha256sum | cut -d' ' -f1
 }
 
-# Makes $ABP_VENV once and sets ABP_TORCH2_PYTHON to its interpreter. The stamp file is written
-# last, after pip check: a venv without the current stamp (half-installed, interrupted, or made
-# from an older requirements file) is removed and made again. A lock keeps two scripts from
-# building it at once. Quick (no pip) when the stamp matches.
-abp_torch2_venv() {
-  local stamp_file="$ABP_VENV/.abp-stamp" want
-  want="$(abp_torch2_stamp)"
-  if [ -x "$ABP_VENV/bin/python" ] && [ "$(cat "$stamp_file" 2>/dev/null)" = "$want" ]; then
-    export ABP_TORCH2_PYTHON="$ABP_VENV/bin/python"
+# abp_venv DIR REQUIREMENTS "IMPORTS" WHAT: makes the venv DIR once from the pinned REQUIREMENTS
+# (checked by importing IMPORTS). The stamp file is written last, after pip check: a venv without
+# the current stamp (half-installed, interrupted, or made from an older requirements file) is
+# removed and made again. A lock keeps two scripts from building it at once. Quick (no pip) when
+# the stamp matches.
+abp_venv() {
+  local dir=$1 requirements=$2 imports=$3 what=$4
+  local stamp_file="$dir/.abp-stamp" want
+  want="$(abp_venv_stamp "$requirements")"
+  if [ -x "$dir/bin/python" ] && [ "$(cat "$stamp_file" 2>/dev/null)" = "$want" ]; then
     return 0
   fi
-  mkdir -p "$(dirname "$ABP_VENV")"
+  mkdir -p "$(dirname "$dir")"
   (
     flock 9
     # Another script may have finished it while this one waited for the lock.
-    if [ -x "$ABP_VENV/bin/python" ] && [ "$(cat "$stamp_file" 2>/dev/null)" = "$want" ]; then
+    if [ -x "$dir/bin/python" ] && [ "$(cat "$stamp_file" 2>/dev/null)" = "$want" ]; then
       exit 0
     fi
-    if [ -e "$ABP_VENV" ] && [ ! -f "$ABP_VENV/pyvenv.cfg" ] && [ -n "$(ls -A "$ABP_VENV")" ]; then
-      abp_log "error: ABP_VENV=$ABP_VENV exists and is not a virtual environment; not removing it"
+    if [ -e "$dir" ] && [ ! -f "$dir/pyvenv.cfg" ] && [ -n "$(ls -A "$dir")" ]; then
+      abp_log "error: $dir exists and is not a virtual environment; not removing it"
       exit 1
     fi
-    abp_log "making the torch 2.x venv $ABP_VENV from $ABP_TORCH2_REQUIREMENTS (downloads ~5 GB from PyPI)"
-    rm -rf "$ABP_VENV"
-    "$ABP_PYTHON" -m venv "$ABP_VENV"
-    "$ABP_VENV/bin/python" -m pip install -q --no-input --disable-pip-version-check --progress-bar off \
-      --no-deps --only-binary :all: -r "$ABP_TORCH2_REQUIREMENTS"
-    "$ABP_VENV/bin/python" -m pip check >/dev/null
-    "$ABP_VENV/bin/python" -c 'import torch, transformers, timm, peft, accelerate, numpy, pytest'
+    abp_log "making the $what venv $dir from $requirements"
+    rm -rf "$dir"
+    "$ABP_PYTHON" -m venv "$dir"
+    "$dir/bin/python" -m pip install -q --no-input --disable-pip-version-check --progress-bar off \
+      --no-deps --only-binary :all: -r "$requirements"
+    "$dir/bin/python" -m pip check >/dev/null
+    "$dir/bin/python" -c "import $imports"
     printf '%s\n' "$want" >"$stamp_file.tmp"
     mv "$stamp_file.tmp" "$stamp_file"
-  ) 9>"$ABP_VENV.lock"
+  ) 9>"$dir.lock"
+}
+
+# The torch 2.x lane (~5 GB from PyPI, once); sets ABP_TORCH2_PYTHON.
+abp_torch2_venv() {
+  abp_venv "$ABP_VENV" "$ABP_TORCH2_REQUIREMENTS" "torch, transformers, timm, peft, accelerate, numpy, pytest" \
+    "torch 2.x (downloads ~5 GB)"
   export ABP_TORCH2_PYTHON="$ABP_VENV/bin/python"
+}
+
+# The wheel's build backend (scikit-build-core, a few hundred kB), for the install tests' and
+# users' `pip wheel --no-build-isolation`; sets ABP_BUILD_PYTHON.
+abp_build_venv() {
+  abp_venv "$ABP_BUILD_VENV" "$ABP_BUILD_REQUIREMENTS" "scikit_build_core" "wheel build"
+  export ABP_BUILD_PYTHON="$ABP_BUILD_VENV/bin/python"
 }
 
 abp_build() {
@@ -98,12 +115,14 @@ abp_build() {
       -DPython3_EXECUTABLE="$ABP_PYTHON"
     )
   fi
-  # The torch 2.x lane's interpreter (abp_torch2_venv): configure again whenever the cache does not
-  # hold it yet (a build tree configured before the lane existed, or with another venv).
-  if [ -n "${ABP_TORCH2_PYTHON:-}" ] &&
-    ! grep -qxF "ABP_TORCH2_PYTHON:STRING=$ABP_TORCH2_PYTHON" "$ABP_BUILD/CMakeCache.txt" 2>/dev/null; then
-    configure+=(-DABP_TORCH2_PYTHON:STRING="$ABP_TORCH2_PYTHON")
-  fi
+  # The venvs' interpreters (abp_torch2_venv, abp_build_venv): configure again whenever the cache
+  # does not hold one yet (a build tree configured before it existed, or with another venv).
+  local var
+  for var in ABP_TORCH2_PYTHON ABP_BUILD_PYTHON; do
+    if [ -n "${!var:-}" ] && ! grep -qxF "$var:STRING=${!var}" "$ABP_BUILD/CMakeCache.txt" 2>/dev/null; then
+      configure+=(-D"$var":STRING="${!var}")
+    fi
+  done
   if ((${#configure[@]})); then
     abp_log "configuring $ABP_BUILD"
     cmake -G Ninja -S "$ABP_ROOT" -B "$ABP_BUILD" "${configure[@]}" >/dev/null

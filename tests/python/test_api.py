@@ -459,7 +459,9 @@ except abp.AbpError as e:
 def test_library_search_order(monkeypatch):
     monkeypatch.delenv("ABP_LIBRARY", raising=False)
     candidates = abp._lib.library_path_candidates()
-    assert candidates[0].endswith(os.path.join("build", "lib", "libabp.so")) and candidates[-1] == "libabp.so"
+    # An installed package's own lib/ first, then a checkout's build tree, then the loader's path.
+    assert candidates[0] == str(abp._lib.PACKAGE_DIR / "lib" / "libabp.so")
+    assert candidates[1].endswith(os.path.join("build", "lib", "libabp.so")) and candidates[-1] == "libabp.so"
     monkeypatch.setenv("ABP_LIBRARY", "/x/libabp.so")
     assert abp._lib.library_path_candidates() == ["/x/libabp.so"]
 

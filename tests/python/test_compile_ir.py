@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,6 +51,13 @@ def cube() -> str:
     names = abp.compile_operators(CUBE_IR, origin="cube.mlir")
     assert names == ["test_cube"]
     return names[0]
+
+
+def test_inspect_shows_the_compiled_operator(cube: str) -> None:
+    # Its manifest and source live in the compile's own directory, not the op library's.
+    info = abp.inspect(cube)
+    assert Path(info["manifest_path"]).parent != abp.kernel_dir()
+    assert info["operator"]["name"] == cube and "abp_test_cube" in info["source"]
 
 
 def test_forward_is_the_ir_function(cube: str) -> None:
@@ -115,7 +123,7 @@ def test_missing_compiler_library_is_a_clear_error(tmp_path) -> None:
     env = dict(os.environ, ABP_COMPILER_LIBRARY=str(tmp_path / "missing.so"))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.startswith(f"{int(Status.NOT_FOUND)} "), out.stdout + out.stderr
-    assert "ABP_ENABLE_COMPILER" in out.stdout
+    assert "ABP_ENABLE_COMPILER" in out.stdout and "apt install libllvm19" in out.stdout
 
 
 NOISE_IR = """

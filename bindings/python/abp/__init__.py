@@ -81,12 +81,12 @@ def inspect(op_name: str) -> Dict[str, Any]:
       ``name``; ``operator``: the manifest's operator record (plus ``kernels``: the kernel records it
       launches); ``manifest_path`` and ``manifest``: the whole manifest file; ``source_path`` and
       ``source``: the generated CUDA C++ (the same text the CPU path was compiled from);
-      ``host_library``: the CPU build; ``ir_path`` and ``ir``: the abp IR it was compiled from, when
-      that file is reachable from the repository root (else None).
+      ``host_library``: the CPU build; ``ir_path`` and ``ir``: the abp IR it was compiled from (an
+      installed abp carries it under <prefix>/ops/, a checkout under ops/; None if neither has it).
     Raises AbpError (status NOT_FOUND) for an unknown operator.
     """
     op = _lib.kernel_library().operator(op_name)
-    directory = kernel_dir()
+    directory = _lib.kernel_library().directory_of(op_name)  # compiled IR has its own directory
     for path in sorted(directory.glob("*.json")):
         manifest = json.loads(path.read_text())
         if any(o.get("name") == op_name for o in manifest.get("operators", [])):
@@ -94,7 +94,12 @@ def inspect(op_name: str) -> Dict[str, Any]:
     else:
         raise AbpError(Status.NOT_FOUND, f"operator {op_name}: no manifest in {directory} declares it")
     source_path = directory / manifest["source"]
-    ir_path = _lib.REPO_ROOT / manifest["file"] if manifest.get("file") else None
+    # The IR is installed beside kernels/ under its repository path (<prefix>/ops/...), and is in
+    # the source checkout when abp runs from one.
+    ir_path = None
+    if manifest.get("file"):
+        ir_path = next((root / manifest["file"] for root in (directory.parent, _lib.REPO_ROOT)
+                        if (root / manifest["file"]).is_file()), None)
     host = manifest.get("host_library")
     return {
         "name": op_name,
@@ -104,8 +109,8 @@ def inspect(op_name: str) -> Dict[str, Any]:
         "source_path": str(source_path),
         "source": source_path.read_text() if source_path.is_file() else None,
         "host_library": str(directory / host) if host else None,
-        "ir_path": str(ir_path) if ir_path is not None and ir_path.is_file() else None,
-        "ir": ir_path.read_text() if ir_path is not None and ir_path.is_file() else None,
+        "ir_path": str(ir_path) if ir_path is not None else None,
+        "ir": ir_path.read_text() if ir_path is not None else None,
     }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import sys
 import threading
 from ctypes import POINTER, c_char_p, c_float, c_int, c_int64, c_size_t, c_void_p
 from pathlib import Path
@@ -33,7 +34,10 @@ __all__ = [
     "c_void_p",
 ]
 
-# The repository root as seen from bindings/python/abp/_lib.py.
+# The package directory: an installed abp (pip, a wheel) holds its native files here, laid out as
+# `cmake --install` lays out a prefix: lib/libabp.so, kernels/, include/abp/ (docs/install.md).
+PACKAGE_DIR = Path(__file__).resolve().parent
+# The repository root as seen from bindings/python/abp/_lib.py (a source checkout's build tree).
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 # Every function of abp.h: (argtypes, restype). abp_status is an int-sized enum.
@@ -63,17 +67,44 @@ _SIGNATURES: Dict[str, Tuple[List[Any], Any]] = {
 
 _lock = threading.RLock()
 _native: Optional[ctypes.CDLL] = None
+_loaded_path: Optional[str] = None  # the libabp.so that _load opened
 _kernel_library: Optional["KernelLibrary"] = None
 # Called once with the kernel library right after it opens (abp._custom_ops registers its ops).
 _open_hooks: List[Callable[["KernelLibrary"], None]] = []
 
 
 def library_path_candidates() -> List[str]:
-    """Where libabp.so is looked for, in order: $ABP_LIBRARY, the build tree, the loader's path."""
+    """Where libabp.so is looked for, in order: $ABP_LIBRARY, the installed package's lib/, the
+    source checkout's build tree, the loader's path."""
     from_env = os.environ.get("ABP_LIBRARY", "")
     if from_env:
         return [from_env]
-    return [str(REPO_ROOT / "build" / "lib" / "libabp.so"), "libabp.so"]
+    return [str(PACKAGE_DIR / "lib" / "libabp.so"), str(REPO_ROOT / "build" / "lib" / "libabp.so"), "libabp.so"]
+
+
+def pip_nvrtc_candidates() -> List[Path]:
+    """libnvrtc.so.N files of NVIDIA's wheels in this Python environment (nvidia-cuda-nvrtc, which
+    torch's CUDA wheels install: nvidia/cuda_nvrtc/lib for CUDA 12, nvidia/cu13/lib for 13),
+    newest major version first."""
+    found: List[Path] = []
+    for entry in sys.path:
+        for pattern in ("nvidia/cu*/lib/libnvrtc.so.*", "nvidia/cuda_nvrtc/lib/libnvrtc.so.*"):
+            found.extend(p for p in Path(entry or ".").glob(pattern) if p.name.count(".") == 2)
+    return sorted(set(found), key=lambda p: int(p.name.rsplit(".", 1)[1]), reverse=True)
+
+
+def _preload_pip_nvrtc() -> None:
+    """Makes the runtime's NVRTC search (libnvrtc.so.13, .12, ... by soname, then the CUDA toolkit)
+    find NVRTC where torch's wheels put it: a library loaded under a soname satisfies a later
+    dlopen of that soname. Skipped when $ABP_NVRTC_LIBRARY names one explicitly."""
+    if os.environ.get("ABP_NVRTC_LIBRARY", ""):
+        return
+    for candidate in pip_nvrtc_candidates():
+        try:
+            ctypes.CDLL(str(candidate))
+            return
+        except OSError:
+            continue  # a broken or foreign-architecture copy: the runtime's own search goes on
 
 
 def _load() -> ctypes.CDLL:
@@ -94,10 +125,14 @@ def _load() -> ctypes.CDLL:
             fn = getattr(lib, name)
             fn.argtypes = argtypes
             fn.restype = restype
+        global _loaded_path
+        _loaded_path = candidate
+        _preload_pip_nvrtc()
         return lib
     raise AbpError(
         None,
-        "cannot load the abp native library (build it with cmake, or set ABP_LIBRARY to libabp.so): "
+        "cannot load the abp native library (install abp with `pip install .` from its source, or "
+        "build it with cmake and set ABP_LIBRARY to build/lib/libabp.so): "
         + "; ".join(errors),
     )
 
@@ -169,13 +204,13 @@ def compile_ir(ir_text: str, origin: str) -> Path:
 
 def kernel_dir() -> Path:
     """The kernel directory the runtime opens by default: $ABP_KERNEL_DIR, else kernels/ next to the
-    library's lib/ directory, else the build tree's kernels/ (the same rule as runtime/Files.cpp)."""
+    loaded library's lib/ directory, else the build tree's kernels/ (the rule of runtime/Files.cpp)."""
     from_env = os.environ.get("ABP_KERNEL_DIR", "")
     if from_env:
         return Path(from_env)
-    lib_path = os.environ.get("ABP_LIBRARY", "") or str(REPO_ROOT / "build" / "lib" / "libabp.so")
+    lib_path = _loaded_path or next((c for c in library_path_candidates() if Path(c).is_file()), "")
     beside = Path(lib_path).resolve().parent.parent / "kernels"
-    if beside.is_dir():
+    if lib_path and beside.is_dir():
         return beside
     return REPO_ROOT / "build" / "kernels"
 
@@ -195,6 +230,12 @@ class KernelLibrary:
         # Kernels of directories added at run time (compiled IR) live in their own abp_library.
         self._owner: Dict[str, c_void_p] = {}
         self._added: Dict[str, c_void_p] = {}
+        self._directory: Dict[str, Path] = {}  # operator -> its added directory
+
+    def directory_of(self, name: str) -> Path:
+        """The kernel directory whose manifest declares operator `name` (AbpError if unknown)."""
+        self.operator(name)
+        return self._directory.get(name) or kernel_dir()
 
     def add_directory(self, directory: Path) -> List[str]:
         """Opens another kernel directory (e.g. from compile_ir) and registers its operators.
@@ -222,6 +263,7 @@ class KernelLibrary:
             self._added[key] = handle
             for name, op in ops.items():
                 self.operators[name] = op
+                self._directory[name] = Path(directory)
                 for kernel in op.kernels:
                     self._owner[kernel] = handle
         return sorted(ops)

@@ -1,0 +1,101 @@
+"""Run by python_wheel.sh with an interpreter that has abp installed from the wheel, from outside
+the source tree, with no ABP_* variable and no path to the build: every file abp uses must come
+from the installed package. Exits non-zero (an AssertionError or AbpError) on the first failure."""
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+import abp
+import abp.functional
+
+package = Path(abp.__file__).resolve().parent
+source_tree = Path(sys.argv[1]).resolve()
+assert not any(k.startswith("ABP_") for k in os.environ), sorted(k for k in os.environ if k.startswith("ABP_"))
+assert package != source_tree / "bindings" / "python" / "abp", f"abp imported from the source tree: {package}"
+
+# The runtime and the op library are the package's own.
+assert abp.kernel_dir() == package / "kernels", abp.kernel_dir()
+# An op of the library, forward exact and backward the defined 3-bit derivative.
+x = torch.linspace(-3, 3, 1001, requires_grad=True)
+y = abp.functional.apply("gelu_b3", x)
+exact = 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
+assert torch.allclose(y, exact, atol=1e-6), (y - exact).abs().max()
+maps = Path("/proc/self/maps").read_text()
+assert str(package / "lib" / "libabp.so") in maps
+assert "abp_compiler" not in maps, "the IR compiler was loaded before anything compiled IR"
+y.sum().backward()
+table = abp.inspect("gelu_b3")["operator"]["tables"][0]
+codes = torch.bucketize(x.detach(), torch.tensor(table["borders"]), right=True)
+assert torch.equal(x.grad, torch.tensor(table["levels"])[codes]), "backward is not levels[code(x)]"
+
+# abp.inspect finds the installed IR the kernels were compiled from.
+info = abp.inspect("gelu_b3")
+assert info["ir_path"] == str(package / "ops" / "fewbit" / "gelu.mlir"), info["ir_path"]
+assert "abp.operator" in info["ir"]
+
+# A converted model trains with compressed saved activations.
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
+model, changes = abp.convert(model, recipe="lowmembp")
+assert any(type(m).__module__.startswith("abp") for m in model.modules()), "convert replaced nothing"
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+data, target = torch.randn(64, 16), torch.randint(0, 4, (64,))
+losses = []
+for _ in range(20):
+    opt.zero_grad()
+    with abp.compress_saved(bits=4, generator=torch.Generator().manual_seed(1)):
+        loss = torch.nn.functional.cross_entropy(model(data), target)
+        loss.backward()
+    opt.step()
+    losses.append(float(loss))
+assert losses[-1] < losses[0], losses
+
+# Run-time IR compilation through the installed compiler library and device header.
+IR = """
+#t = #abp.buckets<borders = [-1.0, 0.0, 1.0], levels = [3.0, 0.5, 0.25, 3.0]>
+func.func private @cube(%x: f32) -> f32 {
+  %a = arith.mulf %x, %x : f32
+  %b = arith.mulf %a, %x : f32
+  return %b : f32
+}
+func.func private @mul(%a: f32, %b: f32) -> f32 {
+  %p = arith.mulf %a, %b : f32
+  return %p : f32
+}
+abp.operator @installed_cube forward {
+^bb0(%x: tensor<?xf32>):
+  %y = abp.map @cube(%x) : (tensor<?xf32>) -> tensor<?xf32>
+  %c = abp.quantize %x {scheme = #t} : tensor<?xf32> -> !abp.codes<2>
+  abp.return %y : tensor<?xf32> saves %c : !abp.codes<2>
+} backward {
+^bb0(%c: !abp.codes<2>, %dy: tensor<?xf32>):
+  %d = abp.dequantize %c {scheme = #t} : !abp.codes<2> -> tensor<?xf32>
+  %dx = abp.map @mul(%d, %dy) : (tensor<?xf32>, tensor<?xf32>) -> tensor<?xf32>
+  abp.return %dx : tensor<?xf32>
+}
+"""
+(name,) = abp.compile_operators(IR, origin="smoke.mlir")
+x = torch.randn(257, requires_grad=True)
+y = abp.functional.apply(name, x)
+assert torch.equal(y, x.detach() ** 3) or torch.equal(y, x.detach() * x.detach() * x.detach())
+y.sum().backward()
+levels = torch.tensor([3.0, 0.5, 0.25, 3.0])
+assert torch.equal(x.grad, levels[torch.bucketize(x.detach(), torch.tensor([-1.0, 0.0, 1.0]), right=True)])
+assert str(package / "lib" / "libabp_compiler.so") in Path("/proc/self/maps").read_text()
+
+# NVRTC from NVIDIA's wheel, where the environment has one (torch's CUDA wheels install it).
+from abp import _lib  # noqa: E402
+
+pip_nvrtc = _lib.pip_nvrtc_candidates()
+if pip_nvrtc:
+    size = _lib.kernel_library().compile_for_arch("gelu_b3_fwd", "sm_80", "ptx")
+    assert size > 0
+    maps = Path("/proc/self/maps").read_text()
+    assert str(pip_nvrtc[0].resolve()) in maps or str(pip_nvrtc[0]) in maps, "NVRTC was not the wheel's"
+print(f"installed abp {abp.version()} from {package}: ok"
+      f" (torch {torch.__version__}; NVRTC from a wheel: {bool(pip_nvrtc)})")
