@@ -280,3 +280,55 @@ def test_export_keeps_the_abp_ops():
     code = program.graph_module.code
     assert "abp.ms_layernorm_fwd" in code and "abp.regelu2_fwd" in code, code
     assert torch.equal(program.module()(x), model(x))
+
+
+@pytest.mark.parametrize("method", ["wtacrs", "crs", "gaussian"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_sampled_linear_has_no_graph_break_and_draws_what_eager_draws(method, backend):
+    # One Philox key per call from torch's generator in both paths: the same seed gives the same
+    # rows (or sketch), hence the same dW; the eager path's host planning and kernel launches sit
+    # inside abp::sampled_linear_save / _dw, so dynamo keeps the whole step in one graph.
+    x = torch.randn(4, 50, 16, requires_grad=True)
+    w = torch.randn(8, 16, requires_grad=True)
+    b = torch.randn(8, requires_grad=True)
+
+    def step(x, w, b):
+        return (abp.sampling.sampled_linear(x, w, b, method=method, keep=0.3) ** 2).sum()
+
+    explained = torch._dynamo.explain(step)(x, w, b)
+    assert explained.graph_break_count == 0, [str(r.reason)[:200] for r in explained.break_reasons]
+    grads = []
+    for run in (step, torch.compile(step, backend=backend)):
+        torch.manual_seed(3)
+        grads.append(torch.autograd.grad(run(x, w, b), (x, w, b)))
+    for got, want in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_sampled_linear_keeps_exact_and_degenerate_gradients():
+    # k >= n: the input whole, so dW is exact; all-zero rows: dW = 0 as exactly; a non-finite input:
+    # a non-finite dW as exactly (AMP's scaler then skips the step).
+    w = torch.randn(8, 16, requires_grad=True)
+    step = torch.compile(lambda x: abp.sampling.sampled_linear(x, w, method="wtacrs", keep=0.3).sum(), backend="aot_eager")
+    few = torch.randn(6, 16)  # n = 6 < the 10-row minimum: nothing to sample
+    (dw,) = torch.autograd.grad(step(few), (w,))
+    torch.testing.assert_close(dw, torch.ones(8, 6) @ few)
+    (dw,) = torch.autograd.grad(step(torch.zeros(64, 16)), (w,))
+    assert torch.equal(dw, torch.zeros_like(dw))
+    bad = torch.randn(64, 16)
+    bad[5, 3] = float("inf")
+    (dw,) = torch.autograd.grad(step(bad), (w,))
+    assert not torch.isfinite(dw).all()
+
+
+def test_sampled_custom_ops_pass_opcheck():
+    from abp import _sampled_ops
+
+    x2 = torch.randn(64, 16)
+    key = torch.randint(0, 2**63 - 1, (1,))
+    for method in ("wtacrs", "gaussian"):
+        torch.library.opcheck(_sampled_ops._save, (x2, key, method, 0.3), test_utils=("test_schema", "test_faketensor"))
+        rows, index, used = _sampled_ops._save(x2, key, method, 0.3)
+        assert torch.equal(used, key)
+        torch.library.opcheck(_sampled_ops._dw, (torch.randn(64, 8), rows, index, used, method),
+                              test_utils=("test_schema", "test_faketensor"))

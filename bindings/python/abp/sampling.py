@@ -21,11 +21,12 @@ ops/sample/sample.mlir; the plan over the N scores is abp._selection's; the prod
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from . import _custom_ops
 from . import _sample_kernels as kernels
 from . import _selection as selection
 from ._launch import compute_dtype
@@ -75,6 +76,38 @@ def plan_rows(x: torch.Tensor, k: int, method: str, seed: int, offset: int = 0,
     return plan.to(x.device)
 
 
+def _residuals(x2: torch.Tensor, method: str, keep: float, seed: int,
+               gamma: Optional[torch.Tensor]) -> Tuple[str, List[torch.Tensor]]:
+    """What backward's dW needs of the 2-d input x2: ("exact", [x2]), ("rows", [kept rows
+    weighted, their indices]) or ("sketch", [S·x2 / k])."""
+    n = x2.shape[0]
+    k = selection.keep_count(n, keep, minimum=_MINIMUM[method])
+    plan = plan_rows(x2, k, method, seed, gamma=gamma) if method in _ROW_METHODS and k < n else None
+    if k >= n or (method in _ROW_METHODS and plan is None):
+        return "exact", [x2.contiguous()]
+    if plan is not None:
+        weight_rows = plan.weight.to(compute_dtype(x2.dtype))
+        return "rows", [kernels.sample_rows(x2, plan.index, weight_rows, trusted=True), plan.index]
+    return "sketch", [sketch_product(method, k, seed, x2) / k]
+
+
+def _weight_grad(mode: str, saved: List[torch.Tensor], g: torch.Tensor, method: str, seed: int) -> torch.Tensor:
+    """dW from the 2-d output gradient g and what _residuals saved in `mode`."""
+    if mode == "exact":
+        return g.t() @ saved[0].to(g.dtype)
+    if mode == "rows":
+        kept, index = saved
+        g = g.to(kept.dtype).contiguous()
+        ones = torch.ones(index.numel(), dtype=compute_dtype(g.dtype), device=g.device)
+        dw = kernels.sample_rows(g, index, ones, trusted=True).t() @ kept
+        # A non-finite dY in a row the plan did not keep must still reach dW, as it would the
+        # exact product (AMP's overflow check reads it): without a host sync.
+        return torch.where(torch.isfinite(g).all(), dw, torch.full_like(dw, float("nan")))
+    (projected,) = saved
+    g = g.to(projected.dtype).contiguous()
+    return sketch_product(method, projected.shape[0], seed, g).t() @ projected
+
+
 class _SampledLinear(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -84,20 +117,10 @@ class _SampledLinear(torch.autograd.Function):
         y = F.linear(x, weight, bias)
         ctx.x_shape, ctx.x_dtype, ctx.method, ctx.seed, ctx.record = x.shape, x.dtype, method, seed, record
         ctx.has_bias = bias is not None
-        # The input as the product used it (autocast may have cast it): what backward needs.
-        x2 = x.reshape(-1, x.shape[-1]).to(y.dtype)
-        n = x2.shape[0]
         ctx.mode, saved = "none", []
         if ctx.needs_input_grad[1]:
-            k = selection.keep_count(n, keep, minimum=_MINIMUM[method])
-            plan = plan_rows(x2, k, method, seed, gamma=gamma) if method in _ROW_METHODS and k < n else None
-            if k >= n or (method in _ROW_METHODS and plan is None):
-                ctx.mode, saved = "exact", [x2.contiguous()]
-            elif plan is not None:
-                weight_rows = plan.weight.to(compute_dtype(x2.dtype))
-                ctx.mode, saved = "rows", [kernels.sample_rows(x2, plan.index, weight_rows, trusted=True), plan.index]
-            else:
-                ctx.mode, saved = "sketch", [sketch_product(method, k, seed, x2) / k]
+            # The input as the product used it (autocast may have cast it): what backward needs.
+            ctx.mode, saved = _residuals(x.reshape(-1, x.shape[-1]).to(y.dtype), method, keep, seed, gamma)
         ctx.save_for_backward(weight, *saved)
         return y
 
@@ -112,21 +135,8 @@ class _SampledLinear(torch.autograd.Function):
             dx = (g @ weight.to(g.dtype)).reshape(ctx.x_shape)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g.sum(0)
-        if ctx.mode == "exact":
-            dw = g.t() @ saved[0].to(g.dtype)
-        elif ctx.mode == "rows":
-            kept, index = saved
-            g = g.to(kept.dtype).contiguous()
-            ones = torch.ones(index.numel(), dtype=compute_dtype(g.dtype), device=g.device)
-            dw = kernels.sample_rows(g, index, ones, trusted=True).t() @ kept
-            # A non-finite dY in a row the plan did not keep must still reach dW, as it would the
-            # exact product (AMP's overflow check reads it): without a host sync.
-            dw = torch.where(torch.isfinite(g).all(), dw, torch.full_like(dw, float("nan")))
-        elif ctx.mode == "sketch":
-            (projected,) = saved
-            k = projected.shape[0]
-            g = g.to(projected.dtype).contiguous()
-            dw = sketch_product(ctx.method, k, ctx.seed, g).t() @ projected
+        if ctx.mode != "none":
+            dw = _weight_grad(ctx.mode, saved, g, ctx.method, ctx.seed)
         return dx, dw, db, None, None, None, None, None
 
 
@@ -193,6 +203,15 @@ def sampled_linear(
         if not isinstance(gamma, torch.Tensor) or gamma.dim() != 1 or gamma.numel() != rows:
             raise ValueError(f"gamma: expected one value per token row ({rows}), got "
                              f"{tuple(gamma.shape) if isinstance(gamma, torch.Tensor) else type(gamma).__name__}")
+    if _custom_ops.compiling() and seed is None and gamma is None and record is None:
+        # Under torch.compile: the key stays a tensor and the host work hides in custom ops, so
+        # the layer costs dynamo no graph break (abp._sampled_ops). GradNormCache's gamma/record
+        # are Python state and take the eager path below.
+        from ._sampled_ops import CompiledSampledLinear
+
+        device = generator.device if generator is not None else "cpu"
+        key = torch.randint(0, 2**63 - 1, (1,), generator=generator, device=device)
+        return CompiledSampledLinear.apply(x, weight, bias, key, method, keep)
     if seed is None:
         seed = draw_seed(generator)
     return _SampledLinear.apply(x, weight, bias, method, keep, kernels._key(seed, 0)[0], gamma, record)
