@@ -22,6 +22,9 @@ it was saved, its shape and dtype, and how many earlier tensors of the step had 
 not shift the keys of the others. At step 0 and then every `interval` steps the controller
 re-estimates every key's sensitivity by replaying the step's model calls (see the class docstring)
 and re-allocates the bits.
+
+In a stock ``transformers.Trainer``, ``trainer.add_callback(abp.controller.trainer_callback(controller))``
+makes each micro-batch's forward and backward one such step (see `trainer_callback`).
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ import torch
 
 from .compress import MIN_UNIFORM_BITS, compress_saved
 
-__all__ = ["CompressionController", "TensorKey", "allocate_bits", "RUNGS"]
+__all__ = ["CompressionController", "TensorKey", "allocate_bits", "RUNGS", "trainer_callback"]
 
 #: The ladder of widths, widest first; 32 means "store the tensor raw" (no quantisation variance).
 RUNGS: Tuple[int, ...] = (32, 8, 4, 2, 1)
@@ -472,6 +475,14 @@ class CompressionController:
         self._original_forward: Optional[Callable[..., Any]] = None
         self._saved_forward_attr: Any = _MISSING
         self._recorder_installed = False
+        self._step_stats: Dict[str, int] = {}
+        self._order_base = 0
+        # Hooked steps (trainer_callback): the forward hooks are installed, the open step is one,
+        # how many model calls are running, and each running call's record (None: not probing).
+        self._step_hooks = False
+        self._hooked = False
+        self._depth = 0
+        self._pending: List[Optional[_Call]] = []
 
         self._handles: List[Any] = []
         for name, module in model.named_modules():
@@ -564,39 +575,75 @@ class CompressionController:
         return self._bits.get(key, self._initial)
 
     # -- the step ----------------------------------------------------------------------------------
+    #
+    # A step is begun, the saver compresses what its model calls save, and the step is ended (the
+    # estimate, at a probe step). `with controller:` does this around the user's forward and
+    # backward. trainer_callback cannot put the Trainer's code in a `with` block: it begins and
+    # ends "hooked" steps at Trainer events and opens the saver only while the model's forward
+    # runs (hooks on the model, the closing one `always_call`). No callback runs when a Trainer
+    # step raises, so a saver held open from one event to the next would stay open after a
+    # failed step and compress every later save of the thread; a forward's hooks always close.
 
     def __enter__(self) -> "CompressionController":
-        if self._removed:
-            raise RuntimeError("CompressionController: used after remove()")
-        if self._active:
-            raise RuntimeError("CompressionController: `with controller:` blocks cannot nest")
-        self._stack, self._counts, self._seen, self._calls, self._order = [], {}, {}, [], []
-        self._probing = self._step >= self._next_probe
-        if self._probing:
-            self._install_recorder()
+        self._begin_step(hooked=False)
         try:
-            self._saver.__enter__()
+            self._open_saver()
         except BaseException:
-            self._finish_probe()
+            self._abort_step()
             raise
-        self._active = True
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        calls = self._calls
         try:
-            self._saver.__exit__(exc_type, exc, tb)
+            self._close_saver(exc_type, exc, tb)
+        except BaseException:
+            self._end_step(failed=True)
+            raise
+        self._end_step(failed=exc_type is not None)
+
+    def _begin_step(self, hooked: bool) -> None:
+        if self._removed:
+            raise RuntimeError("CompressionController: used after remove()")
+        if self._active and self._hooked and not self._depth:
+            # A hooked step whose Trainer step raised (no event ended it): it is not counted.
+            self._abort_step()
+        if self._active:
+            raise RuntimeError("CompressionController: `with controller:` blocks cannot nest")
+        self._stack, self._counts, self._seen, self._calls, self._order = [], {}, {}, [], []
+        self._step_stats = {}
+        self._probing = self._step >= self._next_probe
+        self._hooked, self._depth, self._pending = hooked, 0, []
+        if self._probing and not hooked:  # a hooked step records its calls from the forward hooks
+            self._install_recorder()
+        self._active = True
+
+    def _open_saver(self) -> None:
+        # Where this saver block's bits_for calls start in the step's order (its floors' indices).
+        self._order_base = len(self._order)
+        self._saver.__enter__()
+
+    def _close_saver(self, *exc: Any) -> None:
+        try:
+            self._saver.__exit__(*exc)
         finally:
-            self._active = False
-            self._stats = dict(self._saver.stats)
-            self._last_seen = dict(self._seen)
+            # A step may open several saver blocks (a hooked step: one per model call): their
+            # counts add up, and their floors index the step's order from where each began.
+            for name, count in self._saver.stats.items():
+                self._step_stats[name] = self._step_stats.get(name, 0) + count
             # Widths the op rules raised (compress_saved's floors), kept for the allocations.
             for index, floor in self._saver.floors.items():
-                key = self._order[index]
+                key = self._order[self._order_base + index]
                 self._floors[key] = max(self._floors.get(key, 1), floor)
-            probing = self._probing
-            self._uninstall_recorder()
-        if exc_type is not None:
+
+    def _end_step(self, failed: bool) -> None:
+        """Ends the step: publishes its counts and, unless it failed, estimates (at a probe step)
+        and counts it."""
+        calls, probing = self._calls, self._probing
+        self._active, self._hooked = False, False
+        self._stats = dict(self._step_stats)
+        self._last_seen = dict(self._seen)
+        self._uninstall_recorder()
+        if failed:
             self._finish_probe()
             return
         try:
@@ -613,6 +660,11 @@ class CompressionController:
             self._finish_probe()
             self._step += 1
 
+    def _abort_step(self) -> None:
+        """Drops a begun step: nothing is estimated, published or counted."""
+        self._active, self._hooked, self._depth, self._pending = False, False, 0, []
+        self._finish_probe()
+
     def _finish_probe(self) -> None:
         """Frees everything recorded for the estimate (inputs, output gradients, hooks)."""
         self._uninstall_recorder()
@@ -624,6 +676,67 @@ class CompressionController:
         self._target = None
         self._replaying = False
 
+    def _record_call(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> _Call:
+        """What a replay of the call model(*args, **kwargs) needs, taken before forward runs."""
+        model = self._model
+        inputs = _tensors((args, kwargs))
+        # Copied before forward runs (it may modify its inputs in place); the RNG states,
+        # buffers and modes as forward will see them.
+        args_copy, kwargs_copy = _map_tensors((args, kwargs), lambda t: t.detach().clone())
+        return _Call(
+            args=args_copy, kwargs=kwargs_copy,
+            requires_grad=[t.requires_grad for t in inputs],
+            was_leaf=[t.is_leaf for t in inputs],
+            rng=_get_rng(), buffers=_snapshot_buffers(model),
+            modes=[m.training for m in model.modules()], autocast=_autocast_state())
+
+    def _watch_outputs(self, call: _Call, out: Any) -> None:
+        """Hooks the call's outputs to capture dL/d(output) from the user's backward."""
+        outputs = _tensors(out)
+        call.grads = [None] * len(outputs)
+        for i, t in enumerate(outputs):
+            if t.requires_grad:
+                call.handles.append(t.register_hook(partial(self._capture, call, i)))
+        if len(call.handles) > 1:
+            self._subtract_inner_paths(call, outputs)
+        if call.handles:  # a call under no_grad cannot be probed
+            self._calls.append(call)
+        else:
+            call.close()
+
+    def _subtract_inner_paths(self, call: _Call, outputs: List[torch.Tensor]) -> None:
+        """An output's hook sees all of its gradient, also what reaches it through another output
+        the call computed from it (a causal LM's logits, through the loss it returns). The
+        replays feed every output its gradient and run that path themselves, so it would count
+        twice: hooks on the call's nodes that consume an output subtract what they send it,
+        leaving the gradient of the caller's own use. (Handing the caller identity views to hook
+        instead fails: a view changed in place, as the Trainer scales its loss, loses its hooks.)"""
+        held = [t.grad_fn for t in outputs]  # node objects keep their identity while referenced
+        target = {(id(node), t.output_nr): i for i, (node, t) in enumerate(zip(held, outputs))
+                  if node is not None and t.requires_grad}
+        stack = [node for node in held if node is not None]
+        seen = {id(node) for node in stack}
+        while stack:
+            node = stack.pop()
+            for k, (following, nr) in enumerate(node.next_functions):
+                if following is None:
+                    continue
+                i = target.get((id(following), nr))
+                if i is not None:
+                    call.handles.append(node.register_hook(partial(self._subtract, call, i, k)))
+                if id(following) not in seen:
+                    seen.add(id(following))
+                    held.append(following)
+                    stack.append(following)
+
+    @staticmethod
+    def _subtract(call: _Call, i: int, k: int, grad_inputs: Tuple[Optional[torch.Tensor], ...], _: Any) -> None:
+        grad = grad_inputs[k]
+        if call.closed or grad is None:
+            return
+        prev = call.grads[i]
+        call.grads[i] = -grad.detach() if prev is None else prev - grad.detach()
+
     def _install_recorder(self) -> None:
         model = self._model
         self._recorder_installed = True
@@ -633,26 +746,9 @@ class CompressionController:
         # Wrapping forward, not a forward pre-hook: hooks see keyword arguments only on torch >= 2.0
         # (with_kwargs), and torch 1.13 must work too.
         def recording_forward(*args: Any, **kwargs: Any) -> Any:
-            inputs = _tensors((args, kwargs))
-            # Copied before forward runs (it may modify its inputs in place); the RNG states,
-            # buffers and modes as forward will see them.
-            args_copy, kwargs_copy = _map_tensors((args, kwargs), lambda t: t.detach().clone())
-            call = _Call(
-                args=args_copy, kwargs=kwargs_copy,
-                requires_grad=[t.requires_grad for t in inputs],
-                was_leaf=[t.is_leaf for t in inputs],
-                rng=_get_rng(), buffers=_snapshot_buffers(model),
-                modes=[m.training for m in model.modules()], autocast=_autocast_state())
+            call = self._record_call(args, kwargs)
             out = original(*args, **kwargs)
-            outputs = _tensors(out)
-            call.grads = [None] * len(outputs)
-            for i, t in enumerate(outputs):
-                if t.requires_grad:
-                    call.handles.append(t.register_hook(partial(self._capture, call, i)))
-            if call.handles:  # a call under no_grad cannot be probed
-                self._calls.append(call)
-            else:
-                call.close()
+            self._watch_outputs(call, out)
             return out
 
         model.forward = recording_forward
@@ -674,6 +770,68 @@ class CompressionController:
             return
         prev = call.grads[i]
         call.grads[i] = grad.detach() if prev is None else prev + grad.detach()
+
+    # -- hooked steps (trainer_callback) -----------------------------------------------------------
+
+    def _install_step_hooks(self) -> None:
+        """The model's forward pre-hook and hook that run its calls during a hooked step inside
+        the saver (and record them at a probe step); once per controller, removed by remove()."""
+        if self._removed:
+            raise RuntimeError("CompressionController: used after remove()")
+        if self._step_hooks:
+            return
+        try:
+            # with_kwargs: the recorder needs the call's keyword arguments; always_call: the saver
+            # closes even when forward raises. Both need torch >= 2.0.
+            pre = self._model.register_forward_pre_hook(  # type: ignore[call-arg]
+                self._forward_begins, with_kwargs=True)
+        except TypeError:
+            raise RuntimeError("CompressionController: trainer_callback needs torch >= 2.0 (forward hooks with "
+                               "with_kwargs and always_call); use `with controller:` instead") from None
+        post = self._model.register_forward_hook(self._forward_ends, always_call=True)  # type: ignore[call-arg]
+        self._handles += [pre, post]
+        self._step_hooks = True
+
+    def _forward_begins(self, module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        if not (self._active and self._hooked) or self._replaying:
+            return None
+        call = None
+        if self._probing:
+            # What a hooked step's replays call: forward as __call__ runs it (an instance
+            # forward, such as accelerate's autocast wrapper, included), without the hooks.
+            self._original_forward = module.forward
+            call = self._record_call(args, kwargs)
+        if not self._depth:
+            try:
+                self._open_saver()
+            except BaseException:
+                if call is not None:
+                    call.close()
+                raise
+        self._depth += 1
+        self._pending.append(call)
+        return None
+
+    def _forward_ends(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not self._depth:  # not a hooked step's call, or its pre-hook raised
+            return None
+        self._depth -= 1
+        call = self._pending.pop()
+        try:
+            if call is not None:
+                self._watch_outputs(call, output)  # output is None when forward raised: closed
+        finally:
+            if not self._depth:
+                self._close_saver(None, None, None)
+        return None
+
+    def _end_hooked_step(self) -> None:
+        if self._active and self._hooked:
+            self._end_step(failed=False)
+
+    def _abort_hooked_step(self) -> None:
+        if self._active and self._hooked:
+            self._abort_step()
 
     # -- the estimate ------------------------------------------------------------------------------
 
@@ -793,10 +951,73 @@ class CompressionController:
 
     def remove(self) -> None:
         """Removes every hook the controller registered; the controller cannot be used after."""
-        if self._active:
+        if self._active and not self._hooked:
             raise RuntimeError("CompressionController: remove() inside a `with controller:` block")
+        self._abort_hooked_step()
         for h in self._handles:
             h.remove()
         self._handles = []
         self._finish_probe()
         self._removed = True
+
+
+def trainer_callback(controller: CompressionController) -> Any:
+    """A transformers.TrainerCallback that runs `controller` in a stock ``transformers.Trainer``:
+    each micro-batch's forward and backward is one controller step, as ``with controller:``
+    around them would make it in a loop of your own (with gradient_accumulation_steps=k, k steps
+    per optimizer step).
+
+    The Trainer gives callbacks no way to wrap its training_step, so the step is begun at
+    on_step_begin (and after each on_substep_end) and ended after the backward, at
+    on_substep_end or on_pre_optimizer_step (on_step_end where transformers has no such event),
+    where the estimate of a probe step runs; the saved-tensor hooks are entered only while the
+    model's forward runs, by a forward pre-hook and an ``always_call`` forward hook on the
+    controller's model. A step that raises leaves no hook behind; its bookkeeping is dropped when
+    the next step begins, when training ends, or by ``controller.remove()`` (which also removes
+    the forward hooks). Saves outside the model's forward (a loss computed by the Trainer from
+    the logits) are not compressed, and neither is what a reentrant activation checkpoint
+    recomputes during backward.
+
+    Raises ImportError when transformers is not installed; at on_train_begin, ValueError if the
+    Trainer's model is not, and does not contain, the controller's model.
+    """
+    import transformers  # noqa: F401  (an ImportError here says what is missing)
+
+    controller._install_step_hooks()
+
+    class CompressionCallback(transformers.TrainerCallback):  # type: ignore[misc, name-defined]
+        def on_train_begin(self, args: Any, state: Any, control: Any, model: Optional[torch.nn.Module] = None,
+                           **kwargs: Any) -> Any:
+            # Hooks on a model the Trainer never calls would leave every step empty, silently.
+            if model is not None and not any(m is controller._model for m in model.modules()):
+                raise ValueError("abp.controller.trainer_callback: the Trainer's model is not the controller's "
+                                 "model and does not contain it (build the controller on the model you train, "
+                                 "e.g. after abp.convert)")
+            return control
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            controller._begin_step(hooked=True)
+            return control
+
+        def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            # A micro-batch that did not end the optimizer step: the next one is a step of its own.
+            controller._end_hooked_step()
+            controller._begin_step(hooked=True)
+            return control
+
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            # After the last micro-batch's backward, before the parameters change: a probe
+            # step's replays see the parameters its backward saw.
+            controller._end_hooked_step()
+            return control
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            controller._end_hooked_step()  # transformers without on_pre_optimizer_step
+            return control
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            # Training stopped after on_substep_end began a step no micro-batch ran in.
+            controller._abort_hooked_step()
+            return control
+
+    return CompressionCallback()

@@ -1,0 +1,258 @@
+"""abp's ops inside activation checkpointing: torch.utils.checkpoint (use_reentrant True and
+False) around plain-torch blocks, and transformers' activation checkpointing of converted models.
+
+The deterministic recipes (lowmembp: memory-sharing norms and ReGELU2/ReSiLU2; lowmembp with the
+FewBit gelu_b3/silu_b3 tables) recompute the same ops on the same inputs, so the gradients equal
+those without checkpointing bit for bit. They differ from the original model's (the activations'
+defined derivative is not GELU's), so the equality also shows that the recomputation ran abp's
+ops and their backward. Saved bytes (abp.memory.SavedTensorsCounter, parameters left out): the
+forward keeps only the checkpoints' inputs, and a reentrant recomputation saves exactly what the
+converted block saves without checkpointing, less than the original block: the saving is kept
+where checkpointing's peak is, one block's recomputation.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+import abp
+from abp.memory import SavedTensorsCounter, distinct_bytes, model_storages
+from abp_reference import library_or_skip
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import model_zoo  # noqa: E402  (bench/model_zoo.py: small transformers configs, no downloads; imports them lazily)
+
+RECIPES = {"lowmembp": {}, "fewbit": {"gelu": "gelu_b3", "silu": "silu_b3"}}
+
+
+@pytest.fixture(autouse=True)
+def _library() -> Iterator[None]:
+    library_or_skip()
+    # Tiny tensors gain nothing from a second thread, and on a 2-core machine busy with other work
+    # every parallel region waits for a descheduled OpenMP thread (this file: 38 s against 5 s).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+
+class Net(nn.Module):
+    """Two blocks, each checkpointed when `reentrant` is set (True / False: torch's two kinds)."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(d), Block(d)])
+        self.head = nn.Linear(d, 4)
+        self.reentrant: Optional[bool] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x) if self.reentrant is None else checkpoint(block, x, use_reentrant=self.reentrant)
+        return self.head(x)
+
+
+def _net() -> Tuple[Net, torch.Tensor]:
+    torch.manual_seed(0)
+    # The input requires grad: reentrant checkpointing gives the parameters no gradient otherwise.
+    return Net(), torch.randn(4, 8, 32, requires_grad=True)
+
+
+def _weighted(y: torch.Tensor) -> torch.Tensor:
+    return (y.float() * torch.linspace(-1, 1, y.numel()).reshape(y.shape)).sum()
+
+
+def _grads(model: nn.Module, step: Callable[[], torch.Tensor],
+           leaf: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    if leaf is not None:
+        leaf.grad = None
+    step().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    if leaf is not None:
+        grads["<input>"] = leaf.grad.clone()
+    return grads
+
+
+def _saved(model: nn.Module, layers: List[nn.Module], run: Callable[[], Any],
+           loss: Callable[[Any], torch.Tensor]) -> Tuple[int, List[int], List[int]]:
+    """Bytes saved by one step (parameters and buffers left out, each storage once): the total of
+    the forward `run` (the loss is taken outside the count), and per layer what its submodules
+    saved in forward and in backward (a reentrant recomputation). Submodules, not the layer: a
+    transformers 5 layer checkpoints its forward, so the layer's own hooks stay outside the
+    checkpoint (they see its input saved, and do not run again when it is recomputed)."""
+    kept = model_storages(model)
+    forward, backward = SavedTensorsCounter(), SavedTensorsCounter()
+
+    def tag(value: Optional[int]) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            forward.tag = backward.tag = value  # only the counter entered now records
+
+        return hook
+
+    handles = []
+    for i, layer in enumerate(layers):
+        for child in layer.children():
+            handles += [child.register_forward_pre_hook(tag(i)), child.register_forward_hook(tag(None))]
+    try:
+        with forward:
+            out = run()
+        with backward:
+            loss(out).backward()
+    finally:
+        for h in handles:
+            h.remove()
+
+    def per_layer(counter: SavedTensorsCounter) -> List[int]:
+        return [distinct_bytes([s for s in counter.tensors if s.tag == i and (s.device, s.storage_ptr) not in kept])
+                for i in range(len(layers))]
+
+    total = distinct_bytes([s for s in forward.tensors if (s.device, s.storage_ptr) not in kept])
+    return total, per_layer(forward), per_layer(backward)
+
+
+def _abp_calls(model: nn.Module) -> Tuple[Dict[str, int], List[Any]]:
+    """A forward count per abp module (recomputations included), and the hooks' handles."""
+    calls: Dict[str, int] = {}
+    handles = []
+    for name, module in model.named_modules():
+        if isinstance(module, (abp.nn.AbpActivation, abp.nn.MSLayerNorm, abp.nn.MSRMSNorm)):
+            calls[name] = 0
+
+            def count(m: nn.Module, args: Any, out: Any, key: str = name) -> None:
+                calls[key] += 1
+
+            handles.append(module.register_forward_hook(count))
+    return calls, handles
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_checkpointed_blocks_give_the_gradients_of_the_converted_model(recipe: str, reentrant: bool) -> None:
+    net, x = _net()
+    converted, changes = abp.convert(net, "lowmembp", **RECIPES[recipe])
+    assert sum(c.action == "replaced" for c in changes) == 4  # 2 norms, 2 GELUs
+    want = _grads(converted, lambda: _weighted(converted(x)), x)
+    calls, handles = _abp_calls(converted)
+    converted.reentrant = reentrant
+    got = _grads(converted, lambda: _weighted(converted(x)), x)
+    for h in handles:
+        h.remove()
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), (key, float((got[key] - want[key]).abs().max()))
+    # Each abp module ran twice: in the forward and in the recomputation.
+    assert calls and set(calls.values()) == {2}, calls
+    # The negative control: these are not the original model's gradients, so the equality above
+    # needs the recomputation's backward to be abp's.
+    original = _grads(net, lambda: _weighted(net(x)), x)
+    assert max(float((want[k] - original[k]).abs().max()) for k in want) > 1e-3
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_checkpointed_forward_keeps_only_the_boundaries_and_the_recomputation_keeps_the_saving(recipe: str) -> None:
+    net, x = _net()
+    converted, _ = abp.convert(net, "lowmembp", **RECIPES[recipe])
+    boundary = x.numel() * x.element_size()  # every block input and the head's input have x's shape
+
+    def saved(model: Net) -> Tuple[int, List[int], List[int]]:
+        return _saved(model, list(model.blocks), lambda: model(x), _weighted)
+
+    plain_total, plain, _ = saved(converted)
+    _, original, _ = saved(net)
+    converted.reentrant = True
+    total, in_forward, in_backward = saved(converted)
+    # Reentrant: the two checkpoints save their inputs, the head its input; nothing inside a block.
+    assert total == 3 * boundary < plain_total, (total, plain_total)
+    assert in_forward == [0, 0]
+    # Each block's recomputation saves what it saves without checkpointing (same ops, same
+    # tensors), well below the original block.
+    assert in_backward == plain, (in_backward, plain)
+    assert all(p <= 0.6 * o for p, o in zip(plain, original)), (plain, original)
+    converted.reentrant = False
+    total, in_forward, _ = saved(converted)
+    # Non-reentrant: torch's own saved-tensor hooks take every save inside a checkpoint (the
+    # innermost hooks win); what reaches outer hooks is at most the boundaries (torch 2.15 saves
+    # the checkpoints' inputs through them, torch 1.13 keeps them itself), at least the head's input.
+    assert in_forward == [0, 0]
+    assert boundary <= total <= 3 * boundary, total
+
+
+def _hf(name: str) -> Tuple[nn.Module, torch.Tensor]:
+    pytest.importorskip("transformers")  # only these tests: the ones above run on torch 1.13 too
+    torch.manual_seed(0)
+    model, make_input = model_zoo.build(name)
+    model.train()
+    return model, make_input(0)
+
+
+def _layers(model: nn.Module) -> List[nn.Module]:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def _enable_checkpointing(model: nn.Module, reentrant: bool) -> None:
+    # transformers 5 renamed gradient_checkpointing_enable (kept as a deprecated alias) to
+    # activation_checkpointing_enable; both take the kwargs of torch.utils.checkpoint.
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    assert all(layer.gradient_checkpointing for layer in _layers(model))
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_transformers_checkpointing_of_a_converted_model(name: str, recipe: str, reentrant: bool) -> None:
+    model, ids = _hf(name)
+    converted, _ = abp.convert(model, "lowmembp", **RECIPES[recipe])
+    layers = _layers(converted)
+    assert len(layers) == 2
+
+    # No KV cache: checkpointing turns it off, and the cache's copies of the keys and values would
+    # be saved instead of views of the projection's output (GPT-2), a difference not abp's.
+    def step() -> torch.Tensor:
+        return converted(input_ids=ids, labels=ids, use_cache=False).loss
+
+    def saved(m: nn.Module, layers: List[nn.Module]) -> Tuple[int, List[int], List[int]]:
+        return _saved(m, layers, lambda: m(input_ids=ids, labels=ids, use_cache=False), lambda out: out.loss)
+
+    want = _grads(converted, step)
+    plain_total, plain, _ = saved(converted, layers)
+    _, original, _ = saved(model, _layers(model))
+    _enable_checkpointing(converted, reentrant)
+    calls, handles = _abp_calls(converted)
+    got = _grads(converted, step)
+    for h in handles:
+        h.remove()
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), (key, float((got[key] - want[key]).abs().max()))
+    prefixes = tuple(f"{n}." for n, m in converted.named_modules() if any(m is layer for layer in layers))
+    inside = [n for n in calls if n.startswith(prefixes)]
+    assert inside and all(calls[n] == 2 for n in inside), calls  # forward and recomputation
+    total, in_forward, in_backward = saved(converted, layers)
+    assert in_forward == [0, 0] and total < plain_total
+    if reentrant:  # the recomputation's saves are visible to outer hooks only when reentrant
+        assert in_backward == plain, (in_backward, plain)
+    assert all(p < 0.8 * o for p, o in zip(plain, original)), (plain, original)
