@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
@@ -332,6 +333,21 @@ def eligible(t: torch.Tensor, min_numel: int) -> bool:
     return _compressible(t, min_numel) and not _is_parameter(t)
 
 
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
+
+
+_WARNED: Set[str] = set()
+
+
+def _warn_once(what: str, message: str) -> None:
+    """A RuntimeWarning about a block that compresses nothing, once per process and kind."""
+    if what not in _WARNED:
+        _WARNED.add(what)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
 #: The label of the compress_saved block open in this thread, if any (blocks do not nest).
 _OPEN = threading.local()
 
@@ -481,6 +497,8 @@ class compress_saved:
         # and blocks draw independent numbers.
         self._seed: Optional[int] = None
         self._offset = 0
+        # Bytes of floating tensors kept only because they do not require grad (compiled saves).
+        self._constant_bytes = 0
         # The saves of the op saving now, not yet stored, and that op's rule once it is known.
         self._group: List[_Deferred] = []
         self._group_sequence: Optional[int] = None
@@ -547,6 +565,8 @@ class compress_saved:
         self.stats["tensors"] += 1
         self.stats["bytes_in"] += t.numel() * t.element_size()
         wanted = _compressible(t, self.min_numel) and (self.filter is None or bool(self.filter(t)))
+        if not wanted and not t.requires_grad and t.dtype in _FLOAT_DTYPES:
+            self._constant_bytes += t.numel() * t.element_size()
         if wanted and t.dtype == torch.bool:
             return self._count_compressed(_pack_mask(t))
         bits = self._choose(t) if wanted else 32
@@ -647,6 +667,11 @@ class compress_saved:
         self._reset()
         self.floors = {}
         self._guarded = {} if self.guard else None  # id → parameter, until backward reads the first save
+        if _compiling():
+            _warn_once("traced", f"{self.label} is entered inside code torch.compile traces (abp.convert's "
+                       "\"compress\" or \"all\" recipe in a compiled model): the compiled graph saves its tensors "
+                       "without these hooks, so nothing is compressed. Train the model eagerly (or convert it "
+                       "without the compress recipe before compiling)")
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._hooks.__enter__()
         _OPEN.label = self.label
@@ -658,4 +683,9 @@ class compress_saved:
         _OPEN.label = None
         hooks.__exit__(*exc)
         self._flush()
+        if not self.stats["compressed"] and self._constant_bytes and self._constant_bytes * 2 >= self.stats["bytes_in"]:
+            _warn_once("constants", f"{self.label} saw {self.stats['tensors']} saved tensors and compressed none: most "
+                       "were floating tensors that do not require grad, which it keeps as they are (constants of "
+                       "backward, such as masks). A torch.compile'd model saves its activations so, detached from "
+                       "autograd: compress_saved compresses eager autograd's saves only")
         self._reset()  # the graph keeps what it saved; this block holds nothing after it
