@@ -1,9 +1,11 @@
-"""A converted model under DistributedDataParallel (gloo, 2 CPU processes) trains as one process does.
+"""Converted models under DistributedDataParallel and FSDP (gloo, 2 CPU processes).
 
 Recipe lowmembp is deterministic (memory-sharing norms, ReGELU2), so two ranks each training on
-half of every batch, with DDP averaging their gradients, must end at the parameters that one
-process reaches on the whole batches (to float32 rounding). The ranks run in spawned processes
-that import abp themselves, as a user's launcher would.
+half of every batch, with DDP averaging their gradients (or FSDP2 sharding the parameters and
+reduce-scattering them), must end at the parameters that one process reaches on the whole batches
+(to float32 rounding). The random recipes draw a distinct, reproducible stream per rank
+(abp.compress.rank_key), and compress_saved and the compression controller run per rank. The
+ranks run in spawned processes that import abp themselves, as a user's launcher would.
 """
 from __future__ import annotations
 
@@ -58,27 +60,48 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y:
     opt.step()
 
 
-def _rank(rank: int, rendezvous: str, out: str) -> None:
+def _fsdp(model: nn.Module) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard  # FSDP2 (torch >= 2.6), which runs on CPU with gloo
+
+    for block in list(model)[:2]:
+        fully_shard(block)
+    return fully_shard(model)
+
+
+def _rank(rank: int, rendezvous: str, out: str, wrapper: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
     try:
-        model = nn.parallel.DistributedDataParallel(converted())
+        model = nn.parallel.DistributedDataParallel(converted()) if wrapper == "ddp" else _fsdp(converted())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for x, y in zip(*batches()):
             half = x.shape[0] // WORLD
             part = slice(rank * half, (rank + 1) * half)
             train_step(model, opt, x[part], y[part])
+        state = model.module.state_dict() if wrapper == "ddp" else model.state_dict()
+        # FSDP's parameters are DTensor shards: gathered whole on every rank.
+        full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in state.items()}
         if rank == 0:
-            torch.save({k: v.detach().clone() for k, v in model.module.state_dict().items()}, out)
+            torch.save(full, out)
     finally:
         dist.destroy_process_group()
 
 
-def test_ddp_training_matches_one_process() -> None:
+def _fsdp2_available() -> bool:
+    try:
+        import torch.distributed.fsdp as fsdp
+    except Exception:  # ImportError; torch 1.13's fsdp does not even import on Python 3.11 (ValueError)
+        return False
+    return hasattr(fsdp, "fully_shard")
+
+
+@pytest.mark.parametrize("wrapper", [
+    "ddp", pytest.param("fsdp", marks=pytest.mark.skipif(not _fsdp2_available(), reason="FSDP2 (fully_shard) needs torch >= 2.6"))])
+def test_data_parallel_training_matches_one_process(wrapper: str) -> None:
     library_or_skip()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.pt")
-        mp.spawn(_rank, args=(os.path.join(tmp, "rendezvous"), out), nprocs=WORLD)
+        mp.spawn(_rank, args=(os.path.join(tmp, "rendezvous"), out, wrapper), nprocs=WORLD)
         distributed = torch.load(out)
     single = converted()
     opt = torch.optim.SGD(single.parameters(), lr=0.1)
@@ -90,3 +113,71 @@ def test_ddp_training_matches_one_process() -> None:
         torch.testing.assert_close(value, reference[name], rtol=0, atol=1e-6, msg=name)
     # The training moved the parameters: equal results are not both "unchanged".
     assert float((reference["3.weight"] - converted().state_dict()["3.weight"]).abs().max()) > 1e-3
+
+
+def _random_recipes(rank: int, rendezvous: str, out: str) -> None:
+    """Each rank, seeded alike: its first keys, the rows its sampled layer keeps, and three DDP
+    steps of the "all" recipe (sampled projections + compress_saved) and of the compression
+    controller, with what they compressed."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
+    try:
+        torch.manual_seed(0)
+        keys = [abp.compress.draw_seed() for _ in range(3)]
+        x = torch.randn(64, 32, requires_grad=True)
+        w = torch.randn(8, 32, requires_grad=True)
+        (dw,) = torch.autograd.grad(abp.sampling.sampled_linear(x, w, keep=0.3).sum(), (w,))
+        result = {"keys": keys, "sampled_dw": dw}
+        xs, ys = batches()
+        torch.manual_seed(0)
+        model, _ = abp.convert(nn.Sequential(Block(), Block(), nn.LayerNorm(32), nn.Linear(32, 4)), "all",
+                               keep=0.3, bits=8, layers=["*fc1", "*fc2"])
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for x, y in zip(xs[:3], ys[:3]):
+            train_step(ddp, opt, x[rank * 8:(rank + 1) * 8], y[rank * 8:(rank + 1) * 8])
+        result["all"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        torch.manual_seed(0)
+        model = converted()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        controller = abp.CompressionController(model, avg_bits=4.0, interval=2)
+        for x, y in zip(xs[:3], ys[:3]):
+            with controller:
+                train_step(ddp, opt, x[rank * 8:(rank + 1) * 8], y[rank * 8:(rank + 1) * 8])
+        result["controller"] = {"stats": dict(controller.stats), "average_bits": controller.average_bits(),
+                                "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+        torch.save(result, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_random_recipes_draw_distinct_reproducible_streams_per_rank() -> None:
+    library_or_skip()
+    runs = []
+    for attempt in range(2):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "rank")
+            mp.spawn(_random_recipes, args=(os.path.join(tmp, "rendezvous"), out), nprocs=WORLD)
+            runs.append([torch.load(f"{out}.{r}") for r in range(WORLD)])
+    first, second = runs
+    # Rank 0 draws what one process draws; rank 1, seeded alike, other keys and other rows.
+    torch.manual_seed(0)
+    assert first[0]["keys"] == [abp.compress.draw_seed() for _ in range(3)]
+    assert not set(first[0]["keys"]) & set(first[1]["keys"])
+    assert not torch.equal(first[0]["sampled_dw"], first[1]["sampled_dw"])
+    # Reproducible: a second launch draws and trains exactly as the first.
+    for a, b in zip(first, second):
+        assert a["keys"] == b["keys"] and torch.equal(a["sampled_dw"], b["sampled_dw"])
+        for name in a["all"]:
+            assert torch.equal(a["all"][name], b["all"][name]), name
+            assert torch.equal(a["controller"]["params"][name], b["controller"]["params"][name]), name
+    # DDP keeps the replicas equal, whatever each rank drew.
+    for name in first[0]["all"]:
+        torch.testing.assert_close(first[0]["all"][name], first[1]["all"][name], rtol=0, atol=1e-6)
+        torch.testing.assert_close(first[0]["controller"]["params"][name], first[1]["controller"]["params"][name], rtol=0, atol=1e-6)
+    # The controller compressed on every rank, within its budget (its statistics are per rank).
+    for rank in first:
+        assert rank["controller"]["stats"]["compressed"] > 0
+        assert rank["controller"]["average_bits"] <= 4.0 + 1e-9
+        assert all(torch.isfinite(v).all() for v in rank["all"].values())

@@ -29,10 +29,11 @@ import torch.nn.functional as F
 from . import _selection as selection
 from . import sampling
 from ._sample_kernels import _key
+from .compress import rank_key
 
 
 def _seed(key: torch.Tensor) -> int:
-    return _key(int(key.item()), 0)[0]
+    return _key(rank_key(int(key.item())), 0)[0]  # as draw_seed would have drawn it
 
 
 def _count(n: int, method: str, keep: float) -> int:

@@ -29,6 +29,7 @@ __all__ = [
     "compress_saved",
     "dequantize",
     "draw_seed",
+    "rank_key",
     "eligible",
     "quantize",
 ]
@@ -109,9 +110,31 @@ class CompressedTensor:
 
 def draw_seed(generator: Optional[torch.Generator] = None) -> int:
     """A 63-bit Philox key from `generator` (torch's default CPU generator if None), as torch's own
-    random ops draw theirs: torch.manual_seed(s) makes every draw reproducible."""
+    random ops draw theirs: torch.manual_seed(s) makes every draw reproducible. Under
+    torch.distributed it is this rank's key (`rank_key`)."""
     device = generator.device if generator is not None else "cpu"  # a CUDA generator draws on its device
-    return int(torch.randint(0, 2**63 - 1, (1,), generator=generator, device=device).item())
+    return rank_key(int(torch.randint(0, 2**63 - 1, (1,), generator=generator, device=device).item()))
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def rank_key(key: int) -> int:
+    """`key` as this process's rank draws it: unchanged on rank 0 and without an initialised
+    torch.distributed process group; on rank r > 0, mixed with r (splitmix64's finaliser of
+    key + r·φ·2⁶⁴). Data-parallel ranks are usually seeded alike (for identical initial weights):
+    they then still draw independent sampling and rounding noise, which averaging their gradients
+    reduces, and each reproduces its own stream from the seed."""
+    dist = getattr(torch, "distributed", None)
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return key
+    rank = dist.get_rank()
+    if rank == 0:
+        return key
+    z = (key + rank * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
 def _check_bits(bits: Any, name: str = "bits", raw: bool = False) -> int:
