@@ -204,6 +204,27 @@ def test_converted_model_compiles_without_graph_breaks_and_trains_like_eager(nam
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {key}: {m}")
 
 
+@pytest.mark.parametrize("name", ["llama", "bert"])
+def test_sampled_recipe_compiles_without_graph_breaks_and_draws_what_eager_draws(name: str) -> None:
+    # Sampled projections: the host planning and launches are custom ops under compile
+    # (abp._sampled_ops), drawing the same Philox key from torch's generator as eager.
+    if not abp._custom_ops.enabled():
+        pytest.skip("torch.compile of abp ops needs torch >= 2.4 (torch.library custom ops)")
+    model, x = _model(name)
+    converted, changes = abp.convert(model, "sampled", keep=0.3)
+    assert any(c.action == "replaced" for c in changes)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(converted)(x)
+    assert explained.graph_break_count == 0, [str(b.reason)[:200] for b in explained.break_reasons]
+    torch.manual_seed(5)
+    want = _grads(converted, x)
+    compiled = torch.compile(converted, backend="aot_eager")
+    torch.manual_seed(5)
+    got = _grads(converted, x, compiled)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {key}: {m}")
+
+
 @pytest.mark.parametrize("name", ["bert", "llama", "gpt2", "t5", "timm_vit"])
 def test_saved_bytes_per_converted_module_are_what_the_scheme_promises(name: str) -> None:
     """Each 2-bit activation saves ceil(n / 4) bytes of codes; each norm saves its output (the
