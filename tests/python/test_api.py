@@ -494,3 +494,15 @@ def test_manifest_saved_bits_per_element_agrees_with_the_residuals():
         if (record["saved_bits_per_element"], record.get("saved_bits_per_row", 0)) != (per_element, per_row):
             wrong[name] = (record["saved_bits_per_element"], record.get("saved_bits_per_row"), per_element, per_row)
     assert not wrong, f"saved bits (manifest per element, per row; residuals per element, per row): {wrong}"
+
+
+def test_pip_nvrtc_candidates_find_nvidia_wheels_newest_first(tmp_path, monkeypatch):
+    # Where torch's CUDA wheels put NVRTC: nvidia/cu13/lib (CUDA 13) and nvidia/cuda_nvrtc/lib (12).
+    for rel in ("a/nvidia/cuda_nvrtc/lib/libnvrtc.so.12", "b/nvidia/cu13/lib/libnvrtc.so.13",
+                "b/nvidia/cu13/lib/libnvrtc-builtins.so.13.2", "b/nvidia/cu13/lib/libnvrtc.so.13.2",
+                "c/nvidia/cudnn/lib/libcudnn.so.9"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(b"")
+    monkeypatch.setattr(sys, "path", [str(tmp_path / d) for d in ("a", "b", "c", "missing")])
+    assert abp._lib.pip_nvrtc_candidates() == [tmp_path / "b/nvidia/cu13/lib/libnvrtc.so.13",
+                                               tmp_path / "a/nvidia/cuda_nvrtc/lib/libnvrtc.so.12"]
