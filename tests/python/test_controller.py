@@ -620,3 +620,23 @@ def test_usage_errors_and_remove(kernels):
     with pytest.raises(RuntimeError, match="after remove"):
         with controller:
             pass
+
+
+def test_probes_measure_each_key_at_its_fewest_bits_and_scale_to_the_one_bit_coefficient():
+    # C_l is the coefficient of C/(2^b - 1)^2: a probe at b = min_bits = 2 measures about C/9 and
+    # scales it by 9, so on linear-regime tensors (an MLP's) it estimates what a 1-bit probe does.
+    # Unscaled, the 2-bit estimates would be ~9 times smaller.
+    library_or_skip()
+    estimates = {}
+    for min_bits in (1, 2):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256), torch.nn.Tanh(),
+                                    torch.nn.Linear(256, 8))
+        controller = CompressionController(model, avg_bits=4.0, min_bits=min_bits, allow_low_bits=True)
+        x, y = torch.randn(128, 32), torch.randint(0, 8, (128,))
+        with controller:
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        estimates[min_bits] = controller.sensitivity
+    assert estimates[1].keys() == estimates[2].keys() and len(estimates[1]) == 2  # the two Tanh outputs
+    ratios = sorted(estimates[2][k] / estimates[1][k] for k in estimates[1])
+    assert all(1 / 3 < r < 3 for r in ratios), ratios

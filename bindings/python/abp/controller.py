@@ -370,9 +370,12 @@ class CompressionController:
     `model` (its inputs, copied; the RNG states, buffers, train/eval modes and autocast state at
     the call) and hooks the outputs to capture dL/d(output) from the user's backward. At the exit
     it replays the calls: once with every saved tensor raw, giving the exact gradient g, then once
-    per key l with only tensor l at 1 bit, giving g_l; C_l = ‖g_l − g‖² summed over every parameter
-    that requires grad (and every model input that requires grad). That is the coefficient of the
-    linearised variance model Var ≈ Σ C_l/(2^{b_l} − 1)² at b_l = 1. The replays use
+    per key l with only tensor l at its fewest allowed bits b (min_bits, or its op rule's minimum),
+    giving g_l; C_l = ‖g_l − g‖²·(2^b − 1)² summed over every parameter that requires grad (and
+    every model input that requires grad). That is the coefficient of the linearised variance model
+    Var ≈ Σ C_l/(2^{b_l} − 1)², measured at the narrowest width the allocation may give l (a
+    tensor read through exp() in backward, kept at 8 bits by its rule, would look far worse at 1
+    bit than it ever is). The replays use
     ``torch.autograd.grad`` (``.grad`` is never touched), restore the recorded RNG states (same
     dropout masks), buffers (BatchNorm statistics) and modes before each replay, draw their
     quantisation seeds from a private generator, and afterwards put the RNG states, buffers and
@@ -444,8 +447,11 @@ class CompressionController:
         # Replays draw their quantisation seeds here, never from torch's default generator: a draw
         # there would shift the dropout masks of the layers after the probed tensor.
         self._replay_generator = torch.Generator()
-        # Without op rules: each probe stores its key at 1 bit, as the variance model assumes, even
-        # where a rule would raise it (query and key measured at 8 bits looked 255² times safer).
+        # Without op rules: each probe stores its key at exactly the width _probe_bits asks, its
+        # floor, and scales what it measures by (2^b − 1)². Measuring a key an op rule keeps at 8
+        # bits (fused attention's query and key, read through exp) at 1 bit would see a nonlinear
+        # blow-up it never meets and spend the budget on keeping it raw; measuring it at 8 bits
+        # without the scale made it look 255² times safer than it is.
         self._replay_saver = compress_saved(self._initial, group_size, min_numel=min_numel, filter=filter,
                                             bits_for=self._bits_for, generator=self._replay_generator,
                                             exact_relu=False, guard=False, op_rules=False)
@@ -570,7 +576,7 @@ class CompressionController:
         key = TensorKey(path, shape, t.dtype, index)
         self._seen[key] = t.numel()
         if self._replaying:
-            return 1 if key == self._target else 32
+            return self._probe_bits(key) if key == self._target else 32
         self._order.append(key)  # the step's own calls, whose indices compress_saved's floors use
         return self._bits.get(key, self._initial)
 
@@ -835,6 +841,11 @@ class CompressionController:
 
     # -- the estimate ------------------------------------------------------------------------------
 
+    def _probe_bits(self, key: TensorKey) -> int:
+        """The width a probe stores `key` at: the fewest bits it may have (min_bits, its op's rule),
+        where the allocation can put it. The variance model scales the result to C_l."""
+        return max(self._floors.get(key, 1), self._min_bits)
+
     def _estimate(self, calls: List[_Call], step_keys: Dict[TensorKey, int]) -> None:
         model = self._model
         params = [p for p in model.parameters() if p.requires_grad]
@@ -847,7 +858,8 @@ class CompressionController:
             sensitivity: Dict[TensorKey, float] = {}
             for key in probed:
                 grads, _ = self._replay(calls, params, modules, key)
-                sensitivity[key] = _squared_distance(grads, exact)
+                # Measured at b bits, the variance is C/(2^b − 1)²: C is the 1-bit coefficient.
+                sensitivity[key] = _squared_distance(grads, exact) * float((1 << self._probe_bits(key)) - 1) ** 2
             del exact
         finally:
             self._replaying = False
@@ -889,7 +901,7 @@ class CompressionController:
         modules: List[torch.nn.Module],
         target: Optional[TensorKey],
     ) -> Tuple[List[Optional[torch.Tensor]], Dict[TensorKey, int]]:
-        """Replays the recorded calls with only `target` at 1 bit (none: all raw); returns the
+        """Replays the recorded calls with only `target` at its probe width (none: all raw); returns the
         gradients of params and of the inputs that require grad, and the keys saved."""
         assert self._original_forward is not None
         self._replaying, self._target = True, target
