@@ -10,22 +10,27 @@
   scaled-dot-product attention, SwiGLU MLP).
 
 `train(task, setting, seed, ...)` trains one model and returns its final metrics, the saved
-activation bytes of a step (as stored, and as they were), the mean step time and the gradient
-norm trace. A setting is one of `SETTINGS`: exact training, or a way to compress what autograd
-saves. bench/bench_compressed_training.py runs the full comparison; tests/python/
-test_compressed_training.py a CI-sized one.
+activation bytes of a step (as stored), the mean step time, the gradient norm trace and, with
+`eval_every`, the metric's curve. A setting is a name (`SETTINGS`: exact training or a way to
+compress what autograd saves; `RECIPES`: abp's other recipes), a `Recipe` (an `abp.convert`
+recipe and/or a context around each step), or a callable giving the model a context factory.
+bench/bench_compressed_training.py runs the compression comparison, examples/parity_demo.py
+every recipe against exact training; tests/python/test_compressed_training.py a CI-sized one.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import gzip
 import importlib.util
 import math
+import statistics
 import sysconfig
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -101,6 +106,10 @@ class PatchTransformer(nn.Module):
             x = x + self.drop1(self.attn(h, h, h, need_weights=False)[0])
             return x + self.mlp(self.ln2(x))
 
+    #: What recipe "sampled" samples: the FFN's Linears (MultiheadAttention reads its out_proj's
+    #: weight directly, so that one could not be sampled).
+    SAMPLED = ("blocks.*.mlp.0", "blocks.*.mlp.2")
+
     def __init__(self, d: int = 64, heads: int = 4, blocks: int = 2, p: float = 0.0) -> None:
         super().__init__()
         self.embed = nn.Linear(4, d)
@@ -164,6 +173,9 @@ class TinyLlama(nn.Module):
             h = self.mlp_norm(x)
             return x + self.down(self.act(self.gate(h)) * self.up(h))
 
+    #: What recipe "sampled" samples: the attention output and the SwiGLU projections.
+    SAMPLED = ("blocks.*.o", "blocks.*.gate", "blocks.*.up", "blocks.*.down")
+
     def __init__(self, vocab: int = 256, d: int = 64, heads: int = 4, blocks: int = 2, context: int = 64) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
@@ -185,35 +197,147 @@ class TinyLlama(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
-# Settings: what happens to the saved activations.
+# Settings: how a model trains (what happens to the saved activations and the backward pass).
 
-#: name → how to wrap each step: exact, compress_saved at a width (op rules on, or off to show
-#: what they prevent), or the adaptive controller.
+#: compress_saved and the controller, by name: exact, compress_saved at a width (op rules on, or
+#: off to show what they prevent), or the adaptive controller at an average width.
 SETTINGS = ("exact", "compress-8", "compress-4", "compress-2", "compress-2-no-rules",
             "controller-4", "controller-3", "controller-2")
 
 
-#: A custom setting: given the model, what to wrap each step in (a context manager factory).
-Setting = Union[str, Callable[[nn.Module], Callable[[], Any]]]
+@dataclasses.dataclass
+class Task:
+    """What a setting may use of the task being trained: its name, the model's block class, a
+    batch's loss under the model, and fresh training batches drawn apart from the training order
+    (their own generator, so a setting that draws some leaves the training data as it was)."""
+
+    name: str
+    block_type: type
+    loss: Callable[[Any], torch.Tensor]
+    draw: Callable[[], Any]
 
 
-def _step_context(setting: Setting, model: nn.Module) -> Callable[[], Any]:
-    if callable(setting):
-        return setting(model)
-    if setting == "exact":
-        return contextlib.nullcontext
-    if setting.startswith("controller-"):
-        avg = float(setting.split("-")[1])
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """A way to train. `convert`: abp.convert's recipe and its options ({"recipe": ..., ...}),
+    applied in place before the optimizer is built (recipe "sampled"'s ``layers=`` defaults to the
+    model's SAMPLED); `context`: given the model and the Task, a factory of the context manager
+    that wraps each step's forward and backward (its time counts in the step time). Either, both
+    or neither (exact training). A factory may have ``before_step()``, run before each step's
+    context (timed, but outside the saved-bytes count: VCAS's calibration), and ``summary()``,
+    whose result train adds to its own."""
+
+    name: str
+    label: str
+    convert: Optional[Mapping[str, Any]] = None
+    context: Optional[Callable[[nn.Module, Task], Callable[[], Any]]] = None
+
+
+#: A setting: a name of SETTINGS or RECIPES (or "compress-<bits>", "controller-<avg bits>",
+#: "sampled-<keep>"), a Recipe, or a callable giving the model a context factory for each step.
+Setting = Union[str, Recipe, Callable[[nn.Module], Callable[[], Any]]]
+
+
+def _vcas(model: nn.Module, task: Task) -> Callable[[], Any]:
+    """VCAS (abp.vcas.Controller with its default variance budgets, calibrated on 2 fresh batches
+    every 20 steps instead of 100: the default would calibrate 3 times in digits' 276 steps, and
+    sampling starts only after calibrations lower the ratios from 1)."""
+    controller = abp.vcas.Controller(model, task.block_type, cal_var_freq=20)
+
+    def calibrate() -> None:
+        if controller.due():
+            controller.calibrate(task.loss, [task.draw() for _ in range(controller.cal_var_m)])
+
+    @contextlib.contextmanager
+    def step() -> Any:
+        yield
+        controller.step()
+
+    def summary() -> Dict[str, Any]:
+        return {"activation_ratios": controller.activation_ratios, "flops_ratio": controller.flops_ratio(),
+                "weight_ratio_mean": statistics.mean(controller.weight_ratios.values())}
+
+    step.before_step = calibrate  # type: ignore[attr-defined]
+    step.summary = summary  # type: ignore[attr-defined]
+    return step
+
+
+def _controller(avg: float) -> Callable[[nn.Module, Task], Callable[[], Any]]:
+    def context(model: nn.Module, task: Task) -> Callable[[], Any]:
         # Below 4 bits the controller needs allow_low_bits; a 2-bit budget is only met with 1-bit
         # codes (fused attention's query and key take 8).
         controller = abp.CompressionController(model, avg_bits=avg, interval=100, allow_low_bits=avg < 4,
                                                min_bits=1 if avg < 3 else 2)
-        return lambda: controller
-    if setting.startswith("compress-"):
-        parts = setting.split("-")
-        bits, rules = int(parts[1]), not setting.endswith("no-rules")
-        return lambda: abp.compress_saved(bits=bits, op_rules=rules, allow_low_bits=True)
-    raise ValueError(f"setting: expected one of {', '.join(SETTINGS)}, got {setting!r}")
+
+        def step() -> Any:
+            return controller
+
+        def summary() -> Dict[str, Any]:
+            widths = collections.Counter(controller.bits.values())
+            return {"average_bits": controller.average_bits(), "tensors_per_width": dict(sorted(widths.items()))}
+
+        step.summary = summary  # type: ignore[attr-defined]
+        return step
+    return context
+
+
+def _compress(bits: int, rules: bool) -> Callable[[nn.Module, Task], Callable[[], Any]]:
+    return lambda model, task: lambda: abp.compress_saved(bits=bits, op_rules=rules, allow_low_bits=True)
+
+
+#: abp's recipes beside SETTINGS, by name.
+RECIPES: Dict[str, Recipe] = {r.name: r for r in (
+    Recipe("lowmembp", "convert lowmembp (MS norms, ReGELU2 / ReSiLU2)", {"recipe": "lowmembp"}),
+    Recipe("fewbit-3", "FewBit 3-bit GELU / SiLU (norms exact)",
+           {"recipe": "lowmembp", "norms": False, "gelu": "gelu_b3", "silu": "silu_b3"}),
+    Recipe("sampled-0.3", "WTA-CRS keep 0.3 (convert sampled)", {"recipe": "sampled", "keep": 0.3}),
+    Recipe("vcas", "VCAS (abp.vcas.Controller, calibrated every 20 steps)", context=_vcas),
+    Recipe("all", "convert all (lowmembp + sampled 0.3 + compress 8 bits)", {"recipe": "all"}),
+)}
+
+
+def recipe(setting: Union[str, Recipe]) -> Recipe:
+    """The Recipe a setting's name stands for."""
+    if isinstance(setting, Recipe):
+        return setting
+    if setting in RECIPES:
+        return RECIPES[setting]
+    try:
+        kind, _, rest = setting.partition("-")
+        if setting == "exact":
+            return Recipe("exact", "exact")
+        if kind == "controller":
+            avg = float(rest)
+            return Recipe(setting, f"CompressionController(avg_bits={avg:g})", context=_controller(avg))
+        if kind == "compress":
+            bits, rules = int(rest.split("-")[0]), not setting.endswith("no-rules")
+            if rest not in (str(bits), f"{bits}-no-rules"):
+                raise ValueError(rest)
+            label = f"compress_saved(bits={bits}{'' if rules else ', op_rules=False'})"
+            return Recipe(setting, label + (" [allow_low_bits]" if bits < 4 else ""), context=_compress(bits, rules))
+        if kind == "sampled":
+            return Recipe(setting, f"WTA-CRS keep {float(rest):g} (convert sampled)", {"recipe": "sampled", "keep": float(rest)})
+    except ValueError:
+        pass
+    raise ValueError(f"setting: expected one of {', '.join(SETTINGS + tuple(RECIPES))} (or compress-<bits>, "
+                     f"controller-<avg bits>, sampled-<keep>), got {setting!r}")
+
+
+def _prepare(setting: Setting, model: nn.Module, task: Task) -> Tuple[str, Callable[[], Any]]:
+    """Converts `model` in place as the setting says; returns its name and its step context factory."""
+    if callable(setting) and not isinstance(setting, Recipe):
+        return "custom", setting(model)
+    r = recipe(setting)
+    if r.convert is not None:
+        options = dict(r.convert)
+        name = options.pop("recipe")
+        if "sampled" in ([name] if isinstance(name, str) else name) or name == "all":
+            options.setdefault("layers", model.SAMPLED)
+        _, changes = abp.convert(model, name, inplace=True, **options)
+        refused = [c for c in changes if c.action == "refused"]
+        if refused or not changes:
+            raise RuntimeError(f"{r.name}: convert refused {refused or 'everything'}")
+    return r.name, r.context(model, task) if r.context is not None else contextlib.nullcontext
 
 
 def _grad_norm(model: nn.Module) -> float:
@@ -221,9 +345,12 @@ def _grad_norm(model: nn.Module) -> float:
     return float(torch.norm(torch.stack(norms)))
 
 
-def train(task: str, setting: Setting, seed: int, *, steps: Optional[int] = None, log_every: int = 10) -> Dict[str, Any]:
-    """Trains `task` ("digits" or "charlm") under `setting` (one of SETTINGS, or a callable giving
-    the model a context factory for each step) from `seed`; returns its metrics.
+def train(task: str, setting: Setting, seed: int, *, steps: Optional[int] = None, log_every: int = 10,
+          eval_every: Optional[int] = None) -> Dict[str, Any]:
+    """Trains `task` ("digits" or "charlm") under `setting` (a name of SETTINGS or RECIPES, a
+    Recipe, or a callable giving the model a context factory for each step) from `seed`; returns
+    its metrics. With `eval_every`, result["curve"] holds [steps done, metric] at 0, every
+    `eval_every` steps and at the end (evaluation draws no random numbers: the run is unchanged).
 
     digits: AdamW lr 1e-3, batch 64, `steps` (default 12 epochs = 276 steps); metric test accuracy.
     charlm: AdamW lr 3e-3, batch 32 of 64 bytes, `steps` (default 600); metric validation loss
@@ -231,6 +358,7 @@ def train(task: str, setting: Setting, seed: int, *, steps: Optional[int] = None
     """
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(1000 + seed)  # batches
+    extra = torch.Generator().manual_seed(2000 + seed)  # batches a setting draws (Task.draw)
     if task == "digits":
         xtr, ytr, xte, yte = digits()
         model: nn.Module = PatchTransformer()
@@ -242,6 +370,10 @@ def train(task: str, setting: Setting, seed: int, *, steps: Optional[int] = None
                 for i in range(0, len(ytr) - batch + 1, batch):
                     idx = order[i:i + batch]
                     yield xtr[idx], ytr[idx]
+
+        def draw() -> Any:
+            idx = torch.randperm(len(ytr), generator=extra)[:batch]
+            return xtr[idx], ytr[idx]
 
         def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return F.cross_entropy(out, y)
@@ -255,11 +387,17 @@ def train(task: str, setting: Setting, seed: int, *, steps: Optional[int] = None
         model = TinyLlama(context=context)
         lr, total = 3e-3, steps if steps is not None else 600
 
+        def windows(g: torch.Generator) -> Any:
+            starts = torch.randint(0, len(train_text) - context - 1, (batch,), generator=g)
+            window = torch.stack([train_text[s:s + context + 1] for s in starts.tolist()])
+            return window[:, :-1], window[:, 1:]
+
         def batches() -> Any:
             while True:
-                starts = torch.randint(0, len(train_text) - context - 1, (batch,), generator=gen)
-                window = torch.stack([train_text[s:s + context + 1] for s in starts.tolist()])
-                yield window[:, :-1], window[:, 1:]
+                yield windows(gen)
+
+        def draw() -> Any:
+            return windows(extra)
 
         def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
@@ -273,17 +411,26 @@ def train(task: str, setting: Setting, seed: int, *, steps: Optional[int] = None
     else:
         raise ValueError(f"task: expected 'digits' or 'charlm', got {task!r}")
 
+    spec = Task(task, type(model).Block, lambda b: loss_of(model(b[0]), b[1]), draw)
+    name, context_of = _prepare(setting, model, spec)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    context_of = _step_context(setting, model)
     data = batches()
+    curve: List[List[float]] = []
+
+    def evaluate_at(done: int) -> None:
+        if eval_every and (done % eval_every == 0 or done == total):
+            model.eval()
+            curve.append([done, *evaluate().values()])
+            model.train()
+
     model.train()
+    evaluate_at(0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", abp.DivergenceWarning)
-        losses, trace, seconds, saved_bytes = _loop(model, opt, data, loss_of, context_of, total, log_every)
+        losses, trace, seconds, saved_bytes = _loop(model, opt, data, loss_of, context_of, total, log_every, evaluate_at)
     alarms = [str(w.message) for w in caught if issubclass(w.category, abp.DivergenceWarning)]
     model.eval()
-    result: Dict[str, Any] = {"task": task, "setting": setting if isinstance(setting, str) else "custom",
-                              "seed": seed, "steps": total}
+    result: Dict[str, Any] = {"task": task, "setting": name, "seed": seed, "steps": total}
     result.update(evaluate())
     tail = losses[-max(1, total // 10):]
     result["train_loss_tail"] = sum(tail) / len(tail)
@@ -292,17 +439,26 @@ def train(task: str, setting: Setting, seed: int, *, steps: Optional[int] = None
     result["grad_norm_trace"] = trace
     result["grad_norm_max"] = max(g for _, g in trace)
     result["divergence_warning"] = alarms[0] if alarms else None
+    if eval_every:
+        result["curve"] = curve
+    if hasattr(context_of, "summary"):
+        result["setting_summary"] = context_of.summary()
     return result
 
 
 def _loop(model: nn.Module, opt: torch.optim.Optimizer, data: Any, loss_of: Callable[..., torch.Tensor],
-          context_of: Callable[[], Any], total: int, log_every: int) -> Tuple[List[float], List[List[float]], float, int]:
-    """The training steps: (losses, gradient-norm trace, seconds in forward+backward, saved bytes
-    of the last step)."""
+          context_of: Callable[[], Any], total: int, log_every: int,
+          after_step: Callable[[int], None] = lambda done: None) -> Tuple[List[float], List[List[float]], float, int]:
+    """The training steps: (losses, gradient-norm trace, seconds in the step context (forward and
+    backward) and the context factory's before_step, saved bytes of the last step: what its
+    context saw saved, so a controller's estimate on that step would count too; interval=100
+    never falls on the default runs' last step). `after_step(steps done)` runs after each
+    optimizer step, outside the timed part."""
     trace: List[List[float]] = []
     seconds = 0.0
     saved_bytes = 0
     losses: List[float] = []
+    before_step = getattr(context_of, "before_step", None)
     for step in range(total):
         x, y = next(data)
         last = step == total - 1
@@ -310,6 +466,8 @@ def _loop(model: nn.Module, opt: torch.optim.Optimizer, data: Any, loss_of: Call
         # as stored, each storage once, parameters and buffers left out).
         counter = abp.memory.SavedTensorsCounter() if last else contextlib.nullcontext()
         start = time.perf_counter()
+        if before_step is not None:
+            before_step()
         with counter, context_of():
             loss = loss_of(model(x), y)
             opt.zero_grad(set_to_none=True)
@@ -321,4 +479,5 @@ def _loop(model: nn.Module, opt: torch.optim.Optimizer, data: Any, loss_of: Call
             saved_bytes = counter.activation_bytes(model)
         opt.step()
         losses.append(float(loss.detach()))
+        after_step(step + 1)
     return losses, trace, seconds, saved_bytes

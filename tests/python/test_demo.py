@@ -1,6 +1,7 @@
 """examples/demo.py runs and reports the activation bytes each variant keeps."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -80,3 +81,51 @@ def test_sampled_demo_trains_wtacrs_and_vcas_runs():
     less = {name: float(row.split("(")[1].split("x less")[0]) for name, row in rows.items()}
     assert less["exact"] == 1.0 and less["vcas"] == 1.0 and less["wtacrs 0.1"] > less["wtacrs 0.3"] > 1.0, out
     assert "GEMM FLOPs x" in rows["vcas"], out  # calibrated at steps 0 and 10
+
+
+PARITY_RECIPES = {"exact", "lowmembp", "fewbit-3", "compress-4", "compress-2", "controller-4", "sampled-0.3", "vcas", "all"}
+
+
+def parity_rows(out: str, task: str) -> dict:
+    """The table rows of `task` in parity_demo.py's output: recipe -> its columns."""
+    lines = out.splitlines()
+    lines = lines[next(i for i, line in enumerate(lines) if line.startswith(f"{task}: ")) + 2:]
+    rows = {}
+    for line in lines:
+        if not line.startswith("  ") or line.split()[0] not in PARITY_RECIPES:
+            break
+        rows[line.split()[0]] = line
+    return rows
+
+
+def test_parity_demo_prints_every_recipe_and_writes_a_png(tmp_path):
+    png = tmp_path / "parity.png"
+    out = run_example("parity_demo.py", ["--tasks", "digits", "--digits-steps", "2", "--evals", "1", "--threads", "1",
+                                         "--out", str(png)])
+    rows = parity_rows(out, "digits")
+    assert set(rows) == PARITY_RECIPES, out
+    for name, row in rows.items():
+        assert 0 <= float(row.split()[1]) <= 100 and (" yes " in row or " NO " in row), row  # mean %, target
+    saved = {name: float(row.split("MiB")[0].split()[-1]) for name, row in rows.items()}
+    assert saved["compress-2"] < saved["compress-4"] < saved["all"] < saved["lowmembp"] < saved["exact"], out
+    assert saved["vcas"] == saved["exact"] and "GEMM FLOPs x" in rows["vcas"], out
+    assert all(row.rstrip().split("ms")[0].split()[-1].replace(".", "").isdigit() for row in rows.values()), out
+    if importlib.util.find_spec("matplotlib") is None:
+        assert "note: matplotlib is not installed" in out and not png.exists(), out
+    else:
+        assert f"plot: {png}" in out, out
+        data = png.read_bytes()
+        assert len(data) > 1000 and data[:8] == b"\x89PNG\r\n\x1a\n", len(data)
+
+
+def test_parity_demo_language_model_rows_and_redraw_from_json(tmp_path):
+    saved = tmp_path / "parity.json"
+    args = ["--tasks", "charlm", "--charlm-steps", "1", "--recipes", "exact,compress-2,all", "--evals", "1",
+            "--threads", "1", "--json", str(saved), "--out", str(tmp_path / "a.png")]
+    out = run_example("parity_demo.py", args)
+    rows = parity_rows(out, "charlm")
+    assert set(rows) == {"exact", "compress-2", "all"}, out
+    assert all(1 < float(row.split()[1]) < 6 for row in rows.values()), out  # nats per byte after a step
+    assert "[allow_low_bits]" in out and "lowmembp + sampled 0.3 + compress 8 bits" in out, out
+    again = run_example("parity_demo.py", ["--from-json", str(saved), "--out", str(tmp_path / "b.png")])
+    assert parity_rows(again, "charlm") == rows, again
