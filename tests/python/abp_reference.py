@@ -7,7 +7,7 @@ import json
 import os
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import pytest
@@ -98,6 +98,18 @@ def library_or_skip() -> None:
         if os.environ.get("ABP_LIBRARY"):
             raise
         pytest.skip(f"abp native library not available (build it, or set ABP_LIBRARY): {e}")
+
+
+def library_on_one_thread() -> Iterator[None]:
+    """The body of an autouse fixture: the library (else skip), and torch on one thread while the
+    test runs. Tiny tensors gain nothing from a second thread, and on a 2-core machine busy with
+    other work every parallel region waits for a descheduled OpenMP thread (test_checkpointing.py:
+    38 s against 5 s)."""
+    library_or_skip()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def compiler_or_skip() -> None:

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
 
 import abp
-from abp_reference import library_or_skip
+from abp_reference import library_on_one_thread
 
 transformers = pytest.importorskip("transformers")
 
@@ -35,15 +35,7 @@ NAMES = ["llama", "gpt2", "bert"]
 DTYPES = [torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(autouse=True)
-def _library() -> Iterator[None]:
-    library_or_skip()
-    # Tiny tensors gain nothing from a second thread, and on a 2-core machine busy with other work
-    # every parallel region waits for a descheduled OpenMP thread.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+_library = pytest.fixture(autouse=True)(library_on_one_thread)
 
 
 def _autocast_or_skip(dtype: torch.dtype) -> None:

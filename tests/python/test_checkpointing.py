@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 import abp
 from abp.memory import SavedTensorsCounter, distinct_bytes, model_storages
-from abp_reference import library_or_skip
+from abp_reference import library_on_one_thread
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import model_zoo  # noqa: E402  (bench/model_zoo.py: small transformers configs, no downloads; imports them lazily)
@@ -31,15 +31,7 @@ import model_zoo  # noqa: E402  (bench/model_zoo.py: small transformers configs,
 RECIPES = {"lowmembp": {}, "fewbit": {"gelu": "gelu_b3", "silu": "silu_b3"}}
 
 
-@pytest.fixture(autouse=True)
-def _library() -> Iterator[None]:
-    library_or_skip()
-    # Tiny tensors gain nothing from a second thread, and on a 2-core machine busy with other work
-    # every parallel region waits for a descheduled OpenMP thread (this file: 38 s against 5 s).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+_library = pytest.fixture(autouse=True)(library_on_one_thread)
 
 
 class Block(nn.Module):

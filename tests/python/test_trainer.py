@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, List
 
 import pytest
 import torch
@@ -19,22 +19,14 @@ import torch
 import abp
 from abp import compress, vcas
 from abp.controller import CompressionController, trainer_callback
-from abp_reference import library_or_skip
+from abp_reference import library_on_one_thread
 
 transformers = pytest.importorskip("transformers")
 
 VOCAB, TOKENS, BATCH = 64, 16, 4
 
 
-@pytest.fixture(autouse=True)
-def _library() -> Iterator[None]:
-    library_or_skip()
-    # Tiny tensors gain nothing from a second thread, and on a 2-core machine busy with other work
-    # every parallel region waits for a descheduled OpenMP thread.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+_library = pytest.fixture(autouse=True)(library_on_one_thread)
 
 
 def _model() -> torch.nn.Module:
