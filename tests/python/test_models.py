@@ -10,9 +10,10 @@ Runs in the current-torch lane (transformers and timm are installed there), skip
 """
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
@@ -157,6 +158,75 @@ def test_sampled_recipe_reaches_the_projections(name: str) -> None:
     torch.testing.assert_close(_first(converted(x)), _first(model(x)), rtol=1e-5, atol=1e-5)
     converted.train()
     _loss(converted(x)).backward()  # the sampled backward runs
+
+
+def _replaced(changes: Any) -> List[str]:
+    return sorted(c.module for c in changes if c.action == "replaced")
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_sampled_layers_found_from_a_call_are_the_ones_the_name_list_gives(name: str) -> None:
+    # Two independent routes to the same layers: the names written per architecture, and the roles
+    # read off one call of the model (abp._roles).
+    model, x = _model(name)
+    by_call = _replaced(abp.convert(model, "sampled", example_inputs=(x,))[1])
+    by_name = _replaced(abp.convert(model, "sampled", layers=list(abp.convert_.SAMPLED_LAYERS))[1])
+    assert by_call and by_call == by_name
+
+
+def _unlisted(name: str) -> torch.nn.Module:
+    t = transformers
+    d = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    if name == "gpt_neox":
+        return t.GPTNeoXForCausalLM(t.GPTNeoXConfig(**d, intermediate_size=128))
+    if name == "opt":
+        return t.OPTForCausalLM(t.OPTConfig(**d, ffn_dim=128, word_embed_proj_dim=64))
+    if name == "bloom":
+        return t.BloomForCausalLM(t.BloomConfig(vocab_size=100, hidden_size=64, n_layer=2, n_head=4))
+    if name == "falcon":
+        return t.FalconForCausalLM(t.FalconConfig(**d))
+    if name == "phi":
+        return t.PhiForCausalLM(t.PhiConfig(**d, intermediate_size=128))
+    if name == "gptj":
+        return t.GPTJForCausalLM(t.GPTJConfig(vocab_size=100, n_embd=64, n_layer=2, n_head=4, rotary_dim=8))
+    if name == "distilbert":
+        return t.DistilBertForSequenceClassification(t.DistilBertConfig(vocab_size=100, dim=64, n_layers=2, n_heads=4,
+                                                                        hidden_dim=128))
+    assert name == "bart"
+    return t.BartForConditionalGeneration(t.BartConfig(vocab_size=100, d_model=64, encoder_layers=2, decoder_layers=2,
+                                                       encoder_attention_heads=4, decoder_attention_heads=4,
+                                                       encoder_ffn_dim=128, decoder_ffn_dim=128))
+
+
+#: Per layer, what WTA-CRS samples in architectures SAMPLED_LAYERS does not name (read off their code).
+UNLISTED = {
+    "gpt_neox": {"attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h"},
+    "opt": {"self_attn.out_proj", "fc1", "fc2"},
+    "bloom": {"self_attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h"},
+    "falcon": {"self_attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h"},  # FalconLinear: its own forward
+    "phi": {"self_attn.dense", "mlp.fc1", "mlp.fc2"},
+    "gptj": {"attn.out_proj", "mlp.fc_in", "mlp.fc_out"},
+    "distilbert": {"attention.out_lin", "ffn.lin1", "ffn.lin2"},
+    "bart": {"self_attn.out_proj", "encoder_attn.out_proj", "fc1", "fc2"},  # decoder; the encoder has no encoder_attn
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNLISTED))
+def test_sampled_layers_of_architectures_no_name_list_knows_are_found(name: str) -> None:
+    torch.manual_seed(0)
+    model = _unlisted(name).train()
+    by_name = _replaced(abp.convert(model, "sampled", layers=list(abp.convert_.SAMPLED_LAYERS))[1])
+    converted, changes = abp.convert(model, "sampled")  # the call: the model's own dummy_inputs
+    replaced = _replaced(changes)
+    assert set(by_name) < set(replaced), "the name list knows this architecture: pick one it does not"
+    per_layer = {re.split(r"\.\d+\.", n, maxsplit=1)[1] for n in replaced}
+    assert per_layer == UNLISTED[name], replaced
+    layers = 4 if name == "bart" else 2
+    assert len(replaced) == len(UNLISTED[name]) * layers - (2 if name == "bart" else 0)
+    ids = torch.randint(0, 100, (2, 6), generator=torch.Generator().manual_seed(1))
+    kwargs = {"decoder_input_ids": ids} if name == "bart" else {}
+    _loss(converted(ids, **kwargs)).backward()
+    assert all(p.grad is not None for n, p in converted.named_parameters() if any(n.endswith(f"{s}.weight") for s in UNLISTED[name]))
 
 
 def test_peft_lora_layers_are_sampled() -> None:

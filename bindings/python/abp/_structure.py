@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Structure", "Use", "record"]
+__all__ = ["Event", "Structure", "Use", "record"]
 
 # Tensor methods and properties that read metadata only.
 _METADATA = {"size", "dim", "numel", "stride", "is_floating_point", "is_contiguous", "data_ptr",
@@ -48,6 +48,19 @@ class Use:
         return f"`{self.function}`{where}"
 
 
+@dataclass(frozen=True)
+class Event:
+    """One step of the example call, in the order it ran: a torch function (``module`` None) or a
+    module call that returned (recorded when it returned, after what ran inside it). ``inputs`` and
+    ``outputs`` are tensor ids; ``within`` names the modules running around it, outermost first."""
+
+    function: Optional[str]
+    module: Optional[str]
+    inputs: Tuple[int, ...]
+    outputs: Tuple[int, ...]
+    within: Tuple[str, ...]
+
+
 @dataclass
 class Structure:
     """What one example call showed (``record``)."""
@@ -57,6 +70,8 @@ class Structure:
     foreign_parameter_uses: Dict[str, List[str]] = field(default_factory=dict)  # module -> its parameters used outside it
     inputs: Dict[str, List[int]] = field(default_factory=dict)  # module name -> ids of its first call's tensor inputs
     modified: Dict[str, List[str]] = field(default_factory=dict)  # module name -> in-place ops on its output
+    events: List[Event] = field(default_factory=list)  # the call's dataflow, in order (abp._roles reads it)
+    parameters: Set[int] = field(default_factory=set)  # ids of the model's parameters
 
 
 def _tensors(value: Any) -> List[Tensor]:
@@ -87,6 +102,7 @@ class _Recorder(TorchFunctionMode):
         self.functions: List[Tuple[str, Tuple[int, ...], Tuple[Tuple[str, int], ...]]] = []
         self.keep: List[Tensor] = []
         self.module_calls: List[Tuple[str, int, Tuple[int, ...]]] = []  # (name, call number, input ids)
+        self.events: List[Event] = []
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
@@ -100,6 +116,8 @@ class _Recorder(TorchFunctionMode):
             if tensors:
                 self.keep.extend(tensors)
                 self.functions.append((name, tuple(id(t) for t in tensors), tuple(self.stack)))
+                outputs = tuple(id(t) for t in _tensors(result))
+                self.events.append(Event(name, None, self.functions[-1][1], outputs, tuple(n for n, _ in self.stack)))
         self.keep.extend(_tensors(result))
         return result
 
@@ -134,6 +152,9 @@ def record(model: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any], watch:
         if name is None:
             return
         recorder.stack.pop()
+        recorder.keep.extend(_tensors(output))
+        recorder.events.append(Event(None, name, tuple(id(t) for t in _tensors(inputs)), tuple(id(t) for t in _tensors(output)),
+                                     tuple(n for n, _ in recorder.stack)))
         if name in watched and name not in outputs:
             recorder.keep.extend(_tensors(output))
             outputs[name] = {id(t) for t in _tensors(output)}
@@ -162,6 +183,8 @@ def record(model: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any], watch:
         if ids & returned_ids:
             structure.uses[name].append(Use(None, "the model's return value", ""))
     _foreign_parameter_uses(model, recorder, structure)
+    structure.events = recorder.events
+    structure.parameters = {id(p) for p in model.parameters()}
     recorder.keep.clear()
     return structure
 

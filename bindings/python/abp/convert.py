@@ -43,26 +43,30 @@ from torch.nn.utils import parametrize
 from . import _recognise, _structure, compress, sampling
 from . import nn as abp_nn
 from ._recognise import Activation, LinearMap, Norm, Unknown
+from ._roles import sampled_linear_maps as _roles_of
 
 __all__ = ["Change", "CompressSavedHooks", "convert", "RECIPES", "SAMPLED_LAYERS"]
 
 #: The recipes ``convert`` knows; ``"all"`` is all of them.
 RECIPES: Tuple[str, ...] = ("lowmembp", "sampled", "compress")
 
-#: Recipe "sampled": the layers WTA-CRS samples (attention output and FFN; Q, K, V stay exact), by
-#: the names of T5, BERT/RoBERTa, ViT (timm and HF), GPT-2, LLaMA-style models.
+#: Recipe "sampled" without a call to run (no example_inputs, no ``model.dummy_inputs``): the layers
+#: WTA-CRS samples (attention output and FFN; Q, K, V stay exact), by the names of T5, BERT/RoBERTa,
+#: ViT (timm and HF), GPT-2, LLaMA-style models. With a call, they are found by what they compute
+#: (abp._roles), whatever their names.
 SAMPLED_LAYERS: Tuple[str, ...] = (
     "*SelfAttention.o", "*EncDecAttention.o", "*DenseReluDense.wi", "*DenseReluDense.wi_0",
     "*DenseReluDense.wi_1", "*DenseReluDense.wo",  # T5
     "*attention.output.dense", "*intermediate.dense", "*layer.*.output.dense",  # BERT, RoBERTa, HF ViT
-    "*attn.proj", "*mlp.fc1", "*mlp.fc2",  # timm ViT
+    "*attn.proj", "*mlp.fc1", "*mlp.fc2",  # timm ViT, HF ViT in transformers >= 5 (with *attention.o_proj)
     "*attn.c_proj", "*mlp.c_fc", "*mlp.c_proj",  # GPT-2 (transformers' Conv1D)
     "*self_attn.o_proj", "*mlp.gate_proj", "*mlp.up_proj", "*mlp.down_proj",  # LLaMA, Mistral, Qwen
+    "*attention.o_proj",  # HF ViT in transformers >= 5
 )
 
 _DEFAULTS: Dict[str, Dict[str, Any]] = {
     "lowmembp": {"norms": True, "fold": False, "gelu": "regelu2", "silu": "resilu2", "leaky_relu": True},
-    "sampled": {"method": "wtacrs", "keep": 0.3, "layers": SAMPLED_LAYERS},
+    "sampled": {"method": "wtacrs", "keep": 0.3, "layers": None},  # None: found by role (abp._roles)
     # 8 bits: the width that trains like exact on real data (docs/compressed-training.md); 4 bits
     # comes within 1 %; 1-2 bits need allow_low_bits=True.
     "compress": {"bits": 8, "group_size": 256, "allow_low_bits": False},
@@ -139,8 +143,10 @@ def _check_overrides(recipes: Tuple[str, ...], overrides: Dict[str, Any]) -> Dic
         sampling.check_method(options["method"])
         sampling.check_keep(options["keep"])
         layers = options["layers"]
-        if isinstance(layers, str) or not isinstance(layers, Sequence) or not all(isinstance(p, str) for p in layers):
-            raise TypeError(f"layers: expected a sequence of fnmatch patterns (str), got {layers!r}")
+        if layers is not None and (isinstance(layers, str) or not isinstance(layers, Sequence)
+                                   or not all(isinstance(p, str) for p in layers)):
+            raise TypeError(f"layers: expected a sequence of fnmatch patterns (str), or None to find the layers by "
+                            f"what they compute, got {layers!r}")
     if "compress" in recipes:  # compress_saved checks its own arguments, naming them
         compress.compress_saved(bits=options["bits"], group_size=options["group_size"],
                                 allow_low_bits=options["allow_low_bits"])
@@ -466,7 +472,10 @@ def _convert_activation(model: nn.Module, name: str, module: nn.Module, spec: An
 
 
 def _sample_one(model: nn.Module, name: str, module: nn.Module, spec: LinearMap, method: str, keep: float, paths: List[str]) -> Change:
-    why = _linear_refusal(name, module) if isinstance(module, nn.Linear) else None
+    # What the module computes was recognised (a subclass's own forward was probed), so only what a
+    # replacement would drop matters: hooks, parametrizations, parameters that are not its own.
+    why = next((f"`{name}`.{p} is not a Parameter of its own (a computed or registered-elsewhere tensor)"
+                for p in (spec.weight, spec.bias) if p is not None and p not in module._parameters), None)
     if why is None and _hooks_of(module):
         why = f"`{name}` has {' and '.join(_hooks_of(module))}, which the replacement would not carry"
     if why is None and parametrize.is_parametrized(module):
@@ -483,10 +492,41 @@ def _sample_one(model: nn.Module, name: str, module: nn.Module, spec: LinearMap,
     return Change(name, "replaced", f"{type(module).__name__} -> SampledLinear (method={method!r}, keep={keep}{layout}){_also_at(paths)}")
 
 
-def _convert_sampled(model: nn.Module, options: Dict[str, Any], recognised: Dict[int, Any]) -> List[Change]:
-    """Samples each linear map whose qualified name matches a pattern of ``layers``; a matched
-    module that is no linear map itself (a LoRA wrapper) has its trainable linear maps sampled."""
-    method, keep, layers = options["method"], options["keep"], options["layers"]
+def _convert_sampled_by_role(model: nn.Module, options: Dict[str, Any], recognised: Dict[int, Any],
+                             roles: Dict[str, str], source: str) -> List[Change]:
+    """Samples the trainable linear maps abp._roles chose (found in the call `source` names)."""
+    modules = dict(model.named_modules())
+    paths = _paths(model)
+    changes: List[Change] = []
+    frozen = 0
+    for name in roles:
+        module = modules[name]
+        spec = recognised[id(module)]
+        if type(module).__module__.startswith("abp."):
+            continue
+        if not getattr(module, spec.weight).requires_grad:
+            frozen += 1  # a LoRA base layer: nothing to sample, and one line per layer would drown the report
+            continue
+        changes.append(_sample_one(model, name, module, spec, options["method"], options["keep"], paths[id(module)]))
+    if frozen:
+        changes.append(Change("", "refused", f"recipe sampled: {frozen} frozen linear map(s) in attention-output or "
+                              "feed-forward position kept (their weight needs no gradient: nothing to sample)"))
+    if not roles:
+        changes.append(Change("", "refused", f"recipe sampled: {source} ran no linear map in attention-output or "
+                              "feed-forward position (abp._roles); pass layers=[...] to choose them by name"))
+    return changes
+
+
+def _convert_sampled(model: nn.Module, options: Dict[str, Any], recognised: Dict[int, Any],
+                     roles: Optional[Tuple[Dict[str, str], str]]) -> List[Change]:
+    """Samples the linear maps found by role when a call ran (``roles``: chosen maps, which call);
+    otherwise each linear map whose qualified name matches a pattern of ``layers`` (SAMPLED_LAYERS
+    when None); a matched module that is no linear map itself (a LoRA wrapper) has its trainable
+    linear maps sampled."""
+    if options["layers"] is None and roles is not None:
+        return _convert_sampled_by_role(model, options, recognised, *roles)
+    method, keep = options["method"], options["keep"]
+    layers = SAMPLED_LAYERS if options["layers"] is None else options["layers"]
     paths = _paths(model)
     changes: List[Change] = []
     done = set()
@@ -513,8 +553,9 @@ def _convert_sampled(model: nn.Module, options: Dict[str, Any], recognised: Dict
                 changes.append(_sample_one(model, sub_name, sub, recognised[id(sub)], method, keep, paths[id(sub)]))
     if not done and layers:
         changes.append(Change("", "refused", "recipe sampled: no module name matched layers= (SAMPLED_LAYERS knows T5, "
-                              "BERT/RoBERTa, ViT, timm, GPT-2 and LLaMA-style names); pass layers=[...] with this "
-                              "model's attention-output and FFN projections, e.g. ['*.fc1', '*.fc2', '*.out_proj']"))
+                              "BERT/RoBERTa, ViT, timm, GPT-2 and LLaMA-style names); pass example_inputs= (one call "
+                              "the model accepts) to find the attention-output and FFN projections by what they "
+                              "compute, or layers=[...] with their names, e.g. ['*.fc1', '*.fc2', '*.out_proj']"))
     return changes
 
 
@@ -615,24 +656,62 @@ def _example_call(example_inputs: Any, example_kwargs: Any) -> Optional[Tuple[Tu
     return args, dict(example_kwargs or {})
 
 
+def _dummy_call(model: nn.Module) -> Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]:
+    """The call a model carries for itself (transformers' ``model.dummy_inputs``: a dict of tensors),
+    on the device of its parameters; None where it has none."""
+    try:
+        dummy = getattr(model, "dummy_inputs", None)
+    except Exception:  # a property that fails for this configuration
+        return None
+    if not isinstance(dummy, Mapping) or not dummy or not all(isinstance(v, Tensor) for v in dummy.values()):
+        return None
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if device.type == "meta":
+        return None
+    return (), {k: v.to(device) for k, v in dummy.items()}
+
+
+def _record(model: nn.Module, call: Tuple[Tuple[Any, ...], Dict[str, Any]], watch: List[str]) -> _structure.Structure:
+    try:
+        return _structure.record(model, call[0], call[1], watch)
+    except Exception as e:
+        raise RuntimeError(f"example_inputs/example_kwargs: the example call failed ({type(e).__name__}: {e})") from e
+
+
+def _norm_names(model: nn.Module, recognised: Dict[int, Any]) -> List[str]:
+    return [n for n, m in model.named_modules() if n and isinstance(recognised.get(id(m)), Norm)]
+
+
+def _roles(model: nn.Module, recognised: Dict[int, Any], structure: Optional[_structure.Structure]
+           ) -> Optional[Tuple[Dict[str, str], str]]:
+    """For recipe "sampled" with layers=None: the linear maps to sample, found from the example call's
+    `structure`, or from the model's own dummy call; None where neither ran (names are used then)."""
+    source = "the example call"
+    if structure is None:
+        call = _dummy_call(model)
+        if call is None:
+            return None
+        try:
+            structure = _structure.record(model, call[0], call[1], [])
+        except Exception:  # the model's dummy call does not fit this configuration: fall back to names
+            return None
+        source = "the model's dummy_inputs call"
+    return _roles_of(model, structure, recognised), source
+
+
 def _convert_lowmembp(
-    model: nn.Module, options: Dict[str, Any], recognised: Dict[int, Any], call: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]
+    model: nn.Module, options: Dict[str, Any], recognised: Dict[int, Any], call: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]],
+    structure: Optional[_structure.Structure],
 ) -> List[Change]:
     modules = dict(model.named_modules())
     paths = _paths(model)
     owners = _parameter_owners(model)
     norms = {n: m for n, m in modules.items() if n and isinstance(recognised.get(id(m)), Norm)}
-    structure = None
     affine = any(recognised[id(m)].weight is not None or recognised[id(m)].bias is not None for m in norms.values())
     if options["norms"] and options["fold"] and affine and call is None:
         raise ValueError("fold=True: pass example_inputs= (a tensor or a tuple of positional arguments) and/or "
                          "example_kwargs= (a dict): one call the model accepts, run once to see which layers read "
                          "each norm's output")
-    if options["norms"] and norms and call is not None:
-        try:
-            structure = _structure.record(model, call[0], call[1], list(norms))
-        except Exception as e:
-            raise RuntimeError(f"example_inputs/example_kwargs: the example call failed ({type(e).__name__}: {e})") from e
     changes: List[Change] = []
     for name, module in modules.items():
         if name and parametrize.is_parametrized(module):
@@ -665,8 +744,9 @@ def convert(
     ...; the GELU's erf or tanh form is the module's own) or switch it off with ``None``;
     ``leaky_relu=False`` keeps LeakyReLUs.
     Recipe "sampled" overrides: ``method=`` ("wtacrs", "crs", "uniform", "gaussian", "rademacher"),
-    ``keep=`` (0.3) and ``layers=`` (fnmatch patterns of module names; SAMPLED_LAYERS by default,
-    e.g. ``["*.lora_A*"]``).
+    ``keep=`` (0.3) and ``layers=`` (None: the attention-output and feed-forward projections, found
+    from one call of the model — the example, else ``model.dummy_inputs`` — or by SAMPLED_LAYERS
+    when none can run; or fnmatch patterns of module names, e.g. ``["*.lora_A*"]``).
     Recipe "compress" overrides: ``bits=`` (8), ``group_size=`` (256) and ``allow_low_bits=`` (False:
     ``bits`` 1 or 2 raise ValueError) of ``compress_saved``.
     With ``inplace=False`` (default) the model is deep-copied first, so the original stays usable
@@ -688,11 +768,15 @@ def convert(
     devices = [d.index for d in {p.device for p in model.parameters()} if d.type == "cuda" and d.index is not None]
     with torch.random.fork_rng(devices=devices):  # probes may draw (a Dropout in training mode)
         recognised = _recognise_all(model) if ("lowmembp" in recipes or "sampled" in recipes) else {}
+    # One recorded call serves the folds and the sampled layers' roles; it runs on the model as the
+    # caller gave it, before any module is replaced.
+    structure = _record(model, call, _norm_names(model, recognised)) if call is not None and recognised else None
+    roles = _roles(model, recognised, structure) if "sampled" in recipes and options["layers"] is None else None
     changes: List[Change] = []
     if "lowmembp" in recipes:
-        changes += _convert_lowmembp(model, options, recognised, call)
+        changes += _convert_lowmembp(model, options, recognised, call, structure if options["norms"] else None)
     if "sampled" in recipes:
-        changes += _convert_sampled(model, options, recognised)
+        changes += _convert_sampled(model, options, recognised, roles)
     if "compress" in recipes:
         changes += _convert_compress(model, options)
     return model, changes

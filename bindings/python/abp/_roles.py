@@ -1,0 +1,144 @@
+"""Which linear maps recipe "sampled" samples, found from what one example call computed.
+
+WTA-CRS estimates a linear layer's weight gradient from a sample of its input rows. It is meant
+for the layers of a network's repeated blocks whose output is added back into the hidden state:
+the attention output projection and the feed-forward projections. Query, key and value
+projections stay exact: their outputs are multiplied with each other (attention scores, the
+probability-weighted sum), so an error in them is squared by the softmax instead of being added.
+Routers of mixture-of-experts layers are left exact for the same reason (their output goes
+through a softmax or a top-k). Heads, poolers and embeddings outside the blocks stay exact.
+
+This module finds those roles from a recorded call (``abp._structure``), not from names:
+
+- *blocks* are the non-leaf children of an ``nn.ModuleList``, or of an ``nn.Sequential`` whose
+  non-leaf children share one class (transformers' and timm's layer stacks); a linear map belongs
+  to the outermost block around it. A model without such a stack is one block.
+- a linear map (or a module around it inside its block, such as a LoRA wrapper) *scores* when its
+  output reaches, inside the block, a product of two activations (``matmul``, ``bmm``, ``einsum``,
+  ``scaled_dot_product_attention``...) or a ``softmax`` / ``topk`` before it reaches a norm or
+  another linear map. Views, splits, rotary embeddings, dropout and activations are followed.
+- every other linear map inside a block that ran in the call is sampled.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Set
+
+from torch import nn
+
+from ._recognise import LinearMap, Norm, is_leaf
+from ._structure import Structure
+
+__all__ = ["blocks", "sampled_linear_maps"]
+
+#: Functions whose result mixes two activations multiplicatively (attention scores, the weighted sum).
+_PRODUCTS = {"matmul", "__matmul__", "__rmatmul__", "bmm", "baddbmm", "einsum", "scaled_dot_product_attention",
+             "_scaled_dot_product_attention", "flex_attention"}
+#: Functions that turn a projection into scores or a routing decision.
+_SCORES = {"softmax", "_softmax", "log_softmax", "topk", "sort", "argmax", "argsort"}
+
+
+def blocks(model: nn.Module) -> List[str]:
+    """Names of the model's repeated blocks, outermost only (see the module docstring)."""
+    found: List[str] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = [(n, c) for n, c in module.named_children() if not is_leaf(c)]
+        if not children:
+            continue
+        if isinstance(module, nn.Sequential) and len({type(c) for _, c in children}) != 1:
+            continue
+        for child_name, _ in children:
+            full = f"{name}.{child_name}" if name else child_name
+            if not any(full == b or full.startswith(b + ".") for b in found):
+                found.append(full)
+    return found
+
+
+def _inside(name: str, block: str) -> bool:
+    return block == "" or name == block or name.startswith(block + ".")
+
+
+def _block_of(name: str, found: List[str]) -> Optional[str]:
+    for b in found:
+        if _inside(name, b):
+            return b
+    return None
+
+
+def _parameter_derived(structure: Structure) -> Set[int]:
+    """Ids of the parameters and of what was computed from parameters alone (``W.T``, a cast)."""
+    derived = set(structure.parameters)
+    for event in structure.events:
+        if event.function is not None and event.inputs and all(i in derived for i in event.inputs):
+            derived.update(event.outputs)
+    return derived
+
+
+def _scores(start: int, end: int, block: str, structure: Structure, leaves: Set[str], stops: Set[str],
+            derived: Set[int]) -> Optional[str]:
+    """What the output of event `start` reaches inside `block` (whose call returned at event `end`)
+    that makes it scores, or None: the first product of two activations or softmax-like function."""
+    reached = set(structure.events[start].outputs)
+    for event in structure.events[start + 1:end]:
+        if not reached.intersection(event.inputs):
+            continue
+        if event.module is not None:
+            if event.module not in leaves or not _inside(event.module, block) or event.module in stops:
+                continue  # what runs inside a container is followed event by event; norms and linear maps end the path
+            reached.update(event.outputs)
+            continue
+        if event.within and event.within[-1] in leaves:
+            continue  # inside a leaf module: its module event stands for it
+        if block and not any(_inside(m, block) for m in event.within):
+            continue
+        name = event.function or ""
+        activations = [i for i in event.inputs if i not in derived]
+        if name in _SCORES or (name in _PRODUCTS and len(activations) >= 2):
+            return name
+        reached.update(event.outputs)
+    return None
+
+
+def sampled_linear_maps(model: nn.Module, structure: Structure, recognised: Dict[int, object]) -> Dict[str, str]:
+    """Name of each linear map the recipe may sample -> why (its role), for the linear maps that ran
+    inside a block and do not score; see the module docstring."""
+    modules = dict(model.named_modules())
+    found = blocks(model) or [""]
+    leaves = {n for n, m in modules.items() if n and is_leaf(m)}
+    linear = {n for n, m in modules.items() if n and isinstance(recognised.get(id(m)), LinearMap)}
+    stops = linear | {n for n, m in modules.items() if n and isinstance(recognised.get(id(m)), Norm)}
+    derived = _parameter_derived(structure)
+    first: Dict[str, int] = {}  # module -> index of its first call's event (recorded when the call returned)
+    for index, event in enumerate(structure.events):
+        if event.module is not None and event.module not in first:
+            first[event.module] = index
+    verdict: Dict[str, Optional[str]] = {}  # module -> what its output reaches that scores (None: nothing)
+
+    def scores(name: str, block: str) -> Optional[str]:
+        if name not in verdict:
+            end = _end_of(name, block)
+            verdict[name] = _scores(first[name], end, block, structure, leaves, stops, derived)
+        return verdict[name]
+
+    def _end_of(name: str, block: str) -> int:
+        """The event at which the call of `block` around `name`'s first call returned."""
+        if not block:
+            return len(structure.events)
+        for index in range(first[name] + 1, len(structure.events)):
+            if structure.events[index].module == block:
+                return index
+        return len(structure.events)
+
+    chosen: Dict[str, str] = {}
+    for name in sorted(linear, key=lambda n: first.get(n, len(structure.events))):
+        block = _block_of(name, found)
+        if block is None or name not in first:
+            continue
+        parts = name.split(".")
+        around = [".".join(parts[:k]) for k in range(len(parts), 0, -1)]
+        owners = [a for a in around if a in first and a != block and _inside(a, block)]
+        if any(scores(a, block) is not None for a in owners):
+            continue
+        chosen[name] = f"in block `{block}`" if block else "in the model (no layer stack found)"
+    return chosen

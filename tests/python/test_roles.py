@@ -1,0 +1,230 @@
+"""Recipe "sampled" finds the attention-output and feed-forward projections by what one call of the
+model computes (abp._roles), whatever the modules are called: hand-built blocks with unusual
+names, a fused QKV projection, a router, LoRA wrappers, a block whose FFN runs before its
+attention, a model without a layer stack, and a model that carries its own dummy inputs.
+The architectures people train are checked in test_models.py."""
+from __future__ import annotations
+
+import math
+from typing import Dict, List
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import abp
+from abp import _recognise, _roles, _structure
+from abp_reference import library_or_skip
+
+
+@pytest.fixture(autouse=True)
+def library() -> None:
+    library_or_skip()
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
+    """Multi-head attention in plain torch (torch 1.13 has no scaled_dot_product_attention)."""
+    b, t, d = q.shape
+    split = [x.view(b, t, heads, d // heads).transpose(1, 2) for x in (q, k, v)]
+    scores = split[0] @ split[1].transpose(-1, -2) / math.sqrt(d // heads)
+    return (scores.softmax(-1) @ split[2]).transpose(1, 2).reshape(b, t, d)
+
+
+class FusedAttention(nn.Module):
+    """One projection for Q, K and V (GPT-2/GPT-NeoX style), names no list knows."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.mix_in = nn.Linear(d, 3 * d)
+        self.mix_out = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.mix_in(x).chunk(3, dim=-1)
+        return self.mix_out(_attend(q, k, v, heads=2))
+
+
+class Router(nn.Module):
+    """A mixture of two experts: a linear router through softmax and top-1, experts as Linears."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.chooser = nn.Linear(d, 2)
+        self.experts = nn.ModuleList([nn.Linear(d, d), nn.Linear(d, d)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = self.chooser(x).softmax(-1)
+        top = weights.topk(1, dim=-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            out = out + expert(x) * (top.indices == i).to(x.dtype) * top.values
+        return out
+
+
+class Layer(nn.Module):
+    def __init__(self, d: int, ffn_first: bool = False, router: bool = False) -> None:
+        super().__init__()
+        self.ffn_first = ffn_first
+        self.pre_a = nn.LayerNorm(d)
+        self.pre_b = nn.LayerNorm(d)
+        self.mixer = FusedAttention(d)
+        self.widen = nn.Linear(d, 2 * d)
+        self.narrow = nn.Linear(2 * d, d)
+        self.router = Router(d) if router else None
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        return self.narrow(F.gelu(self.widen(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ffn_first:  # Macaron-style: the FFN's output is attended to afterwards
+            x = x + self.ffn(self.pre_a(x))
+            x = x + self.mixer(self.pre_b(x))
+        else:
+            x = x + self.mixer(self.pre_a(x))
+            x = x + self.ffn(self.pre_b(x))
+        if self.router is not None:
+            x = x + self.router(x)
+        return x
+
+
+class Net(nn.Module):
+    def __init__(self, d: int = 8, layers: int = 2, **kw: bool) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, d)
+        self.stack = nn.ModuleList([Layer(d, **kw) for _ in range(layers)])
+        self.readout = nn.Linear(d, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.stack:
+            h = layer(h)
+        return self.readout(h)
+
+
+def _sampled(model: nn.Module, **kw) -> List[str]:
+    _, changes = abp.convert(model, "sampled", **kw)
+    return sorted(c.module for c in changes if c.action == "replaced")
+
+
+def _example() -> torch.Tensor:
+    return torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(0))
+
+
+def test_blocks_are_the_children_of_a_layer_stack() -> None:
+    assert _roles.blocks(Net()) == ["stack.0", "stack.1"]
+    timm_like = nn.Sequential(Layer(8), Layer(8))
+    assert _roles.blocks(timm_like) == ["0", "1"]
+    mixed = nn.Sequential(FusedAttention(8), Layer(8), nn.Linear(8, 8))  # a network, not a stack
+    assert _roles.blocks(mixed) == []
+    assert _roles.blocks(nn.Sequential(nn.Linear(8, 8), nn.GELU())) == []
+
+
+def test_projections_are_found_by_what_they_compute() -> None:
+    torch.manual_seed(0)
+    got = _sampled(Net(), example_inputs=_example())
+    # mix_in feeds the attention products (exact); embed and readout are outside the blocks.
+    assert got == [f"stack.{i}.{n}" for i in range(2) for n in ("mixer.mix_out", "narrow", "widen")]
+
+
+def test_a_router_stays_exact_and_its_experts_are_sampled() -> None:
+    torch.manual_seed(0)
+    got = _sampled(Net(router=True), example_inputs=_example())
+    per_layer = {n.split(".", 2)[2] for n in got}
+    assert per_layer == {"mixer.mix_out", "narrow", "widen", "router.experts.0", "router.experts.1"}
+
+
+def test_an_ffn_before_the_attention_is_sampled() -> None:
+    torch.manual_seed(0)
+    got = _sampled(Net(ffn_first=True), example_inputs=_example())
+    assert {n.split(".", 2)[2] for n in got} == {"mixer.mix_out", "narrow", "widen"}
+
+
+def test_a_model_without_a_layer_stack_is_one_block() -> None:
+    torch.manual_seed(0)
+    layer = Layer(8)
+    got = _sampled(layer, example_inputs=torch.randn(2, 5, 8))
+    assert got == ["mixer.mix_out", "narrow", "widen"]
+
+
+class Lora(nn.Module):
+    """peft's shape: a frozen base layer plus a trainable low-rank path, added."""
+
+    def __init__(self, base: nn.Linear) -> None:
+        super().__init__()
+        self.base_layer = base.requires_grad_(False)
+        self.lora_A = nn.ModuleDict({"default": nn.Linear(base.in_features, 2, bias=False)})
+        self.lora_B = nn.ModuleDict({"default": nn.Linear(2, base.out_features, bias=False)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x) + self.lora_B["default"](self.lora_A["default"](x))
+
+
+def test_lora_paths_take_the_role_of_the_layer_they_wrap() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    for layer in model.stack:
+        layer.mixer.mix_in = Lora(layer.mixer.mix_in)
+        layer.mixer.mix_out = Lora(layer.mixer.mix_out)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            p.requires_grad_(True)
+    _, changes = abp.convert(model, "sampled", example_inputs=_example())
+    replaced = sorted(c.module for c in changes if c.action == "replaced")
+    # lora_A of mix_in feeds only lora_B, but the wrapper's output is attended to: exact.
+    assert replaced == [f"stack.{i}.mixer.mix_out.lora_{ab}.default" for i in range(2) for ab in "AB"]
+    frozen = [c.detail for c in changes if c.action == "refused"]
+    assert len(frozen) == 1 and frozen[0].startswith("recipe sampled: 6 frozen linear map(s)"), frozen
+
+
+class WithDummy(Net):
+    """A model that carries its own example call, as transformers' models do (``dummy_inputs``)."""
+
+    def __init__(self, works: bool = True) -> None:
+        super().__init__()
+        self.works = works
+
+    @property
+    def dummy_inputs(self) -> Dict[str, torch.Tensor]:
+        return {"x": _example() if self.works else torch.randn(2, 5, 7)}
+
+
+def test_the_models_dummy_inputs_are_the_call_and_names_the_fallback() -> None:
+    torch.manual_seed(0)
+    assert _sampled(WithDummy()) == _sampled(Net(), example_inputs=_example())
+    _, changes = abp.convert(WithDummy(works=False), "sampled")  # its dummy call fails: names, none match
+    assert [c.detail for c in changes][0].startswith("recipe sampled: no module name matched layers=")
+    assert "pass example_inputs=" in changes[0].detail
+    _, changes = abp.convert(Net(), "sampled")  # no call at all
+    assert not [c for c in changes if c.action == "replaced"]
+
+
+def test_explicit_layers_choose_by_name() -> None:
+    torch.manual_seed(0)
+    assert _sampled(Net(), example_inputs=_example(), layers=["*.widen"]) == ["stack.0.widen", "stack.1.widen"]
+
+
+def test_a_sampled_model_computes_the_same_function() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    converted, _ = abp.convert(model, ["lowmembp", "sampled"], example_inputs=_example())
+    assert sum(isinstance(m, abp.nn.SampledLinear) for m in converted.modules()) == 6
+    x = _example()
+    torch.testing.assert_close(converted(x), model(x), rtol=1e-5, atol=1e-5)
+    converted(x).square().sum().backward()
+    assert all(p.grad is not None for p in converted.parameters())
+
+
+def test_the_recorded_events_carry_the_dataflow() -> None:
+    torch.manual_seed(0)
+    model = Layer(8)
+    structure = _structure.record(model, (torch.randn(1, 3, 8),), {}, [])
+    calls = [e.module for e in structure.events if e.module is not None]
+    assert calls[-1] == "" and calls.index("mixer.mix_in") < calls.index("mixer.mix_out")
+    mix_in = next(e for e in structure.events if e.module == "mixer.mix_in")
+    chunk = next(e for e in structure.events if e.function == "chunk")
+    assert chunk.inputs == mix_in.outputs and len(chunk.outputs) == 3 and chunk.within == ("", "mixer")
+    assert {id(p) for p in model.parameters()} == structure.parameters
+    recognised = {id(m): s for m in model.modules() if (s := _recognise.recognise(m)) is not None}
+    assert sorted(_roles.sampled_linear_maps(model, structure, recognised)) == ["mixer.mix_out", "narrow", "widen"]
