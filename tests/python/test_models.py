@@ -274,6 +274,32 @@ def test_converted_model_compiles_without_graph_breaks_and_trains_like_eager(nam
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {key}: {m}")
 
 
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert", "t5"])
+def test_compress_recipe_compresses_inside_the_compiled_model(name: str) -> None:
+    # The recipe's block opens eagerly (a graph break at the model's edge), so AOTAutograd inlines
+    # its hooks into the model's graph: the saves are stored as abp::gact_pack codes.
+    from abp import _compiled_saves
+
+    if not _compiled_saves.available():
+        pytest.skip("this torch does not inline saved-tensor hooks into compiled graphs")
+    model, x = _model(name)
+    want = _grads(model, x)
+    converted, _ = abp.convert(model, "compress", bits=8)
+    torch._dynamo.reset()
+    _compiled_saves.clear_compiled_stats()
+    compiled = torch.compile(converted, backend="aot_eager")
+    got = _grads(converted, x, compiled)
+    records = _compiled_saves.compiled_stats()
+    packed = [r for r in records if r["bits"] == 8]
+    assert len(packed) >= 4, records  # at least each layer's attention and FFN inputs
+    assert sum(r["bytes_stored"] for r in records) < 0.5 * sum(r["bytes_in"] for r in records)
+    _grads(converted, x, compiled)
+    assert len(_compiled_saves.compiled_stats()) == len(records), "the second step recompiled"
+    for key in want:  # 8-bit codes: close to exact
+        error = (got[key] - want[key]).norm() / want[key].norm().clamp_min(1e-12)
+        assert error < 0.05 or want[key].norm() < 1e-6, f"{name} {key}: {float(error)}"
+
+
 @pytest.mark.parametrize("name", ["llama", "bert"])
 def test_sampled_recipe_compiles_without_graph_breaks_and_draws_what_eager_draws(name: str) -> None:
     # Sampled projections: the host planning and launches are custom ops under compile

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
@@ -333,37 +332,3 @@ def test_sampled_custom_ops_pass_opcheck():
         assert torch.equal(used, key)
         torch.library.opcheck(_sampled_ops._dw, (torch.randn(64, 8), rows, index, used, method),
                               test_utils=("test_schema", "test_faketensor"))
-
-
-def _small_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 4))
-
-
-def test_compress_saved_says_so_when_a_compiled_model_leaves_it_nothing_to_compress(monkeypatch):
-    # A compiled graph saves detached tensors (no grad_fn, no requires_grad): compress_saved keeps
-    # them as constants of backward, so the block would silently compress nothing.
-    from abp import compress
-
-    monkeypatch.setattr(compress, "_WARNED", set())
-    model, x = _small_model(), torch.randn(64, 16)
-    with pytest.warns(RuntimeWarning, match="compressed none"):
-        with abp.compress_saved(bits=4) as block:
-            torch.compile(model, backend="aot_eager")(x).sum().backward()
-    assert block.stats["tensors"] > 0 and block.stats["compressed"] == 0
-    # Eagerly the same block compresses, and says nothing.
-    monkeypatch.setattr(compress, "_WARNED", set())
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)
-        with abp.compress_saved(bits=4) as block:
-            model(x).sum().backward()
-    assert block.stats["compressed"] > 0
-
-
-def test_compress_recipe_in_a_compiled_model_says_it_compresses_nothing(monkeypatch):
-    from abp import compress
-
-    monkeypatch.setattr(compress, "_WARNED", set())
-    converted, _ = abp.convert(_small_model(), "compress")
-    with pytest.warns(RuntimeWarning, match="torch.compile traces"):
-        torch.compile(converted, backend="aot_eager")(torch.randn(64, 16)).sum().backward()

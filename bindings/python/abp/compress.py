@@ -188,8 +188,6 @@ class _Codec:
         self.forward_inputs = tuple(("input0", "param0", "param1").index(ref) for ref in fwd.args)
         self.backward_inputs = tuple(("residual0", "residual1", "residual2").index(ref) for ref in bwd.args)
         self.bits = bits
-        self.meta_dtype = _launch.compute_dtype(dtype)
-        self.meta_size = torch.empty(0, dtype=self.meta_dtype).element_size()
         name = _launch.DTYPE_NAMES[dtype]
         self.forward_kernel = library.kernel(fwd_record.name, name)
         self.backward_kernel = library.kernel(bwd_record.name, name)
@@ -252,24 +250,36 @@ def _quantize(x: torch.Tensor, bits: int, group_size: int, seed: int, offset: in
     if not flat.is_contiguous():
         flat = flat.contiguous()
     n = flat.numel()
+    size, layout = group_layout(n, bits, group_size, x.dtype)
+    buffer = torch.empty(size, dtype=torch.uint8, device=x.device)
+    device, stream = _launch.device_and_stream(x.device)
+    base, address = buffer.data_ptr(), flat.data_ptr()
+    for i, (numel, cols, mins_at, scales_at, codes_at) in enumerate(layout):
+        start = i * (n // group_size) * group_size  # the tail part starts after the whole groups
+        codec.quantize(address + start * flat.element_size(), numel // cols, cols, seed, offset + start, base,
+                       (mins_at, scales_at, codes_at), device, stream)
+    return CompressedTensor("groups", bits, group_size, tuple(x.shape), x.dtype, x.device, buffer, layout)
+
+
+def group_layout(n: int, bits: int, group_size: int, dtype: torch.dtype) -> Tuple[int, Tuple[Tuple[int, int, int, int, int], ...]]:
+    """(buffer bytes, layout) of `n` elements of `dtype` as `bits`-bit codes in groups of `group_size`.
+
+    Whole groups form one part, the tail group (if any) a second that continues the stream at its
+    first flat index. One buffer, no padding: all minima, all scales, all codes (the whole groups'
+    codes fill whole bytes, so the tail's start on a byte). Works on torch.SymInts (compiled shapes).
+    """
+    meta_size = 8 if dtype == torch.float64 else 4  # _launch.compute_dtype's element size
     full = n // group_size
     tail = n - full * group_size
-    # Whole groups in one launch, the tail group (if any) in a second that continues the stream
-    # at its first flat index. One allocation, no padding: all minima, all scales, all codes
-    # (the whole groups' codes fill whole bytes, so the tail's start on a byte).
-    groups = full + (1 if tail else 0)
-    meta = groups * codec.meta_size
-    buffer = torch.empty(2 * meta + packed_bytes(bits, n), dtype=torch.uint8, device=x.device)
-    device, stream = _launch.device_and_stream(x.device)
-    base, address, layout = buffer.data_ptr(), flat.data_ptr(), []
+    groups = (n + group_size - 1) // group_size
+    meta = groups * meta_size
+    layout = []
     if full:
-        layout.append(codec.quantize(address, full, group_size, seed, offset, base, (0, meta, 2 * meta),
-                                     device, stream))
+        layout.append((full * group_size, group_size, 0, meta, 2 * meta))
     if tail:
-        head, codes = full * codec.meta_size, 2 * meta + full * group_size * bits // 8
-        layout.append(codec.quantize(address + full * group_size * flat.element_size(), 1, tail, seed,
-                                     offset + full * group_size, base, (head, meta + head, codes), device, stream))
-    return CompressedTensor("groups", bits, group_size, tuple(x.shape), x.dtype, x.device, buffer, tuple(layout))
+        head = full * meta_size
+        layout.append((tail, tail, head, meta + head, 2 * meta + full * group_size * bits // 8))
+    return 2 * meta + packed_bytes(bits, n), tuple(layout)
 
 
 def dequantize(c: CompressedTensor) -> torch.Tensor:
@@ -691,24 +701,44 @@ class compress_saved:
         self.floors = {}
         self._guarded = {} if self.guard else None  # id → parameter, until backward reads the first save
         if _compiling():
-            _warn_once("traced", f"{self.label} is entered inside code torch.compile traces (abp.convert's "
-                       "\"compress\" or \"all\" recipe in a compiled model): the compiled graph saves its tensors "
-                       "without these hooks, so nothing is compressed. Train the model eagerly (or convert it "
-                       "without the compress recipe before compiling)")
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+            _warn_once("traced", f"{self.label} is entered inside code torch.compile traces: the compiled graph "
+                       "saves its tensors without these hooks, so nothing is compressed. Open the block around "
+                       "the compiled call (abp.convert's compress recipe does so itself)")
+        if self.compiles():
+            # GraphModule hooks: AOTAutograd inlines them into compiled graphs; eager saves reach self.pack.
+            from . import _compiled_saves
+
+            pair = _compiled_saves.hooks(self.bits, self.group_size, self.min_numel, self.op_rules, self.exact_relu)
+            _compiled_saves.open_block(self)
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(*pair)
+        else:
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._hooks.__enter__()
         _OPEN.label = self.label
         return self
+
+    def compiles(self) -> bool:
+        """True if graphs torch.compile builds inside this block compress their saves too: a
+        uniform width (no bits_for, no filter) on a torch whose AOTAutograd inlines saved-tensor
+        hooks (abp._compiled_saves); otherwise they save as they would without the block."""
+        from . import _compiled_saves
+
+        return self.bits_for is None and self.filter is None and _compiled_saves.available()
 
     def __exit__(self, *exc: Any) -> None:
         hooks, self._hooks = self._hooks, None
         assert hooks is not None
         _OPEN.label = None
         hooks.__exit__(*exc)
+        if self.compiles():
+            from . import _compiled_saves
+
+            _compiled_saves.close_block()
         self._flush()
         if not self.stats["compressed"] and self._constant_bytes and self._constant_bytes * 2 >= self.stats["bytes_in"]:
             _warn_once("constants", f"{self.label} saw {self.stats['tensors']} saved tensors and compressed none: most "
                        "were floating tensors that do not require grad, which it keeps as they are (constants of "
                        "backward, such as masks). A torch.compile'd model saves its activations so, detached from "
-                       "autograd: compress_saved compresses eager autograd's saves only")
+                       "autograd: a block with bits_for or filter (the controller's) compresses eager saves only; "
+                       "a uniform-width block compresses compiled graphs too (docs/python.md, torch.compile)")
         self._reset()  # the graph keeps what it saved; this block holds nothing after it

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from . import _recognise, _structure, compress, sampling
+from . import _compiled_saves, _recognise, _structure, compress, sampling
 from . import nn as abp_nn
 from ._recognise import Activation, LinearMap, Norm, Unknown
 from ._roles import sampled_linear_maps as _roles_of
@@ -564,6 +564,22 @@ def _convert_sampled(model: nn.Module, options: Dict[str, Any], recognised: Dict
 # ---------------------------------------------------------------------------------------------
 
 
+def _open_block(hooks: "CompressSavedHooks") -> None:
+    hooks._enter()
+
+
+def _close_block(hooks: "CompressSavedHooks") -> None:
+    hooks._leave()
+
+
+if _compiled_saves.available():
+    # Run eagerly even inside a model torch.compile traces (a graph break at each): the block
+    # must be open when the rest of the forward is compiled, for AOTAutograd to inline its hooks
+    # into that graph (abp._compiled_saves); traced instead, the block would be dropped.
+    _open_block = torch._dynamo.disable(_open_block)
+    _close_block = torch._dynamo.disable(_close_block)
+
+
 class CompressSavedHooks:
     """Runs a module's forward inside ``compress_saved``: a forward pre-hook and hook pair.
 
@@ -584,11 +600,17 @@ class CompressSavedHooks:
         return {"bits": self.bits, "group_size": self.group_size, "allow_low_bits": self.allow_low_bits, "_open": []}
 
     def enter(self, module: nn.Module, args: Any) -> None:
+        _open_block(self)
+
+    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        _close_block(self)
+
+    def _enter(self) -> None:
         block = compress.compress_saved(bits=self.bits, group_size=self.group_size, allow_low_bits=self.allow_low_bits)
         block.__enter__()
         self._open.append(block)
 
-    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _leave(self) -> None:
         if self._open:
             self._open.pop().__exit__(None, None, None)
 

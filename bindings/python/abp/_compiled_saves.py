@@ -1,0 +1,269 @@
+"""compress_saved inside torch.compile graphs (torch versions whose AOTAutograd inlines saved-tensor hooks).
+
+Eager autograd calls ``saved_tensors_hooks`` as Python functions on every saved tensor. A compiled
+graph saves its tensors itself; AOTAutograd applies the hooks on top of the stack only when they
+are ``torch.fx.GraphModule``s, by tracing them into the forward graph's end (pack) and the
+backward graph's start (unpack), and only for the graph's intermediates (AOTAutograd's
+"donated" filter: inputs, parameters and outputs are held by their owners anyway). It reads
+the hooks when it compiles and guards on their identity.
+
+So compress_saved's hooks are a pair of GraphModules (``hooks(bits, group_size, ...)``),
+one pair per setting so that a changed setting recompiles. Each graph is one call of a Python
+function that tells the two cases apart:
+
+- called by eager autograd (a real tensor), it hands the tensor to the open block's own pack
+  hook (op rules, shared views, stats, the guard) and returns ``(block, what it packed)``, so that
+  backward (which runs after the block closed) unpacks with the same block;
+- traced by AOTAutograd (``_get_saved_tensor_hook_context`` names the saved node), it decides from
+  the graphs, as the op rules do from autograd nodes:
+
+  * kept as they are: tensors off the gradient path (computed from no input that receives a
+    gradient: masks, rotary tables), non-floating ones, ones under ``min_numel`` elements, and
+    ones a ReLU's backward reads (eager keeps their exact support; here they stay exact);
+  * at 8 bits at least: what fused attention's backward recomputes its probabilities from (query,
+    key, logsumexp) and log_softmax's output (abp._save_rules);
+  * everything else: ``abp::gact_pack`` (the gact_b<bits> kernels behind a torch.library op, a
+    fresh Philox key per tensor drawn by torch.randint in the graph) and ``abp::gact_unpack``.
+
+What the compiled graphs compress is not in the block's ``stats`` (no Python runs per save);
+``compiled_stats()`` reports what the last compiled graphs chose, per saved tensor, in bytes.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from . import _custom_ops, _save_rules
+from .compress import CompressedTensor, _quantize, dequantize, group_layout, rank_key
+from ._launch import ROW_DTYPES
+
+__all__ = ["available", "hooks", "compiled_stats"]
+
+try:  # the AOTAutograd hook context; absent (older torch): compiled graphs are not compressed
+    from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
+    from torch._functorch._aot_autograd.utils import saved_tensors_hooks_are_inlineable as _inlineable
+except ImportError:  # pragma: no cover - older torch
+    _get_saved_tensor_hook_context = None
+    _inlineable = None
+
+
+def available() -> bool:
+    """True if compiled graphs can compress their saved tensors with this torch."""
+    return _custom_ops.enabled() and _get_saved_tensor_hook_context is not None and _inlineable is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# The codec as torch.library ops
+# ---------------------------------------------------------------------------------------------
+
+if available():
+
+    @torch.library.custom_op("abp::gact_pack", mutates_args=())
+    def gact_pack(x: torch.Tensor, key: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+        """`x` as `bits`-bit group codes: one uint8 buffer (compress.group_layout) keyed by `key`."""
+        return _quantize(x, bits, group_size, rank_key(int(key.item())), 0).buffer
+
+    @gact_pack.register_fake
+    def _(x: torch.Tensor, key: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+        size, _ = group_layout(x.numel(), bits, group_size, x.dtype)
+        return x.new_empty((size,), dtype=torch.uint8)
+
+    @torch.library.custom_op("abp::gact_unpack", mutates_args=())
+    def gact_unpack(buffer: torch.Tensor, bits: int, group_size: int, shape: List[int], dtype: torch.dtype) -> torch.Tensor:
+        """The tensor of `shape` and `dtype` that gact_pack's `buffer` stands for."""
+        n = 1
+        for s in shape:
+            n *= s
+        _, layout = group_layout(n, bits, group_size, dtype)
+        return dequantize(CompressedTensor("groups", bits, group_size, tuple(shape), dtype, buffer.device, buffer, layout))
+
+    @gact_unpack.register_fake
+    def _(buffer: torch.Tensor, bits: int, group_size: int, shape: List[int], dtype: torch.dtype) -> torch.Tensor:
+        return buffer.new_empty(shape, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# What a compiled graph compresses
+# ---------------------------------------------------------------------------------------------
+
+#: Fused attention's backward ops, which recompute the probabilities through exp().
+_ATTENTION_BACKWARD = ("_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_flash_attention_for_cpu_backward",
+                       "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention_backward",
+                       "_scaled_dot_product_fused_attention_overrideable_backward")
+#: Their forward ops: (query, key, value, ...).
+_ATTENTION_FORWARD = tuple(name[: -len("_backward")] for name in _ATTENTION_BACKWARD)
+#: (grad_out, query, key, value, out, logsumexp, ...): query, key and logsumexp.
+_ATTENTION_FLOORED = (1, 2, 5)
+
+
+def _op_name(target: Any) -> str:
+    name = getattr(target, "__name__", str(target))  # "_log_softmax_backward_data.default"
+    return name.split(".")[0]
+
+
+def _on_gradient_path(fw: torch.fx.Graph, bw: torch.fx.Graph) -> Dict[str, bool]:
+    """Forward node name -> whether it is computed from an input that receives a gradient.
+
+    The backward graph returns one gradient per forward input, None for inputs that need none."""
+    cached = getattr(fw, "_abp_gradient_path", None)
+    if cached is not None:
+        return cached
+    gradients = bw.output_node().args[0]
+    inputs = [n for n in fw.nodes if n.op == "placeholder"]
+    path: Dict[str, bool] = {}
+    for i, node in enumerate(inputs):
+        path[node.name] = i < len(gradients) and gradients[i] is not None
+    for node in fw.nodes:
+        if node.op != "placeholder":
+            path[node.name] = any(path.get(a.name, False) for a in node.all_input_nodes)
+    fw._abp_gradient_path = path  # type: ignore[attr-defined]
+    return path
+
+
+#: Backward ops that only re-view or re-label a value: its readers are theirs.
+_ALIASES = {"view", "_unsafe_view", "reshape", "detach", "alias", "t", "transpose", "permute", "unsqueeze", "squeeze",
+            "expand", "contiguous", "clone", "_to_copy"}
+
+
+def _readers(name: str, bw: torch.fx.Graph) -> List[Tuple[str, int]]:
+    """(backward op, argument position) of each use of the saved value `name` in backward, looking
+    through views and detaches (backward reads a ReLU's output through a detach)."""
+    found: List[Tuple[str, int]] = []
+    frontier = [n for n in bw.nodes if n.op == "placeholder" and n.name == name]
+    seen = set()
+    while frontier:
+        node = frontier.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for user in node.users:
+            op = _op_name(user.target)
+            if op in _ALIASES:
+                frontier.append(user)
+                continue
+            for position, arg in enumerate(user.args):
+                if arg is node:
+                    found.append((op, position))
+    return found
+
+
+def _decide(x: torch.Tensor, context: Dict[str, Any], bits: int, min_numel: int, op_rules: bool,
+            exact_relu: bool) -> Tuple[int, str]:
+    """(bits to store the saved value at, 32 = as it is; why) from the graphs AOTAutograd traces."""
+    node, fw, bw = context["_node"], context["_fw_graph"], context["_bw_graph"]
+    if x.dtype not in ROW_DTYPES:
+        return 32, "not floating"
+    if x.numel() < min_numel:
+        return 32, f"under min_numel={min_numel} elements"
+    if not _on_gradient_path(fw, bw).get(node.name, True):
+        return 32, "off the gradient path (a constant of backward: a mask, a table)"
+    readers = _readers(node.name, bw)
+    if exact_relu and any(op == "threshold_backward" for op, _ in readers):
+        return 32, "read by a ReLU's backward (kept exact)"
+    if not op_rules:
+        return bits, "compressed"
+    floor = None
+    for op, position in readers:
+        if op in _ATTENTION_BACKWARD and position in _ATTENTION_FLOORED:
+            floor = _save_rules.FUSED_ATTENTION_MIN_BITS
+        elif op == "_log_softmax_backward_data" and position == 1:
+            floor = _save_rules.LOG_SOFTMAX_MIN_BITS
+    # The same rules read from the forward graph (backward may be decomposed into exp, sub, ...):
+    # log_softmax's output, and the query and key fused attention was given.
+    if _op_name(node.target) in ("_log_softmax", "log_softmax"):
+        floor = _save_rules.LOG_SOFTMAX_MIN_BITS
+    for user in node.users:
+        if _op_name(user.target) in _ATTENTION_FORWARD and any(a is node for a in user.args[:2]):
+            floor = _save_rules.FUSED_ATTENTION_MIN_BITS
+    if floor is not None and bits < floor:
+        return floor, f"raised to {floor} bits (read through exp() in backward)"
+    return bits, "compressed"
+
+
+_TRACED = threading.local()
+
+
+def compiled_stats() -> List[Dict[str, Any]]:
+    """What the graphs compiled in this thread chose for each saved intermediate, in trace order:
+    ``node``, ``shape``, ``dtype``, ``bits`` (32: kept), ``why``, ``bytes_in`` and ``bytes_stored``.
+    Cleared by ``clear_compiled_stats()``."""
+    return list(getattr(_TRACED, "records", []))
+
+
+def clear_compiled_stats() -> None:
+    _TRACED.records = []
+
+
+def _pack_traced(x: torch.Tensor, context: Dict[str, Any], bits: int, group_size: int, min_numel: int,
+                 op_rules: bool, exact_relu: bool) -> Any:
+    chosen, why = _decide(x, context, bits, min_numel, op_rules, exact_relu)
+    size_in = x.numel() * x.element_size()
+    stored = size_in if chosen == 32 else group_layout(x.numel(), chosen, group_size, x.dtype)[0]
+    records = getattr(_TRACED, "records", None)
+    if records is None:
+        records = _TRACED.records = []
+    records.append({"node": context["_node"].name, "shape": tuple(x.shape), "dtype": x.dtype, "bits": chosen,
+                    "why": why, "bytes_in": size_in, "bytes_stored": stored})
+    if chosen == 32:
+        return x
+    key = torch.randint(0, 2**63 - 1, (1,), device="cpu")
+    return (gact_pack(x, key, chosen, group_size), chosen, group_size, list(x.shape), x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The hooks
+# ---------------------------------------------------------------------------------------------
+
+#: The compress_saved block whose hooks are on top, per thread (eager saves go to its pack hook).
+_BLOCK = threading.local()
+
+
+def pack_saved(x: Any, bits: int, group_size: int, min_numel: int, op_rules: bool, exact_relu: bool) -> Any:
+    context = _get_saved_tensor_hook_context() if _get_saved_tensor_hook_context is not None else None
+    if context is not None and "_node" in context:
+        return _pack_traced(x, context, bits, group_size, min_numel, op_rules, exact_relu)
+    block = getattr(_BLOCK, "block", None)
+    if block is None:  # pragma: no cover - the hooks are only on the stack while a block is open
+        raise RuntimeError("abp.compress_saved: its saved-tensor hooks ran outside its block")
+    return (block, block.pack(x))
+
+
+def unpack_saved(packed: Any) -> Any:
+    if isinstance(packed, torch.Tensor):
+        return packed  # kept as it was in a compiled graph
+    if len(packed) == 2:  # (block, what its eager pack hook returned)
+        block, saved = packed
+        return block.unpack(saved)
+    buffer, bits, group_size, shape, dtype = packed
+    return gact_unpack(buffer, bits, group_size, shape, dtype)
+
+
+_PAIRS: Dict[Tuple[Any, ...], Tuple[torch.fx.GraphModule, torch.fx.GraphModule]] = {}
+
+
+def _graph_module(function: Any, constants: Tuple[Any, ...]) -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    value = graph.placeholder("saved")
+    graph.output(graph.call_function(function, (value,) + constants))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def hooks(bits: int, group_size: int, min_numel: int, op_rules: bool, exact_relu: bool
+          ) -> Tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    """The (pack, unpack) GraphModules for one setting; the same objects each time, so that a
+    compiled graph is reused (dynamo guards on their identity) until the setting changes."""
+    key = (bits, group_size, min_numel, op_rules, exact_relu)
+    pair = _PAIRS.get(key)
+    if pair is None:
+        pair = _PAIRS[key] = (_graph_module(pack_saved, key), _graph_module(unpack_saved, ()))
+    return pair
+
+
+def open_block(block: Any) -> None:
+    _BLOCK.block = block
+
+
+def close_block() -> None:
+    _BLOCK.block = None

@@ -1,0 +1,182 @@
+"""compress_saved inside torch.compile graphs (abp._compiled_saves): the codec as torch.library
+ops, what a compiled graph chooses to compress, the bytes it really saves, unbiased gradients,
+recompiles only when the setting changes, and abp.convert's compress recipe in a compiled
+transformers model. Runs where AOTAutograd inlines saved-tensor hooks (current torch)."""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import List
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import abp
+from abp import compress
+from abp_reference import library_or_skip
+
+_compiled_saves = pytest.importorskip("abp._compiled_saves")
+if not _compiled_saves.available():
+    pytest.skip("this torch does not inline saved-tensor hooks into compiled graphs", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def _library() -> None:
+    library_or_skip()
+    torch._dynamo.reset()
+    _compiled_saves.clear_compiled_stats()
+
+
+def test_the_ops_are_the_eager_codec() -> None:
+    x = torch.randn(5, 300, generator=torch.Generator().manual_seed(0))  # a whole group and a tail
+    key = torch.tensor([12345])
+    for bits in (2, 4, 8):
+        buffer = _compiled_saves.gact_pack(x, key, bits, 256)
+        eager = compress._quantize(x, bits, 256, compress.rank_key(12345), 0)
+        assert torch.equal(buffer, eager.buffer)
+        assert torch.equal(_compiled_saves.gact_unpack(buffer, bits, 256, [5, 300], torch.float32), compress.dequantize(eager))
+        torch.library.opcheck(_compiled_saves.gact_pack, (x, key, bits, 256), test_utils=("test_schema", "test_faketensor"))
+        torch.library.opcheck(_compiled_saves.gact_unpack, (buffer, bits, 256, [5, 300], torch.float32),
+                              test_utils=("test_schema", "test_faketensor"))
+
+
+class Block(nn.Module):
+    """Pre-norm attention with a causal float mask (built in the graph), then a ReLU MLP."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        n = x.shape[1]
+        mask = torch.full((n, n), float("-inf")).triu(1)
+        q, k, v = (p(h).unflatten(-1, (4, 16)).transpose(1, 2) for p in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).flatten(2)
+        x = x + self.o(a)
+        return x + self.down(F.relu(self.up(x)))
+
+
+def _model() -> Block:
+    torch.manual_seed(0)
+    return Block()
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(1))
+
+
+def _grads(model: nn.Module, run, x: torch.Tensor, bits: int = 0) -> List[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    if bits:
+        with abp.compress_saved(bits=bits):
+            y = run(x)
+    else:
+        y = run(x)
+    y.square().mean().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_a_compiled_graph_compresses_what_eager_rules_would() -> None:
+    model = _model()
+    compiled = torch.compile(model, backend="aot_eager")
+    _grads(model, compiled, _x(), bits=4)
+    chosen = {r["why"] for r in _compiled_saves.compiled_stats()}
+    assert "off the gradient path (a constant of backward: a mask, a table)" in chosen  # the -inf mask
+    assert "read by a ReLU's backward (kept exact)" in chosen
+    records = _compiled_saves.compiled_stats()
+    raised = [r for r in records if r["bits"] == 8]
+    assert len(raised) == 2 and all(r["shape"] == (4, 4, 32, 16) for r in raised)  # query and key
+    compressed = [r for r in records if r["bits"] == 4]
+    assert len(compressed) >= 4  # the norm's output (one for q, k, v), the value, o's and down's inputs
+    for r in records:
+        n = math.prod(r["shape"])
+        want = n * r["dtype"].itemsize if r["bits"] == 32 else compress.group_layout(n, r["bits"], 256, r["dtype"])[0]
+        assert r["bytes_stored"] == want
+
+
+def _saved_bytes(y: torch.Tensor) -> int:
+    """Bytes of what the compiled function's backward node holds."""
+    node = y.grad_fn
+    while node is not None and "Compiled" not in type(node).__name__:
+        node = node.next_functions[0][0]
+    assert node is not None
+    return sum(t.numel() * t.element_size() for t in node.saved_tensors if t.untyped_storage().data_ptr())
+
+
+def test_the_compiled_graph_really_saves_fewer_bytes() -> None:
+    model, x = _model(), _x()
+    compiled = torch.compile(model, backend="aot_eager")
+    exact = _saved_bytes(compiled(x))
+    with abp.compress_saved(bits=4):
+        y = compiled(x)
+    packed = _saved_bytes(y)
+    records = _compiled_saves.compiled_stats()
+    dropped = sum(r["bytes_in"] - r["bytes_stored"] for r in records)
+    assert dropped > 0.5 * sum(r["bytes_in"] for r in records)  # of the intermediates the hooks see
+    assert packed == exact - dropped  # what backward holds (parameters and inputs included)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_gradients_are_unbiased(backend: str) -> None:
+    model, x = _model(), _x()
+    exact = _grads(model, model, x)
+    compiled = torch.compile(model, backend=backend)
+    draws = [_grads(model, compiled, x, bits=4) for _ in range(16)]
+    # q.weight, v.weight, o.weight, up.weight (after norm's weight and bias); down's input is a
+    # ReLU's output, which stays exact
+    for i in (2, 6, 8, 10):
+        one = (draws[0][i] - exact[i]).norm() / exact[i].norm()
+        mean = (torch.stack([d[i] for d in draws]).mean(0) - exact[i]).norm() / exact[i].norm()
+        assert one > 0, "the compiled graph compressed nothing"
+        assert mean < 0.5 * one, (i, float(one), float(mean))  # 16 independent draws: about one / 4
+
+
+def test_the_graph_is_reused_until_the_setting_changes() -> None:
+    model, x = _model(), _x()
+    compiled = torch.compile(model, backend="aot_eager")
+    for _ in range(3):
+        _grads(model, compiled, x, bits=4)
+    first = len(_compiled_saves.compiled_stats())
+    assert first > 0
+    _grads(model, compiled, x, bits=4)
+    assert len(_compiled_saves.compiled_stats()) == first, "a new block of the same setting recompiled"
+    _grads(model, compiled, x, bits=8)
+    assert len(_compiled_saves.compiled_stats()) == 2 * first and _compiled_saves.compiled_stats()[-1]["bits"] in (8, 32)
+
+
+def test_a_block_with_bits_for_leaves_compiled_graphs_alone_and_says_so(monkeypatch) -> None:
+    monkeypatch.setattr(compress, "_WARNED", set())
+    model, x = _model(), _x()
+    compiled = torch.compile(model, backend="aot_eager")
+    with pytest.warns(RuntimeWarning, match="compressed none"):
+        with abp.compress_saved(bits_for=lambda t: 4) as block:
+            compiled(x).sum().backward()
+    assert block.stats["compressed"] == 0 and not _compiled_saves.compiled_stats()
+
+
+def test_a_block_opened_inside_traced_code_says_so(monkeypatch) -> None:
+    monkeypatch.setattr(compress, "_WARNED", set())
+    model, x = _model(), _x()
+
+    @torch.compile(backend="aot_eager")
+    def step(x: torch.Tensor) -> torch.Tensor:
+        with abp.compress_saved(bits=4):
+            return model(x)
+
+    with pytest.warns(RuntimeWarning, match="torch.compile traces"):
+        step(x).sum().backward()
+
+
+def test_eager_saves_in_a_block_still_reach_its_own_hook() -> None:
+    model, x = _model(), _x()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with abp.compress_saved(bits=4) as block:
+            y = model(x)
+    y.square().mean().backward()
+    assert block.stats["compressed"] > 0 and not _compiled_saves.compiled_stats()
