@@ -3,6 +3,11 @@
 
 #include "mlir/IR/Builders.h"
 #include "mlir/IR/OpImplementation.h"
+#include "llvm/ADT/DenseSet.h"
+#include "llvm/ADT/StringExtras.h"
+#include "llvm/ADT/StringSet.h"
+
+#include <functional>
 
 using namespace mlir;
 using namespace abp;
@@ -99,6 +104,13 @@ static LogicalResult verifySharedResiduals(OperatorOp op) {
   return success();
 }
 
+/// A C / Python identifier: what parameter names become in the manifest and generated code.
+static bool isIdentifier(StringRef name) {
+  if (name.empty() || !(llvm::isAlpha(name.front()) || name.front() == '_'))
+    return false;
+  return llvm::all_of(name, [](char c) { return llvm::isAlnum(c) || c == '_'; });
+}
+
 LogicalResult OperatorOp::verifyRegions() {
   ReturnOp fwdReturn = getForwardReturn();
   ReturnOp bwdReturn = getBackwardReturn();
@@ -134,6 +146,26 @@ LogicalResult OperatorOp::verifyRegions() {
       return emitOpError() << "backward argument #" << numSaved + i
                            << " is the gradient of output #" << i << " and must have its type "
                            << out.getType() << ", got " << gradType;
+  }
+
+  // params names the scalar parameters (the manifest's keyword names): one valid, distinct
+  // identifier per non-tensor forward argument. (ODS checks it is an array of strings.)
+  if (std::optional<ArrayAttr> params = getParams()) {
+    int64_t scalars = llvm::count_if(getForward().front().getArguments(), [](BlockArgument a) {
+      return !isa<RankedTensorType>(a.getType());
+    });
+    if (static_cast<int64_t>(params->size()) != scalars)
+      return emitOpError() << "params names " << params->size() << " parameter(s) but forward takes "
+                           << scalars << " scalar argument(s); name each one, in order";
+    llvm::StringSet<> seen;
+    for (auto [i, attr] : llvm::enumerate(params->getAsValueRange<StringAttr>())) {
+      if (!isIdentifier(attr))
+        return emitOpError() << "params entry #" << i << " ('" << attr
+                             << "') must be an identifier (a letter or '_', then letters, digits "
+                                "or '_')";
+      if (!seen.insert(attr).second)
+        return emitOpError() << "params names '" << attr << "' twice";
+    }
   }
 
   // no_grad names tensor inputs, each once.
@@ -272,6 +304,40 @@ LogicalResult MapOp::verifySymbolUses(SymbolTableCollection &symbolTable) {
   if (type.getInputs() != ArrayRef<Type>(ins) || type.getResults() != ArrayRef<Type>(outs))
     return emitOpError() << "expects @" << *callee << " to have the scalar signature "
                          << FunctionType::get(getContext(), ins, outs) << ", got " << type;
+  // A kernel inlines its scalar functions' calls: a cycle would loop forever (on the GPU, with
+  // no way to interrupt it), so the callee's call graph must be acyclic.
+  SmallVector<func::FuncOp> path;
+  llvm::DenseSet<Operation *> done;
+  std::function<func::FuncOp(func::FuncOp)> findCycle = [&](func::FuncOp f) -> func::FuncOp {
+    if (llvm::is_contained(path, f))
+      return f;
+    if (done.contains(f))
+      return nullptr;
+    path.push_back(f);
+    func::FuncOp found;
+    f.walk([&](func::CallOp call) {
+      auto next = symbolTable.lookupNearestSymbolFrom<func::FuncOp>(call, call.getCalleeAttr());
+      if (next && (found = findCycle(next)))
+        return WalkResult::interrupt();
+      return WalkResult::advance();
+    });
+    if (found)
+      return found;
+    path.pop_back();
+    done.insert(f);
+    return nullptr;
+  };
+  if (func::FuncOp start = findCycle(fn)) {
+    std::string cycle;
+    for (func::FuncOp f : llvm::make_range(llvm::find(path, start), path.end()))
+      cycle += "@" + f.getSymName().str() + " -> ";
+    InFlightDiagnostic diag = emitOpError()
+                              << "calls @" << *callee << ", whose calls are recursive (" << cycle
+                              << "@" << start.getSymName()
+                              << "): a kernel cannot recurse; write the loop out";
+    diag.attachNote(start.getLoc()) << "@" << start.getSymName() << " is defined here";
+    return diag;
+  }
   return success();
 }
 

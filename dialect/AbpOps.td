@@ -59,7 +59,8 @@ def Abp_OperatorOp : Abp_Op<"operator", [Symbol]> {
   }];
   let arguments = (ins SymbolNameAttr:$sym_name,
                        OptionalAttr<DictionaryAttr>:$variants,
-                       OptionalAttr<DenseI64ArrayAttr>:$no_grad);
+                       OptionalAttr<DenseI64ArrayAttr>:$no_grad,
+                       OptionalAttr<StrArrayAttr>:$params);
   let regions = (region SizedRegion<1>:$forward, SizedRegion<1>:$backward);
   let assemblyFormat = [{
     $sym_name (`variants` $variants^)? attr-dict-with-keyword `forward` $forward `backward` $backward

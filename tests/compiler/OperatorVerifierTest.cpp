@@ -30,7 +30,7 @@ Built buildOperator(MLIRContext &ctx, bool leak) {
   Built out{ModuleOp::create(loc), {}};
   b.setInsertionPointToEnd(out.module->getBody());
   auto tensor = RankedTensorType::get({ShapedType::kDynamic}, b.getF32Type());
-  auto op = b.create<abp::OperatorOp>(loc, "leaky", DictionaryAttr(), DenseI64ArrayAttr());
+  auto op = b.create<abp::OperatorOp>(loc, "leaky", DictionaryAttr(), DenseI64ArrayAttr(), ArrayAttr());
   out.op = op;
 
   Block *fwd = b.createBlock(&op.getForward(), {}, {tensor}, {loc});

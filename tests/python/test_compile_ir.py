@@ -107,6 +107,55 @@ def test_name_clash_with_the_op_library_is_refused() -> None:
     assert "'relu'" in str(info.value)
 
 
+LEAKY_IR = """
+abp.operator @test_leaky_params attributes {params = PARAMS} forward {
+^bb0(%x: tensor<?xf32>, %s: f32):
+  abp.return %x : tensor<?xf32>
+} backward {
+^bb0(%dy: tensor<?xf32>):
+  abp.return %dy : tensor<?xf32>
+}
+"""
+
+RECURSIVE_IR = """
+func.func private @test_again(%x: f32) -> f32 {
+  %y = func.call @test_again(%x) : (f32) -> f32
+  return %y : f32
+}
+abp.operator @test_recursive forward {
+^bb0(%x: tensor<?xf32>):
+  %y = abp.map @test_again(%x) : (tensor<?xf32>) -> tensor<?xf32>
+  abp.return %y : tensor<?xf32>
+} backward {
+^bb0(%dy: tensor<?xf32>):
+  abp.return %dy : tensor<?xf32>
+}
+"""
+
+
+@pytest.mark.parametrize("params, message", [
+    ("[1]", "failed to satisfy constraint: string array attribute"),
+    ("[[1]]", "failed to satisfy constraint: string array attribute"),
+    ('"x"', "failed to satisfy constraint: string array attribute"),
+    ('["a", "b", "c"]', "params names 3 parameter(s) but forward takes 1 scalar argument(s)"),
+])
+def test_malformed_params_are_located_errors_not_crashes(params: str, message: str) -> None:
+    # Before the verifier checked them, codegen cast them unchecked: abp-compile and the user's
+    # Python process died (SIGSEGV / abort).
+    compiler_or_skip()
+    with pytest.raises(AbpError) as info:
+        abp.compile_operators(LEAKY_IR.replace("PARAMS", params), origin="leaky.mlir")
+    assert info.value.status == Status.COMPILE
+    assert "leaky.mlir:2:" in str(info.value) and message in str(info.value)
+
+
+def test_a_recursive_callee_is_refused_instead_of_looping_forever() -> None:
+    compiler_or_skip()
+    with pytest.raises(AbpError) as info:
+        abp.compile_operators(RECURSIVE_IR, origin="rec.mlir")
+    assert "rec.mlir:8:8:" in str(info.value) and "whose calls are recursive (@test_again -> @test_again)" in str(info.value)
+
+
 def test_ir_must_be_text() -> None:
     with pytest.raises(TypeError, match="ir: expected the IR as a str"):
         abp.compile_operators(b"abp.operator")  # type: ignore[arg-type]

@@ -126,3 +126,38 @@ abp.operator @o forward {
 ^bb0(%dy: tensor<?xf32>):
   abp.return %dy : tensor<?xf32>
 }
+
+// -----
+
+// A kernel inlines its scalar functions: recursion would loop forever on the device.
+// expected-note @+1 {{@g is defined here}}
+func.func private @g(%x: f32) -> f32 {
+  %y = func.call @h(%x) : (f32) -> f32
+  return %y : f32
+}
+func.func private @h(%x: f32) -> f32 {
+  %y = func.call @g(%x) : (f32) -> f32
+  return %y : f32
+}
+func.func private @f(%x: tensor<?xf32>) -> tensor<?xf32> {
+  // expected-error @+1 {{calls @g, whose calls are recursive (@g -> @h -> @g): a kernel cannot recurse; write the loop out}}
+  %r = abp.map @g(%x) : (tensor<?xf32>) -> tensor<?xf32>
+  return %r : tensor<?xf32>
+}
+
+// -----
+
+// expected-note @+1 {{@self is defined here}}
+func.func private @self(%x: f32) -> f32 {
+  %y = func.call @self(%x) : (f32) -> f32
+  return %y : f32
+}
+func.func private @outer(%x: f32) -> f32 {
+  %y = func.call @self(%x) : (f32) -> f32
+  return %y : f32
+}
+func.func private @f(%x: tensor<?xf32>) -> tensor<?xf32> {
+  // expected-error @+1 {{calls @outer, whose calls are recursive (@self -> @self)}}
+  %r = abp.map @outer(%x) : (tensor<?xf32>) -> tensor<?xf32>
+  return %r : tensor<?xf32>
+}

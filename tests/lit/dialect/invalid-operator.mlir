@@ -87,3 +87,70 @@ abp.operator @bad_variant variants {v = 1} forward {
 ^bb0(%dy: tensor<?xf32>):
   abp.return %dy : tensor<?xf32>
 }
+
+// -----
+
+// params must be strings (codegen and the manifest read them as names).
+// expected-error @+1 {{'abp.operator' op attribute 'params' failed to satisfy constraint: string array attribute}}
+abp.operator @params_not_strings attributes {params = [1]} forward {
+^bb0(%x: tensor<?xf32>, %s: f32):
+  abp.return %x : tensor<?xf32>
+} backward {
+^bb0(%dy: tensor<?xf32>):
+  abp.return %dy : tensor<?xf32>
+}
+
+// -----
+
+// expected-error @+1 {{'abp.operator' op attribute 'params' failed to satisfy constraint: string array attribute}}
+abp.operator @params_nested attributes {params = [["a"]]} forward {
+^bb0(%x: tensor<?xf32>, %s: f32):
+  abp.return %x : tensor<?xf32>
+} backward {
+^bb0(%dy: tensor<?xf32>):
+  abp.return %dy : tensor<?xf32>
+}
+
+// -----
+
+// expected-error @+1 {{'abp.operator' op attribute 'params' failed to satisfy constraint: string array attribute}}
+abp.operator @params_a_string attributes {params = "x"} forward {
+^bb0(%x: tensor<?xf32>, %s: f32):
+  abp.return %x : tensor<?xf32>
+} backward {
+^bb0(%dy: tensor<?xf32>):
+  abp.return %dy : tensor<?xf32>
+}
+
+// -----
+
+// expected-error @+1 {{params names 3 parameter(s) but forward takes 1 scalar argument(s); name each one, in order}}
+abp.operator @params_count attributes {params = ["a", "b", "c"]} forward {
+^bb0(%x: tensor<?xf32>, %s: f32):
+  abp.return %x : tensor<?xf32>
+} backward {
+^bb0(%dy: tensor<?xf32>):
+  abp.return %dy : tensor<?xf32>
+}
+
+// -----
+
+// expected-error @+1 {{params entry #0 ('2x') must be an identifier}}
+abp.operator @params_identifier attributes {params = ["2x"]} forward {
+^bb0(%x: tensor<?xf32>, %s: f32):
+  abp.return %x : tensor<?xf32>
+} backward {
+^bb0(%dy: tensor<?xf32>):
+  abp.return %dy : tensor<?xf32>
+}
+
+// -----
+
+// expected-error @+1 {{params names 'a' twice}}
+abp.operator @params_twice attributes {params = ["a", "a"]} forward {
+^bb0(%x: tensor<?xf32>, %s: f32, %t: f32):
+  abp.return %x : tensor<?xf32>
+} backward {
+^bb0(%dy: tensor<?xf32>):
+  abp.return %dy : tensor<?xf32>
+}
