@@ -10,7 +10,9 @@
 #include "runtime/Library.h"
 
 #include <cstdio>
+#include <mutex>
 #include <new>
+#include <unordered_set>
 
 using namespace abp::rt;
 
@@ -58,8 +60,23 @@ Kernel &kernelOf(abp_kernel *kernel) {
   return *reinterpret_cast<Kernel *>(kernel);
 }
 
+/// The handles abp_library_open returned and abp_library_close has not closed: a closed (or
+/// never opened) handle is refused with an error instead of being read, and closing twice is a
+/// no-op instead of a double free.
+std::mutex openMutex;
+std::unordered_set<const abp_library *> &openLibraries() {
+  static auto *open = new std::unordered_set<const abp_library *>(); // outlives static destructors
+  return *open;
+}
+
 Library &libraryOf(abp_library *lib) {
   require(lib, "lib");
+  {
+    std::lock_guard<std::mutex> lock(openMutex);
+    if (!openLibraries().count(lib))
+      throw Error(ErrorCode::InvalidArgument,
+                  "lib: not an open library (closed already, or not from abp_library_open)");
+  }
   return *lib->library;
 }
 } // namespace
@@ -78,11 +95,22 @@ abp_status abp_library_open(const char *kernel_dir, abp_library **out) {
     *out = nullptr;
     auto lib = std::make_unique<abp_library>();
     lib->library = Library::open(kernel_dir ? kernel_dir : "");
+    std::lock_guard<std::mutex> lock(openMutex);
+    openLibraries().insert(lib.get());
     *out = lib.release();
   });
 }
 
-void abp_library_close(abp_library *lib) { delete lib; }
+void abp_library_close(abp_library *lib) {
+  if (!lib)
+    return;
+  {
+    std::lock_guard<std::mutex> lock(openMutex);
+    if (!openLibraries().erase(lib))
+      return; // closed already: nothing to free twice
+  }
+  delete lib;
+}
 
 abp_status abp_library_operators_json(abp_library *lib, const char **json) {
   return guarded([&] {

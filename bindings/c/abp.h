@@ -40,6 +40,8 @@ ABP_API const char *abp_version(void);
 /* Opens a directory of manifests (*.json) written by abp-compile; NULL means the default
  * ($ABP_KERNEL_DIR, else the kernels/ directory installed next to the library). */
 ABP_API abp_status abp_library_open(const char *kernel_dir, abp_library **out);
+/* Closes a library (its kernels become invalid). NULL, or a library closed already, is a no-op;
+ * calls given a closed library fail with ABP_ERROR_INVALID_ARGUMENT. */
 ABP_API void abp_library_close(abp_library *lib);
 /* A JSON array of every operator of every manifest (each object as in docs/manifest.md, plus
  * "kernels": the kernel records it uses). The string lives as long as the library. */

@@ -517,3 +517,20 @@ def test_relu_outputs_keep_their_support_so_relu_backward_stays_exact():
     c.support = C._pack_mask(h > 0)
     restored = C.dequantize(c)
     assert torch.equal(restored > 0, h > 0) and torch.equal(restored == 0, h == 0)
+
+def test_an_edited_compressed_tensor_is_refused_not_read_out_of_bounds():
+    # dequantize trusted shape, bits and layout: an edited shape made the kernels read past the buffer.
+    x = torch.randn(4, 300)
+    c = C.quantize(x, bits=4, group_size=256, seed=1)
+    torch.testing.assert_close(C.dequantize(c), C.dequantize(c))  # intact: fine
+    edits = [("shape", (40, 300)), ("bits", 8), ("group_size", 8), ("layout", ((2000, 256, 0, 20, 40),)),
+             ("buffer", c.buffer[:-3]), ("buffer", c.buffer.to(torch.int32)), ("kind", "nope")]
+    for field, value in edits:
+        edited = C.CompressedTensor(c.kind, c.bits, c.group_size, c.shape, c.dtype, c.device, c.buffer, c.layout)
+        setattr(edited, field, value)
+        with pytest.raises(ValueError, match=r"c(\.buffer|\.kind)?: "):
+            C.dequantize(edited)
+    mask = C._pack_mask(torch.rand(100) > 0.5)
+    mask.shape = (1000,)
+    with pytest.raises(ValueError, match="does not match its shape"):
+        C.dequantize(mask)

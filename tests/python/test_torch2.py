@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
@@ -332,3 +333,25 @@ def test_sampled_custom_ops_pass_opcheck():
         assert torch.equal(used, key)
         torch.library.opcheck(_sampled_ops._dw, (torch.randn(64, 8), rows, index, used, method),
                               test_utils=("test_schema", "test_faketensor"))
+
+
+def test_abp_ops_under_fake_tensor_mode_take_their_fake_implementations():
+    # Eager abp ops used to hand a FakeTensor's NULL data pointer to the native kernel (SIGSEGV in
+    # the user's process). Under a FakeTensorMode they now call the torch.library ops, whose fake
+    # implementations give the shapes; a fake tensor outside its mode is a clear error.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from abp._errors import AbpError
+
+    mode = FakeTensorMode()
+    with mode:
+        x = torch.randn(3, 10, requires_grad=True)
+        y = abp.functional.apply("gelu_b3", x)
+        y.sum().backward()
+        z = abp.nn.MSLayerNorm(10)(x)
+    assert y.shape == x.shape and x.grad.shape == x.shape and z.shape == x.shape
+    stray = mode.from_tensor(torch.randn(10))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that a FakeTensor's data_ptr is deprecated
+        with pytest.raises(AbpError, match=r"args\[0\]: a NULL data pointer for 10 elements"):
+            abp.functional.apply("gelu_b3", stray)

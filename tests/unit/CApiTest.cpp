@@ -75,6 +75,42 @@ TEST(CApi, StatusesAndThreadLocalMessages) {
   EXPECT_EQ(abp_library_open(nullptr, nullptr), ABP_ERROR_INVALID_ARGUMENT);
 }
 
+TEST(CApi, ANullDataPointerIsAnErrorNotACrash) {
+  // A tensor without storage (a FakeTensor's data_ptr() is 0) handed to a launch of n > 0.
+  LibraryHandle h(abp::test::dataDir());
+  abp_kernel *scale = nullptr;
+  ASSERT_EQ(abp_kernel_get(h.lib, "test_scale", "f32", &scale), ABP_OK);
+  std::vector<float> y(8);
+  const float *px = nullptr;
+  float *py = y.data();
+  float alpha = 2;
+  int64_t count = 8;
+  void *args[] = {&px, &alpha, &py, &count};
+  EXPECT_EQ(abp_kernel_launch(scale, -1, args, 4, 8, nullptr), ABP_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(abp_last_error()).find("args[0]: a NULL data pointer for 8 elements"),
+            std::string::npos)
+      << abp_last_error();
+  const float *px2 = y.data();
+  float *pnull = nullptr;
+  void *args2[] = {&px2, &alpha, &pnull, &count};
+  EXPECT_EQ(abp_kernel_launch(scale, -1, args2, 4, 8, nullptr), ABP_ERROR_INVALID_ARGUMENT);
+  // Nothing to touch: NULL is fine.
+  int64_t zero = 0;
+  void *empty[] = {&px, &alpha, &pnull, &zero};
+  EXPECT_EQ(abp_kernel_launch(scale, -1, empty, 4, 0, nullptr), ABP_OK) << abp_last_error();
+}
+
+TEST(CApi, AClosedLibraryIsRefusedAndClosingTwiceIsANoOp) {
+  abp_library *lib = nullptr;
+  ASSERT_EQ(abp_library_open(abp::test::dataDir().c_str(), &lib), ABP_OK);
+  abp_library_close(lib);
+  abp_library_close(lib); // was a double free
+  abp_library_close(nullptr);
+  abp_kernel *k = nullptr;
+  EXPECT_EQ(abp_kernel_get(lib, "test_scale", "f32", &k), ABP_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(abp_last_error()).find("lib: not an open library"), std::string::npos);
+}
+
 TEST(CApi, DefaultDirectoryFollowsAbpKernelDir) {
   ScopedEnv dir("ABP_KERNEL_DIR", abp::test::dataDir());
   abp_library *lib = nullptr;

@@ -53,9 +53,18 @@ def enabled() -> bool:
 
 
 def compiling() -> bool:
-    """True while torch.compile / torch.export trace (then abp calls its custom ops, else the
-    cheaper eager autograd.Function: ~10 us instead of ~30 us of host overhead per call)."""
-    return _SUPPORTED and torch.compiler.is_compiling()
+    """True while torch.compile / torch.export trace, or under a FakeTensorMode or a proxy (make_fx)
+    mode: tensors without data, which only the custom ops' fake implementations can take. Then abp
+    calls its custom ops, else the cheaper eager autograd.Function (~10 us instead of ~30 us of
+    host overhead per call)."""
+    return _SUPPORTED and (torch.compiler.is_compiling() or _tracing_mode())
+
+
+def _tracing_mode() -> bool:
+    keys = getattr(torch._C, "_TorchDispatchModeKey", None)
+    if keys is None:
+        return False
+    return any(torch._C._get_dispatch_mode(getattr(keys, k)) is not None for k in ("FAKE", "PROXY") if hasattr(keys, k))
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ def check_float_tensor(
     return value
 
 
+
 def check_inputs(
     inputs: Sequence[Any], names: Sequence[str], dtypes: Sequence[torch.dtype] = ELEMENTWISE_DTYPES
 ) -> None:

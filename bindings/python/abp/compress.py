@@ -286,6 +286,7 @@ def dequantize(c: CompressedTensor) -> torch.Tensor:
     """The tensor `c` stands for: q * (1 / s) + m per element (exact for a mask); contiguous, c's shape."""
     if not isinstance(c, CompressedTensor):
         raise TypeError(f"c: expected an abp.compress.CompressedTensor, got {type(c).__name__}")
+    _check_consistent(c)
     if c.kind == "mask":
         bits = (c.buffer.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8, device=c.device)) & 1
         return bits.reshape(-1)[: c.numel].to(torch.bool).reshape(c.shape)
@@ -304,6 +305,27 @@ def dequantize(c: CompressedTensor) -> torch.Tensor:
         tiny = torch.finfo(c.dtype).tiny
         out = torch.where(positive, out.clamp_min(tiny), torch.zeros((), dtype=c.dtype, device=c.device))
     return out
+
+
+def _check_consistent(c: CompressedTensor) -> None:
+    """Refuses a CompressedTensor whose fields were edited out of step (the kernels would read past
+    its buffer): the buffer must be uint8, contiguous, and as long as its shape, bits and layout say."""
+    if not isinstance(c.buffer, torch.Tensor) or c.buffer.dtype != torch.uint8 or not c.buffer.is_contiguous():
+        raise ValueError("c.buffer: expected a contiguous uint8 tensor")
+    if c.kind == "mask":
+        want, layout = (c.numel + 7) // 8, tuple(c.layout)
+    elif c.kind == "groups":
+        if c.dtype not in _FLOAT_DTYPES or c.bits not in (1, 2, 4, 8):
+            raise ValueError(f"c: dtype {c.dtype} and bits {c.bits} are not a codec's")
+        want, layout = group_layout(c.numel, c.bits, c.group_size, c.dtype)
+    else:
+        raise ValueError(f"c.kind: expected 'groups' or 'mask', got {c.kind!r}")
+    device = torch.device(c.device)
+    moved = c.buffer.device.type != device.type or (device.index is not None and c.buffer.device.index != device.index)
+    if c.buffer.numel() != want or tuple(c.layout) != layout or moved:
+        raise ValueError(f"c: its buffer ({c.buffer.numel()} bytes on {c.buffer.device}, layout {c.layout}) does not "
+                         f"match its shape {tuple(c.shape)}, {c.bits} bits and group size {c.group_size} "
+                         f"({want} bytes, layout {layout}): it was edited")
 
 
 def _pack_mask(m: torch.Tensor) -> CompressedTensor:
