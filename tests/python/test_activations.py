@@ -254,3 +254,14 @@ def test_shapes_are_preserved(op):
         y = abp.functional.apply(op, x, params)
         y.sum().backward()
         assert y.shape == x.shape and x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("lambd", [-0.5, float("nan")])
+def test_softshrink_refuses_a_negative_lambda_as_torch_does(lambd):
+    # With lambd < 0 the piecewise definition overlaps: abp returned values torch refuses to compute.
+    with pytest.raises(RuntimeError):
+        torch.nn.functional.softshrink(torch.randn(4), -0.5)
+    with pytest.raises(ValueError, match="lambd: expected a value >= 0"):
+        abp.functional.softshrink(torch.randn(4), lambd)
+    with pytest.raises(ValueError, match="lambd: expected a value >= 0"):
+        abp.nn.Softshrink(lambd)

@@ -280,8 +280,12 @@ def hardshrink(input: Tensor, lambd: float = 0.5) -> Tensor:
 
 
 def softshrink(input: Tensor, lambd: float = 0.5) -> Tensor:
-    """Softshrink; exact backward from 1-bit codes."""
-    return apply("softshrink", input, (_launch.check_param("lambd", lambd),))
+    """Softshrink; exact backward from 1-bit codes. `lambd` must be >= 0, as torch requires (with a
+    negative one, its piecewise definition overlaps and is not softshrink)."""
+    value = _launch.check_param("lambd", lambd)
+    if not value >= 0:
+        raise ValueError(f"lambd: expected a value >= 0 (as torch.nn.functional.softshrink), got {lambd!r}")
+    return apply("softshrink", input, (value,))
 
 
 def check_normalized_shape(normalized_shape: Union[int, Sequence[int]]) -> Tuple[int, ...]:

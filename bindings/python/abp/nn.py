@@ -356,7 +356,10 @@ class Softshrink(_Piecewise):
     """Softshrink; bit = !(-lambd <= x <= lambd)."""
 
     def __init__(self, lambd: float = 0.5) -> None:
-        super().__init__("softshrink", (check_param("lambd", lambd),))
+        value = check_param("lambd", lambd)
+        if not value >= 0:
+            raise ValueError(f"lambd: expected a value >= 0 (as torch.nn.Softshrink), got {lambd!r}")
+        super().__init__("softshrink", (value,))
         self.lambd = lambd
 
     def _table(self) -> Tuple[List[float], List[float]]:
