@@ -148,9 +148,13 @@ LogicalResult BucketsAttr::verify(function_ref<InFlightDiagnostic()> emitError,
   if (borders.size() != k - 1)
     return emitError() << "#abp.buckets expects " << k - 1 << " inner borders for " << k
                        << " levels, got " << borders.size();
+  // Kernels and manifests hold the tables in fp32: a value finite in f64 but not in f32 (1e39)
+  // would become inf there, which no JSON parser reads back.
+  auto finiteInF32 = [](double v) { return std::isfinite(static_cast<float>(v)); };
   for (size_t i = 0; i < borders.size(); ++i) {
-    if (!std::isfinite(borders[i]))
-      return emitError() << "#abp.buckets border #" << i << " is not finite";
+    if (!finiteInF32(borders[i]))
+      return emitError() << "#abp.buckets border #" << i << " (" << borders[i]
+                         << ") is not a finite f32 value";
     // Borders are compared in fp32, so they must stay strictly increasing after rounding.
     if (i > 0 && !(static_cast<float>(borders[i - 1]) < static_cast<float>(borders[i])))
       return emitError() << "#abp.buckets expects strictly increasing borders (in fp32), but "
@@ -159,7 +163,8 @@ LogicalResult BucketsAttr::verify(function_ref<InFlightDiagnostic()> emitError,
                          << " (" << borders[i - 1] << ")";
   }
   for (size_t i = 0; i < k; ++i)
-    if (!std::isfinite(levels[i]))
-      return emitError() << "#abp.buckets level #" << i << " is not finite";
+    if (!finiteInF32(levels[i]))
+      return emitError() << "#abp.buckets level #" << i << " (" << levels[i]
+                         << ") is not a finite f32 value";
   return success();
 }

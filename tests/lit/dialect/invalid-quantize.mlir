@@ -52,7 +52,24 @@ func.func private @f() attributes {layout = #abp.packed<0>}
 // -----
 
 func.func private @f(%x: tensor<?xf32>) -> !abp.codes<1> {
-  // expected-error @+1 {{#abp.buckets border #0 is not finite}}
+  // expected-error @+1 {{#abp.buckets border #0 (nan) is not a finite f32 value}}
   %c = abp.quantize %x {scheme = #abp.buckets<borders = [0x7FF8000000000000], levels = [0.0, 1.0]>} : tensor<?xf32> -> !abp.codes<1>
+  return %c : !abp.codes<1>
+}
+
+// -----
+
+// Finite in f64, but not in the f32 the kernels and manifests hold.
+func.func private @f(%x: tensor<?xf32>) -> !abp.codes<1> {
+  // expected-error @+1 {{#abp.buckets level #1 (1.000000e+39) is not a finite f32 value}}
+  %c = abp.quantize %x {scheme = #abp.buckets<borders = [0.0], levels = [0.0, 1.0e39]>} : tensor<?xf32> -> !abp.codes<1>
+  return %c : !abp.codes<1>
+}
+
+// -----
+
+func.func private @f(%x: tensor<?xf32>) -> !abp.codes<1> {
+  // expected-error @+1 {{#abp.buckets border #0 (-1.000000e+39) is not a finite f32 value}}
+  %c = abp.quantize %x {scheme = #abp.buckets<borders = [-1.0e39], levels = [0.0, 1.0]>} : tensor<?xf32> -> !abp.codes<1>
   return %c : !abp.codes<1>
 }
