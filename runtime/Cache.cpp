@@ -158,6 +158,7 @@ bool Cache::ensureDiskUsable() {
       return diskUsable_;
   }
   try {
+    makePrivateDirectories(config_.root); // nothing another user wrote is ever loaded
     makeDirectories(config_.root + "/tmp");
     // Probe that entries can really be written (a read-only mount passes mkdir -p of an
     // existing tree).

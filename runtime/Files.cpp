@@ -5,6 +5,7 @@
 #include "runtime/Error.h"
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <dlfcn.h>
 #include <fcntl.h>
@@ -90,6 +91,42 @@ void makeDirectories(const std::string &dir) {
   fs::create_directories(dir, ec);
   if (ec && !isDirectory(dir))
     throw Error(ErrorCode::Io, "cannot create directory " + dir + ": " + ec.message());
+}
+
+void makePrivateDirectories(const std::string &dir) {
+  if (dir.empty())
+    throw Error(ErrorCode::Io, "cannot use an empty directory name");
+  // mkdir each missing component with 0700 (create_directories would use 0777 & ~umask).
+  std::string path;
+  size_t start = 0;
+  while (start <= dir.size()) {
+    size_t slash = dir.find('/', start);
+    path = dir.substr(0, slash == std::string::npos ? dir.size() : slash);
+    if (!path.empty() && ::mkdir(path.c_str(), 0700) != 0 && errno != EEXIST)
+      throw Error(ErrorCode::Io, "cannot create directory " + path + ": " + std::strerror(errno));
+    if (slash == std::string::npos)
+      break;
+    start = slash + 1;
+  }
+  struct stat st;
+  if (::lstat(dir.c_str(), &st) != 0)
+    throw Error(ErrorCode::Io, "cannot inspect directory " + dir + ": " + std::strerror(errno));
+  if (S_ISLNK(st.st_mode))
+    throw Error(ErrorCode::Io, dir + " is a symbolic link, not a directory of this user's");
+  if (!S_ISDIR(st.st_mode))
+    throw Error(ErrorCode::Io, dir + " is not a directory");
+  if (st.st_uid != ::geteuid())
+    throw Error(ErrorCode::Io, dir + " is owned by user " + std::to_string(st.st_uid) +
+                                   ", not by this user (" + std::to_string(::geteuid()) +
+                                   "): another user could have put files there");
+  if (st.st_mode & (S_IWGRP | S_IWOTH))
+    throw Error(ErrorCode::Io, dir + " is writable by its group or by others (mode " +
+                                   ([&] {
+                                     char octal[8];
+                                     std::snprintf(octal, sizeof octal, "%03o", st.st_mode & 0777);
+                                     return std::string(octal);
+                                   })() +
+                                   "): another user could put files there");
 }
 
 bool removeTree(const std::string &path) noexcept {

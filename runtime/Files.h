@@ -15,6 +15,10 @@ void writeFileSynced(const std::string &path, std::string_view data);
 void syncDirectory(const std::string &dir) noexcept;
 /// Creates `dir` and its parents; throws Error(Io) with the OS error.
 void makeDirectories(const std::string &dir);
+/// Creates `dir` (missing parts with mode 0700) and checks that only this user can write into it:
+/// a real directory (not a symlink), owned by this user, not writable by group or others.
+/// Throws Error(Io) saying which check failed. Caches use it before they load what is inside.
+void makePrivateDirectories(const std::string &dir);
 /// Removes a file or a directory tree; tolerates entries vanishing concurrently. Returns false
 /// if something could not be removed.
 bool removeTree(const std::string &path) noexcept;

@@ -14,9 +14,12 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <mutex>
+#include <set>
+#include <vector>
 
 namespace abp::rt {
 namespace {
@@ -67,23 +70,61 @@ struct CompilerString {
   std::string str() const { return text ? text : ""; }
 };
 
-/// Where compiled IR lives: $ABP_CACHE_DIR/ir if it can be created, else a private temp dir.
+/// Where compiled IR lives: $ABP_CACHE_DIR/ir, else <temp>/abp-ir-<uid>, each only if this user
+/// alone can write into it (its host libraries are dlopen'ed: a library planted by another user
+/// would run in this process); else a fresh directory of this process's own (no reuse), with
+/// one warning.
 std::string irRoot() {
+  static std::mutex mutex;
+  static std::string chosen;
+  std::lock_guard<std::mutex> lock(mutex);
   std::string root = env::getString(EnvVar::ABP_CACHE_DIR);
-  if (!root.empty()) {
+  std::vector<std::string> candidates;
+  if (!root.empty())
+    candidates.push_back(root + "/ir");
+  candidates.push_back(
+      (std::filesystem::temp_directory_path() / ("abp-ir-" + std::to_string(getuid()))).string());
+  static std::set<std::string> warned;
+  std::string refusals;
+  for (const std::string &dir : candidates) {
+    std::string why;
     try {
-      makeDirectories(root + "/ir");
-      if (access((root + "/ir").c_str(), W_OK) == 0)
-        return root + "/ir";
-    } catch (const Error &) {
-      // fall through to the temporary directory
+      makePrivateDirectories(dir);
+      if (access(dir.c_str(), W_OK) == 0)
+        return dir;
+      why = dir + ": not writable";
+    } catch (const Error &e) {
+      why = e.what();
     }
+    refusals += "\n  " + why;
+    if (warned.insert(why).second)
+      warning("compiled IR is not cached in " + dir + " (" + why + ")");
   }
-  std::string tmp = (std::filesystem::temp_directory_path() /
-                     ("abp-ir-" + std::to_string(getuid())))
-                        .string();
-  makeDirectories(tmp);
-  return tmp;
+  if (chosen.empty()) {
+    std::string pattern = (std::filesystem::temp_directory_path() / "abp-ir-XXXXXX").string();
+    if (!::mkdtemp(pattern.data()))
+      throw Error(ErrorCode::Io, "cannot create a private directory for compiled IR: " +
+                                     std::string(std::strerror(errno)) + refusals);
+    chosen = pattern;
+    warning("no private cache directory for compiled IR; compiling into " + chosen +
+            " for this process only:" + refusals);
+  }
+  return chosen;
+}
+
+/// The SHA-256 of an entry's manifest and host library (what the runtime loads from it).
+std::string entryDigest(const std::string &dir, const std::string &stem) {
+  return Sha256::hex(readFile(dir + "/" + stem + ".json") + '\0' +
+                     readFile(dir + "/" + stem + ".host.so"));
+}
+
+/// Whether a cached entry is complete and unchanged since it was written.
+bool entryIsIntact(const std::string &dir, const std::string &stem) {
+  try {
+    return readFile(dir + "/" + stem + ".sha256") == entryDigest(dir, stem);
+  } catch (const Error &) {
+    return false; // a file is missing or unreadable
+  }
 }
 
 } // namespace
@@ -95,8 +136,11 @@ std::string compileIrToKernelDir(const std::string &irText, const std::string &o
   std::string stem = "ir_" + key.substr(0, 16);
   std::string root = irRoot();
   std::string dir = root + "/" + stem;
-  if (isFile(dir + "/" + stem + ".json") && isFile(dir + "/" + stem + ".host.so"))
-    return dir;
+  if (isDirectory(dir)) {
+    if (entryIsIntact(dir, stem))
+      return dir;
+    removeTree(dir); // truncated, edited or half-written by a killed compile: build it again
+  }
 
   CompilerString source, manifest, diagnostics;
   int rc = compiler.compile(irText.c_str(), origin.c_str(), stem.c_str(), &source.text,
@@ -111,7 +155,8 @@ std::string compileIrToKernelDir(const std::string &irText, const std::string &o
   try {
     writeFileSynced(tmp + "/" + stem + ".cu", source.str());
     compileHostLibrary(stem, source.str(), tmp + "/" + stem + ".host.so");
-    writeFileSynced(tmp + "/" + stem + ".json", manifest.str()); // last: marks it complete
+    writeFileSynced(tmp + "/" + stem + ".json", manifest.str());
+    writeFileSynced(tmp + "/" + stem + ".sha256", entryDigest(tmp, stem)); // last: marks it complete
     syncDirectory(tmp);
   } catch (...) {
     removeTree(tmp);

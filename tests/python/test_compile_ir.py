@@ -175,6 +175,40 @@ def test_missing_compiler_library_is_a_clear_error(tmp_path) -> None:
     assert "ABP_ENABLE_COMPILER" in out.stdout and "apt install libllvm19" in out.stdout
 
 
+_IR_CACHE_PROBE = (
+    "import abp, pathlib\n"
+    "abp.compile_operators(IR, origin='probe.mlir')\n"
+    "print(abp._lib.kernel_library().directory_of('test_probe_cache'))\n"
+)
+
+
+def _compile_in_a_new_process(cache: Path) -> str:
+    ir = CUBE_IR.replace("@test_cube", "@test_probe_cache")
+    env = dict(os.environ, ABP_CACHE_DIR=str(cache))
+    out = subprocess.run([sys.executable, "-c", f"IR = {ir!r}\n" + _IR_CACHE_PROBE], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout.strip().splitlines()[-1] + "\n" + out.stderr
+
+
+def test_the_ir_cache_is_private_and_heals(tmp_path: Path) -> None:
+    # Compiled IR is dlopen'ed: a cache directory another user can write into must not be used,
+    # and a damaged entry is built again instead of breaking that IR in every later process.
+    compiler_or_skip()
+    cache = tmp_path / "cache"
+    first = _compile_in_a_new_process(cache)
+    entry = Path(first.splitlines()[0])
+    assert entry.parent == cache / "ir" and (entry.parent.stat().st_mode & 0o777) == 0o700
+    library = next(entry.glob("*.host.so"))
+    library.write_bytes(library.read_bytes()[:100])  # truncated (a killed writer, a full disk)
+    again = _compile_in_a_new_process(cache)
+    assert Path(again.splitlines()[0]) == entry and library.stat().st_size > 100, "rebuilt in place"
+    (cache / "ir").chmod(0o777)  # now anyone could plant a library there
+    moved = _compile_in_a_new_process(cache)
+    assert Path(moved.splitlines()[0]).parent != cache / "ir"
+    assert "is writable by its group or by others" in moved  # the warning says why
+
+
 NOISE_IR = """
 abp.operator @test_noise attributes {params = ["seed", "offset"]} forward {
 ^bb0(%x: tensor<?xf32>, %seed: i64, %offset: i64):

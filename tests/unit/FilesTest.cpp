@@ -9,6 +9,7 @@
 #include <climits>
 #include <filesystem>
 #include <set>
+#include <sys/stat.h>
 #include <unistd.h>
 
 using namespace abp::rt;
@@ -50,6 +51,48 @@ TEST(Files, DirectoriesAndRemoval) {
   EXPECT_TRUE(removeTree(dir / "never-existed"));
   writeFileSynced(dir / "file", "x");
   EXPECT_THROW(makeDirectories(dir / "file/sub"), Error);
+}
+
+static unsigned modeOf(const std::string &path) {
+  struct stat st;
+  EXPECT_EQ(::lstat(path.c_str(), &st), 0) << path;
+  return st.st_mode & 0777;
+}
+
+static std::string messageOf(const std::string &dir) {
+  try {
+    makePrivateDirectories(dir);
+  } catch (const Error &e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Files, PrivateDirectoriesAreThisUsersAlone) {
+  TempDir dir;
+  makePrivateDirectories(dir / "a/b");
+  EXPECT_EQ(modeOf(dir / "a"), 0700u);
+  EXPECT_EQ(modeOf(dir / "a/b"), 0700u);
+  makePrivateDirectories(dir / "a/b"); // existing and private: fine
+  // Writable by others: another user could plant a library there.
+  ASSERT_EQ(::mkdir((dir / "open").c_str(), 0700), 0);
+  ASSERT_EQ(::chmod((dir / "open").c_str(), 0777), 0);
+  EXPECT_NE(messageOf(dir / "open").find("is writable by its group or by others (mode 777)"),
+            std::string::npos);
+  ASSERT_EQ(::chmod((dir / "open").c_str(), 0775), 0);
+  EXPECT_NE(messageOf(dir / "open").find("(mode 775)"), std::string::npos);
+  // A symbolic link may point anywhere another user chose.
+  ASSERT_EQ(::symlink((dir / "a").c_str(), (dir / "link").c_str()), 0);
+  EXPECT_NE(messageOf(dir / "link").find("is a symbolic link"), std::string::npos);
+  writeFileSynced(dir / "file", "x");
+  EXPECT_NE(messageOf(dir / "file").find("is not a directory"), std::string::npos);
+  // Owned by another user (only root can make one here).
+  if (::geteuid() == 0) {
+    ASSERT_EQ(::mkdir((dir / "theirs").c_str(), 0700), 0);
+    ASSERT_EQ(::chown((dir / "theirs").c_str(), 65534, 65534), 0);
+    EXPECT_NE(messageOf(dir / "theirs").find("is owned by user 65534, not by this user"),
+              std::string::npos);
+  }
 }
 
 TEST(Files, DirectoryOf) {
