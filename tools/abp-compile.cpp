@@ -9,6 +9,7 @@
 #include "codegen/Emitter.h"
 #include "dialect/AbpDialect.h"
 #include "passes/Passes.h"
+#include "runtime/Env.h"
 #include "runtime/HostCompile.h"
 #include "runtime/Nvrtc.h"
 
@@ -33,7 +34,10 @@ namespace cl = llvm::cl;
 namespace {
 enum class Emit { Mlir, Kernel, Cuda, Manifest, Bundle, Ptx, Cubin, Host };
 
-cl::opt<std::string> inputFile(cl::Positional, cl::desc("<operator file.mlir>"), cl::Required);
+cl::opt<std::string> inputFile(cl::Positional, cl::desc("<operator file.mlir>"));
+cl::opt<bool> printEnv("print-env",
+                       cl::desc("print every ABP_* environment variable the runtime reads (its "
+                                "effective value, default and meaning) and exit"));
 cl::opt<Emit> emitLevel(
     "emit", cl::desc("the stage to emit"), cl::init(Emit::Cuda),
     cl::values(clEnumValN(Emit::Mlir, "mlir", "the parsed and verified input IR"),
@@ -91,6 +95,22 @@ int main(int argc, char **argv) {
   registerAsmPrinterCLOptions();
   registerMLIRContextCLOptions();
   cl::ParseCommandLineOptions(argc, argv, "abp compiler driver\n");
+  if (printEnv) {
+    for (const abp::rt::EnvVarInfo &row : abp::rt::env::registry()) {
+      // The value as set (the runtime checks its type when it reads it); unset: the default.
+      std::string value = abp::rt::env::raw(row.var);
+      llvm::outs() << row.name << "=" << (value.empty() ? "(unset)" : value) << "  (default \""
+                   << row.defaultValue << "\""
+                   << (row.invalidatesCache ? ", part of every compile-cache key" : "") << ")\n    "
+                   << row.doc << "\n";
+    }
+    return EXIT_SUCCESS;
+  }
+  if (inputFile.empty()) {
+    llvm::errs() << "abp-compile: no input file (abp-compile <operator file.mlir> --emit=...; "
+                    "--help lists the options)\n";
+    return EXIT_FAILURE;
+  }
 
   DialectRegistry registry;
   registry.insert<abp::AbpDialect, arith::ArithDialect, math::MathDialect, func::FuncDialect>();
