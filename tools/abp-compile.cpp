@@ -8,6 +8,7 @@
 // With ABP_DUMP_DIR set, every stage of the run is also written to $ABP_DUMP_DIR/NAME/.
 #include "codegen/Emitter.h"
 #include "dialect/AbpDialect.h"
+#include "dialect/IrNesting.h"
 #include "passes/Passes.h"
 #include "runtime/Env.h"
 #include "runtime/HostCompile.h"
@@ -126,6 +127,8 @@ int main(int argc, char **argv) {
     return 1;
   }
   sourceMgr.AddNewSourceBuffer(std::move(buffer), llvm::SMLoc());
+  if (failed(abp::checkIrNesting(sourceMgr, &context)))
+    return 1;
   OwningOpRef<ModuleOp> module = parseSourceFile<ModuleOp>(sourceMgr, &context);
   if (!module)
     return 1; // the parser/verifier already reported file:line:col

@@ -149,6 +149,19 @@ def test_malformed_params_are_located_errors_not_crashes(params: str, message: s
     assert "leaky.mlir:2:" in str(info.value) and message in str(info.value)
 
 
+def test_deeply_nested_ir_is_a_located_error_not_a_stack_overflow() -> None:
+    # MLIR's parser recurses per level: a few thousand levels overflowed the stack of the Python
+    # process running compile_operators (SIGSEGV).
+    compiler_or_skip()
+    deep = "func.func private @f() attributes {a = " + "[" * 20000 + "]" * 20000 + "}\n"
+    with pytest.raises(AbpError) as info:
+        abp.compile_operators(deep, origin="deep.mlir")
+    assert "deep.mlir:1:" in str(info.value) and "IR nested deeper than 256 levels" in str(info.value)
+    fine = ("func.func private @f(%x: f32) -> f32 attributes {a = " + "[" * 100 + "]" * 100 + ", s = \"" + "[" * 300
+            + "\"} {\n  return %x : f32\n}\n")
+    assert abp.compile_operators(fine, origin="fine.mlir") == []  # strings do not nest; nothing to compile
+
+
 def test_a_recursive_callee_is_refused_instead_of_looping_forever() -> None:
     compiler_or_skip()
     with pytest.raises(AbpError) as info:
