@@ -12,6 +12,9 @@
 #include <dlfcn.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <csignal>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -127,6 +130,55 @@ bool entryIsIntact(const std::string &dir, const std::string &stem) {
   }
 }
 
+/// Removes what compiles killed before they published left behind: tmp-<pid>-* folders of
+/// processes that no longer run.
+void removeStaleTemporaries(const std::string &root) {
+  std::error_code ec;
+  for (const auto &entry : std::filesystem::directory_iterator(root, ec)) {
+    std::string name = entry.path().filename().string();
+    if (name.rfind("tmp-", 0) != 0)
+      continue;
+    long pid = std::strtol(name.c_str() + 4, nullptr, 10);
+    if (pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH)
+      removeTree(entry.path().string());
+  }
+}
+
+/// Keeps the compiled IR under ABP_CACHE_MAX_MB (as the NVRTC cache): the least recently
+/// written entries go first, never `keep` (the one just compiled or used).
+void enforceSizeLimit(const std::string &root, const std::string &keep) {
+  uint64_t limit = static_cast<uint64_t>(env::getInt(EnvVar::ABP_CACHE_MAX_MB)) << 20;
+  if (!limit)
+    return;
+  struct Entry {
+    std::string path;
+    std::filesystem::file_time_type written;
+    uint64_t bytes;
+  };
+  std::vector<Entry> entries;
+  uint64_t total = 0;
+  std::error_code ec;
+  for (const auto &dir : std::filesystem::directory_iterator(root, ec)) {
+    if (dir.path().filename().string().rfind("ir_", 0) != 0)
+      continue;
+    Entry e{dir.path().string(), dir.last_write_time(ec), 0};
+    for (const auto &file : std::filesystem::directory_iterator(dir.path(), ec))
+      e.bytes += file.is_regular_file(ec) ? file.file_size(ec) : 0;
+    total += e.bytes;
+    entries.push_back(std::move(e));
+  }
+  std::sort(entries.begin(), entries.end(),
+            [](const Entry &a, const Entry &b) { return a.written < b.written; });
+  for (const Entry &e : entries) {
+    if (total <= limit)
+      break;
+    if (e.path == keep)
+      continue;
+    removeTree(e.path);
+    total -= e.bytes;
+  }
+}
+
 } // namespace
 
 std::string compileIrToKernelDir(const std::string &irText, const std::string &origin) {
@@ -141,6 +193,7 @@ std::string compileIrToKernelDir(const std::string &irText, const std::string &o
       return dir;
     removeTree(dir); // truncated, edited or half-written by a killed compile: build it again
   }
+  removeStaleTemporaries(root);
 
   CompilerString source, manifest, diagnostics;
   int rc = compiler.compile(irText.c_str(), origin.c_str(), stem.c_str(), &source.text,
@@ -164,6 +217,7 @@ std::string compileIrToKernelDir(const std::string &irText, const std::string &o
   }
   if (std::rename(tmp.c_str(), dir.c_str()) != 0)
     removeTree(tmp); // another process published the same IR first
+  enforceSizeLimit(root, dir);
   return dir;
 }
 

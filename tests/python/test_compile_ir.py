@@ -195,9 +195,9 @@ _IR_CACHE_PROBE = (
 )
 
 
-def _compile_in_a_new_process(cache: Path) -> str:
+def _compile_in_a_new_process(cache: Path, **extra: str) -> str:
     ir = CUBE_IR.replace("@test_cube", "@test_probe_cache")
-    env = dict(os.environ, ABP_CACHE_DIR=str(cache))
+    env = dict(os.environ, ABP_CACHE_DIR=str(cache), **extra)
     out = subprocess.run([sys.executable, "-c", f"IR = {ir!r}\n" + _IR_CACHE_PROBE], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -216,6 +216,16 @@ def test_the_ir_cache_is_private_and_heals(tmp_path: Path) -> None:
     library.write_bytes(library.read_bytes()[:100])  # truncated (a killed writer, a full disk)
     again = _compile_in_a_new_process(cache)
     assert Path(again.splitlines()[0]) == entry and library.stat().st_size > 100, "rebuilt in place"
+    # A compile killed before it published left its folder; a big old entry exceeds the limit.
+    stale = cache / "ir" / "tmp-4194311-deadbeef"  # a pid above pid_max: no such process
+    stale.mkdir()
+    old = cache / "ir" / "ir_0000000000000000"
+    old.mkdir()
+    (old / "big.host.so").write_bytes(b"x" * (2 << 20))
+    os.utime(old, (1, 1))
+    library.write_bytes(b"")  # forces a compile
+    _compile_in_a_new_process(cache, ABP_CACHE_MAX_MB="1")
+    assert not stale.exists() and not old.exists() and entry.exists()
     (cache / "ir").chmod(0o777)  # now anyone could plant a library there
     moved = _compile_in_a_new_process(cache)
     assert Path(moved.splitlines()[0]).parent != cache / "ir"
