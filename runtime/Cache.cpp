@@ -149,6 +149,21 @@ void Cache::disableDisk(const std::string &why) {
           "); caching in memory only");
 }
 
+void Cache::notePublishFailure(const std::string &why) {
+  // One bad path (a file where an entry's directory should be) must not turn the disk cache off
+  // for every other kernel; failures in a row (a full or read-only disk) do.
+  constexpr int kFailuresInARow = 3;
+  int failures;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    failures = ++publishFailures_;
+  }
+  if (failures >= kFailuresInARow)
+    disableDisk(std::to_string(failures) + " entries in a row could not be written; the last: " + why);
+  else
+    warning("compile cache entry not written (" + why + "); this kernel stays in memory");
+}
+
 bool Cache::ensureDiskUsable() {
   if (config_.root.empty())
     return false;
@@ -274,9 +289,13 @@ CacheLookup Cache::getOrCompile(const KeyInputs &inputs, const CacheKey &key,
   if (ensureDiskUsable()) {
     try {
       publish(inputs, key, unit, *shared);
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        publishFailures_ = 0;
+      }
       enforceDiskLimit();
     } catch (const Error &e) {
-      disableDisk(e.what());
+      notePublishFailure(e.what());
     }
   }
   memoryInsert(memoryKey, shared);

@@ -118,6 +118,8 @@ private:
                const Artifact &artifact);
   bool ensureDiskUsable();
   void disableDisk(const std::string &why);
+  /// One entry that could not be written: a warning; several in a row turn the disk off.
+  void notePublishFailure(const std::string &why);
   void discardEntry(const std::string &dir);
   std::shared_ptr<const Artifact> memoryFind(const std::string &memoryKey);
   void memoryInsert(const std::string &memoryKey, std::shared_ptr<const Artifact> artifact);
@@ -126,6 +128,7 @@ private:
   mutable std::mutex mutex_; ///< guards everything below
   bool diskChecked_ = false;
   bool diskUsable_ = false;
+  int publishFailures_ = 0; ///< failed publishes in a row
   CacheStats stats_;
   struct MemoryEntry {
     std::string key;

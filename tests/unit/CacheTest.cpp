@@ -8,6 +8,8 @@
 
 #include <gtest/gtest.h>
 
+#include <filesystem>
+
 #include <atomic>
 #include <chrono>
 #include <fcntl.h>
@@ -351,6 +353,28 @@ TEST(Cache, UnwritableRootFallsBackToMemoryWithOneWarning) {
   EXPECT_FALSE(cache.diskEnabled());
   EXPECT_EQ(abp::test::countOf(err, "abp: warning:"), 1u) << err;
   EXPECT_NE(err.find("caching in memory only"), std::string::npos) << err;
+}
+
+TEST(Cache, OneUnwritableEntryLeavesTheDiskOnForTheOthers) {
+  TempDir dir;
+  Cache cache({dir.path(), 0});
+  KeyInputs bad = sampleInputs();
+  CacheKey badKey = makeKey(bad);
+  // A file where this entry's <2 hex> directory should be: only this entry cannot be written.
+  abp::test::writeText(dir / badKey.hash.substr(0, 2), "in the way");
+  KeyInputs good = sampleInputs();
+  good.source += "// another kernel\n";
+  while (makeKey(good).hash.substr(0, 2) == badKey.hash.substr(0, 2))
+    good.source += " ";
+  std::atomic<int> calls{0};
+  testing::internal::CaptureStderr();
+  cache.getOrCompile(bad, badKey, "bad", "host", counting(calls, "A"));
+  cache.getOrCompile(good, makeKey(good), "good", "host", counting(calls, "B"));
+  std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_TRUE(cache.diskEnabled());
+  EXPECT_TRUE(std::filesystem::is_directory(cache.entryDirectory(makeKey(good).hash))) << err;
+  EXPECT_NE(err.find("compile cache entry not written"), std::string::npos) << err;
+  EXPECT_EQ(err.find("caching in memory only"), std::string::npos) << err;
 }
 
 TEST(Cache, EmptyRootIsMemoryOnly) {
