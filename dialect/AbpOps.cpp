@@ -112,6 +112,11 @@ static bool isIdentifier(StringRef name) {
 }
 
 LogicalResult OperatorOp::verifyRegions() {
+  // The name becomes kernel symbols (<name>_fwd) in generated C++ and keys in the manifest.
+  if (!isIdentifier(getSymName()))
+    return emitOpError() << "name '" << getSymName()
+                         << "' must be an identifier (a letter or '_', then letters, digits or "
+                            "'_'): it names the generated kernels";
   ReturnOp fwdReturn = getForwardReturn();
   ReturnOp bwdReturn = getBackwardReturn();
   if (!fwdReturn || !bwdReturn)
@@ -295,6 +300,9 @@ LogicalResult MapOp::verifySymbolUses(SymbolTableCollection &symbolTable) {
   auto fn = symbolTable.lookupNearestSymbolFrom<func::FuncOp>(*this, getCalleeAttr());
   if (!fn)
     return emitOpError() << "references an undefined function @" << *callee;
+  if (!isIdentifier(*callee))
+    return emitOpError() << "calls @\"" << *callee
+                         << "\", whose name is not an identifier: it becomes a C++ function name";
   FunctionType type = fn.getFunctionType();
   SmallVector<Type> ins, outs;
   for (Type t : getInputs().getTypes())

@@ -161,3 +161,14 @@ func.func private @f(%x: tensor<?xf32>) -> tensor<?xf32> {
   %r = abp.map @outer(%x) : (tensor<?xf32>) -> tensor<?xf32>
   return %r : tensor<?xf32>
 }
+
+// -----
+
+func.func private @"not a name"(%x: f32) -> f32 {
+  return %x : f32
+}
+func.func private @f(%x: tensor<?xf32>) -> tensor<?xf32> {
+  // expected-error @+1 {{calls @"not a name", whose name is not an identifier: it becomes a C++ function name}}
+  %r = abp.map @"not a name"(%x) : (tensor<?xf32>) -> tensor<?xf32>
+  return %r : tensor<?xf32>
+}

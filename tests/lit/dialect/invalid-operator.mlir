@@ -154,3 +154,14 @@ abp.operator @params_twice attributes {params = ["a", "a"]} forward {
 ^bb0(%dy: tensor<?xf32>):
   abp.return %dy : tensor<?xf32>
 }
+
+// -----
+
+// expected-error @+1 {{name 'my-op' must be an identifier (a letter or '_', then letters, digits or '_'): it names the generated kernels}}
+abp.operator @"my-op" forward {
+^bb0(%x: tensor<?xf32>):
+  abp.return %x : tensor<?xf32>
+} backward {
+^bb0(%dy: tensor<?xf32>):
+  abp.return %dy : tensor<?xf32>
+}
