@@ -10,7 +10,7 @@ def Abp_BucketsAttr : AttrDef<Abp_Dialect, "Buckets"> {
   let mnemonic = "buckets";
   let summary = "bucket quantization: inner borders and one level per bucket";
   let description = [{
-    The bucket scheme of FewBit and ReGELU2 (ALGORITHMS.md §2.1): with K = 2^bits levels and
+    The bucket scheme of FewBit and ReGELU2 (docs/algorithms.md §2.1): with K = 2^bits levels and
     K − 1 strictly increasing inner borders t_i, `code(x) = #{i : t_i < x}` (a value on a border
     goes to the lower bucket; NaN → 0, +inf → K − 1) and `dequantize(code) = levels[code]`.
     Borders are compared in fp32, levels are fp32 constants; both are written as f64 literals.
@@ -42,7 +42,7 @@ def Abp_PackedLayoutAttr : AttrDef<Abp_Dialect, "PackedLayout"> {
   let summary = "a kernel argument holding `bits`-bit codes in the abp packing layout";
   let description = [{
     Example: `outs = [#abp.packed<2>]` — the body yields an `i8` code per element, stored with
-    2 bits per element (ALGORITHMS.md §2.6).
+    2 bits per element (docs/algorithms.md §2.6).
   }];
   let parameters = (ins "unsigned":$bits);
   let assemblyFormat = "`<` $bits `>`";

@@ -254,7 +254,7 @@ def Abp_DequantizeOp : Abp_Op<"dequantize", [Pure]> {
 def Abp_PackOp : Abp_Op<"pack", [Pure]> {
   let summary = "stores integer codes with the bit width of the result type";
   let description = [{
-    Keeps the low `bits` bits of each `i8` code (ALGORITHMS.md §2.6 layout). Authors use it
+    Keeps the low `bits` bits of each `i8` code (docs/algorithms.md §2.6 layout). Authors use it
     directly for codes that are not bucket indices, e.g. a 1-bit `min < x < max` mask.
 
     Example: `%c = abp.pack %m : tensor<?xi8> -> !abp.codes<1>`

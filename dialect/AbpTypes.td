@@ -10,7 +10,7 @@ def Abp_CodesType : TypeDef<Abp_Dialect, "Codes"> {
   let summary = "bit-packed integer codes, `bits` bits per element";
   let description = [{
     A residual stored as one `bits`-bit code per element of the tensor it was computed from, in
-    the little-endian, LSB-first packing of ALGORITHMS.md §2.6: ⌈bits·N/8⌉ bytes for N elements,
+    the little-endian, LSB-first packing of docs/algorithms.md §2.6: ⌈bits·N/8⌉ bytes for N elements,
     with no wasted bit. Because the width is part of the type, the saved bytes of an operator are
     known statically.
 

@@ -29,7 +29,7 @@ MapOp createMap(OpBuilder &builder, Location loc, Value input, Type resultElem,
   return map;
 }
 
-/// code(x) = Σ_i [x > t_i] with t_i rounded to fp32 (ALGORITHMS.md §2.1): branch-free, and NaN
+/// code(x) = Σ_i [x > t_i] with t_i rounded to fp32 (docs/algorithms.md §2.1): branch-free, and NaN
 /// compares false everywhere, so it gets code 0.
 void lowerQuantize(QuantizeOp op) {
   OpBuilder builder(op);
@@ -96,7 +96,7 @@ Value f32Constant(OpBuilder &b, Location loc, float value) {
   return b.create<arith::ConstantOp>(loc, b.getF32FloatAttr(value));
 }
 
-/// GACT (ALGORITHMS.md §6.2), a row per group: m = min, M = max, s = (2^b - 1) / (M - m + 2e-6)
+/// GACT (docs/algorithms.md §6.2), a row per group: m = min, M = max, s = (2^b - 1) / (M - m + 2e-6)
 /// (NaN unless M - m is finite), q = min(floor((x - m) * s + u), 2^b - 1), stored as 0 if NaN.
 void lowerQuantizeGroups(QuantizeGroupsOp op) {
   OpBuilder b(op);
@@ -138,7 +138,7 @@ void lowerQuantizeGroups(QuantizeGroupsOp op) {
   op.erase();
 }
 
-/// x = q * (1 / s) + m per row (ALGORITHMS.md §6.2's q / s + m, with the division done once per
+/// x = q * (1 / s) + m per row (docs/algorithms.md §6.2's q / s + m, with the division done once per
 /// row: a per-element IEEE division costs a reciprocal, a refinement and a slow path that q = 0
 /// takes, and the product differs from the quotient by at most one rounding).
 void lowerDequantizeGroups(DequantizeGroupsOp op) {

@@ -35,7 +35,7 @@ def AbpLowerQuantize : Pass<"abp-lower-quantize", "::mlir::ModuleOp"> {
     `abp.dequantize %c {scheme}` becomes `abp.unpack` and an `abp.map` selecting `levels[code]`
     as fp32 constants. `abp.quantize_groups` becomes per-row min/max reductions, the scale map,
     `abp.uniform`, the stochastic-rounding code map and `abp.pack`; `abp.dequantize_groups`
-    becomes `abp.unpack` and the `q / s + m` map (ALGORITHMS.md §6.2).
+    becomes `abp.unpack` and the `q / s + m` map (docs/algorithms.md §6.2).
   }];
   let dependentDialects = ["::mlir::arith::ArithDialect", "::mlir::math::MathDialect"];
 }

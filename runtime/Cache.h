@@ -3,7 +3,7 @@
 // Key = sha256 of a canonical NUL-separated record of everything that changes a binary (see
 // composeKey). Disk layout: <root>/<2 hex>/<hash>/{manifest.json, kernel.cu, compile.log,
 // kernel.<ptx|cubin|so>}, published atomically by renaming a finished temporary directory, and
-// verified on every read (STYLE.md §3).
+// verified on every read (a bad entry is recompiled, never loaded).
 #ifndef ABP_RUNTIME_CACHE_H
 #define ABP_RUNTIME_CACHE_H
 

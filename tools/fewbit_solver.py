@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Global solver for FewBit k-bit activation-derivative tables (ALGORITHMS.md §2.2–2.5).
+"""Global solver for FewBit k-bit activation-derivative tables (docs/algorithms.md §2.2–2.5).
 
 A k-bit table approximates f′ by a step function with K = 2**k levels: inner borders
 t_0 < … < t_{K-2} and levels L_0 … L_{K-1}, where interval i is (t_{i-1}, t_i]. The solver

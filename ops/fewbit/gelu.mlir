@@ -1,4 +1,4 @@
-// GELU, erf form with FewBit k-bit derivatives (ALGORITHMS.md §2): the forward is exact,
+// GELU, erf form with FewBit k-bit derivatives (docs/algorithms.md §2): the forward is exact,
 // the backward is levels[code(x)] * dy with code(x) = #{borders < x} stored in k bits per element.
 // The template below is the 3-bit standard-normal-weighted table; `abp-instantiate-variants` makes
 // @gelu_b1..b4 (N(0,1) weight, the default) and @gelu_b1_uniform..b4_uniform (uniform weight on

@@ -1,4 +1,4 @@
-// GACT / ActNN per-group compression of saved tensors (ALGORITHMS.md §6), as codecs: an operator
+// GACT / ActNN per-group compression of saved tensors (docs/algorithms.md §6), as codecs: an operator
 // with no outputs whose forward packs its input and whose backward rebuilds it. A row is a group
 // (abp.compress cuts a flattened tensor into rows of group_size elements, plus a tail row):
 //   forward:  m = min, M = max, s = (2^b - 1) / (M - m + 2e-6) per row (NaN unless M - m is

@@ -1,4 +1,4 @@
-// MS-LayerNorm (LowMemoryBP, ALGORITHMS.md §5): LayerNorm without affine whose backward reads
+// MS-LayerNorm (LowMemoryBP, docs/algorithms.md §5): LayerNorm without affine whose backward reads
 // only its own output y, which the next Linear keeps anyway (share-saved), and r = 1/σ per row.
 //   forward:  μ = mean(x), σ² = mean((x − μ)²), r = (σ² + ε)^(−1/2), y = (x − μ)·r
 //   backward: dx = r·(g − mean(g) − y·mean(g∘y))            (exact, ε included)

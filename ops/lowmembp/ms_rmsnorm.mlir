@@ -1,4 +1,4 @@
-// MS-RMSNorm (LowMemoryBP, ALGORITHMS.md §5): RMSNorm without affine whose backward reads only
+// MS-RMSNorm (LowMemoryBP, docs/algorithms.md §5): RMSNorm without affine whose backward reads only
 // its own output y, which the next Linear keeps anyway (share-saved), and r per row.
 //   forward:  r = (mean(x²) + ε)^(−1/2), y = x·r
 //   backward: dx = r·(g − y·mean(g∘y))                      (exact, ε included)

@@ -1,4 +1,4 @@
-// ReGELU2 (LowMemoryBP, ALGORITHMS.md §4): exact GELU forward; backward is the derivative of
+// ReGELU2 (LowMemoryBP, docs/algorithms.md §4): exact GELU forward; backward is the derivative of
 // three shifted ReLUs, a 4-level step stored as 2-bit codes of x. Nothing else is saved.
 #regelu2 = #abp.buckets<borders = [-3.1858810036855245, -0.001178821281161997, 3.190832613414926],
                         levels = [0.0, -0.04922261145617846, 1.0487405950855513, 1.0]>

@@ -1,4 +1,4 @@
-// ReSiLU2 (LowMemoryBP, ALGORITHMS.md §4): exact SiLU forward; backward is the derivative of
+// ReSiLU2 (LowMemoryBP, docs/algorithms.md §4): exact SiLU forward; backward is the derivative of
 // three shifted ReLUs, a 4-level step stored as 2-bit codes of x. Nothing else is saved.
 #resilu2 = #abp.buckets<borders = [-6.3050461001646445, -0.0008684942046214787, 6.325815242089708],
                         levels = [0.0, -0.04060357190528599, 1.0403218566243821, 1.0]>

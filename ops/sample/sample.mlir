@@ -1,4 +1,4 @@
-// Row sampling for sampled linear layers (ALGORITHMS.md §3 RMM, §7 VCAS, §8 WTA-CRS): the
+// Row sampling for sampled linear layers (docs/algorithms.md §3 RMM, §7 VCAS, §8 WTA-CRS): the
 // data-parallel pieces, each one kernel. Which rows to keep (the plan: water-filling,
 // winner-take-all, i.i.d. or Bernoulli draws over one score per row) is computed by
 // abp._selection from these kernels' scores and Philox draws; the matrix products are the

@@ -1,6 +1,6 @@
 // abp_device.h — the one header every generated kernel includes (NVRTC and host C++).
 //
-// This header is the runtime side of the compiler/runtime contract (DESIGN.md §6): codegen writes
+// This header is the runtime side of the compiler/runtime contract (docs/runtime.md): codegen writes
 // calls to it, and it must compile unchanged under NVRTC (no system headers there) and under the
 // host C++ compiler (the CPU path, with ABP_HOST defined). Everything numeric here is written so
 // that both sides produce bit-identical results: fp16/bf16 conversions are software
@@ -271,7 +271,7 @@ template <typename T> ABP_FN bool aligned16(const T *p) {
 }
 
 //===----------------------------------------------------------------------===//
-// Bit packing (ALGORITHMS.md §2.6): a little-endian, LSB-first stream; element
+// Bit packing (docs/algorithms.md §2.6): a little-endian, LSB-first stream; element
 // e's code occupies stream bits [B*e, B*e + B). A chunk of N elements with
 // N*B % 8 == 0 fills exactly N*B/8 bytes, so chunks never share a byte.
 // Changing this layout? Bump kCacheFormatVersion and the packing goldens.

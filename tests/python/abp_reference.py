@@ -67,7 +67,7 @@ def piecewise_breakpoints(op: str, params: Tuple[float, ...]) -> List[float]:
     return [-params[0], params[0]]  # hardshrink, softshrink
 
 
-# ReGELU2 / ReSiLU2 (ALGORITHMS.md §4): c1..c3 and L0..L3, rounded to fp32 by the kernels.
+# ReGELU2 / ReSiLU2 (docs/algorithms.md §4): c1..c3 and L0..L3, rounded to fp32 by the kernels.
 REGELU2_BORDERS = (-3.1858810036855245, -0.001178821281161997, 3.190832613414926)
 REGELU2_LEVELS = (0.0, -0.04922261145617846, 1.0487405950855513, 1.0)
 RESILU2_BORDERS = (-6.3050461001646445, -0.0008684942046214787, 6.325815242089708)
@@ -224,12 +224,12 @@ def sample_inputs(n: int, dtype: torch.dtype, extra: Optional[Sequence[float]] =
 
 
 def packed(bits: int, n: int) -> int:
-    """ceil(bits * n / 8): the bytes of n packed codes (ALGORITHMS.md §2.6)."""
+    """ceil(bits * n / 8): the bytes of n packed codes (docs/algorithms.md §2.6)."""
     return (bits * n + 7) // 8
 
 
 def unpack_codes(data: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """Decodes n codes of an LSB-first bit stream (ALGORITHMS.md §2.6), written out independently:
+    """Decodes n codes of an LSB-first bit stream (docs/algorithms.md §2.6), written out independently:
     v = byte[floor(b*e/8)] >> sh with sh = b*e mod 8; if sh + b > 8, v |= byte[next] << (8 - sh)."""
     stream = data.to(torch.int64)
     e = torch.arange(n, dtype=torch.int64)

@@ -1,6 +1,6 @@
 """Independent references for the GACT codec tests: Philox-4x32-10 and the per-group scheme in numpy.
 
-Written from the definitions (Salmon et al. SC'11 for Philox; ALGORITHMS.md §6.2 and the
+Written from the definitions (Salmon et al. SC'11 for Philox; docs/algorithms.md §6.2 and the
 abp.uniform / abp.quantize_groups docs for the rest), not from the generated kernels, so the tests
 compare two implementations. fp32 arithmetic in numpy rounds every operation once, with no fused
 multiply-add, which is also what the kernels are compiled to do.
@@ -82,7 +82,7 @@ def dequantize_groups(codes: np.ndarray, mins: np.ndarray, scales: np.ndarray, g
 
 
 def variance(x: torch.Tensor, bits: int, group_size: int) -> np.ndarray:
-    """Var[x̂] per element: φ(1 - φ) / s² with φ = frac((x - m) s), in fp64 (ALGORITHMS.md §6.2)."""
+    """Var[x̂] per element: φ(1 - φ) / s² with φ = frac((x - m) s), in fp64 (docs/algorithms.md §6.2)."""
     flat = x.detach().reshape(-1).double().numpy()
     n = flat.size
     out = np.zeros(n)

@@ -1,4 +1,4 @@
-"""Forward equals torch's exact activation; backward equals the defined approximation (ALGORITHMS.md §9.3, §9.6)."""
+"""Forward equals torch's exact activation; backward equals the defined approximation (docs/algorithms.md §9.3, §9.6)."""
 from __future__ import annotations
 
 import math

@@ -1,7 +1,7 @@
 """GACT per-group compression (abp.compress, issue #4) on the CPU path.
 
 Exactness against an independent numpy reference (Philox and the scheme), unbiasedness and the
-variance formula (ALGORITHMS.md §9.1-9.2 with their stated tolerances), saved bytes, weight
+variance formula (docs/algorithms.md §9.1-9.2 with their stated tolerances), saved bytes, weight
 gradients of Linear layers, composition with abp's own ops, odd sizes and layouts, non-finite
 groups, masks, parameter exclusion, determinism and argument errors.
 """
@@ -94,7 +94,7 @@ def test_philox_reference_matches_the_published_known_answer():
     assert out.tolist() == [[0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]]
 
 
-# --- statistics (ALGORITHMS.md §9.1, §9.2) --------------------------------------------------
+# --- statistics (docs/algorithms.md §9.1, §9.2) --------------------------------------------------
 
 def draws(x: torch.Tensor, bits: int, group_size: int, runs: int) -> torch.Tensor:
     return torch.stack([C.dequantize(C.quantize(x, bits, group_size, seed=1000 + r)).double() for r in range(runs)])

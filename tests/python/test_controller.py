@@ -1,4 +1,4 @@
-"""GACT bit allocation and the sensitivity-driven CompressionController (ALGORITHMS.md §6.3, §6.6).
+"""GACT bit allocation and the sensitivity-driven CompressionController (docs/algorithms.md §6.3, §6.6).
 
 The allocation tests are pure Python. The controller tests run small models on the CPU path and
 need the GACT kernels (gact_b1..gact_b8) of the native library.
@@ -316,7 +316,7 @@ def test_keys_are_printable_and_stable_across_steps_and_estimates(kernels):
 
 
 def expected_compressed_bytes(numels: Sequence[int], bits: int, group_size: int = 256) -> int:
-    # ALGORITHMS.md §9.4: ⌈n·b/8⌉ + ⌈n/256⌉·2·4 per fp32 tensor (the sizes here are whole groups).
+    # docs/algorithms.md §9.4: ⌈n·b/8⌉ + ⌈n/256⌉·2·4 per fp32 tensor (the sizes here are whole groups).
     return sum(math.ceil(n * bits / 8) + math.ceil(n / group_size) * 2 * 4 for n in numels)
 
 

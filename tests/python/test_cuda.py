@@ -77,7 +77,7 @@ def test_cuda_bucket_forward_backward_and_codes_equal_the_cpu_path(op, fn, torch
     assert_forward_close(y.detach().cpu(), torch_fn(x_cpu.double()), x_cpu, exact=False)
     (dx,) = torch.autograd.grad(y, x, dy_cpu.to(CUDA))
     assert_bitwise_equal(dx.cpu(), bucket_backward(x_cpu, dy_cpu, borders, levels), f"{op} backward on CUDA")
-    # CPU and GPU produce the same codes, byte for byte (ALGORITHMS.md §9.5).
+    # CPU and GPU produce the same codes, byte for byte (docs/algorithms.md §9.5).
     cpu_saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: cpu_saved.append(t) or t, lambda t: t):
         fn(x_cpu.clone().requires_grad_())

@@ -1,7 +1,7 @@
 """GACT compression on CUDA tensors (NVRTC path); skipped without a CUDA build of torch and a GPU.
 
 The GPU must store the very codes, minima and scales the CPU path stores for the same seed
-(ALGORITHMS.md §9.5), decode to the same values, keep unbiasedness, and count the same bytes.
+(docs/algorithms.md §9.5), decode to the same values, keep unbiasedness, and count the same bytes.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 torch and a GPU.
 
 The GPU must draw the very numbers, make the very choices (indices) and gather the very rows the
-CPU path does for the same seed (ALGORITHMS.md §9.5); forward stays exact, dW unbiased.
+CPU path does for the same seed (docs/algorithms.md §9.5); forward stays exact, dW unbiased.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tests of the FewBit table solver (tools/fewbit_solver.py) against ALGORITHMS.md §2.
+"""Tests of the FewBit table solver (tools/fewbit_solver.py) against docs/algorithms.md §2.
 
 Tolerances:
 - (a) acceptance: solver J ≤ published global optimum (§2.5) × (1 + 1e-4), GELU and SiLU,
@@ -38,7 +38,7 @@ import fewbit_solver as fs  # noqa: E402
 BITS = (1, 2, 3, 4)
 WEIGHTS = ("normal", "uniform")
 
-# ALGORITHMS.md §2.5, rows "optimum, uniform" and "optimum, N(0,1)".
+# docs/algorithms.md §2.5, rows "optimum, uniform" and "optimum, N(0,1)".
 OPTIMUM_J: Dict[Tuple[str, str], Tuple[float, ...]] = {
     ("gelu", "uniform"): (0.141047, 0.0447532, 0.0119893, 0.00316236),
     ("silu", "uniform"): (0.214978, 0.0594141, 0.0177375, 0.00470872),
@@ -46,7 +46,7 @@ OPTIMUM_J: Dict[Tuple[str, str], Tuple[float, ...]] = {
     ("silu", "normal"): (0.0320636, 0.00789533, 0.00193655, 0.000475245),
 }
 
-# ALGORITHMS.md §2.4 (borders, levels) and §2.5 row "shipped, uniform" (J).
+# docs/algorithms.md §2.4 (borders, levels) and §2.5 row "shipped, uniform" (J).
 SHIPPED: Dict[Tuple[str, int], Tuple[List[float], List[float], float]] = {
     ("gelu", 1): ([-4.22648414e-05], [-2.1131717e-07, 0.999999789], 0.141047),
     ("gelu", 2): ([-0.453594351, 9.98979468e-06, 0.453607887],

@@ -1,7 +1,7 @@
-"""MS-LayerNorm / MS-RMSNorm (ALGORITHMS.md §5): exact forward and backward, shared saved output.
+"""MS-LayerNorm / MS-RMSNorm (docs/algorithms.md §5): exact forward and backward, shared saved output.
 
 Tolerances: fp64 runs the kernels' fp64 specialisation and must match torch's autograd of the exact
-norm to 1e-10 (ALGORITHMS.md §9.3). eps is an fp32 kernel parameter (like every operator parameter),
+norm to 1e-10 (docs/algorithms.md §9.3). eps is an fp32 kernel parameter (like every operator parameter),
 so the reference uses eps rounded to fp32: with a nearly constant row, 1e-5 vs its fp32 rounding
 alone would move the gradient by ~1e-9. fp32 is checked to a few ulp of the row's scale, fp16/bf16
 to their storage precision.

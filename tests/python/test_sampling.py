@@ -1,5 +1,5 @@
 """Sampled linear layers (abp.sampling, abp.nn.SampledLinear) and the kernels of
-ops/sample/sample.mlir, on the CPU path (ALGORITHMS.md §3, §8, §9).
+ops/sample/sample.mlir, on the CPU path (docs/algorithms.md §3, §8, §9).
 
 Properties, not recorded outputs: the kernels against torch references (bit-exact where the maths
 is exact); the Philox draws against the independent numpy Philox; the forward, dX and db equal to

@@ -1,4 +1,4 @@
-"""Saved bytes are exactly the packed codes, and the input is freed after forward (ALGORITHMS.md §9.4)."""
+"""Saved bytes are exactly the packed codes, and the input is freed after forward (docs/algorithms.md §9.4)."""
 from __future__ import annotations
 
 from typing import Any

@@ -1,4 +1,4 @@
-"""Sampling plans of abp._selection against the properties of ALGORITHMS.md §9 (CPU, pure PyTorch).
+"""Sampling plans of abp._selection against the properties of docs/algorithms.md §9 (CPU, pure PyTorch).
 
 Statistical tests use fixed seeds and the tolerances of §9.1/§9.2; every one of them has a
 negative control (a plan with a deliberately wrong weight) that must fail the same check. The

@@ -1,5 +1,5 @@
 """VCAS (abp.vcas): the activation and weight-gradient samplers and the controller, on the CPU
-path (ALGORITHMS.md §7, §9): samplers unbiased (§9.1 z-test over R seeds, with negative controls)
+path (docs/algorithms.md §7, §9): samplers unbiased (§9.1 z-test over R seeds, with negative controls)
 with the closed-form variance (§9.2); ratio 1 exact; the controller's ratios moving the right way
 when the added variance is planted high or low; determinism; the HF Trainer callback.
 """

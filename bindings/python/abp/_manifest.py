@@ -31,7 +31,7 @@ def parse_ref(ref: str) -> Tuple[str, int]:
 
 
 def packed_bytes(bits: int, n: int) -> int:
-    """Bytes of n packed codes of `bits` bits each: ceil(bits * n / 8) (ALGORITHMS.md §2.6)."""
+    """Bytes of n packed codes of `bits` bits each: ceil(bits * n / 8) (docs/algorithms.md §2.6)."""
     return (bits * n + 7) // 8
 
 

@@ -27,7 +27,7 @@ __all__ = [
     "SKETCHES",
 ]
 
-#: Sketch kinds and the operator generating each (RMM, ALGORITHMS.md §3).
+#: Sketch kinds and the operator generating each (RMM, docs/algorithms.md §3).
 SKETCHES: Mapping[str, str] = {"gaussian": "sketch_gaussian", "rademacher": "sketch_rademacher"}
 
 

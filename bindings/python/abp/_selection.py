@@ -1,4 +1,4 @@
-"""Row-selection plans for the sampling methods (ALGORITHMS.md §3, §7, §8).
+"""Row-selection plans for the sampling methods (docs/algorithms.md §3, §7, §8).
 
 The samplers of abp (VCAS, WTA-CRS, uniform and norm-proportional column-row sampling) all reduce to
 the same question: given one score or probability per row (a token or a sample), which rows are kept
@@ -134,7 +134,7 @@ def _empty_plan(device: torch.device, draws: int = 0, winners: int = 0) -> Plan:
 
 
 def scores_usable(scores: Tensor) -> bool:
-    """Whether `scores` can drive a sampler (ALGORITHMS.md §7.1, §9.6).
+    """Whether `scores` can drive a sampler (docs/algorithms.md §7.1, §9.6).
 
     False when any score is non-finite or they sum to 0: the caller then passes the gradient through
     exactly for that call (sampling would turn NaN/inf into finite garbage, or divide by 0).
@@ -153,7 +153,7 @@ def scores_usable(scores: Tensor) -> bool:
 
 
 def water_fill(scores: Tensor, k: float) -> Tensor:
-    """Inclusion probabilities p_i = min(1, c·g_i) with Σp = k (ALGORITHMS.md §7.1), in float64.
+    """Inclusion probabilities p_i = min(1, c·g_i) with Σp = k (docs/algorithms.md §7.1), in float64.
 
     This is the variance-minimising Poisson-sampling design for a budget of k expected rows. The
     heavy rows H (p = 1) are the largest scores; c = (k − |H|)/Σ_{i∉H} g_i. |H| is the first h (in
@@ -208,7 +208,7 @@ def water_fill(scores: Tensor, k: float) -> Tensor:
 
 
 def winners_count(p_sorted_desc: Tensor, k: int) -> int:
-    """The WTA-CRS winner count |C| of ALGORITHMS.md §8.1.
+    """The WTA-CRS winner count |C| of docs/algorithms.md §8.1.
 
     With Q_c the prefix sums of the probabilities sorted in descending order (Q_0 = 0), returns the
     first minimiser over c ∈ [0, k) of (1 − Q_c)/(k − c) (ties within a relative 1e-12 go to the
@@ -238,7 +238,7 @@ def winners_count(p_sorted_desc: Tensor, k: int) -> int:
 
 
 def norm_probabilities(row_norms: Tensor, other: Optional[Tensor] = None, floor: float = 0.1) -> Tensor:
-    """WTA-CRS row probabilities from ‖x_t‖ and an optional cached γ_t = ‖dY_t‖ (ALGORITHMS.md §8.2).
+    """WTA-CRS row probabilities from ‖x_t‖ and an optional cached γ_t = ‖dY_t‖ (docs/algorithms.md §8.2).
 
     Exactly:
         p_x  = ‖x‖ / Σ‖x‖
@@ -279,7 +279,7 @@ def norm_probabilities(row_norms: Tensor, other: Optional[Tensor] = None, floor:
 
 
 def keep_count(n: int, keep: float, minimum: int = 10) -> int:
-    """The number of rows WTA-CRS keeps: min(max(⌊n·keep⌋, minimum), n) (ALGORITHMS.md §8.2).
+    """The number of rows WTA-CRS keeps: min(max(⌊n·keep⌋, minimum), n) (docs/algorithms.md §8.2).
 
     ⌊n·keep⌋ is computed as the original does (a float product, then floor), so e.g. n = 100,
     keep = 0.29 gives 28. Returns n when the whole input should be saved exactly.
@@ -321,7 +321,7 @@ def _merge(draws: Tensor, q: Tensor, mass: Tensor, count: int) -> Tuple[Tensor, 
 
 
 def plan_crs(p: Tensor, k: int, u: Tensor) -> Plan:
-    """Column-row sampling: k i.i.d. draws j_t ~ p, each weighted 1/(k·p_j) (ALGORITHMS.md §8.1).
+    """Column-row sampling: k i.i.d. draws j_t ~ p, each weighted 1/(k·p_j) (docs/algorithms.md §8.1).
 
     Duplicates are merged into one kept row of weight count/(k·p_j), so `index` is unique and
     len(plan) <= k. `p` is normalised here (only its proportions matter; this absorbs rounding in
@@ -346,7 +346,7 @@ def _winner_order(p: Tensor) -> Tensor:
 
 
 def plan_wtacrs(p: Tensor, k: int, u: Tensor, winners: Optional[int] = None) -> Plan:
-    """Winner-take-all column-row sampling (ALGORITHMS.md §8.1).
+    """Winner-take-all column-row sampling (docs/algorithms.md §8.1).
 
     The winners C are the |C| rows of largest p (ties: lower index first), kept with weight 1.
     The other s = k − |C| draws are i.i.d. from p restricted to the rest, j ~ p_j/(1 − P_C), each
@@ -465,7 +465,7 @@ def _sum_over(a: Tensor, p: Tensor, rows: Tensor) -> float:
 
 
 def variance_crs(G: Tensor, X: Tensor, p: Tensor, k: int) -> float:
-    """E‖Ĝ − GᵀX‖_F² of `plan_crs` (ALGORITHMS.md §8.1):
+    """E‖Ĝ − GᵀX‖_F² of `plan_crs` (docs/algorithms.md §8.1):
 
         (1/k)·(Σ_t ‖g_t‖²‖x_t‖²/p_t − ‖GᵀX‖_F²),   p normalised to sum 1.
     """
@@ -480,7 +480,7 @@ def variance_crs(G: Tensor, X: Tensor, p: Tensor, k: int) -> float:
 
 
 def variance_wtacrs(G: Tensor, X: Tensor, p: Tensor, k: int, winners: int) -> float:
-    """E‖Ĝ − GᵀX‖_F² of `plan_wtacrs` with |C| = `winners` (ALGORITHMS.md §8.1):
+    """E‖Ĝ − GᵀX‖_F² of `plan_wtacrs` with |C| = `winners` (docs/algorithms.md §8.1):
 
         (1/s)·[(1 − P_C)·Σ_{j∉C} ‖g_j‖²‖x_j‖²/p_j − ‖Σ_{j∉C} g_jᵀx_j‖_F²],   s = k − |C|,
 
@@ -507,7 +507,7 @@ def variance_wtacrs(G: Tensor, X: Tensor, p: Tensor, k: int, winners: int) -> fl
 
 
 def variance_bernoulli(G: Tensor, X: Optional[Tensor], p: Tensor) -> float:
-    """E‖Ĝ − G*‖_F² of `plan_bernoulli` (ALGORITHMS.md §7.1, §7.2):
+    """E‖Ĝ − G*‖_F² of `plan_bernoulli` (docs/algorithms.md §7.1, §7.2):
 
         Σ_t (1/p_t − 1)·‖g_t‖²‖x_t‖²          (weight sampler, target GᵀX)
         Σ_t (1/p_t − 1)·‖G_t‖²                (X = None: activation sampler, target G itself)
@@ -529,7 +529,7 @@ def variance_bernoulli(G: Tensor, X: Optional[Tensor], p: Tensor) -> float:
 
 
 def variance_sketch(G: Tensor, X: Tensor, k: int, kind: str) -> float:
-    """E‖GᵀSᵀSX/k − GᵀX‖_F² of the RMM sketch with k rows (ALGORITHMS.md §3):
+    """E‖GᵀSᵀSX/k − GᵀX‖_F² of the RMM sketch with k rows (docs/algorithms.md §3):
 
         gaussian:   (‖G‖_F²‖X‖_F² + ‖GᵀX‖_F²)/k
         rademacher: the same − (2/k)·Σ_n ‖g_n‖²‖x_n‖²   (E s⁴ = 1 instead of 3)

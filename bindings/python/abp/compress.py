@@ -1,4 +1,4 @@
-"""Compressed saved activations (GACT / ActNN, ALGORITHMS.md §6) for any model.
+"""Compressed saved activations (GACT / ActNN, docs/algorithms.md §6) for any model.
 
 `quantize` stores a floating-point tensor as per-group affine codes: the flattened tensor is cut
 into groups of `group_size` elements (the last group holds the remainder, with its own range),
@@ -329,7 +329,7 @@ def _check_consistent(c: CompressedTensor) -> None:
 
 
 def _pack_mask(m: torch.Tensor) -> CompressedTensor:
-    """A bool tensor as a 1-bit LSB-first stream (ALGORITHMS.md §2.6), ceil(n / 8) bytes."""
+    """A bool tensor as a 1-bit LSB-first stream (docs/algorithms.md §2.6), ceil(n / 8) bytes."""
     flat = m.reshape(-1)
     n = flat.numel()
     padded = torch.zeros((n + 7) // 8 * 8, dtype=torch.uint8, device=m.device)
@@ -340,7 +340,7 @@ def _pack_mask(m: torch.Tensor) -> CompressedTensor:
 
 
 def _parameter_of(t: torch.Tensor) -> Optional[torch.Tensor]:
-    """The parameter `t` is, or is a view or cast of (ALGORITHMS.md §6.1: autocast's weight
+    """The parameter `t` is, or is a view or cast of (docs/algorithms.md §6.1: autocast's weight
     copy); None for an activation."""
     if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
         return t

@@ -1,4 +1,4 @@
-"""Adaptive per-tensor bit widths for compressed saved activations (GACT, ALGORITHMS.md §6.3).
+"""Adaptive per-tensor bit widths for compressed saved activations (GACT, docs/algorithms.md §6.3).
 
 `allocate_bits` is the greedy solver of §6.3: given each saved tensor's sensitivity C_l and element
 count D_l, it picks b_l ∈ {32, 8, 4, 2, 1} (32 = stored raw, zero variance) to reduce the
@@ -47,7 +47,7 @@ __all__ = ["CompressionController", "TensorKey", "allocate_bits", "RUNGS", "trai
 
 #: The ladder of widths, widest first; 32 means "store the tensor raw" (no quantisation variance).
 RUNGS: Tuple[int, ...] = (32, 8, 4, 2, 1)
-#: Sensitivities that are not finite or exceed this count as this much (ALGORITHMS.md §6.3).
+#: Sensitivities that are not finite or exceed this count as this much (docs/algorithms.md §6.3).
 MAX_SENSITIVITY = 1e10
 #: The module path of tensors saved while no submodule of the model runs (the loss, for example).
 OUTSIDE = "<outside>"
@@ -119,7 +119,7 @@ def _budget(avg_bits: float, total_numel: int) -> int:
 
 def allocate_bits(sensitivities: Sequence[float], numels: Sequence[int], avg_bits: float,
                   minimum_bits: Optional[Sequence[int]] = None) -> List[int]:
-    """Bits per tensor, each in (32, 8, 4, 2, 1), by the greedy of ALGORITHMS.md §6.3.
+    """Bits per tensor, each in (32, 8, 4, 2, 1), by the greedy of docs/algorithms.md §6.3.
 
     Starts with every tensor at 32 (raw); while Σ b_l·D_l > avg_bits·Σ D_l, lowers by one rung the
     tensor with the smallest [C/(2^{b'}−1)² − C/(2^b−1)²] / (D·(b − b')), ties going to the
@@ -361,7 +361,7 @@ class CompressionController:
 
     **Initial width.** Before the first estimate, and for keys absent from the last one, a tensor
     gets the largest of (8, 4, 2, 1) that is ≤ `avg_bits`. So step 0 already saves at the target
-    width (GACT's started at 4 bits for a 2-bit target, ALGORITHMS.md §6.6), over the budget only by
+    width (GACT's started at 4 bits for a 2-bit target, docs/algorithms.md §6.6), over the budget only by
     what the op rules' minimum widths add: GACT's rule "4 if B ≤ 4" overshoots a 3-bit budget by a
     third.
 

@@ -2,7 +2,7 @@
 
 Recipes (``recipe=`` one name, a list of them, or ``"all"``):
 
-- ``"lowmembp"`` (ALGORITHMS.md §4, §5): every LayerNorm / RMSNorm becomes a memory-sharing norm whose
+- ``"lowmembp"`` (docs/algorithms.md §4, §5): every LayerNorm / RMSNorm becomes a memory-sharing norm whose
   backward reads only its output (the storage the next layer keeps anyway) and one value per row;
   every GELU (erf or tanh form) and SiLU becomes ReGELU2 / ReSiLU2 (2-bit codes) or a FewBit k-bit
   activation (``gelu="gelu_b3"``); LeakyReLU becomes abp's exact 1-bit LeakyReLU.

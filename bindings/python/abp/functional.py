@@ -1,7 +1,7 @@
 """Activations with approximate (k-bit) or exact 1-bit backward passes, by their torch.nn.functional names.
 
 Every function computes the exact forward (fp32 maths, stored in the input's dtype) and saves only
-packed codes for the backward (ALGORITHMS.md §2, §4):
+packed codes for the backward (docs/algorithms.md §2, §4):
 
 - ``regelu2`` / ``resilu2``: 2-bit codes, LowMemoryBP's tables; ``regelu2(x, approximate="tanh")``
   is GELU's tanh form with its own fitted table (operator ``regelu2_tanh``).
@@ -17,7 +17,7 @@ packed codes for the backward (ALGORITHMS.md §2, §4):
 ``inplace=`` is accepted for signature compatibility with torch and ignored: abp never writes its
 input (the forward reads x once to produce both y and the codes, and x may have other users).
 
-Memory-sharing norms (ALGORITHMS.md §5): ``ms_layer_norm`` and ``ms_rms_norm`` normalize over the
+Memory-sharing norms (docs/algorithms.md §5): ``ms_layer_norm`` and ``ms_rms_norm`` normalize over the
 trailing ``normalized_shape`` dimensions without affine parameters and save only their own output
 (which the next Linear keeps anyway) plus one statistic per row; fp32/fp16/bf16/fp64.
 """
@@ -157,12 +157,12 @@ def _require_default(function: str, name: str, value: Any, default: float) -> No
 
 def regelu2(input: Tensor, approximate: str = "none") -> Tensor:
     """GELU forward (erf form; ``approximate="tanh"``: tanh form); ReGELU2 backward from 2-bit codes
-    (ALGORITHMS.md §4; the tanh form's table is fitted by tools/regelu2_fit.py)."""
+    (docs/algorithms.md §4; the tanh form's table is fitted by tools/regelu2_fit.py)."""
     return apply(gelu_form(approximate)[1], input)
 
 
 def resilu2(input: Tensor) -> Tensor:
-    """SiLU forward; ReSiLU2 backward from 2-bit codes (ALGORITHMS.md §4)."""
+    """SiLU forward; ReSiLU2 backward from 2-bit codes (docs/algorithms.md §4)."""
     return apply("resilu2", input)
 
 
@@ -369,7 +369,7 @@ def _ms_norm(
     if not isinstance(autocast_output, bool):
         raise TypeError(f"autocast_output: expected True or False, got {autocast_output!r}")
     # Under autocast the consumer (a Linear) would cast an fp32 output and save that copy; emit
-    # its compute dtype directly so that it saves this very tensor (ALGORITHMS.md §5). Where the
+    # its compute dtype directly so that it saves this very tensor (docs/algorithms.md §5). Where the
     # output also feeds something else (a residual stream), autocast_output=False keeps the
     # input's dtype, so an fp32 residual stream stays fp32.
     autocast = _autocast_dtype(input.device) if input.dtype == torch.float32 else None
@@ -394,7 +394,7 @@ def ms_layer_norm(
     """LayerNorm over the trailing ``normalized_shape`` dims: y = gamma * (x - mean) / sqrt(var + eps) + beta,
     gamma = weight + weight_offset (none without weight), beta = bias.
 
-    Backward is exact (ALGORITHMS.md §5) and reads only y — the returned tensor itself, which the next
+    Backward is exact (docs/algorithms.md §5) and reads only y — the returned tensor itself, which the next
     Linear keeps — and 1/sqrt(var + eps), one value per row (fp32; fp64 for fp64 input). With an
     affine, it recovers the normalised value as (y - beta) / gamma (abp._affine_norm: exact up to that
     division's rounding). Under autocast an fp32 input gives an output in the autocast dtype (what

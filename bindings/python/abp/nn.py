@@ -4,7 +4,7 @@ Each module runs one manifest operator (``.operator``) and exposes the derivativ
 
 - ``.borders`` and ``.levels`` (float32 tensors). For bucket operators (ReGELU2, ReSiLU2, FewBit) these
   are the manifest's table: code(x) = #{i : borders[i] < x} and dx = levels[code(x)] * dy. For the
-  exact piecewise-linear operators the code is one bit (ALGORITHMS.md §2.1), ``.borders`` are the
+  exact piecewise-linear operators the code is one bit (docs/algorithms.md §2.1), ``.borders`` are the
   breakpoints that define it and ``.levels`` are ``[derivative where the bit is 0, where it is 1]``;
   see each class for the bit.
 
@@ -95,7 +95,7 @@ class AbpActivation(torch.nn.Module):
 
 
 class ReGELU2(AbpActivation):
-    """Exact GELU forward; ReGELU2 backward (2-bit codes, LowMemoryBP; ALGORITHMS.md §4).
+    """Exact GELU forward; ReGELU2 backward (2-bit codes, LowMemoryBP; docs/algorithms.md §4).
 
     ``approximate`` as torch.nn.GELU: "none" (erf form, operator ``regelu2``) or "tanh" (tanh form,
     operator ``regelu2_tanh``, its table fitted to that form by tools/regelu2_fit.py).
@@ -110,7 +110,7 @@ class ReGELU2(AbpActivation):
 
 
 class ReSiLU2(AbpActivation):
-    """Exact SiLU forward; ReSiLU2 backward (2-bit codes, LowMemoryBP; ALGORITHMS.md §4)."""
+    """Exact SiLU forward; ReSiLU2 backward (2-bit codes, LowMemoryBP; docs/algorithms.md §4)."""
 
     def __init__(self) -> None:
         super().__init__("resilu2")
@@ -423,7 +423,7 @@ class _MSNorm(torch.nn.Module):
 
 class MSLayerNorm(_MSNorm):
     """LayerNorm whose backward reads only its output (shared with the next Linear) and 1/sigma per
-    row (ALGORITHMS.md §5); with ``elementwise_affine=True`` a drop-in for torch.nn.LayerNorm (same
+    row (docs/algorithms.md §5); with ``elementwise_affine=True`` a drop-in for torch.nn.LayerNorm (same
     parameters and state_dict; the default is no affine, unlike torch's)."""
 
     operator = "ms_layernorm"
@@ -461,7 +461,7 @@ class MSRMSNorm(_MSNorm):
 
 class SampledLinear(torch.nn.Linear):
     """nn.Linear whose backward estimates dW from a sample (or sketch) of the input's token rows,
-    so forward saves about `keep` of the input (abp.sampling; ALGORITHMS.md §3, §8).
+    so forward saves about `keep` of the input (abp.sampling; docs/algorithms.md §3, §8).
 
     method: "wtacrs" (winner-take-all column-row sampling), "crs" / "uniform" (column-row
     sampling by ‖x_t‖ / uniformly), "gaussian" or "rademacher" (random sketches); keep ∈ (0, 1]. The output, dX and db are exact; dW is unbiased. Each

@@ -1,6 +1,6 @@
 """Sampled linear layers: an exact forward whose backward estimates dW = dYᵀX without bias from
 a sample of X's token rows (WTA-CRS, CRS) or a random sketch of them (RMM), so that forward
-saves about `keep` of the input instead of all of it (ALGORITHMS.md §3, §8).
+saves about `keep` of the input instead of all of it (docs/algorithms.md §3, §8).
 
     y = abp.sampling.sampled_linear(x, weight, bias, method="wtacrs", keep=0.3)
 
@@ -39,7 +39,7 @@ CPU = torch.device("cpu")
 #: The dW estimators of sampled_linear.
 METHODS: Tuple[str, ...] = ("wtacrs", "crs", "uniform", "gaussian", "rademacher")
 _ROW_METHODS = ("wtacrs", "crs", "uniform")
-#: Smallest keep counts (ALGORITHMS.md §8.2: 10 rows; §3: sketches of at least 3 rows).
+#: Smallest keep counts (docs/algorithms.md §8.2: 10 rows; §3: sketches of at least 3 rows).
 _MINIMUM = {"wtacrs": 10, "crs": 10, "uniform": 10, "gaussian": 3, "rademacher": 3}
 
 
@@ -219,7 +219,7 @@ def sampled_linear(
 
 class GradNormCache:
     """WTA-CRS's γ_t = ‖dY_t‖ of every token of every training example, from its previous visit,
-    one table per sampled layer (ALGORITHMS.md §8.2): p ∝ ‖x_t‖·γ_t, mixed with 0.1 of the
+    one table per sampled layer (docs/algorithms.md §8.2): p ∝ ‖x_t‖·γ_t, mixed with 0.1 of the
     ‖x‖-only distribution so a stale γ_t = 0 cannot make 1/p explode.
 
         cache = abp.sampling.GradNormCache(num_examples=len(dataset), tokens=seq_len)

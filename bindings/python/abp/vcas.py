@@ -1,4 +1,4 @@
-"""VCAS: variance-controlled adaptive sampling of the backward pass (ALGORITHMS.md §7).
+"""VCAS: variance-controlled adaptive sampling of the backward pass (docs/algorithms.md §7).
 
 VCAS saves compute, not memory. After each repeated block of a network an *activation sampler*
 (identity in forward) keeps each sample's gradient with a water-filled probability p_i and
@@ -50,7 +50,7 @@ _CPU = torch.device("cpu")
 def activation_budget(n: int, ratio: float) -> float:
     """The expected number of samples the activation sampler keeps: N·ρ, at least one.
 
-    ALGORITHMS.md §7.1 writes ⌊N·ρ⌋; its floor spends a sample less than planned whenever N·ρ is
+    docs/algorithms.md §7.1 writes ⌊N·ρ⌋; its floor spends a sample less than planned whenever N·ρ is
     not whole, and at ⌊N·ρ⌋ = 0 every p is 0, which zeroes the gradient on every draw (biased).
     Water-filling takes a real budget, so the budget is N·ρ itself, floored at one sample.
     """
@@ -242,7 +242,7 @@ def _is_plain_linear(module: torch.nn.Module) -> bool:
 
 
 class Controller:
-    """Inserts VCAS's samplers into `model` and adapts their ratios (ALGORITHMS.md §7).
+    """Inserts VCAS's samplers into `model` and adapts their ratios (docs/algorithms.md §7).
 
     block_type: the repeated block class (or a tuple of classes); an activation sampler follows
     each such module (its first tensor output, samples along `batch_dim`), and every plain
