@@ -52,12 +52,21 @@ TEST(Launch, GridRule) {
 }
 
 TEST(Launch, ArgumentChecksNameTheArgument) {
-  const void *x = nullptr;
+  float xs[10] = {}, ys[10] = {};
+  const void *x = xs;
   float alpha = 1;
   int64_t n = 10, wrong = 11;
-  void *y = nullptr;
+  void *y = ys;
   void *args[] = {&x, &alpha, &y, &n};
   EXPECT_NO_THROW(checkLaunchArgs(scaleRecord(), args, 4, 10));
+  // A NULL data pointer is refused where there are elements to touch, allowed where there are none.
+  const void *nowhere = nullptr;
+  void *noData[] = {&nowhere, &alpha, &y, &n};
+  EXPECT_NE(launchError(noData, 4, 10).find("args[0]: a NULL data pointer for 10 elements"),
+            std::string::npos);
+  int64_t zero = 0;
+  void *empty[] = {&nowhere, &alpha, &y, &zero};
+  EXPECT_NO_THROW(checkLaunchArgs(scaleRecord(), empty, 4, 0));
   EXPECT_NE(launchError(args, 3, 10).find("nargs: kernel test_scale takes 4 arguments"),
             std::string::npos);
   EXPECT_NE(launchError(nullptr, 4, 10).find("args: NULL"), std::string::npos);
