@@ -126,8 +126,8 @@ bool parseBool(std::string_view value, std::string_view name) {
 
 int64_t parseInt(std::string_view value, std::string_view name) {
   int64_t result = 0;
-  bool ok = !value.empty() && value.size() <= 18;
-  for (char c : value) {
+  bool ok = !value.empty() && value.size() <= 18; // 18 digits cannot overflow int64
+  for (char c : ok ? value : std::string_view()) {
     if (c < '0' || c > '9') {
       ok = false;
       break;

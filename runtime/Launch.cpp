@@ -68,17 +68,6 @@ void checkLaunchArgs(const KernelRecord &record, void *const *args, int nargs, i
       throw Error(ErrorCode::InvalidArgument, "args[" + std::to_string(i) + "]: NULL (kernel " +
                                                   record.name + ", role " +
                                                   argRoleName(record.args[i].role) + ")");
-  // A tensor's data pointer may only be NULL when there is nothing to read or write (a tensor
-  // without storage, e.g. a FakeTensor's, would otherwise crash the caller's process).
-  if (n > 0)
-    for (int i = 0; i < nargs; ++i) {
-      ArgRole role = record.args[static_cast<size_t>(i)].role;
-      if ((role == ArgRole::In || role == ArgRole::Out) && !*static_cast<void *const *>(args[i]))
-        throw Error(ErrorCode::InvalidArgument,
-                    "args[" + std::to_string(i) + "]: a NULL data pointer for " +
-                        std::to_string(n) + " elements (kernel " + record.name + ", role " +
-                        argRoleName(role) + ")");
-    }
   if (record.kind == KernelKind::Rows) {
     int64_t rows = argInt64(args, nargs - 2), cols = argInt64(args, nargs - 1);
     std::string where = " (kernel " + record.name + ")";
@@ -104,14 +93,25 @@ void checkLaunchArgs(const KernelRecord &record, void *const *args, int nargs, i
                         " columns do not start on a byte; cols * bits must be a multiple of 8 "
                         "when there is more than one row" + where);
     }
-    return;
+  } else {
+    int64_t count = argInt64(args, nargs - 1);
+    if (count != n)
+      throw Error(ErrorCode::InvalidArgument,
+                  "args[" + std::to_string(nargs - 1) + "]: the count argument is " +
+                      std::to_string(count) + " but n is " + std::to_string(n) + " (kernel " +
+                      record.name + ")");
   }
-  int64_t count = argInt64(args, nargs - 1);
-  if (count != n)
-    throw Error(ErrorCode::InvalidArgument,
-                "args[" + std::to_string(nargs - 1) + "]: the count argument is " +
-                    std::to_string(count) + " but n is " + std::to_string(n) + " (kernel " +
-                    record.name + ")");
+  // Last, once the sizes agree: a tensor's data pointer may only be NULL when there is nothing
+  // to read or write (a tensor without storage, e.g. a FakeTensor's, would crash the process).
+  if (n > 0)
+    for (int i = 0; i < nargs; ++i) {
+      ArgRole role = record.args[static_cast<size_t>(i)].role;
+      if ((role == ArgRole::In || role == ArgRole::Out) && !*static_cast<void *const *>(args[i]))
+        throw Error(ErrorCode::InvalidArgument,
+                    "args[" + std::to_string(i) + "]: a NULL data pointer for " +
+                        std::to_string(n) + " elements (kernel " + record.name + ", role " +
+                        argRoleName(role) + ")");
+    }
 }
 
 void launchOnHost(HostEntry entry, const LaunchConfig &config, void **args, int64_t n) {

@@ -59,9 +59,10 @@ TEST(CApi, StatusesAndThreadLocalMessages) {
   EXPECT_EQ(abp_kernel_get(h.lib, "test_scale", "f32", nullptr), ABP_ERROR_INVALID_ARGUMENT);
   EXPECT_EQ(abp_kernel_launch(nullptr, -1, nullptr, 0, 0, nullptr), ABP_ERROR_INVALID_ARGUMENT);
   ASSERT_EQ(abp_kernel_get(h.lib, "test_scale", "f32", &k), ABP_OK);
-  float alpha = 1;
+  float alpha = 1, data[4] = {};
+  float *tensor = data;
   int64_t n = 4;
-  void *args[] = {&alpha, &alpha, &alpha, &n};
+  void *args[] = {&tensor, &alpha, &tensor, &n};
   EXPECT_EQ(abp_kernel_launch(k, -1, args, 3, 4, nullptr), ABP_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(abp_last_error()).find("nargs"), std::string::npos);
   EXPECT_EQ(abp_kernel_launch(k, -1, args, 4, 5, nullptr), ABP_ERROR_INVALID_ARGUMENT);
