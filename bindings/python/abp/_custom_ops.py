@@ -60,11 +60,13 @@ def compiling() -> bool:
     return _SUPPORTED and (torch.compiler.is_compiling() or _tracing_mode())
 
 
+# The dispatch-mode keys of fake and proxy tracing, looked up once (compiling() is on every call's path).
+_MODE_KEYS = tuple(getattr(torch._C._TorchDispatchModeKey, k) for k in ("FAKE", "PROXY")
+                   if hasattr(getattr(torch._C, "_TorchDispatchModeKey", None), k))
+
+
 def _tracing_mode() -> bool:
-    keys = getattr(torch._C, "_TorchDispatchModeKey", None)
-    if keys is None:
-        return False
-    return any(torch._C._get_dispatch_mode(getattr(keys, k)) is not None for k in ("FAKE", "PROXY") if hasattr(keys, k))
+    return any(torch._C._get_dispatch_mode(key) is not None for key in _MODE_KEYS)
 
 
 @dataclass(frozen=True)

@@ -792,11 +792,13 @@ def convert(
         recognised = _recognise_all(model) if ("lowmembp" in recipes or "sampled" in recipes) else {}
     # One recorded call serves the folds and the sampled layers' roles; it runs on the model as the
     # caller gave it, before any module is replaced.
-    structure = _record(model, call, _norm_names(model, recognised)) if call is not None and recognised else None
-    roles = _roles(model, recognised, structure) if "sampled" in recipes and options["layers"] is None else None
+    norms = _norm_names(model, recognised) if "lowmembp" in recipes and options["norms"] else []
+    by_role = "sampled" in recipes and options["layers"] is None
+    structure = _record(model, call, norms) if call is not None and (norms or by_role) else None
+    roles = _roles(model, recognised, structure) if by_role else None
     changes: List[Change] = []
     if "lowmembp" in recipes:
-        changes += _convert_lowmembp(model, options, recognised, call, structure if options["norms"] else None)
+        changes += _convert_lowmembp(model, options, recognised, call, structure if norms else None)
     if "sampled" in recipes:
         changes += _convert_sampled(model, options, recognised, roles)
     if "compress" in recipes:
