@@ -261,12 +261,16 @@ LogicalResult MapOp::verify() {
       return emitOpError() << "expects f32 tensors (values) or i8 tensors (codes), got " << t;
   }
 
-  bool hasBody = !getBody().empty();
-  if (hasBody == getCallee().has_value())
+  if (getBody().empty() != getCallee().has_value())
     return emitOpError() << "expects exactly one of a body region or a callee";
-  if (!hasBody)
-    return success(); // the callee's signature is checked in verifySymbolUses
+  return success(); // the callee's signature is checked in verifySymbolUses, a body below
+}
 
+/// The body is checked after the ops in it (and its terminator's presence): verify() runs
+/// before the region is, and reading the terminator of an unterminated block there overflowed.
+LogicalResult MapOp::verifyRegions() {
+  if (getBody().empty())
+    return success();
   Block &body = getBody().front();
   if (body.getNumArguments() != getInputs().size())
     return emitOpError() << "expects the body to take " << getInputs().size()

@@ -118,11 +118,12 @@ def Abp_MapOp : Abp_Op<"map", [Pure,
   let arguments = (ins OptionalAttr<FlatSymbolRefAttr>:$callee,
                        Variadic<AnyRankedTensor>:$inputs);
   let results = (outs Variadic<AnyRankedTensor>:$results);
-  let regions = (region AnyRegion:$body);
+  let regions = (region MaxSizedRegion<1>:$body);
   let assemblyFormat = [{
     ($callee^)? `(` $inputs `)` attr-dict `:` functional-type($inputs, $results) ($body^)?
   }];
   let hasVerifier = 1;
+  let hasRegionVerifier = 1;
 }
 
 def Abp_YieldOp : Abp_Op<"yield", [Pure, Terminator, ReturnLike,

@@ -172,3 +172,28 @@ func.func private @f(%x: tensor<?xf32>) -> tensor<?xf32> {
   %r = abp.map @"not a name"(%x) : (tensor<?xf32>) -> tensor<?xf32>
   return %r : tensor<?xf32>
 }
+
+// -----
+
+// Found by the fuzzer (tests/fuzz): a body without a terminator read past the block's end in the
+// map's verifier. The body is now checked after the block is.
+func.func private @f(%x: tensor<?xf32>) -> tensor<?xf32> {
+  // expected-error @+1 {{empty block: expect at least a terminator}}
+  %r = abp.map(%x) : (tensor<?xf32>) -> tensor<?xf32> {
+  ^bb0(%a: f32):
+  }
+  return %r : tensor<?xf32>
+}
+
+// -----
+
+func.func private @f(%x: tensor<?xf32>) -> tensor<?xf32> {
+  // expected-error @+1 {{region #0 ('body') failed to verify constraint: region with at most 1 blocks}}
+  %r = abp.map(%x) : (tensor<?xf32>) -> tensor<?xf32> {
+  ^bb0(%a: f32):
+    abp.yield %a : f32
+  ^bb1(%b: f32):
+    abp.yield %b : f32
+  }
+  return %r : tensor<?xf32>
+}
