@@ -29,10 +29,9 @@ std::string abp::shortHash(const std::string &text) {
 }
 
 FailureOr<EmittedBundle> abp::emitBundle(ModuleOp module, const EmitOptions &options) {
+  if (failed(verifyModuleContents(module, "emitted")))
+    return failure();
   for (Operation &op : module.getBody()->getOperations()) {
-    if (!isa<OperatorOp, KernelOp, func::FuncOp>(op))
-      return op.emitOpError() << "cannot be emitted: a module in kernel form holds only "
-                                 "abp.operator, abp.kernel and func.func";
     if (auto oper = dyn_cast<OperatorOp>(op)) {
       bool lowered = true;
       oper.walk([&](Operation *inner) {

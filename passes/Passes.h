@@ -17,7 +17,7 @@ namespace abp {
 #include "passes/Passes.h.inc"
 
 /// Appends the full lowering, from authored operators to kernel form, to `pm`:
-/// instantiate-variants → verify-residuals → lower-quantize → canonicalize → fuse-kernels →
+/// verify-module → instantiate-variants → verify-residuals → lower-quantize → canonicalize → fuse-kernels →
 /// cse → map-threads.
 void buildAbpPipeline(mlir::OpPassManager &pm);
 

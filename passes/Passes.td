@@ -4,6 +4,16 @@
 
 include "mlir/Pass/PassBase.td"
 
+def AbpVerifyModule : Pass<"abp-verify-module", "::mlir::ModuleOp"> {
+  let summary = "Checks that the module holds only operators, kernels and their callees";
+  let description = [{
+    Every top-level op must be an `abp.operator`, an `abp.kernel` or a `func.func`; anything else
+    gets a located error before any pass rewrites the module. Besides not being an operator, a
+    stray op can hang the pipeline: a module's body is a graph region, where
+    `%x = arith.maximumf %x, %x` is valid IR that the canonicalizer folds into itself forever.
+  }];
+}
+
 def AbpVerifyResiduals : Pass<"abp-verify-residuals", "::mlir::ModuleOp"> {
   let summary = "Checks the residual flow of every operator and records its saved bits";
   let description = [{

@@ -6,6 +6,8 @@
 using namespace mlir;
 
 void abp::buildAbpPipeline(OpPassManager &pm) {
+  // Before anything rewrites the module (a stray top-level op can make the canonicalizer loop).
+  pm.addPass(createAbpVerifyModule());
   // Instantiate first: each instance then gets its own residual check and saved-bits count.
   pm.addPass(createAbpInstantiateVariants());
   pm.addPass(createAbpVerifyResiduals());

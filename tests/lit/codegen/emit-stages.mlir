@@ -20,10 +20,11 @@
 // PTX: ld.global.nc.v4
 // HOST-DAG: T abp_twice_bwd_bf16_{{[0-9a-f]+}}__host
 // HOST-DAG: T abp_twice_fwd_f32_{{[0-9a-f]+}}__host
-// DUMP: after-01-abp-instantiate-variants.mlir
-// DUMP: after-02-abp-verify-residuals.mlir
-// DUMP: after-05-abp-fuse-kernels.mlir
-// DUMP: after-08-abp-map-threads.mlir
+// DUMP: after-01-abp-verify-module.mlir
+// DUMP: after-02-abp-instantiate-variants.mlir
+// DUMP: after-03-abp-verify-residuals.mlir
+// DUMP: after-06-abp-fuse-kernels.mlir
+// DUMP: after-09-abp-map-threads.mlir
 // DUMP: input.mlir
 // DUMP: kernel.cu
 // DUMP: manifest.json

@@ -1,0 +1,16 @@
+// RUN: abp-opt %s -split-input-file -abp-verify-module -verify-diagnostics
+// RUN: not abp-compile %s --emit=cuda 2>&1 | FileCheck %s --check-prefix=PIPELINE
+
+// Found by the fuzzer (tests/fuzz): a module's body is a graph region, where an op may use its
+// own result; the canonicalizer folded this one into itself forever, hanging the pipeline.
+// expected-error @+2 {{cannot be lowered: a module of abp IR holds only abp.operator, abp.kernel and func.func at its top level}}
+// PIPELINE: invalid-abp-verify-module.mlir:[[# @LINE + 1]]:6: error: 'arith.maximumf' op cannot be lowered
+%x = arith.maximumf %x, %x : f32
+
+// -----
+
+func.func private @f(%y: f32) -> f32 {
+  return %y : f32
+}
+// expected-error @+1 {{'arith.constant' op cannot be lowered}}
+%zero = arith.constant 0.0 : f32
