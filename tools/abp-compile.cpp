@@ -35,10 +35,15 @@ namespace cl = llvm::cl;
 namespace {
 enum class Emit { Mlir, Kernel, Cuda, Manifest, Bundle, Ptx, Cubin, Host };
 
-cl::opt<std::string> inputFile(cl::Positional, cl::desc("<operator file.mlir>"));
+// --help lists these alone: the binary links all of LLVM, whose hundreds of backend options
+// would bury them. MLIR's printing options still work and are listed by --help-hidden.
+cl::OptionCategory abpCategory("abp-compile options");
+cl::opt<std::string> inputFile(cl::Positional, cl::desc("<operator file.mlir>"),
+                               cl::cat(abpCategory));
 cl::opt<bool> printEnv("print-env",
                        cl::desc("print every ABP_* environment variable the runtime reads (its "
-                                "effective value, default and meaning) and exit"));
+                                "effective value, default and meaning) and exit"),
+                       cl::cat(abpCategory));
 cl::opt<Emit> emitLevel(
     "emit", cl::desc("the stage to emit"), cl::init(Emit::Cuda),
     cl::values(clEnumValN(Emit::Mlir, "mlir", "the parsed and verified input IR"),
@@ -48,21 +53,23 @@ cl::opt<Emit> emitLevel(
                clEnumValN(Emit::Bundle, "bundle", "NAME.cu and NAME.json into directory -o"),
                clEnumValN(Emit::Ptx, "ptx", "PTX for --arch, through NVRTC"),
                clEnumValN(Emit::Cubin, "cubin", "a cubin for --arch, through NVRTC"),
-               clEnumValN(Emit::Host, "host", "the CPU path's shared object (needs -o)")));
+               clEnumValN(Emit::Host, "host", "the CPU path's shared object (needs -o)")),
+    cl::cat(abpCategory));
 cl::opt<std::string> outputFile("o", cl::desc("output file (directory for --emit=bundle)"),
-                                cl::init("-"));
+                                cl::init("-"), cl::cat(abpCategory));
 cl::opt<std::string> arch("arch", cl::desc("GPU architecture for ptx/cubin, e.g. sm_80"),
-                          cl::init("sm_80"));
-cl::opt<std::string> displayPath(
-    "display-path", cl::desc("the path recorded in the manifest (default: the input path)"),
-    cl::init(""));
+                          cl::init("sm_80"), cl::cat(abpCategory));
+cl::opt<std::string>
+    displayPath("display-path",
+                cl::desc("the path recorded in the manifest (default: the input path)"),
+                cl::init(""), cl::cat(abpCategory));
 
 /// Writes the IR after every pass to `<dir>/after-NN-<pass>.mlir` (ABP_DUMP_DIR).
 struct DumpAfterPass : PassInstrumentation {
   explicit DumpAfterPass(std::string dir) : dir(std::move(dir)) {}
   void runAfterPass(Pass *pass, Operation *op) override {
-    std::string path = llvm::formatv("{0}/after-{1:02}-{2}.mlir", dir, ++count,
-                                     pass->getArgument()).str();
+    std::string path =
+        llvm::formatv("{0}/after-{1:02}-{2}.mlir", dir, ++count, pass->getArgument()).str();
     std::error_code ec;
     llvm::raw_fd_ostream os(path, ec);
     if (!ec)
@@ -95,7 +102,13 @@ int main(int argc, char **argv) {
   llvm::InitLLVM init(argc, argv);
   registerAsmPrinterCLOptions();
   registerMLIRContextCLOptions();
-  cl::ParseCommandLineOptions(argc, argv, "abp compiler driver\n");
+  // Hidden, not ReallyHidden (cl::HideUnrelatedOptions): --help-hidden still lists MLIR's.
+  for (auto &[name, option] : cl::getRegisteredOptions())
+    if (!llvm::is_contained(option->Categories, &abpCategory) && !name.starts_with("help") &&
+        name != "version")
+      option->setHiddenFlag(cl::Hidden);
+  cl::ParseCommandLineOptions(argc, argv,
+                              "abp compiler driver (--help-hidden also lists MLIR's options)\n");
   if (printEnv) {
     for (const abp::rt::EnvVarInfo &row : abp::rt::env::registry()) {
       // The value as set (the runtime checks its type when it reads it); unset: the default.
