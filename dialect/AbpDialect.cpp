@@ -168,12 +168,3 @@ LogicalResult BucketsAttr::verify(function_ref<InFlightDiagnostic()> emitError,
                          << ") is not a finite f32 value";
   return success();
 }
-
-LogicalResult abp::verifyModuleContents(ModuleOp module, StringRef stage) {
-  for (Operation &op : module.getBody()->getOperations())
-    if (!isa<OperatorOp, KernelOp, func::FuncOp>(op))
-      return op.emitOpError() << "cannot be " << stage
-                              << ": a module of abp IR holds only abp.operator, abp.kernel and "
-                                 "func.func at its top level";
-  return success();
-}

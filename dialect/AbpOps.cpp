@@ -111,6 +111,22 @@ static bool isIdentifier(StringRef name) {
   return llvm::all_of(name, [](char c) { return llvm::isAlnum(c) || c == '_'; });
 }
 
+LogicalResult abp::verifyModuleContents(ModuleOp module, StringRef stage) {
+  for (Operation &op : module.getBody()->getOperations()) {
+    if (!isa<OperatorOp, KernelOp, func::FuncOp>(op))
+      return op.emitOpError() << "cannot be " << stage
+                              << ": a module of abp IR holds only abp.operator, abp.kernel and "
+                                 "func.func at its top level";
+    // Each becomes a C++ function or kernel symbol (operators check their own name).
+    StringRef name = cast<SymbolOpInterface>(op).getName();
+    if (!isIdentifier(name))
+      return op.emitOpError() << "name '" << name
+                              << "' must be an identifier (a letter or '_', then letters, digits "
+                                 "or '_'): it becomes a C++ function name";
+  }
+  return success();
+}
+
 LogicalResult OperatorOp::verifyRegions() {
   // The name becomes kernel symbols (<name>_fwd) in generated C++ and keys in the manifest.
   if (!isIdentifier(getSymName()))

@@ -14,3 +14,12 @@ func.func private @f(%y: f32) -> f32 {
 }
 // expected-error @+1 {{'arith.constant' op cannot be lowered}}
 %zero = arith.constant 0.0 : f32
+
+// -----
+
+// Found by the fuzzer: a callee no map calls is still emitted, under its own name, which must
+// therefore be a C++ identifier too.
+// expected-error @+1 {{'func.func' op name 'act.floor' must be an identifier (a letter or '_', then letters, digits or '_'): it becomes a C++ function name}}
+func.func private @act.floor(%z: f32) -> f32 {
+  return %z : f32
+}
