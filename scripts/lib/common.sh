@@ -19,10 +19,12 @@ ABP_BUILD_REQUIREMENTS="$ABP_ROOT/scripts/lib/build-requirements.txt"
 # MLIR/LLVM pinned to 19: libmlir-19 and libmlir-22 conflict and apt would remove the other.
 # mlir-19-tools is needed by MLIR's CMake config (mlir-tblgen, mlir-pdll) although
 # libmlir-19-dev does not depend on it; llvm-19-tools brings FileCheck; lit ships with llvm-19-dev.
+# clang-19 and its runtime (libFuzzer, ASan, UBSan) build the fuzz tree (ctest fuzz, tests/fuzz).
 ABP_PACKAGES=(
   cmake ninja-build g++
   libmlir-19-dev mlir-19-tools llvm-19-dev llvm-19-tools
   libfmt-dev libgtest-dev
+  clang-19 libclang-rt-19-dev
   python3-dev python3-numpy python3-pytest python3-sklearn python3-torch python3-venv
 )
 
