@@ -268,7 +268,8 @@ def group_layout(n: int, bits: int, group_size: int, dtype: torch.dtype) -> Tupl
     first flat index. One buffer, no padding: all minima, all scales, all codes (the whole groups'
     codes fill whole bytes, so the tail's start on a byte). Works on torch.SymInts (compiled shapes).
     """
-    meta_size = 8 if dtype == torch.float64 else 4  # _launch.compute_dtype's element size
+    # Minima and scales are stored in the compute dtype of the launch.
+    meta_size = torch.finfo(_launch.compute_dtype(dtype)).bits // 8
     full = n // group_size
     tail = n - full * group_size
     groups = (n + group_size - 1) // group_size
