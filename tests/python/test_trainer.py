@@ -77,7 +77,10 @@ def test_compression_callback_makes_each_micro_batch_a_controller_step(tmp_path:
     # not for the estimate's replays, and after the callback's hook): the controller's step and
     # the compress_saved block open.
     during: List[Any] = []
-    probe = model.register_forward_pre_hook(lambda m, args: during.append((controller.step, compress._OPEN.label)))
+    def probe_call(module: Any, args: Any) -> None:
+        during.append((controller.step, getattr(compress.open_block(), "label", None)))
+
+    probe = model.register_forward_pre_hook(probe_call)
     trainer = _trainer(model, tmp_path, [callback], gradient_accumulation_steps=accumulation)
     trainer.train()
     probe.remove()
@@ -93,7 +96,7 @@ def test_compression_callback_makes_each_micro_batch_a_controller_step(tmp_path:
     losses = _losses(trainer)
     assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
     # Nothing is left open: a new block opens, and the next forward saves its tensors as they are.
-    assert compress._OPEN.label is None
+    assert compress.open_block() is None
     x = torch.randn(64, 64, requires_grad=True)
     y = x.exp()
     assert y.grad_fn._saved_result.data_ptr() == y.data_ptr()
@@ -171,7 +174,7 @@ def test_compression_callback_leaves_no_hook_when_a_step_raises(tmp_path: Path, 
     # The first step counted; the failed one not. No compress_saved block and no saved-tensor
     # hook is left: a new block opens, and autograd saves tensors as they are.
     assert controller.step == 1
-    assert compress._OPEN.label is None
+    assert compress.open_block() is None
     with compress.compress_saved(bits=8):
         pass
     x = torch.randn(64, 64, requires_grad=True)

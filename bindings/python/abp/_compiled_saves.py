@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from . import _custom_ops, _save_rules
-from .compress import CompressedTensor, _quantize, dequantize, group_layout, rank_key
+from .compress import CompressedTensor, _quantize, dequantize, group_layout, open_block, rank_key
 from ._launch import ROW_DTYPES
 
 __all__ = ["available", "hooks", "compiled_stats"]
@@ -216,15 +216,11 @@ def _pack_traced(x: torch.Tensor, context: Dict[str, Any], bits: int, group_size
 # The hooks
 # ---------------------------------------------------------------------------------------------
 
-#: The compress_saved block whose hooks are on top, per thread (eager saves go to its pack hook).
-_BLOCK = threading.local()
-
-
 def pack_saved(x: Any, bits: int, group_size: int, min_numel: int, op_rules: bool, exact_relu: bool) -> Any:
     context = _get_saved_tensor_hook_context() if _get_saved_tensor_hook_context is not None else None
     if context is not None and "_node" in context:
         return _pack_traced(x, context, bits, group_size, min_numel, op_rules, exact_relu)
-    block = getattr(_BLOCK, "block", None)
+    block = open_block()  # eager saves go to the open block's own pack hook
     if block is None:  # pragma: no cover - the hooks are only on the stack while a block is open
         raise RuntimeError("abp.compress_saved: its saved-tensor hooks ran outside its block")
     return (block, block.pack(x))
@@ -259,11 +255,3 @@ def hooks(bits: int, group_size: int, min_numel: int, op_rules: bool, exact_relu
     if pair is None:
         pair = _PAIRS[key] = (_graph_module(pack_saved, key), _graph_module(unpack_saved, ()))
     return pair
-
-
-def open_block(block: Any) -> None:
-    _BLOCK.block = block
-
-
-def close_block() -> None:
-    _BLOCK.block = None

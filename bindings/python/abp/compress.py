@@ -404,8 +404,14 @@ def _warn_once(what: str, message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-#: The label of the compress_saved block open in this thread, if any (blocks do not nest).
+#: The compress_saved block open in this thread, if any (blocks do not nest). Its hooks read it
+#: too: the GraphModule pack hook of a compiling block hands eager saves to it.
 _OPEN = threading.local()
+
+
+def open_block() -> Optional["compress_saved"]:
+    """The compress_saved block open in this thread, or None."""
+    return getattr(_OPEN, "block", None)
 
 #: The narrowest uniform width compress_saved accepts unless told otherwise (`allow_low_bits`).
 MIN_UNIFORM_BITS = 4
@@ -711,12 +717,12 @@ class compress_saved:
         if self._hooks is not None:
             raise RuntimeError("compress_saved: this block is already open (a `with` block of the same object "
                                "cannot be entered again before it exits)")
-        outer = getattr(_OPEN, "label", None)
+        outer = open_block()
         if outer is not None:
             # saved_tensors_hooks nest with the innermost winning: the outer block would see nothing
             # and its stats, guard and (a controller's) allocation would silently be void.
             raise RuntimeError(
-                f"{self.label}: opened inside {outer}, whose block is still open; the inner block would take "
+                f"{self.label}: opened inside {outer.label}, whose block is still open; the inner block would take "
                 "every saved tensor and the outer one see none. Use one block (abp.convert's compress and all "
                 "recipes open one in the model's forward: do not wrap such a model in another)")
         self.stats = {"tensors": 0, "compressed": 0, "bytes_in": 0, "bytes_stored": 0, "bytes_compressed": 0}
@@ -732,12 +738,11 @@ class compress_saved:
             from . import _compiled_saves
 
             pair = _compiled_saves.hooks(self.bits, self.group_size, self.min_numel, self.op_rules, self.exact_relu)
-            _compiled_saves.open_block(self)
             self._hooks = torch.autograd.graph.saved_tensors_hooks(*pair)
         else:
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._hooks.__enter__()
-        _OPEN.label = self.label
+        _OPEN.block = self
         return self
 
     def compiles(self) -> bool:
@@ -751,12 +756,8 @@ class compress_saved:
     def __exit__(self, *exc: Any) -> None:
         hooks, self._hooks = self._hooks, None
         assert hooks is not None
-        _OPEN.label = None
+        _OPEN.block = None
         hooks.__exit__(*exc)
-        if self.compiles():
-            from . import _compiled_saves
-
-            _compiled_saves.close_block()
         self._flush()
         if not self.stats["compressed"] and self._constant_bytes and self._constant_bytes * 2 >= self.stats["bytes_in"]:
             _warn_once("constants", f"{self.label} saw {self.stats['tensors']} saved tensors and compressed none: most "
