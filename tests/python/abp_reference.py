@@ -1,4 +1,5 @@
-"""Independent references for the abp pytest suite: torch's exact activations, the bucket rule, ulps."""
+"""Independent references for the abp pytest suite: torch's exact activations, the bucket rule, ulps,
+and the toy pre-LN block several suites train."""
 from __future__ import annotations
 
 import functools
@@ -12,6 +13,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 import abp
@@ -279,3 +281,18 @@ def retains_input(fn: Callable[[torch.Tensor], torch.Tensor], shape=(64, 4096), 
     y.sum().backward()
     assert w.grad is not None and torch.isfinite(w.grad)
     return retained
+
+
+class MlpBlock(nn.Module):
+    """x + fc2(GELU(fc1(LayerNorm(x)))): a pre-LN residual MLP block (3 convertible modules:
+    the norm, the GELU, and with the next block's norm a stack for convert's block roles)."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.act(self.fc1(self.norm(x))))

@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 import abp
 from abp.memory import SavedTensorsCounter, distinct_bytes, model_storages
-from abp_reference import library_on_one_thread
+from abp_reference import MlpBlock as Block, library_on_one_thread
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import model_zoo  # noqa: E402  (bench/model_zoo.py: small transformers configs, no downloads; imports them lazily)
@@ -32,18 +32,6 @@ RECIPES = {"lowmembp": {}, "fewbit": {"gelu": "gelu_b3", "silu": "silu_b3"}}
 
 
 _library = pytest.fixture(autouse=True)(library_on_one_thread)
-
-
-class Block(nn.Module):
-    def __init__(self, d: int = 32) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, 4 * d)
-        self.act = nn.GELU()
-        self.fc2 = nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(self.act(self.fc1(self.norm(x))))
 
 
 class Net(nn.Module):

@@ -20,24 +20,12 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import abp
-from abp_reference import library_or_skip
+from abp_reference import MlpBlock as Block, library_or_skip
 
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
 WORLD = 2
-
-
-class Block(nn.Module):
-    def __init__(self, d: int = 32) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, 4 * d)
-        self.act = nn.GELU()
-        self.fc2 = nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(self.act(self.fc1(self.norm(x))))
 
 
 def converted() -> nn.Module:
