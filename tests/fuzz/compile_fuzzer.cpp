@@ -6,8 +6,6 @@
 // abp.compile_operators in a user's Python process. A rejected input is the expected outcome for
 // nearly every mutant; what fails the run is a crash, an assertion, a sanitizer report, a leak or
 // a timeout. Built and run by tests/fuzz/run.sh (ctest `fuzz`).
-#include "runtime/CompilerPlugin.h"
-
 #include <cctype>
 #include <cstddef>
 #include <cstdint>
@@ -18,6 +16,7 @@
 #include <string>
 #include <vector>
 
+// compiler/CompilerApi.cpp's entry points (runtime/CompilerPlugin.h has their contract).
 extern "C" int abp_compiler_compile(const char *irText, const char *bufferName, const char *stem,
                                     char **source, char **manifest, char **diagnostics);
 extern "C" void abp_compiler_free(char *text);
