@@ -17,8 +17,8 @@ namespace abp {
 #include "passes/Passes.h.inc"
 
 /// Appends the full lowering, from authored operators to kernel form, to `pm`:
-/// verify-module → instantiate-variants → verify-residuals → lower-quantize → canonicalize → fuse-kernels →
-/// cse → map-threads.
+/// verify-module → instantiate-variants → verify-residuals → lower-quantize → canonicalize →
+/// fuse-kernels → cse → canonicalize → map-threads.
 void buildAbpPipeline(mlir::OpPassManager &pm);
 
 /// Registers every abp pass and the `abp-pipeline` pipeline with the global registry.
