@@ -1,9 +1,10 @@
 // AbpOps.cpp — verifiers and helpers of the abp ops.
 #include "dialect/AbpDialect.h"
+#include "dialect/ScalarOps.h"
 
 #include "mlir/IR/Builders.h"
 #include "mlir/IR/OpImplementation.h"
-#include "llvm/ADT/DenseSet.h"
+#include "llvm/ADT/SetVector.h"
 #include "llvm/ADT/StringExtras.h"
 #include "llvm/ADT/StringSet.h"
 
@@ -11,6 +12,113 @@
 
 using namespace mlir;
 using namespace abp;
+
+//===----------------------------------------------------------------------===//
+// OperatorOp's regions: `forward {...} backward {...}`
+//===----------------------------------------------------------------------===//
+
+/// The SSA name (`%x`, `%12`) that starts at `at`, or "" if none does.
+static StringRef ssaNameAt(const char *at) {
+  if (*at != '%')
+    return "";
+  const char *end = at + 1;
+  while (llvm::isAlnum(*end) || llvm::is_contained(StringRef("_$.-"), *end))
+    ++end;
+  return StringRef(at, end - at);
+}
+
+/// Where (line, column) lies in the text that begins at `start`, which is at (startLine,
+/// startColumn); nullptr if the text ends first.
+static const char *pointerAt(const char *start, unsigned startLine, unsigned startColumn,
+                             unsigned line, unsigned column) {
+  const char *p = start;
+  for (; startLine < line; ++p) {
+    if (*p == '\0')
+      return nullptr;
+    if (*p == '\n') {
+      ++startLine;
+      startColumn = 1;
+    }
+  }
+  for (; startColumn < column; ++p, ++startColumn)
+    if (*p == '\0' || *p == '\n')
+      return nullptr;
+  return p;
+}
+
+/// The position of `%name` as a whole token in [begin, end), outside `//` comments, or nullptr.
+static const char *findToken(const char *begin, const char *end, StringRef name) {
+  StringRef all(begin, end - begin);
+  for (size_t from = 0;; ++from) {
+    size_t at = all.find(name, from);
+    if (at == StringRef::npos)
+      return nullptr;
+    size_t lineStart = all.rfind('\n', at) + 1; // npos + 1 == 0: the first line
+    if (ssaNameAt(begin + at) == name && !all.slice(lineStart, at).contains("//"))
+      return begin + at;
+    from = at;
+  }
+}
+
+/// The two regions are separate scopes. A backward region that uses a value of the forward one
+/// would get MLIR's bare "use of undeclared SSA value name", reported after the whole module is
+/// parsed (a name unresolved in a region may still be defined further out). Here, right after
+/// backward is parsed, such a use of a name the forward region defines is refused with the name
+/// and how to make the value cross (save it).
+static ParseResult parseDirections(OpAsmParser &parser, Region &forward, Region &backward) {
+  if (parser.parseKeyword("forward"))
+    return failure();
+  llvm::SMLoc forwardBegin = parser.getCurrentLocation();
+  if (parser.parseRegion(forward))
+    return failure();
+  llvm::SMLoc forwardEnd = parser.getCurrentLocation();
+  if (parser.parseKeyword("backward") || parser.parseRegion(backward))
+    return failure();
+  auto anchor = dyn_cast<FileLineColLoc>(parser.getEncodedSourceLoc(forwardBegin));
+  if (!anchor)
+    return success();
+  // The parser stands in for an unresolved name with a placeholder op outside any block,
+  // located at the use.
+  const char *use = nullptr, *def = nullptr;
+  StringRef name;
+  backward.walk([&](Operation *op) {
+    for (Value operand : op->getOperands()) {
+      Operation *placeholder = operand.getDefiningOp();
+      if (!placeholder || placeholder->getBlock())
+        continue;
+      auto loc = dyn_cast<FileLineColLoc>(placeholder->getLoc());
+      use = loc ? pointerAt(forwardBegin.getPointer(), anchor.getLine(), anchor.getColumn(),
+                            loc.getLine(), loc.getColumn())
+                : nullptr;
+      name = use ? ssaNameAt(use) : "";
+      def = name.empty() ? nullptr
+                         : findToken(forwardBegin.getPointer(), forwardEnd.getPointer(), name);
+      if (def)
+        return WalkResult::interrupt();
+    }
+    return WalkResult::advance();
+  });
+  if (!def)
+    return success(); // any other unresolved name is MLIR's to report
+  InFlightDiagnostic diag = parser.emitError(llvm::SMLoc::getFromPointer(use))
+                            << "'" << name
+                            << "' is a value of the forward region, which backward cannot see: "
+                               "only residuals cross. Save it (`abp.return ... saves "
+                            << name
+                            << " : <type>`) and take it as a backward block argument, before "
+                               "the output gradients";
+  diag.attachNote(parser.getEncodedSourceLoc(llvm::SMLoc::getFromPointer(def)))
+      << "'" << name << "' in the forward region";
+  return diag;
+}
+
+static void printDirections(OpAsmPrinter &printer, Operation *, Region &forward,
+                            Region &backward) {
+  printer << "forward ";
+  printer.printRegion(forward);
+  printer << " backward ";
+  printer.printRegion(backward);
+}
 
 #define GET_OP_CLASSES
 #include "dialect/AbpOps.cpp.inc"
@@ -123,6 +231,9 @@ LogicalResult abp::verifyModuleContents(ModuleOp module, StringRef stage) {
       return op.emitOpError() << "name '" << name
                               << "' must be an identifier (a letter or '_', then letters, digits "
                                  "or '_'): it becomes a C++ function name";
+    // The emitter defines every function, called or not.
+    if (auto fn = dyn_cast<func::FuncOp>(op); fn && failed(verifyScalarFunction(fn)))
+      return failure();
   }
   return success();
 }
@@ -254,23 +365,33 @@ LogicalResult ReturnOp::verify() {
 // MapOp
 //===----------------------------------------------------------------------===//
 
-/// The scalar type the body of an elementwise op sees for a tensor: f32 for floats (compute
-/// type), the element type itself for integer codes.
-static Type scalarTypeOf(RankedTensorType type) { return type.getElementType(); }
+/// The scalar type the body of an elementwise op sees for an input or result: a tensor's
+/// element type (f32 for floats, the compute type; the integer type for codes), and a scalar
+/// parameter as it is.
+static Type scalarTypeOf(Type type) {
+  if (auto tensor = dyn_cast<RankedTensorType>(type))
+    return tensor.getElementType();
+  return type;
+}
 
 LogicalResult MapOp::verify() {
-  if (getInputs().empty())
-    return emitOpError() << "expects at least one input";
+  SmallVector<Type> types;
+  for (Type t : getInputs().getTypes())
+    if (isa<RankedTensorType>(t))
+      types.push_back(t);
+  if (types.empty())
+    return emitOpError() << "expects at least one tensor input (scalar parameters are seen by "
+                            "every element of the tensors)";
   if (getResults().empty())
     return emitOpError() << "expects at least one result";
-  auto shape = cast<RankedTensorType>(getInputs().front().getType()).getShape();
+  Type first = types.front();
+  auto shape = cast<RankedTensorType>(first).getShape();
   auto sameShape = [&](Type t) { return cast<RankedTensorType>(t).getShape() == shape; };
-  SmallVector<Type> types(getInputs().getTypes());
   llvm::append_range(types, getResults().getTypes());
   for (Type t : types)
     if (!sameShape(t))
-      return emitOpError() << "expects all inputs and results to have the same shape, got " << t
-                           << " and " << getInputs().front().getType();
+      return emitOpError() << "expects all tensor inputs and results to have the same shape, got "
+                           << t << " and " << first;
   for (Type t : types) {
     Type elem = cast<RankedTensorType>(t).getElementType();
     if (!elem.isF32() && !elem.isInteger(8))
@@ -292,7 +413,7 @@ LogicalResult MapOp::verifyRegions() {
     return emitOpError() << "expects the body to take " << getInputs().size()
                          << " scalar argument(s), got " << body.getNumArguments();
   for (auto [i, arg] : llvm::enumerate(body.getArguments())) {
-    Type expected = scalarTypeOf(cast<RankedTensorType>(getInputs()[i].getType()));
+    Type expected = scalarTypeOf(getInputs()[i].getType());
     if (arg.getType() != expected)
       return emitOpError() << "body argument #" << i << " must be " << expected << ", got "
                            << arg.getType();
@@ -305,12 +426,12 @@ LogicalResult MapOp::verifyRegions() {
                                << " value(s) but the map has " << getResults().size()
                                << " result(s)";
   for (auto [i, v] : llvm::enumerate(yield.getValues())) {
-    Type expected = scalarTypeOf(cast<RankedTensorType>(getResults()[i].getType()));
+    Type expected = scalarTypeOf(getResults()[i].getType());
     if (v.getType() != expected)
       return yield.emitOpError() << "value #" << i << " must be " << expected << ", got "
                                  << v.getType();
   }
-  return success();
+  return verifyScalarBlock(body);
 }
 
 LogicalResult MapOp::verifySymbolUses(SymbolTableCollection &symbolTable) {
@@ -326,16 +447,16 @@ LogicalResult MapOp::verifySymbolUses(SymbolTableCollection &symbolTable) {
   FunctionType type = fn.getFunctionType();
   SmallVector<Type> ins, outs;
   for (Type t : getInputs().getTypes())
-    ins.push_back(scalarTypeOf(cast<RankedTensorType>(t)));
+    ins.push_back(scalarTypeOf(t));
   for (Type t : getResults().getTypes())
-    outs.push_back(scalarTypeOf(cast<RankedTensorType>(t)));
+    outs.push_back(scalarTypeOf(t));
   if (type.getInputs() != ArrayRef<Type>(ins) || type.getResults() != ArrayRef<Type>(outs))
     return emitOpError() << "expects @" << *callee << " to have the scalar signature "
                          << FunctionType::get(getContext(), ins, outs) << ", got " << type;
   // A kernel inlines its scalar functions' calls: a cycle would loop forever (on the GPU, with
   // no way to interrupt it), so the callee's call graph must be acyclic.
   SmallVector<func::FuncOp> path;
-  llvm::DenseSet<Operation *> done;
+  llvm::SetVector<Operation *> done; // every function reachable from the callee, in visit order
   std::function<func::FuncOp(func::FuncOp)> findCycle = [&](func::FuncOp f) -> func::FuncOp {
     if (llvm::is_contained(path, f))
       return f;
@@ -366,6 +487,11 @@ LogicalResult MapOp::verifySymbolUses(SymbolTableCollection &symbolTable) {
     diag.attachNote(start.getLoc()) << "@" << start.getSymName() << " is defined here";
     return diag;
   }
+  // What the kernel inlines must be scalar code abp compiles, checked now rather than by the
+  // emitter after every pass has run.
+  for (Operation *reached : done)
+    if (failed(verifyScalarFunction(cast<func::FuncOp>(reached))))
+      return failure();
   return success();
 }
 

@@ -63,7 +63,7 @@ def Abp_OperatorOp : Abp_Op<"operator", [Symbol]> {
                        OptionalAttr<StrArrayAttr>:$params);
   let regions = (region SizedRegion<1>:$forward, SizedRegion<1>:$backward);
   let assemblyFormat = [{
-    $sym_name (`variants` $variants^)? attr-dict-with-keyword `forward` $forward `backward` $backward
+    $sym_name (`variants` $variants^)? attr-dict-with-keyword custom<Directions>($forward, $backward)
   }];
   let hasRegionVerifier = 1;
   let extraClassDeclaration = [{
@@ -101,9 +101,10 @@ def Abp_MapOp : Abp_Op<"map", [Pure,
   let description = [{
     The scalar function is either the op's body region (block arguments: one scalar per input,
     terminated by `abp.yield`) or a `func.func` named by `callee` with that signature. Bodies use
-    `arith`, `math` and `func.call`; they may capture `f32` operator parameters from the
-    enclosing region. Float tensors are seen as `f32` (the compute type; storage dtypes are chosen
-    per kernel launch); integer tensors carry codes.
+    the scalar operations of docs/dialect.md (arith, math, func.call). Float tensors are seen as
+    `f32` (the compute type; storage dtypes are chosen per kernel launch); integer tensors carry
+    codes. An operator parameter (`f32`, or `i64`) is either an input, which every element sees
+    as it is, or captured by a body from the enclosing region; at least one input is a tensor.
 
     Example:
     ```mlir
@@ -113,10 +114,11 @@ def Abp_MapOp : Abp_Op<"map", [Pure,
       %m = arith.mulf %u, %v : f32
       abp.yield %m : f32
     }
+    %s = abp.map @scale(%x, %slope) : (tensor<?xf32>, f32) -> tensor<?xf32>
     ```
   }];
   let arguments = (ins OptionalAttr<FlatSymbolRefAttr>:$callee,
-                       Variadic<AnyRankedTensor>:$inputs);
+                       Variadic<AnyTypeOf<[AnyRankedTensor, F32, I64]>>:$inputs);
   let results = (outs Variadic<AnyRankedTensor>:$results);
   let regions = (region MaxSizedRegion<1>:$body);
   let assemblyFormat = [{

@@ -157,6 +157,9 @@ int main(int argc, char **argv) {
     writeOutput(text, dumpDir + "/input.mlir");
   }
   if (emitLevel == Emit::Mlir) {
+    // "Verified" includes the module-level rules the pipeline's first pass checks.
+    if (failed(abp::verifyModuleContents(*module, "compiled")))
+      return 1;
     std::string text;
     llvm::raw_string_ostream os(text);
     module->print(os);

@@ -353,6 +353,15 @@ ABP_FN float fmin(float x, float y) { return ::fminf(x, y); }
 ABP_FN bool isnan(float x) { return ::isnan(x); }
 ABP_FN float floor(float x) { return ::floorf(x); }
 ABP_FN float cos(float x) { return ::cosf(x); }
+ABP_FN float sin(float x) { return ::sinf(x); }
+ABP_FN float ceil(float x) { return ::ceilf(x); }
+ABP_FN float trunc(float x) { return ::truncf(x); }
+ABP_FN float round(float x) { return ::roundf(x); }
+ABP_FN float roundeven(float x) { return ::rintf(x); }
+ABP_FN float copysign(float x, float y) { return ::copysignf(x, y); }
+ABP_FN float exp2(float x) { return ::exp2f(x); }
+ABP_FN float log2(float x) { return ::log2f(x); }
+ABP_FN float fmod(float x, float y) { return ::fmodf(x, y); }
 ABP_FN double erf(double x) { return ::erf(x); }
 ABP_FN double exp(double x) { return ::exp(x); }
 ABP_FN double expm1(double x) { return ::expm1(x); }
@@ -368,6 +377,15 @@ ABP_FN double fmin(double x, double y) { return ::fmin(x, y); }
 ABP_FN bool isnan(double x) { return ::isnan(x); }
 ABP_FN double floor(double x) { return ::floor(x); }
 ABP_FN double cos(double x) { return ::cos(x); }
+ABP_FN double sin(double x) { return ::sin(x); }
+ABP_FN double ceil(double x) { return ::ceil(x); }
+ABP_FN double trunc(double x) { return ::trunc(x); }
+ABP_FN double round(double x) { return ::round(x); }
+ABP_FN double roundeven(double x) { return ::rint(x); }
+ABP_FN double copysign(double x, double y) { return ::copysign(x, y); }
+ABP_FN double exp2(double x) { return ::exp2(x); }
+ABP_FN double log2(double x) { return ::log2(x); }
+ABP_FN double fmod(double x, double y) { return ::fmod(x, y); }
 #else
 ABP_FN float erf(float x) { return std::erf(x); }
 ABP_FN float exp(float x) { return std::exp(x); }
@@ -384,6 +402,16 @@ ABP_FN float fmin(float x, float y) { return std::fmin(x, y); }
 ABP_FN bool isnan(float x) { return std::isnan(x); }
 ABP_FN float floor(float x) { return std::floor(x); }
 ABP_FN float cos(float x) { return std::cos(x); }
+ABP_FN float sin(float x) { return std::sin(x); }
+ABP_FN float ceil(float x) { return std::ceil(x); }
+ABP_FN float trunc(float x) { return std::trunc(x); }
+ABP_FN float round(float x) { return std::round(x); }
+// rint rounds half to even in the default rounding mode, which abp never changes.
+ABP_FN float roundeven(float x) { return std::rint(x); }
+ABP_FN float copysign(float x, float y) { return std::copysign(x, y); }
+ABP_FN float exp2(float x) { return std::exp2(x); }
+ABP_FN float log2(float x) { return std::log2(x); }
+ABP_FN float fmod(float x, float y) { return std::fmod(x, y); }
 ABP_FN double erf(double x) { return std::erf(x); }
 ABP_FN double exp(double x) { return std::exp(x); }
 ABP_FN double expm1(double x) { return std::expm1(x); }
@@ -399,6 +427,15 @@ ABP_FN double fmin(double x, double y) { return std::fmin(x, y); }
 ABP_FN bool isnan(double x) { return std::isnan(x); }
 ABP_FN double floor(double x) { return std::floor(x); }
 ABP_FN double cos(double x) { return std::cos(x); }
+ABP_FN double sin(double x) { return std::sin(x); }
+ABP_FN double ceil(double x) { return std::ceil(x); }
+ABP_FN double trunc(double x) { return std::trunc(x); }
+ABP_FN double round(double x) { return std::round(x); }
+ABP_FN double roundeven(double x) { return std::rint(x); }
+ABP_FN double copysign(double x, double y) { return std::copysign(x, y); }
+ABP_FN double exp2(double x) { return std::exp2(x); }
+ABP_FN double log2(double x) { return std::log2(x); }
+ABP_FN double fmod(double x, double y) { return std::fmod(x, y); }
 #endif
 /// arith.fptoui, saturating: NaN and x <= 0 give 0, x >= U's maximum gives the maximum (C++'s
 /// conversion of an out-of-range float is undefined; LLVM's is poison).
@@ -413,6 +450,15 @@ template <typename U, typename F> ABP_FN U toUnsignedSat(F x) {
 #endif
   const F top = (F)(U)~(U)0;
   return !(x > (F)0) ? (U)0 : (x >= top ? (U)~(U)0 : (U)x);
+}
+/// arith.fptosi, saturating: NaN gives 0, x beyond S's range gives its minimum or maximum (C++
+/// and LLVM leave those undefined; torch's .to(int) is in range only).
+template <typename S, typename F> ABP_FN S toSignedSat(F x) {
+  const S top = (S)(((unsigned long long)1 << (8 * sizeof(S) - 1)) - 1);
+  const S bottom = (S)(-top - 1);
+  if (x != x)
+    return (S)0;
+  return x >= (F)top ? top : (x <= (F)bottom ? bottom : (S)x);
 }
 /// IEEE maximum/minimum (arith.maximumf/minimumf): NaN if either operand is NaN, and then that
 /// operand itself (no arithmetic, so the GPU and the CPU return the same NaN bits). Three

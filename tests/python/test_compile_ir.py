@@ -266,3 +266,45 @@ def test_uniform_in_an_elementwise_kernel_draws_philox_at_offset_plus_index() ->
     assert np.array_equal(y.numpy(), expected)
     (y2,), _ = _launch.forward(op, [torch.zeros(n)], [seed + 1, offset])
     assert not torch.equal(y, y2)
+
+
+SCALED_IR = """
+func.func private @leaky(%x: f32, %slope: f32) -> f32 {
+  %zero = arith.constant 0.0 : f32
+  %pos = arith.cmpf ogt, %x, %zero : f32
+  %s = arith.mulf %x, %slope : f32
+  %y = arith.select %pos, %x, %s : f32
+  return %y : f32
+}
+abp.operator @test_leaky_operand attributes {params = ["slope"]} forward {
+^bb0(%x: tensor<?xf32>, %slope: f32):
+  %y = abp.map @leaky(%x, %slope) : (tensor<?xf32>, f32) -> tensor<?xf32>
+  abp.return %y : tensor<?xf32> saves %x, %slope : tensor<?xf32>, f32
+} backward {
+^bb0(%x: tensor<?xf32>, %slope: f32, %dy: tensor<?xf32>):
+  %dx = abp.map(%x, %dy, %slope) : (tensor<?xf32>, tensor<?xf32>, f32) -> tensor<?xf32> {
+  ^bb0(%v: f32, %g: f32, %s: f32):
+    %zero = arith.constant 0.0 : f32
+    %pos = arith.cmpf ogt, %v, %zero : f32
+    %sg = arith.mulf %g, %s : f32
+    %r = arith.select %pos, %g, %sg : f32
+    abp.yield %r : f32
+  }
+  abp.return %dx : tensor<?xf32>
+}
+"""
+
+
+def test_a_parameter_can_be_a_map_operand() -> None:
+    # The slope reaches the callee as its scalar argument and the body as a block argument:
+    # no region capture needed.
+    compiler_or_skip()
+    if "test_leaky_operand" not in abp.operators():
+        abp.compile_operators(SCALED_IR, origin="scaled.mlir")
+    torch.manual_seed(0)
+    x = torch.randn(1001, requires_grad=True)
+    dy = torch.randn(1001)
+    y = abp.functional.apply("test_leaky_operand", x, (0.125,))
+    assert torch.equal(y, torch.where(x > 0, x, x * 0.125))
+    y.backward(dy)
+    assert torch.equal(x.grad, torch.where(x > 0, dy, dy * 0.125))

@@ -2,7 +2,7 @@
 // RUN: abp-opt %s -split-input-file -verify-diagnostics
 
 func.func private @f(%x: tensor<?xf32>, %y: tensor<4xf32>) -> tensor<?xf32> {
-  // expected-error @+1 {{expects all inputs and results to have the same shape}}
+  // expected-error @+1 {{expects all tensor inputs and results to have the same shape}}
   %r = abp.map(%x, %y) : (tensor<?xf32>, tensor<4xf32>) -> tensor<?xf32> {
   ^bb0(%a: f32, %b: f32):
     abp.yield %a : f32
@@ -194,6 +194,50 @@ func.func private @f(%x: tensor<?xf32>) -> tensor<?xf32> {
     abp.yield %a : f32
   ^bb1(%b: f32):
     abp.yield %b : f32
+  }
+  return %r : tensor<?xf32>
+}
+
+// -----
+
+func.func private @f(%s: f32) -> tensor<?xf32> {
+  // expected-error @+1 {{expects at least one tensor input (scalar parameters are seen by every element of the tensors)}}
+  %r = abp.map(%s) : (f32) -> tensor<?xf32> {
+  ^bb0(%a: f32):
+    abp.yield %a : f32
+  }
+  return %r : tensor<?xf32>
+}
+
+// -----
+
+func.func private @f(%x: tensor<?xf32>, %s: f32) -> tensor<?xf32> {
+  // expected-error @+1 {{body argument #1 must be 'f32', got 'i64'}}
+  %r = abp.map(%x, %s) : (tensor<?xf32>, f32) -> tensor<?xf32> {
+  ^bb0(%a: f32, %b: i64):
+    abp.yield %a : f32
+  }
+  return %r : tensor<?xf32>
+}
+
+// -----
+
+func.func private @g(%a: f32, %b: f32) -> f32 {
+  return %a : f32
+}
+func.func private @f(%x: tensor<?xf32>, %n: i64) -> tensor<?xf32> {
+  // expected-error @+1 {{expects @g to have the scalar signature '(f32, i64) -> f32', got '(f32, f32) -> f32'}}
+  %r = abp.map @g(%x, %n) : (tensor<?xf32>, i64) -> tensor<?xf32>
+  return %r : tensor<?xf32>
+}
+
+// -----
+
+func.func private @f(%x: tensor<?xf32>, %h: f16) -> tensor<?xf32> {
+  // expected-error @+1 {{operand #1 must be variadic of ranked tensor of any type values or 32-bit float or 64-bit signless integer, but got 'f16'}}
+  %r = abp.map(%x, %h) : (tensor<?xf32>, f16) -> tensor<?xf32> {
+  ^bb0(%a: f32, %b: f16):
+    abp.yield %a : f32
   }
   return %r : tensor<?xf32>
 }

@@ -2,9 +2,11 @@
 // RUN: abp-opt %s -split-input-file -verify-diagnostics
 
 // The two directions are separate scopes: backward can only reach forward values through
-// residuals, so a direct use does not even parse.
+// residuals, so a direct use does not even parse. The error names the value and says to save it
+// (MLIR's own is a bare "use of undeclared SSA value name"), with a note at the forward value.
 abp.operator @uses_forward_value forward {
 ^bb0(%x: tensor<?xf32>):
+  // expected-note @+1 {{'%y' in the forward region}}
   %y = abp.map(%x) : (tensor<?xf32>) -> tensor<?xf32> {
   ^bb0(%v: f32):
     abp.yield %v : f32
@@ -12,7 +14,7 @@ abp.operator @uses_forward_value forward {
   abp.return %y : tensor<?xf32>
 } backward {
 ^bb0(%dy: tensor<?xf32>):
-  // expected-error @+1 {{use of undeclared SSA value name}}
+  // expected-error @+1 {{'%y' is a value of the forward region, which backward cannot see: only residuals cross. Save it (`abp.return ... saves %y : <type>`) and take it as a backward block argument, before the output gradients}}
   %dx = abp.map(%y, %dy) : (tensor<?xf32>, tensor<?xf32>) -> tensor<?xf32> {
   ^bb0(%a: f32, %b: f32):
     %m = arith.mulf %a, %b : f32
@@ -164,4 +166,16 @@ abp.operator @"my-op" forward {
 } backward {
 ^bb0(%dy: tensor<?xf32>):
   abp.return %dy : tensor<?xf32>
+}
+
+// -----
+
+// A name defined nowhere is still MLIR's own error.
+abp.operator @op forward {
+^bb0(%x: tensor<?xf32>):
+  abp.return %x : tensor<?xf32>
+} backward {
+^bb0(%dy: tensor<?xf32>):
+  // expected-error @+1 {{use of undeclared SSA value name}}
+  abp.return %nowhere : tensor<?xf32>
 }

@@ -70,3 +70,35 @@ abp.operator @id forward {
 ^bb0(%dy: tensor<?xf32>):
   abp.return %dy : tensor<?xf32>
 }
+
+// -----
+
+// A parameter given to a map as an input (not captured) is a #abp.scalar argument as well; the
+// callee receives it as its scalar argument.
+// CHECK-LABEL: abp.kernel @scaled_fwd
+// CHECK-SAME: ins = [#abp.dense, #abp.scalar], outs = [#abp.dense]
+// CHECK: ^bb0(%[[X:.*]]: f32, %[[S:.*]]: f32):
+// CHECK: %[[Y:.*]] = func.call @scale(%[[X]], %[[S]]) : (f32, f32) -> f32
+// CHECK: abp.yield %[[Y]] : f32
+// CHECK-LABEL: abp.kernel @scaled_bwd
+// CHECK-SAME: ins = [#abp.dense, #abp.scalar], outs = [#abp.dense]
+// CHECK: ^bb0(%[[G:.*]]: f32, %[[T:.*]]: f32):
+// CHECK: %[[D:.*]] = arith.mulf %[[G]], %[[T]] : f32
+// CHECK: abp.yield %[[D]] : f32
+func.func private @scale(%x: f32, %s: f32) -> f32 {
+  %y = arith.mulf %x, %s : f32
+  return %y : f32
+}
+abp.operator @scaled attributes {params = ["slope"]} forward {
+^bb0(%x: tensor<?xf32>, %s: f32):
+  %y = abp.map @scale(%x, %s) : (tensor<?xf32>, f32) -> tensor<?xf32>
+  abp.return %y : tensor<?xf32> saves %s : f32
+} backward {
+^bb0(%s: f32, %dy: tensor<?xf32>):
+  %dx = abp.map(%dy, %s) : (tensor<?xf32>, f32) -> tensor<?xf32> {
+  ^bb0(%g: f32, %t: f32):
+    %d = arith.mulf %g, %t : f32
+    abp.yield %d : f32
+  }
+  abp.return %dx : tensor<?xf32>
+}

@@ -23,3 +23,12 @@ func.func private @f(%y: f32) -> f32 {
 func.func private @act.floor(%z: f32) -> f32 {
   return %z : f32
 }
+
+// -----
+
+// Emitted although nothing calls it, so its body is checked as a called one would be.
+func.func private @unused(%z: f32) -> f32 {
+  // expected-error @+1 {{'math.atan' op is not a scalar operation abp compiles into kernels}}
+  %a = math.atan %z : f32
+  return %a : f32
+}
