@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from . import _custom_ops, _lib, autograd, cache, compress, functional, memory, nn, sampling, vcas
+from . import _custom_ops, _lib, author, autograd, buckets, cache, compress, functional, memory, nn, sampling, vcas
 from . import convert as convert_  # the module (RECIPES, Change); `abp.convert` is the function
 from .compress import compress_saved
 from ._guard import DivergenceError, DivergenceWarning
@@ -31,7 +31,9 @@ __all__ = [
     "convert_",
     "CompileError",
     "Status",
+    "author",
     "autograd",
+    "buckets",
     "cache",
     "compress",
     "compress_saved",

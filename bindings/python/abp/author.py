@@ -1,0 +1,416 @@
+"""Authoring elementwise operators in Python: traced functions become abp IR (docs/python.md).
+
+    from abp.author import operator, where, exp, log1p, tanh, quantize, dequantize
+
+    @operator(params=("slope",))
+    def my_leaky(x, slope):
+        positive = x > 0                      # a mask: saved with 1 bit if backward uses it
+        y = where(positive, x, x * slope)
+        def backward(dy):
+            return where(positive, dy, dy * slope)
+        return y, backward
+
+    y = my_leaky(torch.randn(10, requires_grad=True), 0.1)   # autograd-capable
+    print(my_leaky.ir, my_leaky.saved_bits)
+
+The decorated function runs once, on traced values, and its operations are written out as an
+`abp.operator` (IR text: the IR stays the single source of truth), compiled by
+`abp.compile_operators` (the run-time compiler and its cache) and then run like any operator of
+the library. What crosses from forward to backward is whatever the backward closure uses of the
+forward values: a float tensor is saved whole (32 bits per element), a mask packed to 1 bit,
+`quantize`'s codes with their b bits, a parameter as one scalar. Every op carries the Python
+file and line that traced it, so compiler diagnostics point at the user's code.
+
+This slice covers elementwise operators (any number of tensor inputs and outputs, `f32`
+parameters); row reductions are written in IR for now (docs/dialect.md).
+"""
+from __future__ import annotations
+
+import math
+import os
+import struct
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from . import _bucket_solver
+from ._errors import AbpError, Status
+
+__all__ = ["operator", "Operator", "where", "quantize", "dequantize", "maximum", "minimum",
+           "exp", "exp2", "expm1", "log", "log1p", "log2", "tanh", "erf", "sqrt", "rsqrt", "abs",
+           "sin", "cos", "floor", "ceil", "trunc", "round", "sigmoid"]
+
+_TENSOR = "tensor<?xf32>"
+_MASK = "tensor<?xi8>"
+
+
+def _user_location() -> str:
+    """`loc("file":line:1)` of the innermost frame outside abp: where the user traced this op."""
+    frame = sys._getframe(1)
+    here = os.path.dirname(os.path.abspath(__file__))
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == here:
+        frame = frame.f_back
+    if frame is None:
+        return ""
+    path = frame.f_code.co_filename.replace("\\", "\\\\").replace('"', '\\"')
+    return f' loc("{path}":{frame.f_lineno}:1)'
+
+
+class AuthoringError(AbpError):
+    def __init__(self, message: str) -> None:
+        frame = sys._getframe(1)
+        here = os.path.dirname(os.path.abspath(__file__))
+        while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == here:
+            frame = frame.f_back
+        where_ = f"{frame.f_code.co_filename}:{frame.f_lineno}: " if frame is not None else ""
+        super().__init__(Status.INVALID_ARGUMENT, where_ + message)
+
+
+@dataclass
+class _Region:
+    """One direction being traced: its IR lines and fresh SSA names."""
+
+    prefix: str
+    lines: List[str] = field(default_factory=list)
+    count: int = 0
+
+    def fresh(self) -> str:
+        self.count += 1
+        return f"%{self.prefix}{self.count}"
+
+
+class Value:
+    """A traced value: a float tensor, a mask (a comparison), b-bit codes, or an f32 parameter."""
+
+    def __init__(self, trace: "_Trace", region: _Region, name: str, kind: str,
+                 bits: int = 0, scheme: str = "") -> None:
+        self.trace, self.region, self.name, self.kind = trace, region, name, kind
+        self.bits, self.scheme = bits, scheme
+
+    @property
+    def type(self) -> str:
+        return {"tensor": _TENSOR, "mask": _MASK, "param": "f32"}.get(
+            self.kind, f"!abp.codes<{self.bits}>")
+
+    # Python operators: arithmetic on tensors and parameters, comparisons give masks.
+    def __add__(self, other: Any) -> "Value": return _binary("arith.addf", self, other)
+    def __radd__(self, other: Any) -> "Value": return _binary("arith.addf", other, self)
+    def __sub__(self, other: Any) -> "Value": return _binary("arith.subf", self, other)
+    def __rsub__(self, other: Any) -> "Value": return _binary("arith.subf", other, self)
+    def __mul__(self, other: Any) -> "Value": return _binary("arith.mulf", self, other)
+    def __rmul__(self, other: Any) -> "Value": return _binary("arith.mulf", other, self)
+    def __truediv__(self, other: Any) -> "Value": return _binary("arith.divf", self, other)
+    def __rtruediv__(self, other: Any) -> "Value": return _binary("arith.divf", other, self)
+    def __neg__(self) -> "Value": return _unary("arith.negf", self)
+    def __pow__(self, other: Any) -> "Value": return _binary("math.powf", self, other)
+    def __gt__(self, other: Any) -> "Value": return _compare("ogt", self, other)
+    def __ge__(self, other: Any) -> "Value": return _compare("oge", self, other)
+    def __lt__(self, other: Any) -> "Value": return _compare("olt", self, other)
+    def __le__(self, other: Any) -> "Value": return _compare("ole", self, other)
+    def __bool__(self) -> bool:
+        raise AuthoringError("a traced value has no truth value while tracing (it is known only "
+                             "per element at run time): use abp.author.where(mask, a, b)")
+    __hash__ = object.__hash__
+
+
+@dataclass
+class _Trace:
+    forward: _Region = field(default_factory=lambda: _Region("f"))
+    backward: _Region = field(default_factory=lambda: _Region("b"))
+    # forward value name -> (the forward value saved, its backward block argument, that type)
+    residuals: Dict[str, Tuple[str, Value]] = field(default_factory=dict)
+    current: Optional[_Region] = None
+
+    def arrive(self, value: Value) -> Value:
+        """`value` as seen by the region being traced: a forward value used in backward becomes
+        a residual (masks are packed to 1 bit on the way)."""
+        assert self.current is not None
+        if value.region is self.current or self.current is self.forward:
+            if value.region is not self.current:
+                raise AuthoringError("a backward value is used in forward")
+            return value
+        if value.name not in self.residuals:
+            saved, kind, bits = value.name, value.kind, value.bits
+            if value.kind == "mask":  # an i8 tensor cannot be a residual: store it with 1 bit
+                saved = self.forward.fresh()
+                self.forward.lines.append(f"  {saved} = abp.pack {value.name} : {_MASK} -> "
+                                          f"!abp.codes<1>")
+                kind, bits = "codes", 1
+            arg = Value(self, self.backward, f"%r{len(self.residuals)}", kind, bits, value.scheme)
+            self.residuals[value.name] = (saved, arg)
+        saved, arg = self.residuals[value.name]
+        if value.kind != "mask":
+            return arg
+        mask = Value(self, self.backward, self.backward.fresh(), "mask")
+        self.backward.lines.append(f"  {mask.name} = abp.unpack {arg.name} : !abp.codes<1> -> "
+                                   f"{_MASK}")
+        return mask
+
+
+def _float(value: float) -> str:
+    if not math.isfinite(value):
+        raise AuthoringError(f"the constant {value!r} is not finite")
+    return _bucket_solver.mlir_float(value)
+
+
+def _map(results_kind: str, operands: Sequence[Any], body: Callable[[List[str]], Tuple[List[str], str]],
+         mask_at: int = -1) -> Value:
+    """One `abp.map` over the traced operands (Python numbers become constants in its body);
+    `body(scalar names)` returns the body's lines and its result. Only operand `mask_at` may be a
+    mask."""
+    trace = next(v.trace for v in operands if isinstance(v, Value))
+    region = trace.current
+    assert region is not None
+    inputs: List[Value] = []
+    scalars: List[str] = []
+    lines: List[str] = []
+    for position, v in enumerate(operands):
+        if isinstance(v, Value):
+            if v.kind == "codes":
+                raise AuthoringError("codes of abp.author.quantize are read by dequantize, not "
+                                     "used in arithmetic")
+            if (v.kind == "mask") != (position == mask_at):
+                raise AuthoringError("a mask (a comparison) selects, it is not a number: use "
+                                     "where(mask, a, b)" if v.kind == "mask" else
+                                     "where: expected a mask (a comparison of traced values) first")
+            v = trace.arrive(v)
+            inputs.append(v)
+            scalars.append(f"%s{len(scalars)}")
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            name = f"%k{len(lines)}"
+            lines.append(f"    {name} = arith.constant {_float(float(v))} : f32")
+            scalars.append(name)
+        else:
+            raise AuthoringError(f"expected a traced value or a number, got {type(v).__name__}")
+    if not any(v.kind in ("tensor", "mask") for v in inputs):
+        raise AuthoringError("an elementwise operation needs at least one tensor operand")
+    body_lines, result = body(scalars)
+    args = ", ".join(f"{s}: {'i8' if v.kind == 'mask' else 'f32'}"
+                     for s, v in zip([s for s in scalars if s.startswith("%s")], inputs))
+    out = Value(trace, region, region.fresh(), results_kind)
+    operand_types = ", ".join(v.type for v in inputs)
+    result_type = _MASK if results_kind == "mask" else _TENSOR
+    region.lines.append(
+        f"  {out.name} = abp.map({', '.join(v.name for v in inputs)}) : ({operand_types}) -> "
+        f"{result_type} {{\n  ^bb0({args}):\n" + "\n".join(lines + body_lines) +
+        f"\n    abp.yield {result} : {'i8' if results_kind == 'mask' else 'f32'}\n  }}"
+        + _user_location())
+    return out
+
+
+def _unary(op: str, x: Any) -> Value:
+    return _map("tensor", [x], lambda s: ([f"    %r = {op} {s[0]} : f32"], "%r"))
+
+
+def _binary(op: str, a: Any, b: Any) -> Value:
+    return _map("tensor", [a, b], lambda s: ([f"    %r = {op} {s[0]}, {s[1]} : f32"], "%r"))
+
+
+def _compare(predicate: str, a: Any, b: Any) -> Value:
+    return _map("mask", [a, b], lambda s: ([f"    %c = arith.cmpf {predicate}, {s[0]}, {s[1]} : f32",
+                                            "    %r = arith.extui %c : i1 to i8"], "%r"))
+
+
+def where(mask: Value, a: Any, b: Any) -> Value:
+    """a where mask holds, else b (elementwise)."""
+    if not (isinstance(mask, Value) and mask.kind == "mask"):
+        raise AuthoringError("where: expected a mask (a comparison of traced values) first")
+    return _map("tensor", [mask, a, b], lambda s: (
+        ["    %z = arith.constant 0 : i8", f"    %c = arith.cmpi ne, {s[0]}, %z : i8",
+         f"    %r = arith.select %c, {s[1]}, {s[2]} : f32"], "%r"), mask_at=0)
+
+
+def maximum(a: Any, b: Any) -> Value:
+    """Elementwise maximum (NaN if either is NaN)."""
+    return _binary("arith.maximumf", a, b)
+
+
+def minimum(a: Any, b: Any) -> Value:
+    """Elementwise minimum (NaN if either is NaN)."""
+    return _binary("arith.minimumf", a, b)
+
+
+def _math(op: str) -> Callable[[Any], Value]:
+    def f(x: Any) -> Value:
+        return _unary(op, x)
+    f.__name__ = op.split(".")[1]
+    f.__doc__ = f"Elementwise `{op}` (docs/dialect.md#scalar-operations)."
+    return f
+
+
+exp, exp2, expm1 = _math("math.exp"), _math("math.exp2"), _math("math.expm1")
+log, log1p, log2 = _math("math.log"), _math("math.log1p"), _math("math.log2")
+tanh, erf, sqrt, rsqrt = _math("math.tanh"), _math("math.erf"), _math("math.sqrt"), _math("math.rsqrt")
+abs, sin, cos = _math("math.absf"), _math("math.sin"), _math("math.cos")
+floor, ceil, trunc, round = (_math("math.floor"), _math("math.ceil"), _math("math.trunc"),
+                             _math("math.roundeven"))
+
+
+def sigmoid(x: Any) -> Value:
+    """1 / (1 + exp(−x))."""
+    return 1.0 / (1.0 + exp(-x))
+
+
+def _scheme(table: Any) -> Tuple[str, int]:
+    borders, levels = getattr(table, "borders", None), getattr(table, "levels", None)
+    if borders is None and isinstance(table, tuple) and len(table) == 2:
+        borders, levels = table
+    if borders is None:
+        raise AuthoringError("expected a bucket table: abp.buckets.fit_buckets(...)'s result, or "
+                             "(borders, levels)")
+    borders, levels = [float(t) for t in borders], [float(v) for v in levels]
+    bits = int(math.log2(len(levels))) if levels else 0
+    if not 1 <= bits <= 8 or len(levels) != 2 ** bits or len(borders) != len(levels) - 1:
+        raise AuthoringError(f"a bucket table has 2^b levels (b in 1..8) and one border fewer, got "
+                             f"{len(borders)} borders and {len(levels)} levels")
+    as_f32 = [struct.unpack("f", struct.pack("f", t))[0] for t in borders]
+    if any(b <= a for a, b in zip(as_f32, as_f32[1:])):
+        raise AuthoringError(f"a bucket table's borders must increase strictly in fp32, got "
+                             f"{borders}")
+    text = (f"#abp.buckets<borders = [{', '.join(_float(t) for t in borders)}], "
+            f"levels = [{', '.join(_float(v) for v in levels)}]>")
+    return text, bits
+
+
+def quantize(x: Value, table: Any) -> Value:
+    """The bucket codes #{borders < x} of `x`, stored with log2(len(levels)) bits per element."""
+    if not (isinstance(x, Value) and x.kind == "tensor"):
+        raise AuthoringError("quantize: expected a traced float tensor")
+    scheme, bits = _scheme(table)
+    x = x.trace.arrive(x)
+    region = x.region
+    out = Value(x.trace, region, region.fresh(), "codes", bits, scheme)
+    region.lines.append(f"  {out.name} = abp.quantize {x.name} {{scheme = {scheme}}} : {_TENSOR} "
+                        f"-> !abp.codes<{bits}>" + _user_location())
+    return out
+
+
+def dequantize(codes: Value, table: Optional[Any] = None) -> Value:
+    """levels[code] for each element (the table `quantize` used, unless another is given)."""
+    if not (isinstance(codes, Value) and codes.kind == "codes"):
+        raise AuthoringError("dequantize: expected the codes of abp.author.quantize")
+    scheme = _scheme(table)[0] if table is not None else codes.scheme
+    codes = codes.trace.arrive(codes)
+    region = codes.region
+    out = Value(codes.trace, region, region.fresh(), "tensor")
+    region.lines.append(f"  {out.name} = abp.dequantize {codes.name} {{scheme = {scheme}}} : "
+                        f"!abp.codes<{codes.bits}> -> {_TENSOR}" + _user_location())
+    return out
+
+
+class Operator:
+    """A compiled operator written in Python: call it on tensors (and float parameters)."""
+
+    def __init__(self, name: str, ir: str, inputs: int, params: Tuple[str, ...]) -> None:
+        self.name, self.ir, self.inputs, self.params = name, ir, inputs, params
+
+    def __call__(self, *args: Any) -> Any:
+        from . import functional
+        from .autograd import OperatorFunction
+
+        if len(args) != self.inputs + len(self.params):
+            raise TypeError(f"{self.name}: expected {self.inputs} tensor(s) and parameters "
+                            f"{list(self.params)}, got {len(args)} argument(s)")
+        tensors, params = args[:self.inputs], tuple(float(p) for p in args[self.inputs:])
+        if self.inputs == 1:  # the torch.library op under torch.compile, as library operators
+            return functional.apply(self.name, tensors[0], params)
+        return OperatorFunction.apply(self.name, params, None, *tensors)
+
+    def _inspect(self) -> Dict[str, Any]:
+        from . import inspect
+        return inspect(self.name)
+
+    @property
+    def cuda(self) -> str:
+        """The generated CUDA C++ (the CPU path is built from the same text)."""
+        return str(self._inspect()["source"])
+
+    @property
+    def manifest(self) -> Dict[str, Any]:
+        """The operator's manifest record (kernels, arguments, residuals)."""
+        return dict(self._inspect()["operator"])
+
+    @property
+    def saved_bits(self) -> int:
+        """Bits kept per element between forward and backward."""
+        return int(self.manifest["saved_bits_per_element"])
+
+
+def operator(fn: Optional[Callable[..., Any]] = None, *, name: Optional[str] = None,
+             params: Sequence[str] = ()) -> Any:
+    """Traces `fn(*tensors, *params) -> (outputs, backward)` into an abp operator and compiles it.
+
+    `fn` takes its tensor inputs, then one float per name in `params`; it returns its output (or
+    a tuple of outputs) and `backward`, a function of one gradient per output that returns one
+    gradient per tensor input. Use as `@operator` or `@operator(name=..., params=(...))`.
+    """
+    if fn is None:
+        return lambda f: operator(f, name=name, params=params)
+    return _build(fn, name or fn.__name__, tuple(params))
+
+
+def _build(fn: Callable[..., Any], name: str, params: Tuple[str, ...]) -> Operator:
+    import inspect as pyinspect
+
+    from . import compile_operators, operators
+
+    arity = len(pyinspect.signature(fn).parameters)
+    inputs = arity - len(params)
+    if inputs < 1:
+        raise AuthoringError(f"{name}: takes {arity} argument(s) but names {len(params)} "
+                             f"parameter(s); at least one tensor input comes first")
+    trace = _Trace()
+    trace.current = trace.forward
+    xs = [Value(trace, trace.forward, f"%x{i}", "tensor") for i in range(inputs)]
+    ps = [Value(trace, trace.forward, f"%p{i}", "param") for i in range(len(params))]
+    returned = fn(*xs, *ps)
+    if not (isinstance(returned, tuple) and len(returned) == 2 and callable(returned[1])):
+        raise AuthoringError(f"{name}: expected `return outputs, backward`")
+    outputs, backward = returned
+    outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+    for out in outputs:
+        if not (isinstance(out, Value) and out.kind == "tensor" and out.region is trace.forward):
+            raise AuthoringError(f"{name}: outputs are traced float tensors of the forward")
+    trace.current = trace.backward
+    grads = [Value(trace, trace.backward, f"%g{i}", "tensor") for i in range(len(outputs))]
+    returned_grads = backward(*grads)
+    returned_grads = (list(returned_grads) if isinstance(returned_grads, (tuple, list))
+                      else [returned_grads])
+    if len(returned_grads) != inputs:
+        raise AuthoringError(f"{name}: backward returns {len(returned_grads)} gradient(s) for "
+                             f"{inputs} tensor input(s)")
+    dxs = [trace.arrive(g) if isinstance(g, Value) else g for g in returned_grads]
+    for g in dxs:
+        if not (isinstance(g, Value) and g.kind == "tensor"):
+            raise AuthoringError(f"{name}: backward returns traced float tensors")
+
+    saved = list(trace.residuals.values())
+    fwd_args = [f"{x.name}: {_TENSOR}" for x in xs] + [f"{p.name}: f32" for p in ps]
+    saves = (f" saves {', '.join(s for s, _ in saved)} : {', '.join(a.type for _, a in saved)}"
+             if saved else "")
+    bwd_args = [f"{a.name}: {a.type}" for _, a in saved] + [f"{g.name}: {_TENSOR}" for g in grads]
+    attrs = (f" attributes {{params = [{', '.join(repr(p).replace(chr(39), chr(34)) for p in params)}]}}"
+             if params else "")
+    ir = "\n".join(
+        [f"abp.operator @{name}{attrs} forward {{", f"^bb0({', '.join(fwd_args)}):"]
+        + trace.forward.lines
+        + [f"  abp.return {', '.join(o.name for o in outputs)} : "
+           f"{', '.join(_TENSOR for _ in outputs)}{saves}", "} backward {",
+           f"^bb0({', '.join(bwd_args)}):"]
+        + trace.backward.lines
+        + [f"  abp.return {', '.join(g.name for g in dxs)} : {', '.join(_TENSOR for _ in dxs)}",
+           "}", ""])
+    compiled = _compiled_ir.get(name)
+    if compiled is None:
+        if name in operators():
+            raise AbpError(Status.INVALID_ARGUMENT, f"operator name {name!r} is already taken; "
+                           "pass name=...")
+        compile_operators(ir, origin=f"{fn.__code__.co_filename}:{fn.__code__.co_firstlineno}")
+        _compiled_ir[name] = ir
+    elif compiled != ir:
+        raise AbpError(Status.INVALID_ARGUMENT, f"operator {name!r} was compiled from other IR in "
+                       "this process; pass another name=...")
+    return Operator(name, ir, inputs, params)
+
+
+_compiled_ir: Dict[str, str] = {}

@@ -1,0 +1,172 @@
+"""abp.author: operators written as traced Python functions (docs/python.md).
+
+Each operator is traced into abp IR, compiled at run time and run; forward must equal the
+maths, backward the derivative the function defines, and what is saved the residuals the
+backward closure uses (a mask at 1 bit, codes at b bits, a parameter as a scalar, a float tensor
+whole). Mistakes are AbpErrors that name the user's file and line.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import abp
+from abp import _custom_ops
+from abp.author import (AuthoringError, dequantize, exp, log1p, operator, quantize, tanh, where)
+from abp.buckets import fit_buckets
+from abp_reference import compiler_or_skip
+
+_names = itertools.count()
+
+
+def fresh(stem: str) -> str:
+    return f"test_author_{stem}_{next(_names)}"
+
+
+@pytest.fixture(autouse=True)
+def _compiler() -> None:
+    compiler_or_skip()
+
+
+def test_a_parameter_and_a_mask_saved_with_one_bit() -> None:
+    @operator(name=fresh("leaky"), params=("slope",))
+    def leaky(x, slope):
+        positive = x > 0
+        y = where(positive, x, x * slope)
+
+        def backward(dy):
+            return where(positive, dy, dy * slope)
+        return y, backward
+
+    torch.manual_seed(0)
+    x = torch.randn(3001, requires_grad=True)
+    dy = torch.randn(3001)
+    y = leaky(x, 0.125)
+    assert torch.equal(y, torch.where(x > 0, x, x * 0.125))
+    y.backward(dy)
+    assert torch.equal(x.grad, torch.where(x > 0, dy, dy * 0.125))
+    assert leaky.saved_bits == 1
+    assert sorted(r["kind"] for r in leaky.manifest["residuals"]) == ["codes", "scalar"]
+    assert leaky.manifest["params"] == ["slope"]
+    assert f"abp_{leaky.name}_bwd" in leaky.cuda
+
+
+def mish_derivative(v: torch.Tensor) -> torch.Tensor:
+    t = torch.tanh(torch.nn.functional.softplus(v))
+    return t + v * torch.sigmoid(v) * (1 - t * t)
+
+
+def test_a_fitted_table_gives_a_two_bit_mish() -> None:
+    table = fit_buckets(mish_derivative, 2)
+
+    @operator(name=fresh("mish"))
+    def mish(x):
+        codes = quantize(x, table)
+
+        def backward(dy):
+            return dequantize(codes) * dy
+        return x * tanh(log1p(exp(x))), backward
+
+    torch.manual_seed(1)
+    x = (torch.randn(2049) * 3).requires_grad_(True)
+    dy = torch.randn(2049)
+    y = mish(x)
+    torch.testing.assert_close(y, torch.nn.functional.mish(x), rtol=2e-6, atol=2e-6)
+    y.backward(dy)
+    assert torch.equal(x.grad, table(x.detach()) * dy)
+    assert mish.saved_bits == 2
+
+
+def test_two_inputs_save_what_backward_reads() -> None:
+    @operator(name=fresh("mul"))
+    def mul(a, b):
+        def backward(g):
+            return g * b, g * a
+        return a * b, backward
+
+    a = torch.randn(500, requires_grad=True)
+    b = torch.randn(500, requires_grad=True)
+    g = torch.randn(500)
+    mul(a, b).backward(g)
+    assert torch.equal(a.grad, g * b.detach()) and torch.equal(b.grad, g * a.detach())
+    assert mul.saved_bits == 64  # both inputs, whole
+
+
+def test_the_ir_carries_the_python_lines_that_traced_it() -> None:
+    @operator(name=fresh("double"))
+    def double(x):
+        return x * 2.0, lambda dy: dy * 2.0  # this line traces both directions
+
+    assert f'loc("{__file__}":' in double.ir
+    assert double.saved_bits == 0
+
+
+def _authoring_error_at_this_file(build) -> str:
+    with pytest.raises(AuthoringError) as info:
+        build()
+    assert f"{__file__}:" in str(info.value)
+    return str(info.value)
+
+
+def test_mistakes_name_the_line_and_say_what_to_do() -> None:
+    def branch():
+        @operator(name=fresh("branch"))
+        def f(x):
+            if x > 0:
+                return x, lambda dy: dy
+            return -x, lambda dy: -dy
+
+    assert "use abp.author.where" in _authoring_error_at_this_file(branch)
+
+    def mask_arithmetic():
+        @operator(name=fresh("mask"))
+        def f(x):
+            return (x > 0) * x, lambda dy: dy
+
+    assert "a mask (a comparison) selects" in _authoring_error_at_this_file(mask_arithmetic)
+
+    def codes_arithmetic():
+        @operator(name=fresh("codes"))
+        def f(x):
+            return quantize(x, ([0.0], [0.0, 1.0])) * 2.0, lambda dy: dy
+
+    assert "read by dequantize" in _authoring_error_at_this_file(codes_arithmetic)
+
+    def gradient_count():
+        @operator(name=fresh("grads"))
+        def f(a, b):
+            return a * b, lambda g: g
+
+    assert "backward returns 1 gradient(s) for 2 tensor input(s)" in \
+        _authoring_error_at_this_file(gradient_count)
+
+    def bad_table():
+        @operator(name=fresh("table"))
+        def f(x):
+            codes = quantize(x, ([0.5, 0.5, 1.0], [0.0, 0.1, 0.2, 0.3]))
+            return x, lambda dy: dequantize(codes) * dy
+
+    assert "increase strictly in fp32" in _authoring_error_at_this_file(bad_table)
+
+
+def test_a_library_name_is_refused() -> None:
+    with pytest.raises(abp.AbpError, match="'gelu_b2' is already taken"):
+        @operator(name="gelu_b2")
+        def f(x):
+            return x, lambda dy: dy
+
+
+@pytest.mark.skipif(not _custom_ops.supported_torch(), reason="torch.library needs torch >= 2.4")
+def test_it_compiles_without_graph_breaks() -> None:
+    @operator(name=fresh("square"))
+    def square(x):
+        def backward(dy):
+            return 2.0 * x * dy
+        return x * x, backward
+
+    x = torch.randn(64, requires_grad=True)
+    compiled = torch.compile(lambda t: square(t).sum(), backend="aot_eager", fullgraph=True)
+    compiled(x).backward()
+    assert torch.equal(x.grad, 2.0 * x.detach())
