@@ -170,3 +170,33 @@ def test_it_compiles_without_graph_breaks() -> None:
     compiled = torch.compile(lambda t: square(t).sum(), backend="aot_eager", fullgraph=True)
     compiled(x).backward()
     assert torch.equal(x.grad, 2.0 * x.detach())
+
+
+def test_regelu2_written_in_python_matches_the_library_operator_bit_for_bit() -> None:
+    # The library's table, read from ops/lowmembp/regelu2.mlir itself (fp64 text, as there).
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "ops/lowmembp/regelu2.mlir").read_text()
+    borders, levels = (
+        [float(v) for v in re.search(rf"{key} = \[([^\]]*)\]", text).group(1).split(",")]
+        for key in ("borders", "levels"))
+    from abp.author import erf
+
+    @operator(name=fresh("regelu2"))
+    def regelu2(x):
+        codes = quantize(x, (borders, levels))
+        y = x * 0.5 * (erf(x * 0.707106781186547524) + 1.0)  # the library's order of operations
+        return y, lambda dy: dequantize(codes) * dy
+
+    torch.manual_seed(2)
+    x = torch.randn(10007) * 3
+    x[:5] = torch.tensor([float(borders[0]), float(borders[1]), float(borders[2]), 0.0, -0.0])
+    dy = torch.randn(10007)
+    mine, theirs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y_mine, y_theirs = regelu2(mine), abp.functional.regelu2(theirs)
+    assert torch.equal(y_mine, y_theirs)
+    y_mine.backward(dy)
+    y_theirs.backward(dy)
+    assert torch.equal(mine.grad, theirs.grad)
+    assert regelu2.saved_bits == abp.inspect("regelu2")["operator"]["saved_bits_per_element"] == 2
