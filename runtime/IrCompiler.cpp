@@ -115,10 +115,12 @@ std::string irRoot() {
   return chosen;
 }
 
-/// The SHA-256 of an entry's manifest and host library (what the runtime loads from it).
+/// The SHA-256 of an entry's manifest and host library (what the runtime loads from it) and of
+/// its IR (what abp.inspect shows): an entry without its IR, as older versions wrote, is rebuilt.
 std::string entryDigest(const std::string &dir, const std::string &stem) {
   return Sha256::hex(readFile(dir + "/" + stem + ".json") + '\0' +
-                     readFile(dir + "/" + stem + ".host.so"));
+                     readFile(dir + "/" + stem + ".host.so") + '\0' +
+                     readFile(dir + "/" + stem + ".mlir"));
 }
 
 /// Whether a cached entry is complete and unchanged since it was written.
@@ -207,6 +209,7 @@ std::string compileIrToKernelDir(const std::string &irText, const std::string &o
   makeDirectories(tmp);
   try {
     writeFileSynced(tmp + "/" + stem + ".cu", source.str());
+    writeFileSynced(tmp + "/" + stem + ".mlir", irText); // what abp.inspect shows as the IR
     compileHostLibrary(stem, source.str(), tmp + "/" + stem + ".host.so");
     writeFileSynced(tmp + "/" + stem + ".json", manifest.str());
     writeFileSynced(tmp + "/" + stem + ".sha256", entryDigest(tmp, stem)); // last: marks it complete

@@ -58,6 +58,7 @@ def test_inspect_shows_the_compiled_operator(cube: str) -> None:
     info = abp.inspect(cube)
     assert Path(info["manifest_path"]).parent != abp.kernel_dir()
     assert info["operator"]["name"] == cube and "abp_test_cube" in info["source"]
+    assert info["ir"] == CUBE_IR  # the text it was compiled from
 
 
 def test_forward_is_the_ir_function(cube: str) -> None:
@@ -94,7 +95,8 @@ def test_bad_ir_reports_origin_line_and_column() -> None:
     with pytest.raises(AbpError) as info:
         abp.compile_operators(bad, origin="model.py:42")
     assert info.value.status == Status.COMPILE
-    assert "model.py:42:2:" in str(info.value)
+    # The caller's file:line, then the place inside the IR text, without a run of colons.
+    assert "model.py:42: IR line 2, column " in str(info.value)
     assert "power-of-two number of levels" in str(info.value)
 
 

@@ -12,6 +12,7 @@ build of the generated kernels; CUDA tensors run the same source compiled by NVR
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -84,7 +85,8 @@ def inspect(op_name: str) -> Dict[str, Any]:
       launches); ``manifest_path`` and ``manifest``: the whole manifest file; ``source_path`` and
       ``source``: the generated CUDA C++ (the same text the CPU path was compiled from);
       ``host_library``: the CPU build; ``ir_path`` and ``ir``: the abp IR it was compiled from (an
-      installed abp carries it under <prefix>/ops/, a checkout under ops/; None if neither has it).
+      installed abp carries it under <prefix>/ops/, a checkout under ops/, and IR compiled at run
+      time keeps it beside its source; None if none has it).
     Raises AbpError (status NOT_FOUND) for an unknown operator.
     """
     op = _lib.kernel_library().operator(op_name)
@@ -102,6 +104,9 @@ def inspect(op_name: str) -> Dict[str, Any]:
     if manifest.get("file"):
         ir_path = next((root / manifest["file"] for root in (directory.parent, _lib.REPO_ROOT)
                         if (root / manifest["file"]).is_file()), None)
+    compiled_ir = source_path.with_suffix(".mlir")  # IR compiled at run time keeps its text here
+    if ir_path is None and compiled_ir.is_file():
+        ir_path = compiled_ir
     host = manifest.get("host_library")
     return {
         "name": op_name,
@@ -124,8 +129,9 @@ def compile_operators(ir: str, origin: Optional[str] = None) -> List[str]:
     only for this; the result (CUDA source, manifest and the CPU path's library) is cached under
     $ABP_CACHE_DIR/ir by the text's hash. The operators then run like built-in ones:
     ``abp.functional.apply(name, x, params)``. Diagnostics are located as
-    ``<origin>:<line>:<col>`` with line and column inside `ir`; `origin` defaults to the caller's
-    ``file:line``. Raises AbpError (COMPILE) with those diagnostics if the IR is rejected, and
+    ``<origin>:<line>:<col>`` with line and column inside `ir`, or as
+    ``<file>:<line>: IR line <l>, column <c>`` when `origin` is a ``file:line``, which it is by
+    default (the caller's). Raises AbpError (COMPILE) with those diagnostics if the IR is rejected, and
     AbpError (INVALID_ARGUMENT) if an operator name is already taken.
     """
     if not isinstance(ir, str):
@@ -133,7 +139,10 @@ def compile_operators(ir: str, origin: Optional[str] = None) -> List[str]:
     if origin is None:
         caller = sys._getframe(1)
         origin = f"{caller.f_code.co_filename}:{caller.f_lineno}"
-    directory = _lib.compile_ir(ir, origin)
+    try:
+        directory = _lib.compile_ir(ir, origin)
+    except AbpError as error:
+        raise _located_in_ir(error, origin) from None
     library = _lib.kernel_library()
     names = library.add_directory(directory)
     if _custom_ops.enabled():
@@ -141,6 +150,17 @@ def compile_operators(ir: str, origin: Optional[str] = None) -> List[str]:
             if _custom_ops.registrable(library.operator(name)):
                 _custom_ops.register(library.operator(name))
     return names
+
+
+def _located_in_ir(error: AbpError, origin: str) -> AbpError:
+    """An origin that is itself `file:line` (the caller's) would read `model.py:42:2:7: error`;
+    say `model.py:42: IR line 2, column 7: error` instead."""
+    if error.status != Status.COMPILE or not re.search(r":\d+$", origin):
+        return error
+    pattern = re.compile(re.escape(origin) + r":(\d+):(\d+):")
+    def rewrite(text: str) -> str:
+        return pattern.sub(lambda m: f"{origin}: IR line {m.group(1)}, column {m.group(2)}:", text)
+    return type(error)(error.status, rewrite(error.message), rewrite(error.detail))
 
 
 def _open_for_compile() -> None:
