@@ -200,3 +200,67 @@ def test_regelu2_written_in_python_matches_the_library_operator_bit_for_bit() ->
     y_theirs.backward(dy)
     assert torch.equal(mine.grad, theirs.grad)
     assert regelu2.saved_bits == abp.inspect("regelu2")["operator"]["saved_bits_per_element"] == 2
+
+
+def test_ms_layernorm_written_in_python_matches_the_library_operator_bit_for_bit() -> None:
+    from abp.author import mean_rows, sqrt
+
+    @operator(name=fresh("msln"), params=("eps",), rows=True)
+    def ms_layernorm(x, eps):
+        xc = x - mean_rows(x)
+        r = 1.0 / sqrt(mean_rows(xc * xc) + eps)  # per row
+        y = xc * r
+
+        def backward(g):  # uses the output y (shared: no copy) and r (one value per row)
+            return r * ((g - mean_rows(g)) - y * mean_rows(g * y))
+        return y, backward
+
+    assert ms_layernorm.saved_bits == 0 and ms_layernorm.saved_bits_per_row == 32
+    torch.manual_seed(3)
+    x = torch.randn(37, 300) * 2 + 0.5
+    g = torch.randn(37, 300)
+    mine, theirs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y_mine = ms_layernorm(mine, 1e-5)
+    y_theirs = abp.functional.apply("ms_layernorm", theirs, (1e-5,))
+    assert torch.equal(y_mine, y_theirs)
+    y_mine.backward(g)
+    y_theirs.backward(g)
+    assert torch.equal(mine.grad, theirs.grad)
+    torch.testing.assert_close(y_mine, torch.nn.functional.layer_norm(x, (300,), eps=1e-5),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_reduction_outside_a_row_operator_is_named() -> None:
+    from abp.author import sum_rows
+
+    def build():
+        @operator(name=fresh("flat_sum"))
+        def f(x):
+            return x * sum_rows(x), lambda dy: dy
+
+    assert "expected a matrix of a row operator" in _authoring_error_at_this_file(build)
+
+
+def test_an_operator_as_a_module_in_a_model() -> None:
+    @operator(name=fresh("scaled_tanh"), params=("scale",))
+    def scaled_tanh(x, scale):
+        y = tanh(x) * scale
+
+        def backward(dy):  # uses the output: shared, 0 bits
+            return (scale - y * y / scale) * dy
+        return y, backward
+
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), scaled_tanh.module(1.5), torch.nn.Linear(8, 1))
+    reference = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Identity(), torch.nn.Linear(8, 1))
+    reference.load_state_dict(model.state_dict())  # the module adds no state
+    x = torch.randn(16, 8)
+    model(x).sum().backward()
+    reference[0].register_forward_hook(lambda m, i, o: torch.tanh(o) * 1.5)
+    reference(x).sum().backward()
+    assert scaled_tanh.saved_bits == 0
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-6)
+    assert "scale=1.5" in repr(model[1])
+    with pytest.raises(TypeError, match="expected the parameters"):
+        scaled_tanh.module()

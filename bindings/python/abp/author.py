@@ -21,8 +21,11 @@ forward values: a float tensor is saved whole (32 bits per element), a mask pack
 `quantize`'s codes with their b bits, a parameter as one scalar. Every op carries the Python
 file and line that traced it, so compiler diagnostics point at the user's code.
 
-This slice covers elementwise operators (any number of tensor inputs and outputs, `f32`
-parameters); row reductions are written in IR for now (docs/dialect.md).
+`@operator(rows=True)` makes a row-wise operator (a norm): inputs, outputs and gradients are
+matrices whose rows (the last dimension) the reductions `sum_rows`, `mean_rows`, `max_rows` and
+`min_rows` reduce to one value per row; per-row values combine with matrices elementwise (each
+row sees its own value). A forward output that backward uses is shared, not copied: the saved
+tensor is the output its consumer keeps (LowMemoryBP's memory sharing), at no cost.
 """
 from __future__ import annotations
 
@@ -33,15 +36,23 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import torch
+
 from . import _bucket_solver
 from ._errors import AbpError, Status
 
-__all__ = ["operator", "Operator", "where", "quantize", "dequantize", "maximum", "minimum",
+__all__ = ["operator", "Operator", "AuthoringError", "where", "quantize", "dequantize",
+           "sum_rows", "mean_rows", "max_rows", "min_rows", "maximum", "minimum",
            "exp", "exp2", "expm1", "log", "log1p", "log2", "tanh", "erf", "sqrt", "rsqrt", "abs",
            "sin", "cos", "floor", "ceil", "trunc", "round", "sigmoid"]
 
-_TENSOR = "tensor<?xf32>"
-_MASK = "tensor<?xi8>"
+# The shapes of traced tensors: elementwise operators see flat tensors; row operators matrices
+# and per-row vectors.
+_DIMS = {"flat": "?", "rows": "?x?", "per_row": "?"}
+
+
+def _tensor_type(shape: str, element: str = "f32") -> str:
+    return f"tensor<{_DIMS[shape]}x{element}>"
 
 
 def _user_location() -> str:
@@ -80,17 +91,21 @@ class _Region:
 
 
 class Value:
-    """A traced value: a float tensor, a mask (a comparison), b-bit codes, or an f32 parameter."""
+    """A traced value: a float tensor, a mask (a comparison), b-bit codes, or an f32 parameter;
+    tensors and masks have a shape (flat, rows, per_row)."""
 
-    def __init__(self, trace: "_Trace", region: _Region, name: str, kind: str,
+    def __init__(self, trace: "_Trace", region: _Region, name: str, kind: str, shape: str = "",
                  bits: int = 0, scheme: str = "") -> None:
-        self.trace, self.region, self.name, self.kind = trace, region, name, kind
+        self.trace, self.region, self.name, self.kind, self.shape = trace, region, name, kind, shape
         self.bits, self.scheme = bits, scheme
 
     @property
     def type(self) -> str:
-        return {"tensor": _TENSOR, "mask": _MASK, "param": "f32"}.get(
-            self.kind, f"!abp.codes<{self.bits}>")
+        if self.kind == "param":
+            return "f32"
+        if self.kind == "codes":
+            return f"!abp.codes<{self.bits}>"
+        return _tensor_type(self.shape, "i8" if self.kind == "mask" else "f32")
 
     # Python operators: arithmetic on tensors and parameters, comparisons give masks.
     def __add__(self, other: Any) -> "Value": return _binary("arith.addf", self, other)
@@ -115,15 +130,17 @@ class Value:
 
 @dataclass
 class _Trace:
+    rows: bool
     forward: _Region = field(default_factory=lambda: _Region("f"))
     backward: _Region = field(default_factory=lambda: _Region("b"))
-    # forward value name -> (the forward value saved, its backward block argument, that type)
+    # forward value name -> (the forward value saved, its backward block argument)
     residuals: Dict[str, Tuple[str, Value]] = field(default_factory=dict)
+    outputs: Tuple[str, ...] = ()  # the forward outputs' names, once forward is traced
     current: Optional[_Region] = None
 
     def arrive(self, value: Value) -> Value:
         """`value` as seen by the region being traced: a forward value used in backward becomes
-        a residual (masks are packed to 1 bit on the way)."""
+        a residual (masks are packed to 1 bit on the way; an output is shared, not copied)."""
         assert self.current is not None
         if value.region is self.current or self.current is self.forward:
             if value.region is not self.current:
@@ -133,18 +150,32 @@ class _Trace:
             saved, kind, bits = value.name, value.kind, value.bits
             if value.kind == "mask":  # an i8 tensor cannot be a residual: store it with 1 bit
                 saved = self.forward.fresh()
-                self.forward.lines.append(f"  {saved} = abp.pack {value.name} : {_MASK} -> "
+                self.forward.lines.append(f"  {saved} = abp.pack {value.name} : {value.type} -> "
                                           f"!abp.codes<1>")
                 kind, bits = "codes", 1
-            arg = Value(self, self.backward, f"%r{len(self.residuals)}", kind, bits, value.scheme)
+            elif value.name in self.outputs:  # the consumer keeps it anyway: save that tensor
+                saved = self.forward.fresh()
+                self.forward.lines.append(f"  {saved} = abp.share_saved {value.name} : "
+                                          f"{value.type}")
+            arg = Value(self, self.backward, f"%r{len(self.residuals)}", kind, value.shape, bits,
+                        value.scheme)
             self.residuals[value.name] = (saved, arg)
         saved, arg = self.residuals[value.name]
         if value.kind != "mask":
             return arg
-        mask = Value(self, self.backward, self.backward.fresh(), "mask")
+        mask = Value(self, self.backward, self.backward.fresh(), "mask", value.shape)
         self.backward.lines.append(f"  {mask.name} = abp.unpack {arg.name} : !abp.codes<1> -> "
-                                   f"{_MASK}")
+                                   f"{mask.type}")
         return mask
+
+    def broadcast(self, value: Value) -> Value:
+        """A per-row value seen by every element of its row (abp.broadcast_rows)."""
+        region = self.current
+        assert region is not None
+        out = Value(self, region, region.fresh(), value.kind, "rows")
+        region.lines.append(f"  {out.name} = abp.broadcast_rows {value.name} : {value.type} -> "
+                            f"{out.type}")
+        return out
 
 
 def _float(value: float) -> str:
@@ -182,17 +213,22 @@ def _map(results_kind: str, operands: Sequence[Any], body: Callable[[List[str]],
             scalars.append(name)
         else:
             raise AuthoringError(f"expected a traced value or a number, got {type(v).__name__}")
-    if not any(v.kind in ("tensor", "mask") for v in inputs):
+    shapes = {v.shape for v in inputs if v.kind != "param"}
+    if not shapes:
         raise AuthoringError("an elementwise operation needs at least one tensor operand")
+    if "rows" in shapes:  # each row's elements see that row's per-row values
+        inputs = [trace.broadcast(v) if v.shape == "per_row" else v for v in inputs]
+        shape = "rows"
+    else:
+        shape = shapes.pop()
     body_lines, result = body(scalars)
     args = ", ".join(f"{s}: {'i8' if v.kind == 'mask' else 'f32'}"
                      for s, v in zip([s for s in scalars if s.startswith("%s")], inputs))
-    out = Value(trace, region, region.fresh(), results_kind)
+    out = Value(trace, region, region.fresh(), results_kind, shape)
     operand_types = ", ".join(v.type for v in inputs)
-    result_type = _MASK if results_kind == "mask" else _TENSOR
     region.lines.append(
         f"  {out.name} = abp.map({', '.join(v.name for v in inputs)}) : ({operand_types}) -> "
-        f"{result_type} {{\n  ^bb0({args}):\n" + "\n".join(lines + body_lines) +
+        f"{out.type} {{\n  ^bb0({args}):\n" + "\n".join(lines + body_lines) +
         f"\n    abp.yield {result} : {'i8' if results_kind == 'mask' else 'f32'}\n  }}"
         + _user_location())
     return out
@@ -251,6 +287,37 @@ def sigmoid(x: Any) -> Value:
     return 1.0 / (1.0 + exp(-x))
 
 
+def _reduce(kind: str, x: Value) -> Value:
+    if not (isinstance(x, Value) and x.kind == "tensor" and x.shape == "rows"):
+        raise AuthoringError(f"{kind}_rows: expected a matrix of a row operator "
+                             "(@operator(rows=True))")
+    x = x.trace.arrive(x)
+    out = Value(x.trace, x.region, x.region.fresh(), "tensor", "per_row")
+    x.region.lines.append(f"  {out.name} = abp.reduce_rows {kind} {x.name} : {x.type} -> "
+                          f"{out.type}" + _user_location())
+    return out
+
+
+def sum_rows(x: Value) -> Value:
+    """The sum of each row (one value per row, accumulated in the compute type)."""
+    return _reduce("sum", x)
+
+
+def mean_rows(x: Value) -> Value:
+    """The mean of each row."""
+    return _reduce("mean", x)
+
+
+def max_rows(x: Value) -> Value:
+    """The maximum of each row (NaN if the row has one)."""
+    return _reduce("max", x)
+
+
+def min_rows(x: Value) -> Value:
+    """The minimum of each row (NaN if the row has one)."""
+    return _reduce("min", x)
+
+
 def _scheme(table: Any) -> Tuple[str, int]:
     borders, levels = getattr(table, "borders", None), getattr(table, "levels", None)
     if borders is None and isinstance(table, tuple) and len(table) == 2:
@@ -274,13 +341,13 @@ def _scheme(table: Any) -> Tuple[str, int]:
 
 def quantize(x: Value, table: Any) -> Value:
     """The bucket codes #{borders < x} of `x`, stored with log2(len(levels)) bits per element."""
-    if not (isinstance(x, Value) and x.kind == "tensor"):
+    if not (isinstance(x, Value) and x.kind == "tensor" and x.shape != "per_row"):
         raise AuthoringError("quantize: expected a traced float tensor")
     scheme, bits = _scheme(table)
     x = x.trace.arrive(x)
     region = x.region
-    out = Value(x.trace, region, region.fresh(), "codes", bits, scheme)
-    region.lines.append(f"  {out.name} = abp.quantize {x.name} {{scheme = {scheme}}} : {_TENSOR} "
+    out = Value(x.trace, region, region.fresh(), "codes", x.shape, bits, scheme)
+    region.lines.append(f"  {out.name} = abp.quantize {x.name} {{scheme = {scheme}}} : {x.type} "
                         f"-> !abp.codes<{bits}>" + _user_location())
     return out
 
@@ -292,9 +359,9 @@ def dequantize(codes: Value, table: Optional[Any] = None) -> Value:
     scheme = _scheme(table)[0] if table is not None else codes.scheme
     codes = codes.trace.arrive(codes)
     region = codes.region
-    out = Value(codes.trace, region, region.fresh(), "tensor")
+    out = Value(codes.trace, region, region.fresh(), "tensor", codes.shape)
     region.lines.append(f"  {out.name} = abp.dequantize {codes.name} {{scheme = {scheme}}} : "
-                        f"!abp.codes<{codes.bits}> -> {_TENSOR}" + _user_location())
+                        f"!abp.codes<{codes.bits}> -> {out.type}" + _user_location())
     return out
 
 
@@ -316,6 +383,14 @@ class Operator:
             return functional.apply(self.name, tensors[0], params)
         return OperatorFunction.apply(self.name, params, None, *tensors)
 
+    def module(self, *params: float) -> "torch.nn.Module":
+        """An nn.Module applying this operator with `params` fixed (no parameters or buffers of
+        its own, so it drops into a model and its state dict unchanged)."""
+        if len(params) != len(self.params):
+            raise TypeError(f"{self.name}.module: expected the parameters {list(self.params)}, "
+                            f"got {len(params)} value(s)")
+        return _OperatorModule(self, tuple(float(p) for p in params))
+
     def _inspect(self) -> Dict[str, Any]:
         from . import inspect
         return inspect(self.name)
@@ -332,24 +407,56 @@ class Operator:
 
     @property
     def saved_bits(self) -> int:
-        """Bits kept per element between forward and backward."""
+        """Bits kept per element between forward and backward (a shared output costs none)."""
         return int(self.manifest["saved_bits_per_element"])
+
+    @property
+    def saved_bits_per_row(self) -> int:
+        """Bits kept per row (per-row statistics of a row operator)."""
+        return int(self.manifest["saved_bits_per_row"])
+
+
+class _OperatorModule(torch.nn.Module):
+    def __init__(self, op: Operator, params: Tuple[float, ...]) -> None:
+        super().__init__()
+        self.op, self.params = op, params
+
+    def forward(self, *tensors: torch.Tensor) -> Any:
+        return self.op(*tensors, *self.params)
+
+    def extra_repr(self) -> str:
+        return f"{self.op.name}" + "".join(f", {n}={v}" for n, v in zip(self.op.params, self.params))
 
 
 def operator(fn: Optional[Callable[..., Any]] = None, *, name: Optional[str] = None,
-             params: Sequence[str] = ()) -> Any:
+             params: Sequence[str] = (), rows: bool = False) -> Any:
     """Traces `fn(*tensors, *params) -> (outputs, backward)` into an abp operator and compiles it.
 
     `fn` takes its tensor inputs, then one float per name in `params`; it returns its output (or
     a tuple of outputs) and `backward`, a function of one gradient per output that returns one
-    gradient per tensor input. Use as `@operator` or `@operator(name=..., params=(...))`.
+    gradient per tensor input. `rows=True` makes a row-wise operator (rows along the last
+    dimension; `mean_rows` and the other reductions). Use as `@operator` or
+    `@operator(name=..., params=(...), rows=...)`.
     """
     if fn is None:
-        return lambda f: operator(f, name=name, params=params)
-    return _build(fn, name or fn.__name__, tuple(params))
+        return lambda f: operator(f, name=name, params=params, rows=rows)
+    return _build(fn, name or fn.__name__, tuple(params), rows)
 
 
-def _build(fn: Callable[..., Any], name: str, params: Tuple[str, ...]) -> Operator:
+def _tensors(name: str, what: str, values: Any, trace: _Trace, region: _Region) -> List[Value]:
+    """`values` (one or a tuple) as the traced tensors of `region` an operator returns."""
+    values = list(values) if isinstance(values, (tuple, list)) else [values]
+    shape = "rows" if trace.rows else "flat"
+    for v in values:
+        if not (isinstance(v, Value) and v.kind == "tensor" and v.region is region and
+                v.shape == shape):
+            raise AuthoringError(f"{name}: {what} are traced float tensors of the "
+                                 f"{region.prefix == 'f' and 'forward' or 'backward'}"
+                                 + (" (matrices, not per-row values)" if trace.rows else ""))
+    return values
+
+
+def _build(fn: Callable[..., Any], name: str, params: Tuple[str, ...], rows: bool) -> Operator:
     import inspect as pyinspect
 
     from . import compile_operators, operators
@@ -359,46 +466,43 @@ def _build(fn: Callable[..., Any], name: str, params: Tuple[str, ...]) -> Operat
     if inputs < 1:
         raise AuthoringError(f"{name}: takes {arity} argument(s) but names {len(params)} "
                              f"parameter(s); at least one tensor input comes first")
-    trace = _Trace()
+    trace = _Trace(rows)
+    shape = "rows" if rows else "flat"
     trace.current = trace.forward
-    xs = [Value(trace, trace.forward, f"%x{i}", "tensor") for i in range(inputs)]
+    xs = [Value(trace, trace.forward, f"%x{i}", "tensor", shape) for i in range(inputs)]
     ps = [Value(trace, trace.forward, f"%p{i}", "param") for i in range(len(params))]
     returned = fn(*xs, *ps)
     if not (isinstance(returned, tuple) and len(returned) == 2 and callable(returned[1])):
         raise AuthoringError(f"{name}: expected `return outputs, backward`")
-    outputs, backward = returned
-    outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
-    for out in outputs:
-        if not (isinstance(out, Value) and out.kind == "tensor" and out.region is trace.forward):
-            raise AuthoringError(f"{name}: outputs are traced float tensors of the forward")
+    outputs = _tensors(name, "outputs", returned[0], trace, trace.forward)
+    trace.outputs = tuple(o.name for o in outputs)
     trace.current = trace.backward
-    grads = [Value(trace, trace.backward, f"%g{i}", "tensor") for i in range(len(outputs))]
-    returned_grads = backward(*grads)
-    returned_grads = (list(returned_grads) if isinstance(returned_grads, (tuple, list))
-                      else [returned_grads])
-    if len(returned_grads) != inputs:
-        raise AuthoringError(f"{name}: backward returns {len(returned_grads)} gradient(s) for "
-                             f"{inputs} tensor input(s)")
-    dxs = [trace.arrive(g) if isinstance(g, Value) else g for g in returned_grads]
-    for g in dxs:
-        if not (isinstance(g, Value) and g.kind == "tensor"):
-            raise AuthoringError(f"{name}: backward returns traced float tensors")
+    grads = [Value(trace, trace.backward, f"%g{i}", "tensor", shape) for i in range(len(outputs))]
+    returned_grads = returned[1](*grads)
+    count = len(returned_grads) if isinstance(returned_grads, (tuple, list)) else 1
+    if count != inputs:
+        raise AuthoringError(f"{name}: backward returns {count} gradient(s) for {inputs} tensor "
+                             "input(s)")
+    if not isinstance(returned_grads, (tuple, list)):
+        returned_grads = [returned_grads]
+    dxs = _tensors(name, "gradients", [trace.arrive(g) if isinstance(g, Value) else g
+                                       for g in returned_grads], trace, trace.backward)
 
     saved = list(trace.residuals.values())
-    fwd_args = [f"{x.name}: {_TENSOR}" for x in xs] + [f"{p.name}: f32" for p in ps]
+    fwd_args = [f"{x.name}: {x.type}" for x in xs] + [f"{p.name}: f32" for p in ps]
     saves = (f" saves {', '.join(s for s, _ in saved)} : {', '.join(a.type for _, a in saved)}"
              if saved else "")
-    bwd_args = [f"{a.name}: {a.type}" for _, a in saved] + [f"{g.name}: {_TENSOR}" for g in grads]
-    attrs = (f" attributes {{params = [{', '.join(repr(p).replace(chr(39), chr(34)) for p in params)}]}}"
-             if params else "")
+    bwd_args = [f"{a.name}: {a.type}" for _, a in saved] + [f"{g.name}: {g.type}" for g in grads]
+    names = ", ".join('"' + p + '"' for p in params)
+    attrs = f" attributes {{params = [{names}]}}" if params else ""
     ir = "\n".join(
         [f"abp.operator @{name}{attrs} forward {{", f"^bb0({', '.join(fwd_args)}):"]
         + trace.forward.lines
         + [f"  abp.return {', '.join(o.name for o in outputs)} : "
-           f"{', '.join(_TENSOR for _ in outputs)}{saves}", "} backward {",
+           f"{', '.join(o.type for o in outputs)}{saves}", "} backward {",
            f"^bb0({', '.join(bwd_args)}):"]
         + trace.backward.lines
-        + [f"  abp.return {', '.join(g.name for g in dxs)} : {', '.join(_TENSOR for _ in dxs)}",
+        + [f"  abp.return {', '.join(g.name for g in dxs)} : {', '.join(g.type for g in dxs)}",
            "}", ""])
     compiled = _compiled_ir.get(name)
     if compiled is None:
