@@ -79,6 +79,17 @@ def test_a_fitted_table_gives_a_two_bit_mish() -> None:
     assert mish.saved_bits == 2
 
 
+def test_equality_is_elementwise_and_nan_is_unequal() -> None:
+    @operator(name=fresh("eq"))
+    def zero_to_one(x):
+        at_zero, other = x == 0.0, x != 0.0
+        return where(at_zero, 1.0, x) + where(other, 0.0, 1.0), lambda dy: dy
+
+    x = torch.tensor([0.0, -0.0, 2.0, float("nan")])
+    torch.testing.assert_close(zero_to_one(x), torch.tensor([2.0, 2.0, 2.0, float("nan")]),
+                               equal_nan=True)
+
+
 def test_two_inputs_save_what_backward_reads() -> None:
     @operator(name=fresh("mul"))
     def mul(a, b):

@@ -55,12 +55,20 @@ def _tensor_type(shape: str, element: str = "f32") -> str:
     return f"tensor<{_DIMS[shape]}x{element}>"
 
 
-def _user_location() -> str:
-    """`loc("file":line:1)` of the innermost frame outside abp: where the user traced this op."""
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _user_frame() -> Optional[Any]:
+    """The innermost frame outside the abp package: the user's line that is being traced."""
     frame = sys._getframe(1)
-    here = os.path.dirname(os.path.abspath(__file__))
-    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == here:
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PACKAGE:
         frame = frame.f_back
+    return frame
+
+
+def _user_location() -> str:
+    """` loc("file":line:1)` of the user's line: compiler diagnostics then point at it."""
+    frame = _user_frame()
     if frame is None:
         return ""
     path = frame.f_code.co_filename.replace("\\", "\\\\").replace('"', '\\"')
@@ -68,11 +76,10 @@ def _user_location() -> str:
 
 
 class AuthoringError(AbpError):
+    """A mistake in a traced operator, with the user's file and line."""
+
     def __init__(self, message: str) -> None:
-        frame = sys._getframe(1)
-        here = os.path.dirname(os.path.abspath(__file__))
-        while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == here:
-            frame = frame.f_back
+        frame = _user_frame()
         where_ = f"{frame.f_code.co_filename}:{frame.f_lineno}: " if frame is not None else ""
         super().__init__(Status.INVALID_ARGUMENT, where_ + message)
 
@@ -122,6 +129,8 @@ class Value:
     def __ge__(self, other: Any) -> "Value": return _compare("oge", self, other)
     def __lt__(self, other: Any) -> "Value": return _compare("olt", self, other)
     def __le__(self, other: Any) -> "Value": return _compare("ole", self, other)
+    def __eq__(self, other: Any) -> "Value": return _compare("oeq", self, other)  # type: ignore[override]
+    def __ne__(self, other: Any) -> "Value": return _compare("une", self, other)  # type: ignore[override]
     def __bool__(self) -> bool:
         raise AuthoringError("a traced value has no truth value while tracing (it is known only "
                              "per element at run time): use abp.author.where(mask, a, b)")
@@ -450,8 +459,8 @@ def _tensors(name: str, what: str, values: Any, trace: _Trace, region: _Region) 
     for v in values:
         if not (isinstance(v, Value) and v.kind == "tensor" and v.region is region and
                 v.shape == shape):
-            raise AuthoringError(f"{name}: {what} are traced float tensors of the "
-                                 f"{region.prefix == 'f' and 'forward' or 'backward'}"
+            direction = "forward" if region is trace.forward else "backward"
+            raise AuthoringError(f"{name}: {what} are traced float tensors of the {direction}"
                                  + (" (matrices, not per-row values)" if trace.rows else ""))
     return values
 
