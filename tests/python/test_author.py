@@ -162,11 +162,85 @@ def test_mistakes_name_the_line_and_say_what_to_do() -> None:
     assert "increase strictly in fp32" in _authoring_error_at_this_file(bad_table)
 
 
-def test_a_library_name_is_refused() -> None:
-    with pytest.raises(abp.AbpError, match="'gelu_b2' is already taken"):
-        @operator(name="gelu_b2")
+def test_a_library_name_is_refused_and_a_redefinition_gets_its_own_name() -> None:
+    message = _authoring_error_at_this_file(lambda: operator(lambda x: (x, lambda dy: dy),
+                                                             name="gelu_b2"))
+    assert "'gelu_b2' is taken by the op library" in message
+    stem = fresh("variant")
+    variants = []
+    for scale in (2.0, 3.0, 2.0):  # a loop over variants, or an edited notebook cell
+        @operator(name=stem)
+        def scaled(x):
+            return x * scale, lambda dy: dy * scale
+        variants.append(scaled)
+    assert variants[0].name == stem == variants[2].name  # the same maths: the same operator
+    assert variants[1].name.startswith(stem + "_") and variants[1].name != stem
+    x = torch.ones(3)
+    assert torch.equal(variants[1](x), x * 3.0) and torch.equal(variants[2](x), x * 2.0)
+
+
+def test_arithmetic_on_parameters_and_python_builtins() -> None:
+    @operator(name=fresh("squareplus"), params=("b",))
+    def squareplus(x, b):
+        quarter = b / 4  # parameters alone: computed inside the maps that use them
+        y = (x + (x ** 2 + 4 * quarter) ** 0.5) / 2
+
+        def backward(dy):
+            return dy * (1 + x / (x * x + b) ** 0.5) / 2
+        return y, backward
+
+    x = torch.randn(1000, requires_grad=True)
+    y = squareplus(x, 1.5)
+    torch.testing.assert_close(y, (x + torch.sqrt(x * x + 1.5)) / 2, rtol=1e-6, atol=1e-6)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, (1 + x / torch.sqrt(x * x + 1.5)).detach() / 2,
+                               rtol=1e-6, atol=1e-6)
+
+    @operator(name=fresh("builtins"))
+    def builtins(x):
+        return abs(x) + 2 ** x + x % 0.75 + x // 2, lambda dy: dy
+
+    x = torch.randn(100)
+    expected = x.abs() + 2 ** x + torch.fmod(x, 0.75) + torch.floor(x / 2)
+    torch.testing.assert_close(builtins(x), expected, rtol=1e-6, atol=1e-6)
+    with pytest.raises(TypeError, match="parameter 'b' must be a number, got str"):
+        squareplus(x, "a")
+
+
+def test_more_mistakes_name_the_line() -> None:
+    import math
+
+    def foreign_function():
+        @operator(name=fresh("atan"))
         def f(x):
-            return x, lambda dy: dy
+            return math.atan(x), lambda dy: dy
+
+    assert "use the functions of abp.author" in _authoring_error_at_this_file(foreign_function)
+
+    def torch_function():
+        @operator(name=fresh("torch_tanh"))
+        def f(x):
+            return torch.tanh(x), lambda dy: dy
+
+    assert "tanh (torch) cannot run on a traced value" in _authoring_error_at_this_file(torch_function)
+
+    def backward_arity():
+        @operator(name=fresh("arity"))
+        def f(x):
+            return (x, x * 2.0), lambda dy: dy
+
+    assert "backward must take one gradient per output (2)" in \
+        _authoring_error_at_this_file(backward_arity)
+
+    def forgotten_params():
+        @operator(name=fresh("noparams"))
+        def f(x, slope):
+            return x * slope, lambda dy: dy * slope
+
+    assert "name parameters in params=" in _authoring_error_at_this_file(forgotten_params)
+
+    with pytest.raises(AuthoringError, match=r"params: expected a sequence of names, e.g. \('slope',\)"):
+        operator(params="slope")
 
 
 @pytest.mark.skipif(not _custom_ops.supported_torch(), reason="torch.library needs torch >= 2.4")

@@ -29,8 +29,12 @@ tensor is the output its consumer keeps (LowMemoryBP's memory sharing), at no co
 """
 from __future__ import annotations
 
+import functools
+import hashlib
+import itertools
 import math
 import os
+import re
 import struct
 import sys
 from dataclasses import dataclass, field
@@ -45,6 +49,8 @@ __all__ = ["operator", "Operator", "AuthoringError", "where", "quantize", "dequa
            "sum_rows", "mean_rows", "max_rows", "min_rows", "maximum", "minimum",
            "exp", "exp2", "expm1", "log", "log1p", "log2", "tanh", "erf", "sqrt", "rsqrt", "abs",
            "sin", "cos", "floor", "ceil", "trunc", "round", "sigmoid"]
+
+_FUNCTIONS = ", ".join(n for n in __all__ if n[0].islower() and n != "operator")
 
 # The shapes of traced tensors: elementwise operators see flat tensors; row operators matrices
 # and per-row vectors.
@@ -105,6 +111,10 @@ class Value:
                  bits: int = 0, scheme: str = "") -> None:
         self.trace, self.region, self.name, self.kind, self.shape = trace, region, name, kind, shape
         self.bits, self.scheme = bits, scheme
+        # kind "scalar": arithmetic on parameters alone, kept as an expression and computed inside
+        # each map that uses it (an operator region holds no scalar arithmetic of its own).
+        self.operands: Sequence[Any] = ()
+        self.body: Optional[Callable[[List[str]], Tuple[List[str], str]]] = None
 
     @property
     def type(self) -> str:
@@ -131,9 +141,30 @@ class Value:
     def __le__(self, other: Any) -> "Value": return _compare("ole", self, other)
     def __eq__(self, other: Any) -> "Value": return _compare("oeq", self, other)  # type: ignore[override]
     def __ne__(self, other: Any) -> "Value": return _compare("une", self, other)  # type: ignore[override]
+    def __abs__(self) -> "Value": return _unary("math.absf", self)
+    def __rpow__(self, other: Any) -> "Value": return _binary("math.powf", other, self)
+    def __mod__(self, other: Any) -> "Value": return _binary("arith.remf", self, other)
+    def __rmod__(self, other: Any) -> "Value": return _binary("arith.remf", other, self)
+    def __floordiv__(self, other: Any) -> "Value": return floor(self / other)
+    def __rfloordiv__(self, other: Any) -> "Value": return floor(other / self)
+
     def __bool__(self) -> bool:
         raise AuthoringError("a traced value has no truth value while tracing (it is known only "
                              "per element at run time): use abp.author.where(mask, a, b)")
+
+    def __float__(self) -> float:
+        raise AuthoringError(f"a traced value is not a number while tracing: use the functions of "
+                             f"abp.author ({_FUNCTIONS}), not math's or numpy's")
+    __int__ = __index__ = __float__  # type: ignore[assignment]
+
+    def __array_ufunc__(self, ufunc: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        raise AuthoringError(f"numpy's {ufunc.__name__} cannot run on a traced value: use the "
+                             f"functions of abp.author ({_FUNCTIONS})")
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise AuthoringError(f"{getattr(func, '__name__', func)} (torch) cannot run on a traced "
+                             f"value: use the functions of abp.author ({_FUNCTIONS})")
     __hash__ = object.__hash__
 
 
@@ -197,13 +228,12 @@ def _map(results_kind: str, operands: Sequence[Any], body: Callable[[List[str]],
          mask_at: int = -1) -> Value:
     """One `abp.map` over the traced operands (Python numbers become constants in its body);
     `body(scalar names)` returns the body's lines and its result. Only operand `mask_at` may be a
-    mask."""
-    trace = next(v.trace for v in operands if isinstance(v, Value))
+    mask. On parameters alone it is a deferred scalar expression, computed in the maps using it."""
+    trace = next((v.trace for v in operands if isinstance(v, Value)), None)
+    if trace is None:
+        raise AuthoringError("expected at least one traced value (a tensor or a parameter)")
     region = trace.current
     assert region is not None
-    inputs: List[Value] = []
-    scalars: List[str] = []
-    lines: List[str] = []
     for position, v in enumerate(operands):
         if isinstance(v, Value):
             if v.kind == "codes":
@@ -213,26 +243,51 @@ def _map(results_kind: str, operands: Sequence[Any], body: Callable[[List[str]],
                 raise AuthoringError("a mask (a comparison) selects, it is not a number: use "
                                      "where(mask, a, b)" if v.kind == "mask" else
                                      "where: expected a mask (a comparison of traced values) first")
-            v = trace.arrive(v)
-            inputs.append(v)
-            scalars.append(f"%s{len(scalars)}")
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
-            name = f"%k{len(lines)}"
-            lines.append(f"    {name} = arith.constant {_float(float(v))} : f32")
-            scalars.append(name)
-        else:
+        elif not (isinstance(v, (int, float)) and not isinstance(v, bool)):
             raise AuthoringError(f"expected a traced value or a number, got {type(v).__name__}")
+    if not any(isinstance(v, Value) and v.kind in ("tensor", "mask") for v in operands):
+        if results_kind != "tensor":
+            raise AuthoringError("compare a tensor: a comparison of parameters alone is one "
+                                 "value for every element")
+        expression = Value(trace, region, "", "scalar")
+        expression.operands, expression.body = tuple(operands), body
+        return expression
+
+    inputs: List[Value] = []
+    lines: List[str] = []
+    uid = itertools.count()
+
+    def expand(v: Any) -> str:
+        """The body's scalar for operand `v`: a block argument, a constant, or an inlined
+        parameter expression (its local names made unique)."""
+        if isinstance(v, Value) and v.kind == "scalar":
+            assert v.body is not None
+            names = [expand(o) for o in v.operands]
+            inner, result = v.body(names)
+            tag = next(uid)
+            rename = functools.partial(re.sub, r"%(r|c|z)\b", lambda m: f"%{m.group(1)}_{tag}")
+            lines.extend(rename(line) for line in inner)
+            return rename(result)
+        if isinstance(v, Value):
+            v = trace.arrive(v)
+            for i, seen in enumerate(inputs):  # by identity: == on traced values traces a compare
+                if seen is v:
+                    return f"%s{i}"
+            inputs.append(v)
+            return f"%s{len(inputs) - 1}"
+        name = f"%k{next(uid)}"
+        lines.append(f"    {name} = arith.constant {_float(float(v))} : f32")
+        return name
+
+    scalars = [expand(v) for v in operands]
     shapes = {v.shape for v in inputs if v.kind != "param"}
-    if not shapes:
-        raise AuthoringError("an elementwise operation needs at least one tensor operand")
     if "rows" in shapes:  # each row's elements see that row's per-row values
         inputs = [trace.broadcast(v) if v.shape == "per_row" else v for v in inputs]
         shape = "rows"
     else:
         shape = shapes.pop()
     body_lines, result = body(scalars)
-    args = ", ".join(f"{s}: {'i8' if v.kind == 'mask' else 'f32'}"
-                     for s, v in zip([s for s in scalars if s.startswith("%s")], inputs))
+    args = ", ".join(f"%s{i}: {'i8' if v.kind == 'mask' else 'f32'}" for i, v in enumerate(inputs))
     out = Value(trace, region, region.fresh(), results_kind, shape)
     operand_types = ", ".join(v.type for v in inputs)
     region.lines.append(
@@ -387,7 +442,12 @@ class Operator:
         if len(args) != self.inputs + len(self.params):
             raise TypeError(f"{self.name}: expected {self.inputs} tensor(s) and parameters "
                             f"{list(self.params)}, got {len(args)} argument(s)")
-        tensors, params = args[:self.inputs], tuple(float(p) for p in args[self.inputs:])
+        tensors = args[:self.inputs]
+        for name, value in zip(self.params, args[self.inputs:]):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{self.name}: parameter {name!r} must be a number, got "
+                                f"{type(value).__name__}")
+        params = tuple(float(p) for p in args[self.inputs:])
         if self.inputs == 1:  # the torch.library op under torch.compile, as library operators
             return functional.apply(self.name, tensors[0], params)
         return OperatorFunction.apply(self.name, params, None, *tensors)
@@ -447,6 +507,9 @@ def operator(fn: Optional[Callable[..., Any]] = None, *, name: Optional[str] = N
     dimension; `mean_rows` and the other reductions). Use as `@operator` or
     `@operator(name=..., params=(...), rows=...)`.
     """
+    if isinstance(params, str):
+        raise AuthoringError(f"params: expected a sequence of names, e.g. ({params!r},), got the "
+                             "string itself")
     if fn is None:
         return lambda f: operator(f, name=name, params=params, rows=rows)
     return _build(fn, name or fn.__name__, tuple(params), rows)
@@ -485,13 +548,23 @@ def _build(fn: Callable[..., Any], name: str, params: Tuple[str, ...], rows: boo
         raise AuthoringError(f"{name}: expected `return outputs, backward`")
     outputs = _tensors(name, "outputs", returned[0], trace, trace.forward)
     trace.outputs = tuple(o.name for o in outputs)
+    backward = returned[1]
+    try:
+        pyinspect.signature(backward).bind(*range(len(outputs)))
+    except TypeError:
+        raise AuthoringError(f"{name}: backward must take one gradient per output "
+                             f"({len(outputs)})") from None
+    except ValueError:
+        pass  # a builtin without a signature: let the call say
     trace.current = trace.backward
     grads = [Value(trace, trace.backward, f"%g{i}", "tensor", shape) for i in range(len(outputs))]
-    returned_grads = returned[1](*grads)
+    returned_grads = backward(*grads)
     count = len(returned_grads) if isinstance(returned_grads, (tuple, list)) else 1
     if count != inputs:
+        hint = (f" (its first {inputs} argument(s) are tensors; name parameters in params=)"
+                if count < inputs else "")
         raise AuthoringError(f"{name}: backward returns {count} gradient(s) for {inputs} tensor "
-                             "input(s)")
+                             f"input(s){hint}")
     if not isinstance(returned_grads, (tuple, list)):
         returned_grads = [returned_grads]
     dxs = _tensors(name, "gradients", [trace.arrive(g) if isinstance(g, Value) else g
@@ -513,16 +586,18 @@ def _build(fn: Callable[..., Any], name: str, params: Tuple[str, ...], rows: boo
         + trace.backward.lines
         + [f"  abp.return {', '.join(g.name for g in dxs)} : {', '.join(g.type for g in dxs)}",
            "}", ""])
-    compiled = _compiled_ir.get(name)
-    if compiled is None:
-        if name in operators():
-            raise AbpError(Status.INVALID_ARGUMENT, f"operator name {name!r} is already taken; "
-                           "pass name=...")
+    if name not in _compiled_ir and name in operators():
+        raise AuthoringError(f"operator name {name!r} is taken by the op library or by IR compiled "
+                             "with compile_operators; pass name=...")
+    if _compiled_ir.get(name, ir) != ir:
+        # Redefined with other maths (a loop over variants, an edited notebook cell): operators
+        # cannot be replaced, so this one is named after its IR, and .name says so.
+        digest = hashlib.sha256(ir.encode()).hexdigest()[:8]
+        ir = ir.replace(f"abp.operator @{name} ", f"abp.operator @{name}_{digest} ", 1)
+        name = f"{name}_{digest}"
+    if name not in _compiled_ir:
         compile_operators(ir, origin=f"{fn.__code__.co_filename}:{fn.__code__.co_firstlineno}")
         _compiled_ir[name] = ir
-    elif compiled != ir:
-        raise AbpError(Status.INVALID_ARGUMENT, f"operator {name!r} was compiled from other IR in "
-                       "this process; pass another name=...")
     return Operator(name, ir, inputs, params)
 
 
