@@ -112,6 +112,9 @@ FailureOr<RowAnalysis> analyze(KernelOp kernel, ArrayRef<RowArg> args) {
       return yield.emitOpError() << "yields a per-element value to #abp.rows output #" << i
                                  << "; a per-row output needs a value that is the same for the "
                                     "whole row (reduce it first)";
+    // A constant stored per row needs a field like any row-uniform value (stage 0 fills it).
+    if (spec.kind == ArgKind::Rows && !a.field.count(value))
+      a.field[value] = fmt::format("u.u{}", fields++);
   }
   return a;
 }
@@ -240,7 +243,8 @@ struct RowKernelEmitter {
                  r.getKind() == ReduceKind::mean ? " / (C)cols" : "");
     SmallVector<Operation *> ops;
     for (Operation &op : body().without_terminator())
-      if (!isConstant(&op) && !isa<ReduceRowsOp>(op) && a.uniform.lookup(op.getResult(0)) &&
+      if ((!isConstant(&op) || a.field.count(op.getResult(0))) && !isa<ReduceRowsOp>(op) &&
+          a.uniform.lookup(op.getResult(0)) &&
           a.stage.lookup(op.getResult(0)) == s)
         ops.push_back(&op);
     ScalarEmitter scalars(out, "C");
