@@ -310,3 +310,78 @@ def test_a_parameter_can_be_a_map_operand() -> None:
     assert torch.equal(y, torch.where(x > 0, x, x * 0.125))
     y.backward(dy)
     assert torch.equal(x.grad, torch.where(x > 0, dy, dy * 0.125))
+
+
+ROW_DROPOUT_IR = """
+abp.operator @test_row_dropout attributes {params = ["seed", "offset"], no_grad = array<i64: 1>} forward {
+^bb0(%x: tensor<?x?xf32>, %s: tensor<?xf32>, %seed: i64, %offset: i64):
+  %u = abp.uniform %seed, %offset : i64, i64 -> tensor<?x?xf32>
+  %sb = abp.broadcast_rows %s : tensor<?xf32> -> tensor<?x?xf32>
+  %y = abp.map(%x, %sb, %u) : (tensor<?x?xf32>, tensor<?x?xf32>, tensor<?x?xf32>) -> tensor<?x?xf32> {
+  ^bb0(%a: f32, %b: f32, %v: f32):
+    %half = arith.constant 0.5 : f32
+    %zero = arith.constant 0.0 : f32
+    %keep = arith.cmpf olt, %v, %half : f32
+    %p = arith.mulf %a, %b : f32
+    %r = arith.select %keep, %p, %zero : f32
+    abp.yield %r : f32
+  }
+  %m = abp.map(%u) : (tensor<?x?xf32>) -> tensor<?x?xi8> {
+  ^bb0(%v: f32):
+    %half = arith.constant 0.5 : f32
+    %keep = arith.cmpf olt, %v, %half : f32
+    %k = arith.extui %keep : i1 to i8
+    abp.yield %k : i8
+  }
+  %c = abp.pack %m : tensor<?x?xi8> -> !abp.codes<1>
+  %r = abp.reduce_rows sum %y : tensor<?x?xf32> -> tensor<?xf32>
+  abp.return %y, %r : tensor<?x?xf32>, tensor<?xf32> saves %c, %s : !abp.codes<1>, tensor<?xf32>
+} backward {
+^bb0(%c: !abp.codes<1>, %s: tensor<?xf32>, %dy: tensor<?x?xf32>, %dr: tensor<?xf32>):
+  %m = abp.unpack %c : !abp.codes<1> -> tensor<?x?xi8>
+  %sb = abp.broadcast_rows %s : tensor<?xf32> -> tensor<?x?xf32>
+  %drb = abp.broadcast_rows %dr : tensor<?xf32> -> tensor<?x?xf32>
+  %dx = abp.map(%m, %sb, %dy, %drb) : (tensor<?x?xi8>, tensor<?x?xf32>, tensor<?x?xf32>, tensor<?x?xf32>) -> tensor<?x?xf32> {
+  ^bb0(%k: i8, %b: f32, %g: f32, %h: f32):
+    %zero = arith.constant 0.0 : f32
+    %none = arith.constant 0 : i8
+    %on = arith.cmpi ne, %k, %none : i8
+    %t = arith.addf %g, %h : f32
+    %p = arith.mulf %t, %b : f32
+    %r = arith.select %on, %p, %zero : f32
+    abp.yield %r : f32
+  }
+  abp.return %dx : tensor<?x?xf32>
+}
+"""
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_autograd_path_runs_per_row_inputs_without_gradient_per_row_outputs_and_draws(dtype: torch.dtype) -> None:
+    # One operator with everything the one launcher must bind: a per-row input listed in
+    # no_grad, a per-row output, Philox draws keyed by i64 parameters, 1-bit codes.
+    compiler_or_skip()
+    import numpy as np
+
+    from abp.autograd import OperatorFunction
+    import gact_reference as ref
+
+    if "test_row_dropout" not in abp.operators():
+        abp.compile_operators(ROW_DROPOUT_IR, origin="row_dropout.mlir")
+    seed, offset = (1 << 33) + 7, 5
+    x = torch.randn(3, 4, 40).to(dtype).requires_grad_()  # codes of whole bytes per row
+    s = torch.rand(12) + 0.5
+    y, r = OperatorFunction.apply("test_row_dropout", (seed, offset), None, x, s)
+    assert y.shape == x.shape and y.dtype == dtype and r.shape == (3, 4) and r.dtype == torch.float32
+    keep = torch.from_numpy(ref.uniform_at(seed, np.arange(x.numel(), dtype=np.uint64) + np.uint64(offset)) < 0.5)
+    keep = keep.reshape(x.shape)
+    xs = x.detach().float() * s.reshape(3, 4, 1)
+    torch.testing.assert_close(y.float(), torch.where(keep, xs, torch.zeros(())).to(dtype).float())
+    torch.testing.assert_close(r, torch.where(keep, xs, torch.zeros(())).sum(-1), rtol=1e-5, atol=1e-5)
+    gy, gr = torch.randn(x.shape).to(dtype), torch.randn(3, 4)
+    torch.autograd.backward([y, r], [gy, gr])
+    expected = torch.where(keep, (gy.float() + gr[..., None]) * s.reshape(3, 4, 1), torch.zeros(()))
+    torch.testing.assert_close(x.grad.float(), expected.to(dtype).float())
+    # The per-row input is checked like any argument, by its reference name.
+    with pytest.raises(ValueError, match=r"test_row_dropout: input1 must be a contiguous torch.float32 tensor of one value per row \(12\)"):
+        OperatorFunction.apply("test_row_dropout", (seed, offset), None, x, torch.rand(11))

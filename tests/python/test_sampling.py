@@ -422,9 +422,22 @@ def test_sampled_linear_module() -> None:
         abp.nn.SampledLinear.from_linear(torch.nn.Conv1d(2, 2, 1))
 
 
-def test_generic_launch_path_refuses_the_sampling_operators() -> None:
-    with pytest.raises(ValueError, match="operator row_norms: its tensors differ in shape"):
-        abp.functional.apply("row_norms", torch.randn(3, 4))
+def test_the_autograd_path_runs_a_per_row_output_and_refuses_shapes_it_cannot_derive() -> None:
+    # row_norms: a dense input, a per-row output; its gradient is x / ||x|| per row.
+    x = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
+    norms = abp.functional.apply("row_norms", x)
+    assert norms.shape == (2, 3) and norms.dtype == torch.float64
+    torch.testing.assert_close(norms, x.detach().norm(dim=-1))
+    g = torch.randn(2, 3, dtype=torch.float64)
+    norms.backward(g)
+    torch.testing.assert_close(x.grad, g[..., None] * x.detach() / x.detach().norm(dim=-1, keepdim=True))
+    # Rows gathered by index (sample_rows) and draws without an input (philox_uniform): their
+    # shapes are abp.sampling's to give.
+    op = abp._lib.kernel_library().operator("sample_rows")
+    with pytest.raises(ValueError, match="operator sample_rows: its shapes do not follow from its inputs"):
+        abp._launch.forward(op, [torch.randn(3, 4), torch.zeros(2, dtype=torch.int32), torch.ones(2), torch.ones(2)], [])
+    with pytest.raises(ValueError, match="operator philox_uniform: its shapes do not follow from its inputs"):
+        abp._launch.forward(abp._lib.kernel_library().operator("philox_uniform"), [], [1, 2])
 
 
 # --- abp.convert(recipe="sampled") ---------------------------------------------------------------

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+import struct
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 from . import _lib
-from ._manifest import Direction, KernelRecord, Operator, packed_bytes
+from ._manifest import Direction, KernelArg, Operator, packed_bytes
 
 __all__ = [
     "DTYPE_NAMES",
@@ -18,6 +19,9 @@ __all__ = [
     "check_float_tensor",
     "check_inputs",
     "check_param",
+    "Binding",
+    "binding",
+    "launch_input",
     "forward",
     "backward",
 ]
@@ -104,94 +108,146 @@ def device_and_stream(device: torch.device) -> Tuple[int, Optional[int]]:
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def _pointer(t: torch.Tensor) -> _lib.c_void_p:
-    return _lib.c_void_p(t.data_ptr())
+class Binding:
+    """One direction of one operator for one launch dtype, resolved once: the kernel handle, the
+    value each argument takes (by manifest reference: input0, param1, residual0, grad0, ...) and
+    the outputs' layouts. Every kernel launch of abp goes through one: the autograd path below,
+    abp.sampling's kernels and the GACT codec (abp.compress).
+
+    Arguments are passed as 8-byte words: addresses, i64 scalars, and f32 scalars as their bits
+    in the low half (a kernel reads the 4 bytes it declares, as cuLaunchKernel copies them).
+    """
+
+    __slots__ = ("op", "record", "handle", "refs", "scalars", "outputs", "rows_kernel")
+
+    def __init__(self, op: Operator, direction: Direction, dtype: torch.dtype) -> None:
+        record = op.kernel(direction)
+        if record is None:
+            raise RuntimeError(f"operator {op.name}: this direction launches no kernel")
+        self.op, self.record = op, record
+        self.refs = direction.args
+        # Per kernel input: None (a tensor address), "i64" or "f32" (a scalar).
+        self.scalars = tuple((spec.type or "f32") if spec.role == "scalar" else None for spec in record.inputs)
+        self.outputs = record.outputs
+        self.rows_kernel = record.kind == "rows"
+        self.handle = _lib.kernel_library().kernel(record.name, DTYPE_NAMES[dtype])
+
+    def words(self, values: Mapping[str, Any]) -> List[int]:
+        """The input words: tensors (or addresses), i64 and f32 scalars, by reference."""
+        words = []
+        for ref, scalar in zip(self.refs, self.scalars):
+            value = values[ref]
+            if scalar is None:
+                words.append(value if isinstance(value, int) else value.data_ptr())
+            elif scalar == "i64":
+                words.append(int(value) & _U64)
+            else:
+                words.append(_F32_BITS.unpack(_F32.pack(float(value)))[0])
+        return words
+
+    def launch(self, values: Mapping[str, Any], outputs: Sequence[int], shape: Tuple[int, ...],
+               device: int, stream: Optional[int]) -> None:
+        """Launches over `shape` ((rows, cols) for a row kernel, (n,) for an elementwise one) with
+        the inputs from `values` and the output addresses `outputs`; nothing runs when empty."""
+        if len(shape) != (2 if self.rows_kernel else 1) or len(outputs) != len(self.outputs):
+            raise RuntimeError(f"operator {self.op.name}: kernel {self.record.name} takes "
+                               f"{len(self.outputs)} output(s) over {'(rows, cols)' if self.rows_kernel else '(n,)'}")
+        if shape[0] == 0:  # no rows (a row kernel still runs rows of 0 columns) or no elements
+            return
+        n = shape[0] * shape[1] if self.rows_kernel else shape[0]
+        _lib.launch_words(self.handle, device, self.words(values) + list(outputs) + list(shape), n, stream)
+
+
+_U64 = (1 << 64) - 1
+_F32, _F32_BITS = struct.Struct("<f"), struct.Struct("<I")
+
+
+def binding(op: Operator, backward: bool, dtype: torch.dtype) -> Binding:
+    """The cached Binding of `op`'s forward (or backward) for launch dtype `dtype`."""
+    key = (backward, dtype)
+    bound = op.bindings.get(key)
+    if bound is None:
+        direction = op.backward if backward else op.forward
+        if direction is None or direction.kernel is None:
+            raise RuntimeError(f"operator {op.name}: the {'backward' if backward else 'forward'} launches no kernel")
+        bound = op.bindings[key] = Binding(op, direction, dtype)
+    return bound
+
+
+def _check_argument(op: Operator, ref: str, value: Any, spec: KernelArg, n: int, rows: int,
+                    dtype: torch.dtype, device: torch.device) -> None:
+    """Checks the tensor feeding kernel argument `spec` (named by its reference `ref`)."""
+    if not isinstance(value, torch.Tensor):
+        raise RuntimeError(f"{op.name}: {ref} feeds a tensor argument but is {type(value).__name__}")
+    if spec.layout == "packed":
+        assert spec.bits is not None
+        need = packed_bytes(spec.bits, n)
+        if value.dtype != torch.uint8 or value.numel() < need or not value.is_contiguous():
+            raise ValueError(
+                f"{op.name}: {ref} must be {need} contiguous uint8 bytes of {spec.bits}-bit codes for "
+                f"{n} elements, got {value.numel()} {value.dtype} elements"
+            )
+    elif spec.layout == "rows":
+        row_dtype = torch.int32 if spec.type == "i32" else compute_dtype(dtype)
+        if value.dtype != row_dtype or value.numel() != rows or not value.is_contiguous():
+            raise ValueError(
+                f"{op.name}: {ref} must be a contiguous {row_dtype} tensor of one value per row "
+                f"({rows}), got {value.dtype} with {value.numel()} elements"
+            )
+    elif value.dtype != dtype or value.numel() != n or not value.is_contiguous():
+        raise ValueError(
+            f"{op.name}: {ref} must be a contiguous {dtype} tensor of {n} elements, got "
+            f"{value.dtype} with {value.numel()} elements"
+        )
+    if value.device != device:
+        raise ValueError(f"{op.name}: {ref} is on {value.device}, expected {device}")
 
 
 def _launch_kernel(
     op: Operator,
-    record: KernelRecord,
-    direction: Direction,
+    backward: bool,
     values: Dict[str, Any],
-    n: int,
     dtype: torch.dtype,
     device: torch.device,
     shape: torch.Size,
 ) -> List[torch.Tensor]:
-    """Launches `record` with the direction's inputs; returns its freshly allocated outputs.
-
-    A row kernel works on rows of ``shape[-1]`` elements: its per-row arguments hold one value
-    per row (shape ``shape[:-1]``) in the compute dtype.
+    """Checks the direction's inputs, allocates its outputs and launches its kernel; returns the
+    outputs. A row kernel works on rows of ``shape[-1]`` elements: its per-row arguments hold one
+    value per row (shape ``shape[:-1]``) in the compute dtype (or int32 row indices).
     """
-    rows_kernel = record.kind == "rows"
-    cols = int(shape[-1]) if rows_kernel else 0
-    rows = math.prod(shape[:-1]) if rows_kernel else 0
-    row_dtype = compute_dtype(dtype)
-    args: List[Any] = []
-    for ref, spec in zip(direction.args, record.inputs):
-        value = values[ref]
-        if spec.role == "scalar":
-            args.append(_lib.c_int64(int(value)) if spec.type == "i64" else _lib.c_float(float(value)))
-            continue
-        if not isinstance(value, torch.Tensor):
-            raise RuntimeError(f"{op.name}: {ref} feeds tensor argument of {record.name} but is {type(value).__name__}")
-        if spec.layout == "packed":
-            assert spec.bits is not None
-            need = packed_bytes(spec.bits, n)
-            if value.dtype != torch.uint8 or value.numel() < need or not value.is_contiguous():
-                raise ValueError(
-                    f"{op.name}: {ref} must be {need} contiguous uint8 bytes of {spec.bits}-bit codes for "
-                    f"{n} elements, got {value.numel()} {value.dtype} elements"
-                )
-        elif spec.layout == "rows":
-            if value.dtype != row_dtype or value.numel() != rows or not value.is_contiguous():
-                raise ValueError(
-                    f"{op.name}: {ref} must be a contiguous {row_dtype} tensor of one value per row "
-                    f"({rows}), got {value.dtype} with {value.numel()} elements"
-                )
-        elif value.dtype != dtype or value.numel() != n or not value.is_contiguous():
-            raise ValueError(
-                f"{op.name}: {ref} must be a contiguous {dtype} tensor of {n} elements, got "
-                f"{value.dtype} with {value.numel()} elements"
-            )
-        if value.device != device:
-            raise ValueError(f"{op.name}: {ref} is on {value.device}, expected {device}")
-        args.append(_pointer(value))
+    bound = binding(op, backward, dtype)
+    n = math.prod(shape)
+    rows = math.prod(shape[:-1]) if bound.rows_kernel else 0
+    for ref, spec in zip(bound.refs, bound.record.inputs):
+        if spec.role != "scalar":
+            _check_argument(op, ref, values[ref], spec, n, rows, dtype, device)
     results: List[torch.Tensor] = []
-    for spec in record.outputs:
+    for spec in bound.outputs:
         if spec.layout == "packed":
             assert spec.bits is not None
-            out = torch.empty(packed_bytes(spec.bits, n), dtype=torch.uint8, device=device)
+            results.append(torch.empty(packed_bytes(spec.bits, n), dtype=torch.uint8, device=device))
         elif spec.layout == "rows":
-            out = torch.empty(shape[:-1], dtype=row_dtype, device=device)
+            results.append(torch.empty(shape[:-1], dtype=compute_dtype(dtype), device=device))
         else:
-            out = torch.empty(shape, dtype=dtype, device=device)
-        results.append(out)
-        args.append(_pointer(out))
-    if rows_kernel:
-        args += [_lib.c_int64(rows), _lib.c_int64(cols)]
-    else:
-        args.append(_lib.c_int64(n))
-    if (rows if rows_kernel else n) > 0:
-        library = _lib.kernel_library()
-        handle = library.kernel(record.name, DTYPE_NAMES[dtype])
-        device_index, stream = device_and_stream(device)
-        _lib.launch(handle, device_index, args, n, stream)
+            results.append(torch.empty(shape, dtype=dtype, device=device))
+    device_index, stream = device_and_stream(device)
+    bound.launch(values, [r.data_ptr() for r in results], (rows, int(shape[-1])) if bound.rows_kernel else (n,),
+                 device_index, stream)
     return results
 
 
 def _run(
     op: Operator,
-    direction: Direction,
+    backward: bool,
     values: Dict[str, Any],
-    n: int,
     dtype: torch.dtype,
     device: torch.device,
     shape: torch.Size,
 ) -> List[Any]:
-    record = op.kernel(direction)
-    if record is not None:
-        for i, result in enumerate(_launch_kernel(op, record, direction, values, n, dtype, device, shape)):
+    direction = op.backward if backward else op.forward
+    assert direction is not None
+    if direction.kernel is not None:
+        for i, result in enumerate(_launch_kernel(op, backward, values, dtype, device, shape)):
             values[f"result{i}"] = result
     missing = [ref for ref in direction.produces if ref not in values]
     if missing:
@@ -199,25 +255,38 @@ def _run(
     return [values[ref] for ref in direction.produces]
 
 
+def launch_input(op: Operator, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The input whose shape and dtype a launch of `op` runs over: its first input read densely
+    (per-row inputs hold one value per row of it, in the compute dtype), else its first."""
+    for x, spec in zip(inputs, op.input_args):
+        if spec is None or spec.layout == "dense":
+            return x
+    return inputs[0]
+
+
 def forward(
     op: Operator,
     inputs: Sequence[torch.Tensor],
     params: Sequence[Union[float, int]],
 ) -> Tuple[List[torch.Tensor], List[Any]]:
-    """Runs the forward of `op` (inputs already checked); returns (outputs, residuals).
+    """Runs the forward of `op` (inputs already type-checked); returns (outputs, residuals).
 
-    Dense outputs are new contiguous tensors of the inputs' shape; codes are ceil(bits * n / 8)
-    uint8 bytes; a scalar residual is a float. Parameters are passed as the kernel declares them
-    (f32, or i64 for seeds and offsets). No reference to the inputs is kept.
+    The launch runs over the shape and dtype of launch_input: dense outputs are
+    new contiguous tensors of that shape, per-row outputs and inputs hold one value per row
+    (its shape without the last dimension); codes are ceil(bits * n / 8) uint8 bytes; a scalar
+    residual is a float. Parameters are passed as the kernel declares them (f32, or i64 for
+    seeds and offsets). No reference to the inputs is kept.
     """
     if op.forward is None:
         raise RuntimeError(f"operator {op.name} has no forward direction")
-    if not op.same_shape:
-        raise ValueError(f"operator {op.name}: its tensors differ in shape (rows gathered by index, per-row "
-                         f"outputs or draws without an input); use abp.sampling, which launches it")
+    if op.inputs == 0 or any(spec is not None and spec.layout == "gathered" for spec in op.input_args):
+        raise ValueError(f"operator {op.name}: its shapes do not follow from its inputs (rows gathered by "
+                         f"index, or draws without an input); use abp.sampling, which launches it")
+    if len(inputs) != op.inputs:
+        raise TypeError(f"{op.name}: expected {op.inputs} tensor inputs, got {len(inputs)}")
     if len(params) != len(op.params):
         raise TypeError(f"{op.name}: expected {len(op.params)} parameters ({', '.join(op.params)}), got {len(params)}")
-    first = inputs[0]
+    first = launch_input(op, inputs)
     if op.row_wise and first.dim() == 0:
         raise ValueError(f"{op.name}: input0 must have at least one dimension (its rows run along the last), got a 0-d tensor")
     values: Dict[str, Any] = {}
@@ -225,7 +294,7 @@ def forward(
         values[f"input{i}"] = x.contiguous()
     for i, p in enumerate(params):
         values[f"param{i}"] = p
-    produced = _run(op, op.forward, values, first.numel(), first.dtype, first.device, first.shape)
+    produced = _run(op, False, values, first.dtype, first.device, first.shape)
     return produced[: op.outputs], produced[op.outputs :]
 
 
@@ -237,12 +306,12 @@ def backward(
     dtype: torch.dtype,
     device: torch.device,
 ) -> List[Optional[torch.Tensor]]:
-    """Runs the backward of `op`; returns one gradient (of `shape`) per tensor input.
+    """Runs the backward of `op`; returns one gradient per tensor input (None for no_grad ones).
 
-    A missing output gradient (None) counts as zeros; gradients are made contiguous and must have
-    `shape`, `dtype` and `device` (those of the forward's output).
+    `shape`, `dtype` and `device` are the forward launch's (launch_input). A missing output
+    gradient (None) counts as zeros; gradients are made contiguous and must have their output's
+    shape (a per-row output's: `shape` without its last dimension) and device.
     """
-    n = math.prod(shape)
     if op.backward is None:
         return [None] * op.inputs
     values: Dict[str, Any] = {}
@@ -252,16 +321,18 @@ def backward(
         if isinstance(r, torch.Tensor) and r.is_floating_point() and r.dtype != dtype and op.residuals[i].kind == "shared":
             r = r.to(dtype)
         values[f"residual{i}"] = r
-    for i, g in enumerate(grads):
+    for i, (g, layout) in enumerate(zip(grads, op.output_layouts)):
+        want_shape, want_dtype = (shape[:-1], compute_dtype(dtype)) if layout == "rows" else (shape, dtype)
         if g is None:
-            g = torch.zeros(shape, dtype=dtype, device=device)
+            g = torch.zeros(want_shape, dtype=want_dtype, device=device)
         name = "grad_output" if len(grads) == 1 else f"grad_output{i}"
         check_float_tensor(name, g, ROW_DTYPES if op.row_wise else ELEMENTWISE_DTYPES)
-        if g.shape != shape:
-            raise ValueError(f"{name}: expected shape {tuple(shape)} (the output's), got {tuple(g.shape)}")
+        if g.shape != want_shape:
+            raise ValueError(f"{name}: expected shape {tuple(want_shape)} (the output's), got {tuple(g.shape)}")
         if g.device != device:
             raise ValueError(f"{name}: expected a tensor on {device} (the output's device), got {g.device}")
-        if g.dtype != dtype:
-            g = g.to(dtype)
+        if g.dtype != want_dtype:
+            g = g.to(want_dtype)
         values[f"grad{i}"] = g.contiguous()
-    return list(_run(op, op.backward, values, n, dtype, device, shape))
+    produced = iter(_run(op, True, values, dtype, device, shape))
+    return [None if i in op.no_grad else next(produced) for i in range(op.inputs)]

@@ -28,7 +28,6 @@ __all__ = [
     "cache_stats",
     "cache_clear",
     "compile_ir",
-    "launch",
     "c_float",
     "c_int64",
     "c_void_p",
@@ -323,15 +322,6 @@ def on_open(hook: Callable[[KernelLibrary], None]) -> None:
         _open_hooks.append(hook)
         if _kernel_library is not None:
             hook(_kernel_library)
-
-
-def launch(kernel: c_void_p, device: int, args: Sequence[Any], n: int, stream: Optional[int]) -> None:
-    """abp_kernel_launch with ctypes values (c_void_p / c_float / c_int64) in manifest order."""
-    nargs = len(args)
-    # Each entry points at the argument's value, as for cuLaunchKernel; `args` keeps them alive.
-    array = (c_void_p * nargs)(*[ctypes.addressof(a) for a in args])
-    check(native().abp_kernel_launch(kernel, int(device), array, nargs, int(n), stream))
-
 
 
 def launch_words(kernel: c_void_p, device: int, words: Sequence[int], n: int, stream: Optional[int]) -> None:

@@ -115,6 +115,9 @@ class Operator:
     saved_bits_per_row: float = 0.0
     row_wise: bool = False  # launches row kernels: inputs are rows along their last dimension
     no_grad: Tuple[int, ...] = ()  # tensor inputs without a gradient (row indices, weights)
+    # The launch bindings of this operator (abp._launch.binding), resolved once per direction
+    # and dtype; they live with the record, so an operator compiled again gets its own.
+    bindings: Dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def dtypes(self) -> Tuple[str, ...]:
@@ -138,6 +141,37 @@ class Operator:
             if kind == "result" and record is not None and record.outputs[index].layout == "rows":
                 return False
         return True
+
+    @cached_property
+    def input_args(self) -> Tuple[Optional[KernelArg], ...]:
+        """Per tensor input, the forward kernel argument reading it (its layout says how the
+        input is shaped: dense, one value per row, or rows gathered by index), or None when the
+        forward kernel does not read it (it is only saved, or there is no kernel)."""
+        specs: List[Optional[KernelArg]] = [None] * self.inputs
+        record = self.kernel(self.forward) if self.forward is not None else None
+        if record is not None and self.forward is not None:
+            for ref, spec in zip(self.forward.args, record.inputs):
+                kind, index = parse_ref(ref)
+                if kind == "input":
+                    specs[index] = spec
+        return tuple(specs)
+
+    @cached_property
+    def output_layouts(self) -> Tuple[str, ...]:
+        """Per output, "dense" (shaped like the dense inputs) or "rows" (one value per row, in
+        the compute dtype)."""
+        record = self.kernel(self.forward) if self.forward is not None else None
+        layouts = []
+        for ref in (self.forward.produces[: self.outputs] if self.forward is not None else ()):
+            kind, index = parse_ref(ref)
+            spec = record.outputs[index] if kind == "result" and record is not None else None
+            layouts.append("rows" if spec is not None and spec.layout == "rows" else "dense")
+        return tuple(layouts)
+
+    @property
+    def gradient_inputs(self) -> Tuple[int, ...]:
+        """The tensor inputs that get a gradient, in the order backward produces them."""
+        return tuple(i for i in range(self.inputs) if i not in self.no_grad)
 
     def kernel(self, direction: Direction) -> Optional[KernelRecord]:
         """The kernel record of a direction (None if it launches none)."""

@@ -1,11 +1,10 @@
 """Launchers of ops/sample/sample.mlir's kernels: row norms, gather-and-scale, put-back, and the
 Philox draws and sketches of the sampled linear layers.
 
-These kernels' tensors differ in shape (k kept rows of an N-row matrix; draws with no input at
-all), which the generic same-shape launch path (_launch.forward/backward) does not describe, so
-they are launched here directly. The argument order still comes from each direction's manifest
-record: the words are filled by reference name (input0, param1, residual0, ...), never by
-position.
+These kernels' shapes do not follow from their inputs (k kept rows of an N-row matrix; draws
+with no input at all), so the autograd path (_launch.forward/backward) cannot run them; they are
+launched through the same bindings (_launch.binding), with the shapes given here. The words are
+filled by reference name (input0, param1, residual0, ...), never by position.
 """
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple
 import torch
 
 from . import _lib
-from ._launch import DTYPE_NAMES, ELEMENTWISE_DTYPES, ROW_DTYPES, compute_dtype, device_and_stream
+from ._launch import ELEMENTWISE_DTYPES, ROW_DTYPES, binding, compute_dtype, device_and_stream
 
 __all__ = [
     "row_norms",
@@ -40,24 +39,12 @@ def _launch(
     device: torch.device,
     shape: Tuple[int, ...],
 ) -> None:
-    """Launches one direction of `op_name`: its inputs by manifest reference from `values`
-    (addresses or i64 values), then `outputs` (addresses, in the kernel's out order), then the
-    shape: (rows, cols) for a row kernel, (n,) for an elementwise one. Nothing runs when empty."""
-    library = _lib.kernel_library()
-    op = library.operator(op_name)
-    direction = op.backward if backward else op.forward
-    record = op.kernel(direction) if direction is not None else None
-    if record is None:
-        raise RuntimeError(f"operator {op_name}: the {'backward' if backward else 'forward'} launches no kernel")
-    rows_kernel = record.kind == "rows"
-    if len(shape) != (2 if rows_kernel else 1) or len(outputs) != len(record.outputs):
-        raise RuntimeError(f"operator {op_name}: kernel {record.name} does not have the interface abp.sampling expects")
-    words = [values[ref] for ref in direction.args] + list(outputs) + list(shape)
-    n = shape[0] * shape[1] if rows_kernel else shape[0]
-    if shape[0] == 0:  # no rows (a row kernel still runs rows of 0 columns) or no elements
-        return
+    """Launches one direction of `op_name` through its binding: inputs by manifest reference
+    from `values` (addresses or i64 values), then `outputs` (addresses, in the kernel's out
+    order), over `shape`: (rows, cols) for a row kernel, (n,) for an elementwise one."""
+    op = _lib.kernel_library().operator(op_name)
     device_index, stream = device_and_stream(device)
-    _lib.launch_words(library.kernel(record.name, DTYPE_NAMES[dtype]), device_index, words, n, stream)
+    binding(op, backward, dtype).launch(values, outputs, shape, device_index, stream)
 
 
 def _matrix(name: str, x: torch.Tensor) -> torch.Tensor:

@@ -30,8 +30,9 @@ class OperatorFunction(torch.autograd.Function):
     ) -> Any:
         op = _lib.kernel_library().operator(op_name)
         outputs, residuals = _launch.forward(op, inputs, params)
-        if out_dtype is not None and out_dtype != inputs[0].dtype:
-            outputs = [o.to(out_dtype) for o in outputs]
+        first = _launch.launch_input(op, inputs)
+        if out_dtype is not None and out_dtype != first.dtype:
+            outputs = [o.to(out_dtype) if layout == "dense" else o for o, layout in zip(outputs, op.output_layouts)]
         for i, residual in enumerate(op.residuals):
             if residual.kind == "shared":
                 assert residual.output is not None
@@ -42,9 +43,9 @@ class OperatorFunction(torch.autograd.Function):
         ctx.abp_is_tensor = tuple(isinstance(r, torch.Tensor) for r in residuals)
         ctx.abp_scalars = tuple(float(r) for r in residuals if not isinstance(r, torch.Tensor))
         ctx.abp_input_shapes = tuple(x.shape for x in inputs)
-        ctx.abp_output_shape = outputs[0].shape
-        ctx.abp_dtype = inputs[0].dtype
-        ctx.abp_device = inputs[0].device
+        ctx.abp_shape = first.shape
+        ctx.abp_dtype = first.dtype
+        ctx.abp_device = first.device
         ctx.set_materialize_grads(False)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
@@ -55,7 +56,7 @@ class OperatorFunction(torch.autograd.Function):
         tensors = iter(ctx.saved_tensors)
         scalars = iter(ctx.abp_scalars)
         residuals = [next(tensors) if is_tensor else next(scalars) for is_tensor in ctx.abp_is_tensor]
-        dxs = _launch.backward(op, residuals, grads, ctx.abp_output_shape, ctx.abp_dtype, ctx.abp_device)
+        dxs = _launch.backward(op, residuals, grads, ctx.abp_shape, ctx.abp_dtype, ctx.abp_device)
         shaped = tuple(
             None if dx is None else dx.reshape(shape) for dx, shape in zip(dxs, ctx.abp_input_shapes)
         )

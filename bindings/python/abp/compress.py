@@ -153,11 +153,12 @@ def _check_group_size(group_size: Any) -> int:
 
 
 class _Codec:
-    """The two kernels of operator gact_b<bits> for one dtype, resolved once.
+    """The two bindings of operator gact_b<bits> for one dtype (abp._launch.binding).
 
-    quantize/dequantize launch them directly: on small tensors the generic launch path's per-call
-    work (manifest lookups, checks, three allocations) costs more than the kernels. The argument
-    order still comes from the manifest; it is checked here, once, against what this code fills.
+    quantize/dequantize launch them with addresses inside one buffer per compressed tensor: on
+    small tensors the autograd path's per-call work (checks, three allocations) costs more than
+    the kernels. Which residual each forward output is comes from the manifest; the interface
+    is checked here, once, against what this code fills.
     """
 
     _cache: Dict[Tuple[int, torch.dtype], "_Codec"] = {}
@@ -170,50 +171,39 @@ class _Codec:
         return codec
 
     def __init__(self, bits: int, dtype: torch.dtype) -> None:
-        library = _lib.kernel_library()
-        op = library.operator(f"gact_b{bits}")
+        op = _lib.kernel_library().operator(f"gact_b{bits}")
         fwd, bwd = op.forward, op.backward
         if fwd is None or bwd is None or fwd.kernel is None or bwd.kernel is None:
             raise RuntimeError(f"operator {op.name}: expected a forward and a backward kernel")
-        fwd_record, bwd_record = op.kernels[fwd.kernel], op.kernels[bwd.kernel]
+        self.forward = _launch.binding(op, False, dtype)
+        self.backward = _launch.binding(op, True, dtype)
         # Forward results in residual order (codes, minima, scales), as kernel output indices.
         self.result_of_residual = [int(ref[len("result"):]) for ref in fwd.produces]
-        layouts = [fwd_record.outputs[i].layout for i in self.result_of_residual]
+        layouts = [self.forward.outputs[i].layout for i in self.result_of_residual]
         if layouts != ["packed", "rows", "rows"] or sorted(fwd.args) != ["input0", "param0", "param1"] or \
                 sorted(bwd.args) != ["residual0", "residual1", "residual2"] or bwd.produces != ("result0",):
             raise RuntimeError(f"operator {op.name}: unexpected kernel interface {fwd.args} -> {fwd.produces}, "
                                f"{bwd.args} -> {bwd.produces} (abp.compress expects ops/gact/gact.mlir's)")
-        # Kernel input i takes (x, seed, offset)[forward_inputs[i]], and backward input i takes
-        # (codes, minima, scales)[backward_inputs[i]] (the compiler orders them by first use).
-        self.forward_inputs = tuple(("input0", "param0", "param1").index(ref) for ref in fwd.args)
-        self.backward_inputs = tuple(("residual0", "residual1", "residual2").index(ref) for ref in bwd.args)
         self.bits = bits
-        name = _launch.DTYPE_NAMES[dtype]
-        self.forward_kernel = library.kernel(fwd_record.name, name)
-        self.backward_kernel = library.kernel(bwd_record.name, name)
 
     def quantize(self, x: int, rows: int, cols: int, seed: int, offset: int, buffer: int,
                  at: Tuple[int, int, int], device: int, stream: Optional[int]) -> Tuple[int, int, int, int, int]:
         """Launches the forward over rows x cols elements at address `x`, writing the minima, the
         scales and the codes at the byte offsets `at` of the buffer at address `buffer`; returns
         the part's layout."""
-        n = rows * cols
         mins_at, scales_at, codes_at = at
         residuals = (buffer + codes_at, buffer + mins_at, buffer + scales_at)  # codes, minima, scales
         outputs = [0, 0, 0]
         for residual, address in zip(self.result_of_residual, residuals):
             outputs[residual] = address
-        inputs = (x, seed, offset)
-        words = [inputs[i] for i in self.forward_inputs] + outputs + [rows, cols]
-        _lib.launch_words(self.forward_kernel, device, words, n, stream)
-        return (n, cols, mins_at, scales_at, codes_at)
+        self.forward.launch({"input0": x, "param0": seed, "param1": offset}, outputs, (rows, cols), device, stream)
+        return (rows * cols, cols, mins_at, scales_at, codes_at)
 
     def dequantize(self, buffer: int, layout: Tuple[int, int, int, int, int], out: int, device: int,
                    stream: Optional[int]) -> None:
         n, cols, mins_at, scales_at, codes_at = layout
-        residuals = (buffer + codes_at, buffer + mins_at, buffer + scales_at)
-        words = [residuals[i] for i in self.backward_inputs] + [out, n // cols, cols]
-        _lib.launch_words(self.backward_kernel, device, words, n, stream)
+        residuals = {"residual0": buffer + codes_at, "residual1": buffer + mins_at, "residual2": buffer + scales_at}
+        self.backward.launch(residuals, [out], (n // cols, cols), device, stream)
 
 
 def quantize(
