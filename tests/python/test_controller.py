@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import abp.compress as C
+import abp._replay as replay_engine
 import abp.controller as ctl
 from abp.controller import RUNGS, CompressionController, TensorKey, allocate_bits
 from abp_reference import library_or_skip
@@ -456,7 +457,7 @@ def test_replays_are_deterministic_under_dropout(kernels, monkeypatch):
 
     assert constant_sensitivity() == 0.0
     # Negative control: without restoring the RNG before each replay, dropout masks differ.
-    monkeypatch.setattr(ctl, "_set_rng", lambda state: None)
+    monkeypatch.setattr(replay_engine, "set_rng_state", lambda state: None)
     assert constant_sensitivity() > 0.0
 
 
@@ -478,7 +479,7 @@ def test_replays_run_under_the_autocast_of_the_recorded_call(kernels, monkeypatc
     assert set(controller.sensitivity) == set(controller.bits)
     assert all(math.isfinite(v) for v in controller.sensitivity.values())
     # Negative control: replayed without autocast, the saved tensors are fp32 and match no key.
-    monkeypatch.setattr(ctl, "_autocast", lambda state: contextlib.nullcontext())
+    monkeypatch.setattr(replay_engine, "_autocast", lambda state: contextlib.nullcontext())
     assert probe().sensitivity == {}
 
 
@@ -503,12 +504,12 @@ def test_tensors_saved_outside_the_model_keep_the_initial_width(kernels):
 def test_nothing_recorded_survives_the_probe(kernels, monkeypatch):
     alive: List[weakref.ref] = []
 
-    class Tracked(ctl._Call):
+    class Tracked(replay_engine.Call):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             alive.append(weakref.ref(self))
 
-    monkeypatch.setattr(ctl, "_Call", Tracked)
+    monkeypatch.setattr(replay_engine, "Call", Tracked)
     torch.manual_seed(9)
     model = Planted()
     x, y = batch(9)

@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from . import _custom_ops, _save_rules
-from .compress import CompressedTensor, _quantize, dequantize, group_layout, open_block, rank_key
+from .compress import CompressedTensor, dequantize, group_layout, open_block, quantize_unchecked, rank_key
 from ._launch import ROW_DTYPES
 
 __all__ = ["available", "hooks", "compiled_stats"]
@@ -63,7 +63,7 @@ if available():
     @torch.library.custom_op("abp::gact_pack", mutates_args=())
     def gact_pack(x: torch.Tensor, key: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
         """`x` as `bits`-bit group codes: one uint8 buffer (compress.group_layout) keyed by `key`."""
-        return _quantize(x, bits, group_size, rank_key(int(key.item())), 0).buffer
+        return quantize_unchecked(x, bits, group_size, rank_key(int(key.item())), 0).buffer
 
     @gact_pack.register_fake
     def _(x: torch.Tensor, key: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:

@@ -132,7 +132,7 @@ def _count(name: str, n: int) -> int:
     return n
 
 
-def _key(seed: int, offset: int) -> Tuple[int, int]:
+def check_key(seed: int, offset: int) -> Tuple[int, int]:
     for name, v in (("seed", seed), ("offset", offset)):
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**63:
             raise ValueError(f"{name}: expected an int in [0, 2**63), got {v!r}")
@@ -142,7 +142,7 @@ def _key(seed: int, offset: int) -> Tuple[int, int]:
 def uniform(n: int, seed: int, offset: int, device: torch.device) -> torch.Tensor:
     """n float32 U[0, 1) draws: draw e is Philox at (seed, offset + e), the same on CPU and GPU."""
     n = _count("n", n)
-    seed, offset = _key(seed, offset)
+    seed, offset = check_key(seed, offset)
     out = torch.empty(n, dtype=torch.float32, device=device)
     _launch("philox_uniform", False, {"param0": seed, "param1": offset}, [out.data_ptr()], torch.float32,
             out.device, (n,))
@@ -164,11 +164,11 @@ def sketch(kind: str, rows: int, cols: int, seed: int, offset: int, device: torc
     if dtype not in ELEMENTWISE_DTYPES:
         raise ValueError(f"dtype: expected float32, float16 or bfloat16, got {dtype}")
     n = _count("rows", rows) * _count("cols", cols)
-    seed, offset = _key(seed, offset)
+    seed, offset = check_key(seed, offset)
     out = torch.empty((rows, cols), dtype=dtype, device=device)
     values: Dict[str, int] = {"param0": seed, "param1": offset}
     if kind == "gaussian":
-        values["param2"] = _key(seed, offset + n if second_offset is None else second_offset)[1]
+        values["param2"] = check_key(seed, offset + n if second_offset is None else second_offset)[1]
     _launch(SKETCHES[kind], False, values, [out.data_ptr()], dtype, out.device, (n,))
     return out
 

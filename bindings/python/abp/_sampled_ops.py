@@ -16,7 +16,7 @@ and the planning, gathering and launching live inside two opaque ops:
 - abp::sampled_linear_dw(g2, rows, index, key, method) -> dW: tells the three apart by the shapes
   (an index means rows; n rows without one, exact; fewer, a sketch — a sketch always has k < n).
 
-Both compute exactly what the eager path does (abp.sampling._residuals / _weight_grad) from the
+Both compute exactly what the eager path does (abp.sampling.sampled_residuals / sampled_weight_grad) from the
 same key.
 """
 from __future__ import annotations
@@ -28,16 +28,16 @@ import torch.nn.functional as F
 
 from . import _selection as selection
 from . import sampling
-from ._sample_kernels import _key
+from ._sample_kernels import check_key
 from .compress import rank_key
 
 
 def _seed(key: torch.Tensor) -> int:
-    return _key(rank_key(int(key.item())), 0)[0]  # as draw_seed would have drawn it
+    return check_key(rank_key(int(key.item())), 0)[0]  # as draw_seed would have drawn it
 
 
 def _count(n: int, method: str, keep: float) -> int:
-    return selection.keep_count(n, keep, minimum=sampling._MINIMUM[method])
+    return selection.keep_count(n, keep, minimum=sampling.MINIMUM_KEPT[method])
 
 
 @torch.library.custom_op("abp::sampled_linear_save", mutates_args=())
@@ -54,7 +54,7 @@ def _residual_rows(x2: torch.Tensor, key: torch.Tensor, method: str, keep: float
     no_index = torch.empty(0, dtype=torch.int32, device=x2.device)
     if k >= n:  # nothing to sample: x2 itself (a copy: custom ops may not return an input's alias)
         return x2.contiguous().clone(), no_index
-    mode, saved = sampling._residuals(x2, method, keep, _seed(key), None)
+    mode, saved = sampling.sampled_residuals(x2, method, keep, _seed(key), None)
     if mode == "sketch":
         return saved[0], no_index
     rows = x2.new_zeros((k, d))
@@ -83,9 +83,9 @@ def _(x2: torch.Tensor, key: torch.Tensor, method: str, keep: float) -> Tuple[to
 @torch.library.custom_op("abp::sampled_linear_dw", mutates_args=())
 def _dw(g2: torch.Tensor, rows: torch.Tensor, index: torch.Tensor, key: torch.Tensor, method: str) -> torch.Tensor:
     if index.numel():
-        return sampling._weight_grad("rows", [rows, index], g2, method, _seed(key))
+        return sampling.sampled_weight_grad("rows", [rows, index], g2, method, _seed(key))
     mode = "exact" if rows.shape[0] == g2.shape[0] else "sketch"
-    return sampling._weight_grad(mode, [rows], g2, method, _seed(key))
+    return sampling.sampled_weight_grad(mode, [rows], g2, method, _seed(key))
 
 
 @_dw.register_fake

@@ -230,10 +230,10 @@ def quantize(
         raise ValueError(f"seed: expected an int in [0, 2**63), got {seed!r}")
     if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < 2**63:
         raise ValueError(f"offset: expected an int in [0, 2**63), got {offset!r}")
-    return _quantize(x, bits, group_size, seed, offset)
+    return quantize_unchecked(x, bits, group_size, seed, offset)
 
 
-def _quantize(x: torch.Tensor, bits: int, group_size: int, seed: int, offset: int) -> CompressedTensor:
+def quantize_unchecked(x: torch.Tensor, bits: int, group_size: int, seed: int, offset: int) -> CompressedTensor:
     """quantize() after its argument checks (the saved-tensor hook's path)."""
     codec = _Codec.get(bits, x.dtype)
     flat = x.detach()
@@ -656,7 +656,7 @@ class compress_saved:
             return t
         if self._seed is None:
             self._seed = draw_seed(self.generator)
-        c = _quantize(t, bits, self.group_size, self._seed, self._offset)
+        c = quantize_unchecked(t, bits, self.group_size, self._seed, self._offset)
         if self.exact_relu and t.grad_fn is not None and type(t.grad_fn).__name__ in _SUPPORT_PRODUCERS:
             c.support = _pack_mask(t > 0)
         # Stretches start on multiples of 8, where the kernels draw four elements per Philox call.

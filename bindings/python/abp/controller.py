@@ -34,13 +34,14 @@ import math
 import numbers
 import operator
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fractions import Fraction
 from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from . import _replay
 from .compress import MIN_UNIFORM_BITS, compress_saved
 
 __all__ = ["CompressionController", "TensorKey", "allocate_bits", "RUNGS", "trainer_callback"]
@@ -219,123 +220,6 @@ class TensorKey:
         return f"{self.module}:{self.shape}:{self.dtype}#{self.index}"
 
 
-_RngState = Tuple[torch.Tensor, Optional[List[torch.Tensor]]]
-_AutocastState = Tuple[Tuple[str, bool, torch.dtype], ...]
-_BufferSnapshot = List[Tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]]
-
-
-@dataclass
-class _Call:
-    """One call of the model at a probe step: what its replays need, freed after the estimate."""
-
-    args: Tuple[Any, ...]
-    kwargs: Dict[str, Any]
-    requires_grad: List[bool]  # per input tensor, in _tensors order
-    was_leaf: List[bool]  # per input tensor: a leaf (a tensor compress_saved treats as a parameter)
-    rng: _RngState
-    buffers: _BufferSnapshot
-    modes: List[bool]
-    autocast: _AutocastState
-    grads: List[Optional[torch.Tensor]] = field(default_factory=list)  # dL/d(output), per output
-    handles: List[Any] = field(default_factory=list)
-    closed: bool = False
-
-    def close(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.args, self.kwargs, self.buffers, self.grads, self.handles = (), {}, [], [], []
-        self.closed = True
-
-
-def _tensors(tree: Any) -> List[torch.Tensor]:
-    """The tensors in nested tuples, lists and dicts, in order, each object once."""
-    found: List[torch.Tensor] = []
-    seen: set = set()
-
-    def walk(x: Any) -> None:
-        if isinstance(x, torch.Tensor):
-            if id(x) not in seen:
-                seen.add(id(x))
-                found.append(x)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-        elif isinstance(x, dict):
-            for v in x.values():
-                walk(v)
-
-    walk(tree)
-    return found
-
-
-def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """`tree` with every tensor replaced by fn(tensor) (the same object gives the same result)."""
-    memo: Dict[int, Any] = {}
-
-    def walk(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            if id(x) not in memo:
-                memo[id(x)] = fn(x)
-            return memo[id(x)]
-        if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
-            return type(x)(*(walk(v) for v in x))
-        if isinstance(x, (list, tuple)):
-            return type(x)(walk(v) for v in x)
-        if isinstance(x, dict):
-            items = [(k, walk(v)) for k, v in x.items()]
-            try:
-                return type(x)(items)
-            except TypeError:
-                return dict(items)
-        return x
-
-    return walk(tree)
-
-
-def _get_rng() -> _RngState:
-    # CUDA's generators only if CUDA is already in use: never initialise it for a CPU model.
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng(state: _RngState) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state_all(state[1])
-
-
-def _autocast_state() -> _AutocastState:
-    if hasattr(torch, "get_autocast_dtype"):  # torch >= 2.4 deprecates the per-device getters
-        return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
-    return (("cpu", torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()),
-            ("cuda", torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()))
-
-
-@contextlib.contextmanager
-def _autocast(state: _AutocastState) -> Iterator[None]:
-    """Autocast as it was when the call was recorded (the replay runs outside the user's block)."""
-    now = {d: enabled for d, enabled, _ in _autocast_state()}
-    with contextlib.ExitStack() as stack:
-        for device, enabled, dtype in state:
-            if enabled:
-                stack.enter_context(torch.autocast(device, dtype=dtype))
-            elif now[device]:
-                stack.enter_context(torch.autocast(device, enabled=False))
-        yield
-
-
-def _snapshot_buffers(model: torch.nn.Module) -> _BufferSnapshot:
-    return [(m, name, b, b.detach().clone())
-            for m in model.modules() for name, b in m._buffers.items() if b is not None]
-
-
-def _restore_buffers(snapshot: _BufferSnapshot) -> None:
-    with torch.no_grad():
-        for module, name, buffer, saved in snapshot:
-            module._buffers[name] = buffer  # the original object, in case forward replaced it
-            buffer.copy_(saved)
-
-
 def _squared_distance(a: Sequence[Optional[torch.Tensor]], b: Sequence[Optional[torch.Tensor]]) -> float:
     """Σ ‖a_i − b_i‖² in fp64; None (an unused parameter) counts as zero."""
     total = 0.0
@@ -477,7 +361,7 @@ class CompressionController:
         self._stack: List[str] = []
         self._counts: Dict[Tuple[str, Tuple[int, ...], torch.dtype], int] = {}
         self._seen: Dict[TensorKey, int] = {}
-        self._calls: List[_Call] = []
+        self._calls: List[_replay.Call] = []
         self._original_forward: Optional[Callable[..., Any]] = None
         self._saved_forward_attr: Any = _MISSING
         self._recorder_installed = False
@@ -488,7 +372,7 @@ class CompressionController:
         self._step_hooks = False
         self._hooked = False
         self._depth = 0
-        self._pending: List[Optional[_Call]] = []
+        self._pending: List[Optional[_replay.Call]] = []
 
         self._handles: List[Any] = []
         for name, module in model.named_modules():
@@ -682,66 +566,9 @@ class CompressionController:
         self._target = None
         self._replaying = False
 
-    def _record_call(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> _Call:
-        """What a replay of the call model(*args, **kwargs) needs, taken before forward runs."""
-        model = self._model
-        inputs = _tensors((args, kwargs))
-        # Copied before forward runs (it may modify its inputs in place); the RNG states,
-        # buffers and modes as forward will see them.
-        args_copy, kwargs_copy = _map_tensors((args, kwargs), lambda t: t.detach().clone())
-        return _Call(
-            args=args_copy, kwargs=kwargs_copy,
-            requires_grad=[t.requires_grad for t in inputs],
-            was_leaf=[t.is_leaf for t in inputs],
-            rng=_get_rng(), buffers=_snapshot_buffers(model),
-            modes=[m.training for m in model.modules()], autocast=_autocast_state())
-
-    def _watch_outputs(self, call: _Call, out: Any) -> None:
-        """Hooks the call's outputs to capture dL/d(output) from the user's backward."""
-        outputs = _tensors(out)
-        call.grads = [None] * len(outputs)
-        for i, t in enumerate(outputs):
-            if t.requires_grad:
-                call.handles.append(t.register_hook(partial(self._capture, call, i)))
-        if len(call.handles) > 1:
-            self._subtract_inner_paths(call, outputs)
-        if call.handles:  # a call under no_grad cannot be probed
+    def _watch(self, call: _replay.Call, out: Any) -> None:
+        if _replay.watch_outputs(call, out):
             self._calls.append(call)
-        else:
-            call.close()
-
-    def _subtract_inner_paths(self, call: _Call, outputs: List[torch.Tensor]) -> None:
-        """An output's hook sees all of its gradient, also what reaches it through another output
-        the call computed from it (a causal LM's logits, through the loss it returns). The
-        replays feed every output its gradient and run that path themselves, so it would count
-        twice: hooks on the call's nodes that consume an output subtract what they send it,
-        leaving the gradient of the caller's own use. (Handing the caller identity views to hook
-        instead fails: a view changed in place, as the Trainer scales its loss, loses its hooks.)"""
-        held = [t.grad_fn for t in outputs]  # node objects keep their identity while referenced
-        target = {(id(node), t.output_nr): i for i, (node, t) in enumerate(zip(held, outputs))
-                  if node is not None and t.requires_grad}
-        stack = [node for node in held if node is not None]
-        seen = {id(node) for node in stack}
-        while stack:
-            node = stack.pop()
-            for k, (following, nr) in enumerate(node.next_functions):
-                if following is None:
-                    continue
-                i = target.get((id(following), nr))
-                if i is not None:
-                    call.handles.append(node.register_hook(partial(self._subtract, call, i, k)))
-                if id(following) not in seen:
-                    seen.add(id(following))
-                    held.append(following)
-                    stack.append(following)
-
-    @staticmethod
-    def _subtract(call: _Call, i: int, k: int, grad_inputs: Tuple[Optional[torch.Tensor], ...], _: Any) -> None:
-        grad = grad_inputs[k]
-        if call.closed or grad is None:
-            return
-        prev = call.grads[i]
-        call.grads[i] = -grad.detach() if prev is None else prev - grad.detach()
 
     def _install_recorder(self) -> None:
         model = self._model
@@ -752,9 +579,9 @@ class CompressionController:
         # Wrapping forward, not a forward pre-hook: hooks see keyword arguments only on torch >= 2.0
         # (with_kwargs), and torch 1.13 must work too.
         def recording_forward(*args: Any, **kwargs: Any) -> Any:
-            call = self._record_call(args, kwargs)
+            call = _replay.record(model, args, kwargs)
             out = original(*args, **kwargs)
-            self._watch_outputs(call, out)
+            self._watch(call, out)
             return out
 
         model.forward = recording_forward
@@ -769,13 +596,6 @@ class CompressionController:
         else:
             self._model.__dict__["forward"] = saved
         self._saved_forward_attr = _MISSING
-
-    @staticmethod
-    def _capture(call: _Call, i: int, grad: torch.Tensor) -> None:
-        if call.closed:
-            return
-        prev = call.grads[i]
-        call.grads[i] = grad.detach() if prev is None else prev + grad.detach()
 
     # -- hooked steps (trainer_callback) -----------------------------------------------------------
 
@@ -806,7 +626,7 @@ class CompressionController:
             # What a hooked step's replays call: forward as __call__ runs it (an instance
             # forward, such as accelerate's autocast wrapper, included), without the hooks.
             self._original_forward = module.forward
-            call = self._record_call(args, kwargs)
+            call = _replay.record(self._model, args, kwargs)
         if not self._depth:
             try:
                 self._open_saver()
@@ -825,7 +645,7 @@ class CompressionController:
         call = self._pending.pop()
         try:
             if call is not None:
-                self._watch_outputs(call, output)  # output is None when forward raised: closed
+                self._watch(call, output)  # output is None when forward raised: closed
         finally:
             if not self._depth:
                 self._close_saver(None, None, None)
@@ -846,11 +666,11 @@ class CompressionController:
         where the allocation can put it. The variance model scales the result to C_l."""
         return max(self._floors.get(key, 1), self._min_bits)
 
-    def _estimate(self, calls: List[_Call], step_keys: Dict[TensorKey, int]) -> None:
+    def _estimate(self, calls: List[_replay.Call], step_keys: Dict[TensorKey, int]) -> None:
         model = self._model
         params = [p for p in model.parameters() if p.requires_grad]
         modules = list(model.modules())
-        after_rng, after_buffers = _get_rng(), _snapshot_buffers(model)
+        after_rng, after_buffers = _replay.rng_state(), _replay.snapshot_buffers(model)
         after_modes = [m.training for m in modules]
         try:
             exact, replayed = self._replay(calls, params, modules, None)
@@ -864,8 +684,8 @@ class CompressionController:
         finally:
             self._replaying = False
             self._target = None
-            _set_rng(after_rng)
-            _restore_buffers(after_buffers)
+            _replay.set_rng_state(after_rng)
+            _replay.restore_buffers(after_buffers)
             for m, mode in zip(modules, after_modes):
                 m.training = mode
 
@@ -896,7 +716,7 @@ class CompressionController:
 
     def _replay(
         self,
-        calls: List[_Call],
+        calls: List[_replay.Call],
         params: List[torch.Tensor],
         modules: List[torch.nn.Module],
         target: Optional[TensorKey],
@@ -907,57 +727,20 @@ class CompressionController:
         self._replaying, self._target = True, target
         self._counts, self._seen, self._stack = {}, {}, []
         self._replay_generator.manual_seed(0)
-        outputs: List[torch.Tensor] = []
-        grad_outputs: List[torch.Tensor] = []
-        leaves: List[torch.Tensor] = []
-        with self._replay_saver, torch.enable_grad():
-            for call in calls:
-                _set_rng(call.rng)
-                _restore_buffers(call.buffers)
-                for m, mode in zip(modules, call.modes):
-                    m.training = mode
-                args, kwargs = self._replay_inputs(call, leaves)
-                with _autocast(call.autocast):
-                    # The model's own path: the root's pre-hook does not run when forward is called
-                    # directly (and calling it through __call__ would rerun the user's pre-hooks).
-                    self._stack = [""]
-                    try:
-                        out = self._original_forward(*args, **kwargs)
-                    finally:
-                        self._stack = []
-                produced = _tensors(out)
-                if len(produced) != len(call.grads):
-                    raise RuntimeError(
-                        f"CompressionController: the model returned {len(produced)} tensors when replayed, "
-                        f"{len(call.grads)} in the user's step; the replay must be deterministic")
-                for t, g in zip(produced, call.grads):
-                    if g is not None and t.requires_grad:
-                        outputs.append(t)
-                        grad_outputs.append(g)
-            inputs = params + leaves
-            if not inputs or not outputs:
-                return [], dict(self._seen)
-            grads = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
-        return list(grads), dict(self._seen)
+        with self._replay_saver:
+            # The model's own path: the root's pre-hook does not run when forward is called
+            # directly (and calling it through __call__ would rerun the user's pre-hooks).
+            grads = _replay.replay(calls, self._original_forward, params, modules, self._at_root)
+        return grads, dict(self._seen)
 
-    @staticmethod
-    def _replay_inputs(call: _Call, leaves: List[torch.Tensor]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
-        """Fresh copies of the call's inputs (the model may modify its inputs in place)."""
-        replacement: Dict[int, torch.Tensor] = {}
-        for t, req, leaf in zip(_tensors((call.args, call.kwargs)), call.requires_grad, call.was_leaf):
-            copy = t.clone()
-            # Inputs that required grad are replayed requiring grad: some ops save different
-            # tensors depending on it, and the keys must match the user's step.
-            if req:
-                copy.requires_grad_(True)
-                leaves.append(copy)
-                # An input that was not a leaf must not look like a parameter to compress_saved,
-                # or it would be skipped and the keys after it would shift.
-                if not leaf:
-                    copy = copy.clone()
-            replacement[id(t)] = copy
-        args, kwargs = _map_tensors((call.args, call.kwargs), lambda t: replacement[id(t)])
-        return args, kwargs
+    @contextlib.contextmanager
+    def _at_root(self) -> Iterator[None]:
+        """Saves during a replayed forward belong to the model itself ("") unless a submodule runs."""
+        self._stack = [""]
+        try:
+            yield
+        finally:
+            self._stack = []
 
     # -- removal -----------------------------------------------------------------------------------
 

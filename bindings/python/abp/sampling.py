@@ -40,7 +40,7 @@ CPU = torch.device("cpu")
 METHODS: Tuple[str, ...] = ("wtacrs", "crs", "uniform", "gaussian", "rademacher")
 _ROW_METHODS = ("wtacrs", "crs", "uniform")
 #: Smallest keep counts (docs/algorithms.md §8.2: 10 rows; §3: sketches of at least 3 rows).
-_MINIMUM = {"wtacrs": 10, "crs": 10, "uniform": 10, "gaussian": 3, "rademacher": 3}
+MINIMUM_KEPT = {"wtacrs": 10, "crs": 10, "uniform": 10, "gaussian": 3, "rademacher": 3}
 
 
 def check_method(method: Any) -> str:
@@ -76,12 +76,12 @@ def plan_rows(x: torch.Tensor, k: int, method: str, seed: int, offset: int = 0,
     return plan.to(x.device)
 
 
-def _residuals(x2: torch.Tensor, method: str, keep: float, seed: int,
+def sampled_residuals(x2: torch.Tensor, method: str, keep: float, seed: int,
                gamma: Optional[torch.Tensor]) -> Tuple[str, List[torch.Tensor]]:
     """What backward's dW needs of the 2-d input x2: ("exact", [x2]), ("rows", [kept rows
     weighted, their indices]) or ("sketch", [S·x2 / k])."""
     n = x2.shape[0]
-    k = selection.keep_count(n, keep, minimum=_MINIMUM[method])
+    k = selection.keep_count(n, keep, minimum=MINIMUM_KEPT[method])
     plan = plan_rows(x2, k, method, seed, gamma=gamma) if method in _ROW_METHODS and k < n else None
     if k >= n or (method in _ROW_METHODS and plan is None):
         return "exact", [x2.contiguous()]
@@ -91,8 +91,8 @@ def _residuals(x2: torch.Tensor, method: str, keep: float, seed: int,
     return "sketch", [sketch_product(method, k, seed, x2) / k]
 
 
-def _weight_grad(mode: str, saved: List[torch.Tensor], g: torch.Tensor, method: str, seed: int) -> torch.Tensor:
-    """dW from the 2-d output gradient g and what _residuals saved in `mode`."""
+def sampled_weight_grad(mode: str, saved: List[torch.Tensor], g: torch.Tensor, method: str, seed: int) -> torch.Tensor:
+    """dW from the 2-d output gradient g and what sampled_residuals saved in `mode`."""
     if mode == "exact":
         return g.t() @ saved[0].to(g.dtype)
     if mode == "rows":
@@ -120,7 +120,7 @@ class _SampledLinear(torch.autograd.Function):
         ctx.mode, saved = "none", []
         if ctx.needs_input_grad[1]:
             # The input as the product used it (autocast may have cast it): what backward needs.
-            ctx.mode, saved = _residuals(x.reshape(-1, x.shape[-1]).to(y.dtype), method, keep, seed, gamma)
+            ctx.mode, saved = sampled_residuals(x.reshape(-1, x.shape[-1]).to(y.dtype), method, keep, seed, gamma)
         ctx.save_for_backward(weight, *saved)
         return y
 
@@ -136,7 +136,7 @@ class _SampledLinear(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g.sum(0)
         if ctx.mode != "none":
-            dw = _weight_grad(ctx.mode, saved, g, ctx.method, ctx.seed)
+            dw = sampled_weight_grad(ctx.mode, saved, g, ctx.method, ctx.seed)
         return dx, dw, db, None, None, None, None, None
 
 
@@ -214,7 +214,7 @@ def sampled_linear(
         return CompiledSampledLinear.apply(x, weight, bias, key, method, keep)
     if seed is None:
         seed = draw_seed(generator)
-    return _SampledLinear.apply(x, weight, bias, method, keep, kernels._key(seed, 0)[0], gamma, record)
+    return _SampledLinear.apply(x, weight, bias, method, keep, kernels.check_key(seed, 0)[0], gamma, record)
 
 
 class GradNormCache:
