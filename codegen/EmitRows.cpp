@@ -112,8 +112,9 @@ FailureOr<RowAnalysis> analyze(KernelOp kernel, ArrayRef<RowArg> args) {
       return yield.emitOpError() << "yields a per-element value to #abp.rows output #" << i
                                  << "; a per-row output needs a value that is the same for the "
                                     "whole row (reduce it first)";
-    // A constant stored per row needs a field like any row-uniform value (stage 0 fills it).
-    if (spec.kind == ArgKind::Rows && !a.field.count(value))
+    // A constant yielded as it is (per row, or to every element) is read from a field like any
+    // row-uniform value; stage 0 fills it.
+    if (a.uniform.lookup(value) && !a.field.count(value))
       a.field[value] = fmt::format("u.u{}", fields++);
   }
   return a;
