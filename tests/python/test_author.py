@@ -349,3 +349,85 @@ def test_an_operator_as_a_module_in_a_model() -> None:
     assert "scale=1.5" in repr(model[1])
     with pytest.raises(TypeError, match="expected the parameters"):
         scaled_tanh.module()
+
+
+def test_draws_per_row_inputs_without_gradient_and_per_row_outputs() -> None:
+    # Dropout scaled per row: x kept where its draw is below 0.5 and times its row's scale s
+    # (an input without a gradient); also the kept sum of each row (a per-row output).
+    import numpy as np
+
+    import gact_reference as ref
+    from abp.author import sum_rows, uniform
+
+    @operator(name=fresh("row_dropout"), params={"seed": int, "offset": int}, rows=True,
+              per_row=("s",), no_grad=("s",))
+    def row_dropout(x, s, seed, offset):
+        keep = uniform(seed, offset) < 0.5
+        y = where(keep, x * s, 0.0)
+        def backward(dy, dr):
+            return where(keep, (dy + dr) * s, 0.0)
+        return (y, sum_rows(y)), backward
+
+    assert "no_grad = array<i64: 1>" in row_dropout.ir and "abp.uniform %p0, %p1 : i64, i64" in row_dropout.ir
+    assert row_dropout.saved_bits == 1 and row_dropout.saved_bits_per_row == 32  # the mask; s
+    seed, offset = (1 << 40) + 3, 7
+    x = torch.randn(6, 48, requires_grad=True)
+    s = torch.rand(6) + 0.5
+    y, r = row_dropout(x, s, seed, offset)
+    keep = torch.from_numpy(ref.uniform_at(seed, np.arange(x.numel(), dtype=np.uint64) + np.uint64(offset)) < 0.5)
+    expected = torch.where(keep.reshape(x.shape), x.detach() * s[:, None], torch.zeros(()))
+    assert torch.equal(y, expected) and r.shape == (6,)
+    torch.testing.assert_close(r, expected.sum(-1))
+    gy, gr = torch.randn(x.shape), torch.randn(6)
+    torch.autograd.backward([y, r], [gy, gr])
+    assert torch.equal(x.grad, torch.where(keep.reshape(x.shape), (gy + gr[:, None]) * s[:, None], torch.zeros(())))
+    with pytest.raises(TypeError, match="parameter 'seed' must be an int, got float"):
+        row_dropout(x, s, 1.5, 0)
+
+
+def test_mistakes_with_draws_per_row_inputs_and_no_grad_are_named() -> None:
+    from abp.author import uniform
+
+    def seed_in_arithmetic():
+        @operator(name=fresh("seed_math"), params={"seed": int})
+        def f(x, seed):
+            return x * seed, lambda dy: dy
+
+    assert "an integer parameter keys draws" in _authoring_error_at_this_file(seed_in_arithmetic)
+
+    def seed_in_backward():
+        @operator(name=fresh("seed_bwd"), params={"seed": int, "offset": int})
+        def f(x, seed, offset):
+            u = uniform(seed, offset)
+            return x + u, lambda dy: dy * uniform(seed, offset)
+
+    assert "draws are made in forward" in _authoring_error_at_this_file(seed_in_backward)
+
+    def float_seed():
+        @operator(name=fresh("float_seed"), params=("seed", "offset"))
+        def f(x, seed, offset):
+            return x + uniform(seed, offset), lambda dy: dy
+
+    assert "uniform: seed must be an integer parameter" in _authoring_error_at_this_file(float_seed)
+
+    def gradient_for_a_no_grad_input():
+        @operator(name=fresh("nograd_count"), no_grad=("w",))
+        def f(x, w):
+            return x * w, lambda dy: (dy * w, dy * x)
+
+    assert "backward returns 2 gradient(s) for 2 tensor input(s), 1 of them in no_grad" in \
+        _authoring_error_at_this_file(gradient_for_a_no_grad_input)
+
+    with pytest.raises(AuthoringError, match=r"no_grad names \['y'\], which are not among its tensor inputs \['x'\]"):
+        operator(lambda x: (x, lambda dy: dy), name=fresh("unknown"), no_grad=("y",))
+    with pytest.raises(AuthoringError, match="per_row inputs need a row operator"):
+        operator(lambda x, s: (x * s, lambda dy: dy * s), name=fresh("norows"), per_row=("s",), no_grad=("s",))
+    with pytest.raises(AuthoringError, match="the type of 'p' must be float or int"):
+        operator(lambda x, p: (x, lambda dy: dy), name=fresh("badtype"), params={"p": str})
+
+    def per_row_gradient_for_a_matrix():
+        @operator(name=fresh("shape_grad"), rows=True, per_row=("s",))
+        def f(x, s):
+            return x * s, lambda dy: (dy * s, dy)  # ds must be per row: sum_rows(dy * x)
+
+    assert "gradient 1 must be one value per row" in _authoring_error_at_this_file(per_row_gradient_for_a_matrix)

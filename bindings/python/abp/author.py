@@ -45,7 +45,7 @@ import torch
 from . import _bucket_solver
 from ._errors import AbpError, Status
 
-__all__ = ["operator", "Operator", "AuthoringError", "where", "quantize", "dequantize",
+__all__ = ["operator", "Operator", "AuthoringError", "where", "quantize", "dequantize", "uniform",
            "sum_rows", "mean_rows", "max_rows", "min_rows", "maximum", "minimum",
            "exp", "exp2", "expm1", "log", "log1p", "log2", "tanh", "erf", "sqrt", "rsqrt", "abs",
            "sin", "cos", "floor", "ceil", "trunc", "round", "sigmoid"]
@@ -104,8 +104,8 @@ class _Region:
 
 
 class Value:
-    """A traced value: a float tensor, a mask (a comparison), b-bit codes, or an f32 parameter;
-    tensors and masks have a shape (flat, rows, per_row)."""
+    """A traced value: a float tensor, a mask (a comparison), b-bit codes, an f32 parameter or
+    an i64 one (a draw's seed or offset); tensors and masks have a shape (flat, rows, per_row)."""
 
     def __init__(self, trace: "_Trace", region: _Region, name: str, kind: str, shape: str = "",
                  bits: int = 0, scheme: str = "") -> None:
@@ -120,6 +120,8 @@ class Value:
     def type(self) -> str:
         if self.kind == "param":
             return "f32"
+        if self.kind == "int_param":
+            return "i64"
         if self.kind == "codes":
             return f"!abp.codes<{self.bits}>"
         return _tensor_type(self.shape, "i8" if self.kind == "mask" else "f32")
@@ -186,6 +188,9 @@ class _Trace:
             if value.region is not self.current:
                 raise AuthoringError("a backward value is used in forward")
             return value
+        if value.kind == "int_param":
+            raise AuthoringError("an integer parameter (a draw's seed or offset) is not saved for "
+                                 "backward: save what the draws decided (a mask, say) instead")
         if value.name not in self.residuals:
             saved, kind, bits = value.name, value.kind, value.bits
             if value.kind == "mask":  # an i8 tensor cannot be a residual: store it with 1 bit
@@ -239,6 +244,9 @@ def _map(results_kind: str, operands: Sequence[Any], body: Callable[[List[str]],
             if v.kind == "codes":
                 raise AuthoringError("codes of abp.author.quantize are read by dequantize, not "
                                      "used in arithmetic")
+            if v.kind == "int_param":
+                raise AuthoringError("an integer parameter keys draws (abp.author.uniform); it is "
+                                     "not used in arithmetic: declare it float in params=")
             if (v.kind == "mask") != (position == mask_at):
                 raise AuthoringError("a mask (a comparison) selects, it is not a number: use "
                                      "where(mask, a, b)" if v.kind == "mask" else
@@ -382,6 +390,25 @@ def min_rows(x: Value) -> Value:
     return _reduce("min", x)
 
 
+def uniform(seed: Value, offset: Value) -> Value:
+    """U[0, 1) draws, one per element, from the Philox stream of abp (the same on the CPU and
+    the GPU): element e draws at counter offset + e under key `seed`. `seed` and `offset` are
+    integer parameters (``params={"seed": int, "offset": int}``) of the forward."""
+    for what, v in (("seed", seed), ("offset", offset)):
+        if not (isinstance(v, Value) and v.kind == "int_param"):
+            raise AuthoringError(f"uniform: {what} must be an integer parameter: declare it with "
+                                 f"params={{..., {what!r}: int}}")
+    trace = seed.trace
+    region = trace.current
+    if region is not trace.forward:
+        raise AuthoringError("uniform: draws are made in forward; save what they decided for "
+                             "backward")
+    out = Value(trace, region, region.fresh(), "tensor", "rows" if trace.rows else "flat")
+    region.lines.append(f"  {out.name} = abp.uniform {seed.name}, {offset.name} : i64, i64 -> "
+                        f"{out.type}" + _user_location())
+    return out
+
+
 def _scheme(table: Any) -> Tuple[str, int]:
     borders, levels = getattr(table, "borders", None), getattr(table, "levels", None)
     if borders is None and isinstance(table, tuple) and len(table) == 2:
@@ -430,10 +457,25 @@ def dequantize(codes: Value, table: Optional[Any] = None) -> Value:
 
 
 class Operator:
-    """A compiled operator written in Python: call it on tensors (and float parameters)."""
+    """A compiled operator written in Python: call it on tensors (and its parameters)."""
 
-    def __init__(self, name: str, ir: str, inputs: int, params: Tuple[str, ...]) -> None:
+    def __init__(self, name: str, ir: str, inputs: int, params: Tuple[str, ...],
+                 param_types: Tuple[type, ...] = (), library_op: bool = True) -> None:
         self.name, self.ir, self.inputs, self.params = name, ir, inputs, params
+        self.param_types = param_types or (float,) * len(params)
+        # One input, float parameters, dense outputs: abp.functional.apply (the torch.library op
+        # under torch.compile), as library operators. Otherwise the autograd path directly.
+        self._library_op = library_op and inputs == 1 and int not in self.param_types
+
+    def _check_params(self, values: Sequence[Any], what: str) -> Tuple[Any, ...]:
+        checked = []
+        for name, kind, value in zip(self.params, self.param_types, values):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    (kind is int and not isinstance(value, int)):
+                raise TypeError(f"{what}: parameter {name!r} must be {'an int' if kind is int else 'a number'}, "
+                                f"got {type(value).__name__}")
+            checked.append(kind(value))
+        return tuple(checked)
 
     def __call__(self, *args: Any) -> Any:
         from . import functional
@@ -443,22 +485,18 @@ class Operator:
             raise TypeError(f"{self.name}: expected {self.inputs} tensor(s) and parameters "
                             f"{list(self.params)}, got {len(args)} argument(s)")
         tensors = args[:self.inputs]
-        for name, value in zip(self.params, args[self.inputs:]):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{self.name}: parameter {name!r} must be a number, got "
-                                f"{type(value).__name__}")
-        params = tuple(float(p) for p in args[self.inputs:])
-        if self.inputs == 1:  # the torch.library op under torch.compile, as library operators
+        params = self._check_params(args[self.inputs:], self.name)
+        if self._library_op:
             return functional.apply(self.name, tensors[0], params)
         return OperatorFunction.apply(self.name, params, None, *tensors)
 
-    def module(self, *params: float) -> "torch.nn.Module":
+    def module(self, *params: Any) -> "torch.nn.Module":
         """An nn.Module applying this operator with `params` fixed (no parameters or buffers of
         its own, so it drops into a model and its state dict unchanged)."""
         if len(params) != len(self.params):
             raise TypeError(f"{self.name}.module: expected the parameters {list(self.params)}, "
                             f"got {len(params)} value(s)")
-        return _OperatorModule(self, tuple(float(p) for p in params))
+        return _OperatorModule(self, self._check_params(params, f"{self.name}.module"))
 
     def _inspect(self) -> Dict[str, Any]:
         from . import inspect
@@ -486,7 +524,7 @@ class Operator:
 
 
 class _OperatorModule(torch.nn.Module):
-    def __init__(self, op: Operator, params: Tuple[float, ...]) -> None:
+    def __init__(self, op: Operator, params: Tuple[Any, ...]) -> None:
         super().__init__()
         self.op, self.params = op, params
 
@@ -498,51 +536,88 @@ class _OperatorModule(torch.nn.Module):
 
 
 def operator(fn: Optional[Callable[..., Any]] = None, *, name: Optional[str] = None,
-             params: Sequence[str] = (), rows: bool = False) -> Any:
+             params: Any = (), rows: bool = False, per_row: Sequence[str] = (),
+             no_grad: Sequence[str] = ()) -> Any:
     """Traces `fn(*tensors, *params) -> (outputs, backward)` into an abp operator and compiles it.
 
-    `fn` takes its tensor inputs, then one float per name in `params`; it returns its output (or
-    a tuple of outputs) and `backward`, a function of one gradient per output that returns one
-    gradient per tensor input. `rows=True` makes a row-wise operator (rows along the last
-    dimension; `mean_rows` and the other reductions). Use as `@operator` or
-    `@operator(name=..., params=(...), rows=...)`.
+    `fn` takes its tensor inputs, then its parameters: `params` names them, all floats
+    (``("slope",)``), or maps each name to float or int (``{"p": float, "seed": int,
+    "offset": int}``; integer parameters key `uniform`'s draws). It returns its output (or a
+    tuple of outputs) and `backward`, a function of one gradient per output that returns one
+    gradient per tensor input, except those named in `no_grad` (inputs without a gradient).
+    `rows=True` makes a row-wise operator (rows along the last dimension; `mean_rows` and the
+    other reductions); its inputs named in `per_row` hold one value per row, and its outputs may
+    too (a per-row output's gradient is per row). Use as `@operator` or
+    `@operator(name=..., params=..., rows=..., per_row=..., no_grad=...)`.
     """
-    if isinstance(params, str):
-        raise AuthoringError(f"params: expected a sequence of names, e.g. ({params!r},), got the "
-                             "string itself")
+    for what, names in (("params", params), ("per_row", per_row), ("no_grad", no_grad)):
+        if isinstance(names, str):
+            raise AuthoringError(f"{what}: expected a sequence of names, e.g. ({names!r},), got the "
+                                 "string itself")
     if fn is None:
-        return lambda f: operator(f, name=name, params=params, rows=rows)
-    return _build(fn, name or fn.__name__, tuple(params), rows)
+        return lambda f: operator(f, name=name, params=params, rows=rows, per_row=per_row, no_grad=no_grad)
+    return _build(fn, name or fn.__name__, _param_types(params), rows, tuple(per_row), tuple(no_grad))
 
 
-def _tensors(name: str, what: str, values: Any, trace: _Trace, region: _Region) -> List[Value]:
-    """`values` (one or a tuple) as the traced tensors of `region` an operator returns."""
+def _param_types(params: Any) -> Dict[str, type]:
+    """`params` as {name: float or int}, in order."""
+    if isinstance(params, dict):
+        for key, kind in params.items():
+            if kind not in (float, int):
+                raise AuthoringError(f"params: the type of {key!r} must be float or int, got {kind!r}")
+        return dict(params)
+    return {p: float for p in params}
+
+
+def _tensors(name: str, what: str, values: Any, trace: _Trace, region: _Region,
+             shapes: Optional[Sequence[str]] = None) -> List[Value]:
+    """`values` (one or a tuple) as the traced tensors of `region` an operator returns; `shapes`:
+    the shape each must have (default: any matrix or per-row value of a row operator, else flat)."""
     values = list(values) if isinstance(values, (tuple, list)) else [values]
-    shape = "rows" if trace.rows else "flat"
-    for v in values:
-        if not (isinstance(v, Value) and v.kind == "tensor" and v.region is region and
-                v.shape == shape):
+    allowed = ("rows", "per_row") if trace.rows else ("flat",)
+    for i, v in enumerate(values):
+        want = (shapes[i],) if shapes is not None and i < len(shapes) else allowed
+        if not (isinstance(v, Value) and v.kind == "tensor" and v.region is region and v.shape in want):
             direction = "forward" if region is trace.forward else "backward"
+            kind = {"rows": "a matrix", "per_row": "one value per row", "flat": "a tensor"}
             raise AuthoringError(f"{name}: {what} are traced float tensors of the {direction}"
-                                 + (" (matrices, not per-row values)" if trace.rows else ""))
+                                 + (f" ({what[:-1]} {i} must be {' or '.join(kind[w] for w in want)})"
+                                    if trace.rows else ""))
     return values
 
 
-def _build(fn: Callable[..., Any], name: str, params: Tuple[str, ...], rows: bool) -> Operator:
+def _build(fn: Callable[..., Any], name: str, param_types: Dict[str, type], rows: bool,
+           per_row: Tuple[str, ...], no_grad: Tuple[str, ...]) -> Operator:
     import inspect as pyinspect
 
     from . import compile_operators, operators
 
-    arity = len(pyinspect.signature(fn).parameters)
-    inputs = arity - len(params)
+    params = tuple(param_types)
+    arguments = list(pyinspect.signature(fn).parameters)
+    inputs = len(arguments) - len(params)
     if inputs < 1:
-        raise AuthoringError(f"{name}: takes {arity} argument(s) but names {len(params)} "
+        raise AuthoringError(f"{name}: takes {len(arguments)} argument(s) but names {len(params)} "
                              f"parameter(s); at least one tensor input comes first")
+    tensor_names = arguments[:inputs]
+    for what, names in (("per_row", per_row), ("no_grad", no_grad)):
+        unknown = [n for n in names if n not in tensor_names]
+        if unknown:
+            raise AuthoringError(f"{name}: {what} names {unknown}, which are not among its tensor "
+                                 f"inputs {tensor_names}")
+    if per_row and not rows:
+        raise AuthoringError(f"{name}: per_row inputs need a row operator (@operator(rows=True))")
+    if len(no_grad) == inputs:
+        raise AuthoringError(f"{name}: every input is in no_grad; an operator differentiates at "
+                             "least one")
     trace = _Trace(rows)
     shape = "rows" if rows else "flat"
+    if rows and all(n in per_row for n in tensor_names):
+        raise AuthoringError(f"{name}: a row operator needs at least one matrix input (its rows)")
     trace.current = trace.forward
-    xs = [Value(trace, trace.forward, f"%x{i}", "tensor", shape) for i in range(inputs)]
-    ps = [Value(trace, trace.forward, f"%p{i}", "param") for i in range(len(params))]
+    xs = [Value(trace, trace.forward, f"%x{i}", "tensor", "per_row" if n in per_row else shape)
+          for i, n in enumerate(tensor_names)]
+    ps = [Value(trace, trace.forward, f"%p{i}", "int_param" if kind is int else "param")
+          for i, kind in enumerate(param_types.values())]
     returned = fn(*xs, *ps)
     if not (isinstance(returned, tuple) and len(returned) == 2 and callable(returned[1])):
         raise AuthoringError(f"{name}: expected `return outputs, backward`")
@@ -557,26 +632,33 @@ def _build(fn: Callable[..., Any], name: str, params: Tuple[str, ...], rows: boo
     except ValueError:
         pass  # a builtin without a signature: let the call say
     trace.current = trace.backward
-    grads = [Value(trace, trace.backward, f"%g{i}", "tensor", shape) for i in range(len(outputs))]
+    grads = [Value(trace, trace.backward, f"%g{i}", "tensor", o.shape) for i, o in enumerate(outputs)]
     returned_grads = backward(*grads)
+    differentiated = [x for n, x in zip(tensor_names, xs) if n not in no_grad]
     count = len(returned_grads) if isinstance(returned_grads, (tuple, list)) else 1
-    if count != inputs:
+    if count != len(differentiated):
         hint = (f" (its first {inputs} argument(s) are tensors; name parameters in params=)"
-                if count < inputs else "")
+                if count < len(differentiated) and not no_grad else "")
+        without = f", {len(no_grad)} of them in no_grad" if no_grad else ""
         raise AuthoringError(f"{name}: backward returns {count} gradient(s) for {inputs} tensor "
-                             f"input(s){hint}")
+                             f"input(s){without}{hint}")
     if not isinstance(returned_grads, (tuple, list)):
         returned_grads = [returned_grads]
     dxs = _tensors(name, "gradients", [trace.arrive(g) if isinstance(g, Value) else g
-                                       for g in returned_grads], trace, trace.backward)
+                                       for g in returned_grads], trace, trace.backward,
+                   [x.shape for x in differentiated])
 
     saved = list(trace.residuals.values())
-    fwd_args = [f"{x.name}: {x.type}" for x in xs] + [f"{p.name}: f32" for p in ps]
+    fwd_args = [f"{x.name}: {x.type}" for x in xs] + [f"{p.name}: {p.type}" for p in ps]
     saves = (f" saves {', '.join(s for s, _ in saved)} : {', '.join(a.type for _, a in saved)}"
              if saved else "")
     bwd_args = [f"{a.name}: {a.type}" for _, a in saved] + [f"{g.name}: {g.type}" for g in grads]
-    names = ", ".join('"' + p + '"' for p in params)
-    attrs = f" attributes {{params = [{names}]}}" if params else ""
+    attributes = []
+    if params:
+        attributes.append(f"params = [{', '.join(chr(34) + p + chr(34) for p in params)}]")
+    if no_grad:
+        attributes.append(f"no_grad = array<i64: {', '.join(str(tensor_names.index(n)) for n in no_grad)}>")
+    attrs = f" attributes {{{', '.join(attributes)}}}" if attributes else ""
     ir = "\n".join(
         [f"abp.operator @{name}{attrs} forward {{", f"^bb0({', '.join(fwd_args)}):"]
         + trace.forward.lines
@@ -598,7 +680,8 @@ def _build(fn: Callable[..., Any], name: str, params: Tuple[str, ...], rows: boo
     if name not in _compiled_ir:
         compile_operators(ir, origin=f"{fn.__code__.co_filename}:{fn.__code__.co_firstlineno}")
         _compiled_ir[name] = ir
-    return Operator(name, ir, inputs, params)
+    library_op = not no_grad and not per_row and all(o.shape != "per_row" for o in outputs)
+    return Operator(name, ir, inputs, params, tuple(param_types.values()), library_op)
 
 
 _compiled_ir: Dict[str, str] = {}
