@@ -119,7 +119,7 @@ class Operator:
     # and dtype; they live with the record, so an operator compiled again gets its own.
     bindings: Dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
-    @property
+    @cached_property
     def dtypes(self) -> Tuple[str, ...]:
         """The launch dtypes (manifest names) every kernel of the operator supports."""
         names: Optional[set] = None
