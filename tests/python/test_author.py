@@ -431,3 +431,19 @@ def test_mistakes_with_draws_per_row_inputs_and_no_grad_are_named() -> None:
             return x * s, lambda dy: (dy * s, dy)  # ds must be per row: sum_rows(dy * x)
 
     assert "gradient 1 must be one value per row" in _authoring_error_at_this_file(per_row_gradient_for_a_matrix)
+
+
+def test_a_per_row_input_with_a_gradient() -> None:
+    from abp.author import sum_rows
+
+    @operator(name=fresh("row_scale"), rows=True, per_row=("s",))
+    def row_scale(x, s):
+        return x * s, lambda dy: (dy * s, sum_rows(dy * x))
+
+    # Its gradients differ in shape, which torch.library's fake tensors would not describe.
+    assert not abp._lib.kernel_library().operator(row_scale.name).same_shape
+    x = torch.randn(5, 24, requires_grad=True)
+    s = torch.randn(5, requires_grad=True)
+    row_scale(x, s).backward(torch.ones(5, 24))
+    torch.testing.assert_close(x.grad, s.detach()[:, None].expand(5, 24))
+    torch.testing.assert_close(s.grad, x.detach().sum(-1))

@@ -130,11 +130,13 @@ class Operator:
 
     @cached_property
     def same_shape(self) -> bool:
-        """Whether the generic launch path (abp.functional.apply, torch.library) runs it: it has
-        tensor inputs, all differentiable, and outputs shaped like its first input. The sampling
-        operators (ops/sample: gathers, draws, per-row norms) are launched by abp.sampling."""
+        """Whether torch.library registers it (its fake tensors assume this): it has tensor
+        inputs, all dense and differentiable, and outputs shaped like its first input. The
+        autograd path (abp._launch.forward) runs more: per-row inputs and outputs, no_grad."""
         if self.inputs == 0 or self.no_grad or self.forward is None:
             return False
+        if any(spec is not None and spec.layout != "dense" for spec in self.input_args):
+            return False  # per-row inputs: their gradients are per row too
         record = self.kernel(self.forward)
         for ref in self.forward.produces[: self.outputs]:
             kind, index = parse_ref(ref)
