@@ -253,6 +253,7 @@ std::unique_ptr<Library> Library::open(const std::string &directory) {
   for (const std::string &file : files) {
     auto unit = std::make_unique<Kernel::Unit>(loadManifest(dir + "/" + file));
     const Manifest &m = unit->manifest;
+    const std::string document = m.json.dump();
     for (const KernelRecord &k : m.kernels) {
       auto [it, fresh] = kernelOwner.emplace(k.name, m.path);
       if (!fresh)
@@ -279,7 +280,15 @@ std::unique_ptr<Library> Library::open(const std::string &directory) {
           used.push(m.findKernel(*name)->json);
       }
       entry.set("kernels", std::move(used));
+      // Where it was read from, as the runtime resolved it (abp.inspect shows these).
+      Json where = Json::object();
+      where.set("path", Json::string(m.path));
+      where.set("source_path", Json::string(m.sourcePath()));
+      where.set("host_library_path",
+                m.hostLibrary.empty() ? Json() : Json::string(m.hostLibraryPath()));
+      entry.set("manifest", std::move(where));
       operators.push(std::move(entry));
+      lib->manifestJson_[op.name] = document;
     }
     lib->units_.push_back(std::move(unit));
   }
@@ -290,6 +299,13 @@ std::unique_ptr<Library> Library::open(const std::string &directory) {
 }
 
 Library::~Library() = default;
+
+const std::string &Library::manifestJson(const std::string &name) const {
+  auto it = manifestJson_.find(name);
+  if (it == manifestJson_.end())
+    throw Error(ErrorCode::NotFound, "no manifest of " + directory_ + " declares operator " + name);
+  return it->second;
+}
 
 std::vector<const Manifest *> Library::manifests() const {
   std::vector<const Manifest *> out;

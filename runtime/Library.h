@@ -105,6 +105,9 @@ public:
   /// A JSON array of every operator of every manifest (as written, plus "kernels": the kernel
   /// records its directions use).
   const std::string &operatorsJson() const { return operatorsJson_; }
+  /// The manifest declaring operator `name` as the runtime read it (compact JSON), so that no
+  /// client reads or parses manifest files itself. Throws NotFound for an unknown operator.
+  const std::string &manifestJson(const std::string &name) const;
   /// Compiles the source holding kernel `name` for `arch` ("sm_80") to PTX or a cubin, through
   /// the cache and ABP_DUMP_DIR, without a GPU.
   std::shared_ptr<const Artifact> compileForArch(const std::string &name, const std::string &arch,
@@ -118,6 +121,7 @@ private:
   std::vector<std::unique_ptr<Kernel::Unit>> units_;
   std::map<std::pair<std::string, std::string>, std::unique_ptr<Kernel>> kernels_;
   std::string operatorsJson_;
+  std::map<std::string, std::string> manifestJson_; ///< operator -> its manifest's document
 };
 
 } // namespace abp::rt

@@ -120,6 +120,15 @@ abp_status abp_library_operators_json(abp_library *lib, const char **json) {
   });
 }
 
+abp_status abp_library_manifest_json(abp_library *lib, const char *op, const char **json) {
+  return guarded([&] {
+    Library &library = libraryOf(lib);
+    require(op, "op");
+    require(json, "json");
+    *json = library.manifestJson(op).c_str();
+  });
+}
+
 abp_status abp_kernel_get(abp_library *lib, const char *kernel, const char *dtype,
                           abp_kernel **out) {
   return guarded([&] {

@@ -46,6 +46,10 @@ ABP_API void abp_library_close(abp_library *lib);
 /* A JSON array of every operator of every manifest (each object as in docs/manifest.md, plus
  * "kernels": the kernel records it uses). The string lives as long as the library. */
 ABP_API abp_status abp_library_operators_json(abp_library *lib, const char **json);
+/* The manifest document declaring `op`, as the runtime read it (compact JSON); each operator of
+ * abp_library_operators_json names its file under "manifest". ABP_ERROR_NOT_FOUND for an
+ * unknown operator. The string lives as long as the library. */
+ABP_API abp_status abp_library_manifest_json(abp_library *lib, const char *op, const char **json);
 
 /* Looks up a kernel by its manifest name ("regelu2_fwd") and dtype ("f32", "f16", "bf16"). */
 ABP_API abp_status abp_kernel_get(abp_library *lib, const char *kernel, const char *dtype,

@@ -130,6 +130,21 @@ TEST(CApi, OperatorsJson) {
   EXPECT_NE(text.find(R"("name":"test_sign")"), std::string::npos) << text;
   EXPECT_NE(text.find(R"("kernels":[{"name":"test_sign_codes")"), std::string::npos) << text;
   EXPECT_EQ(abp_library_operators_json(h.lib, nullptr), ABP_ERROR_INVALID_ARGUMENT);
+  // Each operator names the manifest it came from, as the runtime resolved it.
+  EXPECT_NE(text.find(R"("manifest":{"path":")"), std::string::npos) << text;
+}
+
+TEST(CApi, ManifestJsonIsTheDocumentTheRuntimeRead) {
+  LibraryHandle h(abp::test::dataDir());
+  const char *json = nullptr;
+  ASSERT_EQ(abp_library_manifest_json(h.lib, "test_sign", &json), ABP_OK) << abp_last_error();
+  std::string text = json;
+  EXPECT_EQ(text.rfind(R"({"format":)", 0), 0u) << text;
+  EXPECT_NE(text.find(R"("name":"test_sign")"), std::string::npos) << text;
+  EXPECT_EQ(abp_library_manifest_json(h.lib, "no_such_operator", &json), ABP_ERROR_NOT_FOUND);
+  EXPECT_NE(std::string(abp_last_error()).find("no_such_operator"), std::string::npos);
+  EXPECT_EQ(abp_library_manifest_json(h.lib, nullptr, &json), ABP_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(abp_library_manifest_json(h.lib, "test_sign", nullptr), ABP_ERROR_INVALID_ARGUMENT);
 }
 
 TEST(CApi, CompileForArchWithoutAGpu) {

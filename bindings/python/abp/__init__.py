@@ -11,7 +11,6 @@ build of the generated kernels; CUDA tensors run the same source compiled by NVR
 """
 from __future__ import annotations
 
-import json
 import re
 import sys
 from pathlib import Path
@@ -82,24 +81,22 @@ def inspect(op_name: str) -> Dict[str, Any]:
 
     Returns a dict with
       ``name``; ``operator``: the manifest's operator record (plus ``kernels``: the kernel records it
-      launches); ``manifest_path`` and ``manifest``: the whole manifest file; ``source_path`` and
+      launches); ``manifest_path`` and ``manifest``: the whole manifest, as the runtime read it
+      (abp_library_manifest_json: no file is read or parsed again here); ``source_path`` and
       ``source``: the generated CUDA C++ (the same text the CPU path was compiled from);
       ``host_library``: the CPU build; ``ir_path`` and ``ir``: the abp IR it was compiled from (an
       installed abp carries it under <prefix>/ops/, a checkout under ops/, and IR compiled at run
       time keeps it beside its source; None if none has it).
     Raises AbpError (status NOT_FOUND) for an unknown operator.
     """
-    op = _lib.kernel_library().operator(op_name)
-    directory = _lib.kernel_library().directory_of(op_name)  # compiled IR has its own directory
-    for path in sorted(directory.glob("*.json")):
-        manifest = json.loads(path.read_text())
-        if any(o.get("name") == op_name for o in manifest.get("operators", [])):
-            break
-    else:
-        raise AbpError(Status.NOT_FOUND, f"operator {op_name}: no manifest in {directory} declares it")
-    source_path = directory / manifest["source"]
+    library = _lib.kernel_library()
+    op = library.operator(op_name)
+    where = op.raw["manifest"]  # the files as the runtime resolved them when it read the manifest
+    manifest = library.manifest_of(op_name)
+    source_path = Path(where["source_path"])
     # The IR is installed beside kernels/ under its repository path (<prefix>/ops/...), and is in
     # the source checkout when abp runs from one.
+    directory = Path(where["path"]).parent
     ir_path = None
     if manifest.get("file"):
         ir_path = next((root / manifest["file"] for root in (directory.parent, _lib.REPO_ROOT)
@@ -107,15 +104,15 @@ def inspect(op_name: str) -> Dict[str, Any]:
     compiled_ir = source_path.with_suffix(".mlir")  # IR compiled at run time keeps its text here
     if ir_path is None and compiled_ir.is_file():
         ir_path = compiled_ir
-    host = manifest.get("host_library")
+    host = where.get("host_library_path")
     return {
         "name": op_name,
-        "operator": dict(op.raw),
-        "manifest_path": str(path),
+        "operator": {k: v for k, v in op.raw.items() if k != "manifest"},
+        "manifest_path": where["path"],
         "manifest": manifest,
         "source_path": str(source_path),
         "source": source_path.read_text() if source_path.is_file() else None,
-        "host_library": str(directory / host) if host else None,
+        "host_library": host,
         "ir_path": str(ir_path) if ir_path is not None else None,
         "ir": ir_path.read_text() if ir_path is not None else None,
     }

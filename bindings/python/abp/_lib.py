@@ -47,6 +47,7 @@ _SIGNATURES: Dict[str, Tuple[List[Any], Any]] = {
     "abp_library_open": ([c_char_p, POINTER(c_void_p)], c_int),
     "abp_library_close": ([c_void_p], None),
     "abp_library_operators_json": ([c_void_p, POINTER(c_char_p)], c_int),
+    "abp_library_manifest_json": ([c_void_p, c_char_p, POINTER(c_char_p)], c_int),
     "abp_kernel_get": ([c_void_p, c_char_p, c_char_p, POINTER(c_void_p)], c_int),
     "abp_kernel_launch": ([c_void_p, c_int, POINTER(c_void_p), c_int, c_int64, c_void_p], c_int),
     "abp_kernel_prepare": ([c_void_p, c_int], c_int),
@@ -230,6 +231,16 @@ class KernelLibrary:
         self._owner: Dict[str, c_void_p] = {}
         self._added: Dict[str, c_void_p] = {}
         self._directory: Dict[str, Path] = {}  # operator -> its added directory
+        self._op_handle: Dict[str, c_void_p] = {}  # operator -> its added directory's library
+
+    def manifest_of(self, name: str) -> Dict[str, Any]:
+        """The manifest declaring operator `name`, as the runtime read it (not read again from
+        disk: a file changed or added since is not what runs)."""
+        self.operator(name)
+        handle = self._op_handle.get(name, self._handle)
+        text = c_char_p()
+        check(native().abp_library_manifest_json(handle, name.encode(), ctypes.byref(text)))
+        return dict(json.loads(_text(text.value)))
 
     def directory_of(self, name: str) -> Path:
         """The kernel directory whose manifest declares operator `name` (AbpError if unknown)."""
@@ -263,6 +274,7 @@ class KernelLibrary:
             for name, op in ops.items():
                 self.operators[name] = op
                 self._directory[name] = Path(directory)
+                self._op_handle[name] = handle
                 for kernel in op.kernels:
                     self._owner[kernel] = handle
         return sorted(ops)
