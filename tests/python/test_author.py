@@ -383,6 +383,15 @@ def test_draws_per_row_inputs_without_gradient_and_per_row_outputs() -> None:
     assert torch.equal(x.grad, torch.where(keep.reshape(x.shape), (gy + gr[:, None]) * s[:, None], torch.zeros(())))
     with pytest.raises(TypeError, match="parameter 'seed' must be an int, got float"):
         row_dropout(x, s, 1.5, 0)
+    with pytest.raises(ValueError, match=r"parameter 'offset' must lie in \[0, 2\*\*63\), got -1"):
+        row_dropout(x, s, 1, -1)
+    # Seeds from numpy or torch are integers too: the same draws as the Python int.
+    again, _ = row_dropout(x, s, np.int64(seed), torch.tensor(offset))
+    assert torch.equal(again, y)
+    # Arguments are named as the user named them.
+    with pytest.raises(ValueError, match=r"row_dropout_\d+: s: expected one value per row of x: a tensor of shape \(6,\), "
+                                         r"dtype torch.float32, on cpu, got shape \(5,\)"):
+        row_dropout(x, s[:5], seed, offset)
 
 
 def test_mistakes_with_draws_per_row_inputs_and_no_grad_are_named() -> None:
@@ -393,7 +402,7 @@ def test_mistakes_with_draws_per_row_inputs_and_no_grad_are_named() -> None:
         def f(x, seed):
             return x * seed, lambda dy: dy
 
-    assert "an integer parameter keys draws" in _authoring_error_at_this_file(seed_in_arithmetic)
+    assert "an integer parameter only keys draws" in _authoring_error_at_this_file(seed_in_arithmetic)
 
     def seed_in_backward():
         @operator(name=fresh("seed_bwd"), params={"seed": int, "offset": int})
@@ -415,8 +424,8 @@ def test_mistakes_with_draws_per_row_inputs_and_no_grad_are_named() -> None:
         def f(x, w):
             return x * w, lambda dy: (dy * w, dy * x)
 
-    assert "backward returns 2 gradient(s) for 2 tensor input(s), 1 of them in no_grad" in \
-        _authoring_error_at_this_file(gradient_for_a_no_grad_input)
+    assert "backward returns 2 gradient(s) for 2 tensor input(s), 1 of them in no_grad: expected 1, for ['x']" \
+        in _authoring_error_at_this_file(gradient_for_a_no_grad_input)
 
     with pytest.raises(AuthoringError, match=r"no_grad names \['y'\], which are not among its tensor inputs \['x'\]"):
         operator(lambda x: (x, lambda dy: dy), name=fresh("unknown"), no_grad=("y",))
@@ -447,3 +456,36 @@ def test_a_per_row_input_with_a_gradient() -> None:
     row_scale(x, s).backward(torch.ones(5, 24))
     torch.testing.assert_close(x.grad, s.detach()[:, None].expand(5, 24))
     torch.testing.assert_close(s.grad, x.detach().sum(-1))
+
+
+def test_an_output_is_shared_only_when_backward_saves_nothing_else_per_element() -> None:
+    from abp.author import sigmoid
+
+    @operator(name=fresh("silu_from_y_and_x"))
+    def silu(x):
+        y = x * sigmoid(x)
+        return y, lambda dy: dy * (y + sigmoid(x) * (1.0 - y))  # uses the output and the input
+
+    @operator(name=fresh("silu_from_y"))
+    def from_output(x):
+        y = x * sigmoid(x)
+        return y, lambda dy: dy * y  # the output alone: shared, no memory of its own
+
+    assert "abp.share_saved" not in silu.ir and silu.saved_bits == 64  # y and x, whole
+    assert "abp.share_saved" in from_output.ir and from_output.saved_bits == 0
+    x = torch.randn(100, requires_grad=True)
+    silu(x).backward(torch.ones(100))
+    reference = x.detach().clone().requires_grad_(True)
+    torch.nn.functional.silu(reference).backward(torch.ones(100))
+    torch.testing.assert_close(x.grad, reference.grad)
+
+
+def test_argument_errors_name_the_operator_and_the_argument() -> None:
+    @operator(name=fresh("twice"))
+    def twice(a, b):
+        return a * b, lambda dy: (dy * b, dy * a)
+
+    with pytest.raises(TypeError, match=r"twice_\d+: a: expected dtype torch.float32, torch.float16 or torch.bfloat16, got torch.float64"):
+        twice(torch.ones(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"twice_\d+: b: expected the shape of a, \(3,\), got \(4,\)"):
+        twice(torch.ones(3), torch.ones(4))

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from operator import index as _index
 import itertools
 import math
 import os
@@ -198,10 +199,6 @@ class _Trace:
                 self.forward.lines.append(f"  {saved} = abp.pack {value.name} : {value.type} -> "
                                           f"!abp.codes<1>")
                 kind, bits = "codes", 1
-            elif value.name in self.outputs:  # the consumer keeps it anyway: save that tensor
-                saved = self.forward.fresh()
-                self.forward.lines.append(f"  {saved} = abp.share_saved {value.name} : "
-                                          f"{value.type}")
             arg = Value(self, self.backward, f"%r{len(self.residuals)}", kind, value.shape, bits,
                         value.scheme)
             self.residuals[value.name] = (saved, arg)
@@ -212,6 +209,22 @@ class _Trace:
         self.backward.lines.append(f"  {mask.name} = abp.unpack {arg.name} : !abp.codes<1> -> "
                                    f"{mask.type}")
         return mask
+
+    def share_outputs(self) -> None:
+        """Saves the forward outputs backward uses as shared (abp.share_saved: the tensor their
+        consumer keeps, no memory of its own) when nothing else is saved per element; an output
+        shared in place of an input leaves backward only per-row values and parameters besides
+        it (the dialect's rule). Otherwise they are saved like any tensor."""
+        def per_element(value_name: str, arg: Value) -> bool:
+            return value_name not in self.outputs and arg.kind in ("tensor", "codes", "mask") \
+                and arg.shape != "per_row"
+        if any(per_element(name, arg) for name, (_, arg) in self.residuals.items()):
+            return
+        for name, (saved, arg) in list(self.residuals.items()):
+            if name in self.outputs:
+                shared = self.forward.fresh()
+                self.forward.lines.append(f"  {shared} = abp.share_saved {name} : {arg.type}")
+                self.residuals[name] = (shared, arg)
 
     def broadcast(self, value: Value) -> Value:
         """A per-row value seen by every element of its row (abp.broadcast_rows)."""
@@ -245,8 +258,9 @@ def _map(results_kind: str, operands: Sequence[Any], body: Callable[[List[str]],
                 raise AuthoringError("codes of abp.author.quantize are read by dequantize, not "
                                      "used in arithmetic")
             if v.kind == "int_param":
-                raise AuthoringError("an integer parameter keys draws (abp.author.uniform); it is "
-                                     "not used in arithmetic: declare it float in params=")
+                raise AuthoringError("an integer parameter only keys draws (abp.author.uniform(seed, "
+                                     "offset)); derive other seeds or offsets in Python and pass "
+                                     "them as parameters of their own")
             if (v.kind == "mask") != (position == mask_at):
                 raise AuthoringError("a mask (a comparison) selects, it is not a number: use "
                                      "where(mask, a, b)" if v.kind == "mask" else
@@ -460,22 +474,66 @@ class Operator:
     """A compiled operator written in Python: call it on tensors (and its parameters)."""
 
     def __init__(self, name: str, ir: str, inputs: int, params: Tuple[str, ...],
-                 param_types: Tuple[type, ...] = (), library_op: bool = True) -> None:
+                 param_types: Tuple[type, ...] = (), library_op: bool = True,
+                 input_names: Tuple[str, ...] = (), per_row: Tuple[str, ...] = (),
+                 rows: bool = False) -> None:
         self.name, self.ir, self.inputs, self.params = name, ir, inputs, params
         self.param_types = param_types or (float,) * len(params)
+        self.input_names = input_names or tuple(f"input{i}" for i in range(inputs))
+        self.per_row, self.rows = per_row, rows
         # One input, float parameters, dense outputs: abp.functional.apply (the torch.library op
         # under torch.compile), as library operators. Otherwise the autograd path directly.
         self._library_op = library_op and inputs == 1 and int not in self.param_types
 
     def _check_params(self, values: Sequence[Any], what: str) -> Tuple[Any, ...]:
-        checked = []
+        checked: List[Any] = []
         for name, kind, value in zip(self.params, self.param_types, values):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                    (kind is int and not isinstance(value, int)):
-                raise TypeError(f"{what}: parameter {name!r} must be {'an int' if kind is int else 'a number'}, "
-                                f"got {type(value).__name__}")
-            checked.append(kind(value))
+            if kind is int:  # a seed or an offset: Python, numpy or 0-d torch integers
+                try:
+                    number = None if isinstance(value, bool) else _index(value)
+                except TypeError:
+                    number = None
+                if number is None:
+                    raise TypeError(f"{what}: parameter {name!r} must be an int, got {type(value).__name__}")
+                if not 0 <= number < 2**63:
+                    raise ValueError(f"{what}: parameter {name!r} must lie in [0, 2**63), got {number}")
+                checked.append(number)
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{what}: parameter {name!r} must be a number, got {type(value).__name__}")
+            checked.append(float(value))
         return tuple(checked)
+
+    def _check_tensors(self, tensors: Sequence[Any]) -> None:
+        """Names the user's arguments: dense ones share dtype, device and shape; per-row ones
+        hold one value per row of them, in the compute dtype."""
+        from . import _launch
+
+        dtypes = _launch.ROW_DTYPES if self.rows else _launch.ELEMENTWISE_DTYPES
+        first: Optional[Tuple[str, torch.Tensor]] = None
+        for name, t in zip(self.input_names, tensors):
+            if name in self.per_row:
+                continue
+            _launch.check_float_tensor(f"{self.name}: {name}", t, dtypes)
+            if first is None:
+                first = (name, t)
+                continue
+            for what, mine, theirs in (("dtype", t.dtype, first[1].dtype), ("device", t.device, first[1].device),
+                                       ("shape", tuple(t.shape), tuple(first[1].shape))):
+                if mine != theirs:
+                    raise ValueError(f"{self.name}: {name}: expected the {what} of {first[0]}, {theirs}, got {mine}")
+        assert first is not None
+        if self.rows and first[1].dim() == 0:
+            raise ValueError(f"{self.name}: {first[0]}: expected at least one dimension (rows run along the last)")
+        for name, t in zip(self.input_names, tensors):
+            if name not in self.per_row:
+                continue
+            want = (tuple(first[1].shape[:-1]), _launch.compute_dtype(first[1].dtype), first[1].device)
+            got = (tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else None
+            if got != want:
+                raise ValueError(f"{self.name}: {name}: expected one value per row of {first[0]}: a tensor of shape "
+                                 f"{want[0]}, dtype {want[1]}, on {want[2]}, got "
+                                 + (f"shape {got[0]}, dtype {got[1]}, on {got[2]}" if got else type(t).__name__))
 
     def __call__(self, *args: Any) -> Any:
         from . import functional
@@ -485,6 +543,7 @@ class Operator:
             raise TypeError(f"{self.name}: expected {self.inputs} tensor(s) and parameters "
                             f"{list(self.params)}, got {len(args)} argument(s)")
         tensors = args[:self.inputs]
+        self._check_tensors(tensors)
         params = self._check_params(args[self.inputs:], self.name)
         if self._library_op:
             return functional.apply(self.name, tensors[0], params)
@@ -639,7 +698,8 @@ def _build(fn: Callable[..., Any], name: str, param_types: Dict[str, type], rows
     if count != len(differentiated):
         hint = (f" (its first {inputs} argument(s) are tensors; name parameters in params=)"
                 if count < len(differentiated) and not no_grad else "")
-        without = f", {len(no_grad)} of them in no_grad" if no_grad else ""
+        without = (f", {len(no_grad)} of them in no_grad: expected {len(differentiated)}, for "
+                   f"{[n for n in tensor_names if n not in no_grad]}") if no_grad else ""
         raise AuthoringError(f"{name}: backward returns {count} gradient(s) for {inputs} tensor "
                              f"input(s){without}{hint}")
     if not isinstance(returned_grads, (tuple, list)):
@@ -648,6 +708,7 @@ def _build(fn: Callable[..., Any], name: str, param_types: Dict[str, type], rows
                                        for g in returned_grads], trace, trace.backward,
                    [x.shape for x in differentiated])
 
+    trace.share_outputs()
     saved = list(trace.residuals.values())
     fwd_args = [f"{x.name}: {x.type}" for x in xs] + [f"{p.name}: {p.type}" for p in ps]
     saves = (f" saves {', '.join(s for s, _ in saved)} : {', '.join(a.type for _, a in saved)}"
@@ -681,7 +742,8 @@ def _build(fn: Callable[..., Any], name: str, param_types: Dict[str, type], rows
         compile_operators(ir, origin=f"{fn.__code__.co_filename}:{fn.__code__.co_firstlineno}")
         _compiled_ir[name] = ir
     library_op = not no_grad and not per_row and all(o.shape != "per_row" for o in outputs)
-    return Operator(name, ir, inputs, params, tuple(param_types.values()), library_op)
+    return Operator(name, ir, inputs, params, tuple(param_types.values()), library_op,
+                    tuple(tensor_names), per_row, rows)
 
 
 _compiled_ir: Dict[str, str] = {}
