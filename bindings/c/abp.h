@@ -44,7 +44,9 @@ ABP_API abp_status abp_library_open(const char *kernel_dir, abp_library **out);
  * calls given a closed library fail with ABP_ERROR_INVALID_ARGUMENT. */
 ABP_API void abp_library_close(abp_library *lib);
 /* A JSON array of every operator of every manifest (each object as in docs/manifest.md, plus
- * "kernels": the kernel records it uses). The string lives as long as the library. */
+ * "kernels": the kernel records it uses, and "manifest": {"path", "source_path",
+ * "host_library_path"}, the files as the runtime resolved them). The string lives as long as
+ * the library. */
 ABP_API abp_status abp_library_operators_json(abp_library *lib, const char **json);
 /* The manifest document declaring `op`, as the runtime read it (compact JSON); each operator of
  * abp_library_operators_json names its file under "manifest". ABP_ERROR_NOT_FOUND for an
