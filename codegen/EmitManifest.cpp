@@ -1,60 +1,70 @@
 // EmitManifest.cpp — writes the launch manifest (docs/manifest.md) of a module in kernel form.
+//
+// Written with llvm::json::OStream (escaping, UTF-8, commas and nesting are its business). The
+// document is indented; each value below an operator's members (residuals, directions) and each
+// kernel record is one compact line (rawValue of a compact OStream), so a manifest reads one
+// record per line. fp32 table entries are spelled with 9 significant digits, which round-trip a
+// float exactly (json::Value would print the double's 17).
 #include "codegen/Emitter.h"
 #include "codegen/ScalarEmitter.h"
 
 #include "llvm/ADT/DenseMap.h"
+#include "llvm/Support/JSON.h"
+#include "llvm/Support/raw_ostream.h"
 
 using namespace mlir;
 using namespace abp;
+namespace json = llvm::json;
 
 namespace {
-std::string quote(StringRef s) {
-  std::string out = "\"";
-  for (char c : s) {
-    switch (c) {
-    case '"': out += "\\\""; break;
-    case '\\': out += "\\\\"; break;
-    case '\n': out += "\\n"; break;
-    case '\t': out += "\\t"; break;
-    default:
-      if (static_cast<unsigned char>(c) < 0x20)
-        out += fmt::format("\\u{:04x}", static_cast<unsigned>(c));
-      else
-        out += c;
-    }
-  }
-  return out + "\"";
+/// A string JSON can hold: MLIR names are UTF-8, a file path need not be.
+std::string utf8(StringRef s) { return json::isUTF8(s) ? s.str() : json::fixUTF8(s); }
+
+/// `write(j)` as one compact JSON value.
+std::string compact(llvm::function_ref<void(json::OStream &)> write) {
+  std::string text;
+  llvm::raw_string_ostream os(text);
+  json::OStream j(os);
+  write(j);
+  os.flush();
+  return text;
 }
 
-template <typename Range, typename Fn> std::string list(const Range &range, Fn fn) {
-  std::string out = "[";
-  bool first = true;
-  for (auto &&item : range) {
-    out += (first ? "" : ", ") + fn(item);
-    first = false;
-  }
-  return out + "]";
+/// `key`: `write(j)`, kept on one line of the indented document.
+void compactAttribute(json::OStream &j, StringRef key,
+                      llvm::function_ref<void(json::OStream &)> write) {
+  j.attributeBegin(key);
+  j.rawValue(compact(write));
+  j.attributeEnd();
 }
 
 /// fp32 values exactly as the kernels use them (9 significant digits round-trip a float).
-std::string f32(double v) { return fmt::format("{:.9g}", static_cast<float>(v)); }
+void f32Array(json::OStream &j, ArrayRef<double> values) {
+  j.array([&] {
+    for (double v : values)
+      j.rawValue(fmt::format("{:.9g}", static_cast<float>(v)));
+  });
+}
 
 /// One residual: packed codes, a shared output (`output`: which one), a per-row statistic (a
 /// tensor of lower rank than the inputs), a dense tensor, or an f32 scalar.
-std::string residualJson(Value saved, ReturnOp ret, int64_t inputRank) {
+void residualJson(json::OStream &j, Value saved, ReturnOp ret, int64_t inputRank) {
   Type type = saved.getType();
-  if (auto codes = dyn_cast<CodesType>(type))
-    return fmt::format("{{\"kind\": \"codes\", \"bits\": {}}}", codes.getBits());
-  if (auto share = dyn_cast_or_null<ShareSavedOp>(saved.getDefiningOp())) {
-    auto it = llvm::find(ret.getResults(), share.getInput());
-    return fmt::format("{{\"kind\": \"shared\", \"output\": {}}}",
-                       std::distance(ret.getResults().begin(), it));
-  }
-  if (auto tensor = dyn_cast<RankedTensorType>(type))
-    return fmt::format("{{\"kind\": \"{}\", \"bits\": {}}}",
-                       tensor.getRank() < inputRank ? "rows" : "tensor",
-                       tensor.getElementTypeBitWidth());
-  return "{\"kind\": \"scalar\"}";
+  j.object([&] {
+    if (auto codes = dyn_cast<CodesType>(type)) {
+      j.attribute("kind", "codes");
+      j.attribute("bits", static_cast<int64_t>(codes.getBits()));
+    } else if (auto share = dyn_cast_or_null<ShareSavedOp>(saved.getDefiningOp())) {
+      auto it = llvm::find(ret.getResults(), share.getInput());
+      j.attribute("kind", "shared");
+      j.attribute("output", static_cast<int64_t>(std::distance(ret.getResults().begin(), it)));
+    } else if (auto tensor = dyn_cast<RankedTensorType>(type)) {
+      j.attribute("kind", tensor.getRank() < inputRank ? "rows" : "tensor");
+      j.attribute("bits", static_cast<int64_t>(tensor.getElementTypeBitWidth()));
+    } else {
+      j.attribute("kind", "scalar");
+    }
+  });
 }
 
 /// Names the values of one direction by their role ("input0", "param1", "residual0",
@@ -68,31 +78,38 @@ struct DirectionNames {
   }
 };
 
-std::string directionJson(Region &region, const DirectionNames &base, ArrayRef<Value> produced,
-                          StringRef producedKey) {
+void directionJson(json::OStream &j, Region &region, const DirectionNames &base,
+                   ArrayRef<Value> produced) {
   DirectionNames names = base;
   LaunchOp launch;
   for (Operation &op : region.front())
     if (auto l = dyn_cast<LaunchOp>(op))
       launch = l;
-  std::string kernel = "null", args = "[]";
-  if (launch) {
-    kernel = quote(launch.getKernel());
-    args = list(launch.getArgs(), [&](Value v) { return quote(names.of(v)); });
+  if (launch)
     for (auto [i, r] : llvm::enumerate(launch.getResults()))
       names.names[r] = fmt::format("result{}", i);
-  }
   // A shared residual is the very output it aliases.
   for (Operation &op : region.front())
     if (auto share = dyn_cast<ShareSavedOp>(op))
       names.names[share.getResult()] = names.of(share.getInput());
-  std::string out = fmt::format("{{\"kernel\": {}, \"args\": {}, ", kernel, args);
-  return out + fmt::format("{}}}", producedKey.str() + list(produced, [&](Value v) {
-    return quote(names.of(v));
-  }));
+  j.object([&] {
+    if (launch)
+      j.attribute("kernel", utf8(launch.getKernel()));
+    else
+      j.attribute("kernel", nullptr);
+    j.attributeArray("args", [&] {
+      if (launch)
+        for (Value v : launch.getArgs())
+          j.value(base.of(v));
+    });
+    j.attributeArray("produces", [&] {
+      for (Value v : produced)
+        j.value(names.of(v));
+    });
+  });
 }
 
-std::string operatorJson(OperatorOp op) {
+void operatorJson(json::OStream &j, OperatorOp op) {
   Block &fwd = op.getForward().front();
   Block &bwd = op.getBackward().front();
   ReturnOp fret = op.getForwardReturn();
@@ -117,13 +134,6 @@ std::string operatorJson(OperatorOp op) {
   while (static_cast<int>(paramNames.size()) < params)
     paramNames.push_back(fmt::format("param{}", paramNames.size()));
 
-  std::string tables = "[]";
-  if (auto schemes = op->getAttrOfType<ArrayAttr>("abp.schemes"))
-    tables = list(schemes, [](Attribute a) {
-      auto b = cast<BucketsAttr>(a);
-      return fmt::format("{{\"borders\": {}, \"levels\": {}}}", list(b.getBorders().asArrayRef(), f32),
-                         list(b.getLevels().asArrayRef(), f32));
-    });
   int64_t bits = 0, rowBits = 0;
   if (auto attr = op->getAttrOfType<IntegerAttr>("abp.saved_bits"))
     bits = attr.getInt();
@@ -139,24 +149,10 @@ std::string operatorJson(OperatorOp op) {
     auto kernel = SymbolTable::lookupNearestSymbolFrom<KernelOp>(launch, launch.getKernelAttr());
     rowWise |= kernel && kernel.isRowKernel();
   });
-
-  SmallVector<Value> fwdProduced(fret.getResults());
-  fwdProduced.append(fret.getSaved().begin(), fret.getSaved().end());
-  std::string fwdJson = directionJson(op.getForward(), fnames, fwdProduced, "\"produces\": ");
-  std::string bwdJson = directionJson(op.getBackward(), bnames, SmallVector<Value>(bret.getResults()),
-                                      "\"produces\": ");
-  std::string out = "    {\n";
-  out += fmt::format("      \"name\": {},\n", quote(op.getSymName()));
-  out += fmt::format("      \"inputs\": {},\n", inputs);
-  out += fmt::format("      \"outputs\": {},\n", fret.getResults().size());
-  out += fmt::format("      \"params\": {},\n", list(paramNames, [](const std::string &s) {
-                       return quote(s);
-                     }));
-  out += fmt::format("      \"row_wise\": {},\n", rowWise ? "true" : "false");
   // Tensor inputs without a gradient (row indices, sampling weights), as input numbers.
-  std::vector<int> noGrad;
+  std::vector<int64_t> noGrad;
   {
-    int tensorIndex = 0;
+    int64_t tensorIndex = 0;
     ArrayRef<int64_t> listed = op.getNoGrad() ? *op.getNoGrad() : ArrayRef<int64_t>();
     for (BlockArgument arg : fwd.getArguments()) {
       if (!isa<RankedTensorType>(arg.getType()))
@@ -166,76 +162,133 @@ std::string operatorJson(OperatorOp op) {
       ++tensorIndex;
     }
   }
-  out += fmt::format("      \"no_grad\": {},\n", list(noGrad, [](int i) { return std::to_string(i); }));
-  out += fmt::format("      \"residuals\": {},\n", list(fret.getSaved(), [&](Value v) {
-                       return residualJson(v, fret, inputRank);
-                     }));
-  out += fmt::format("      \"saved_bits_per_element\": {},\n", bits);
-  out += fmt::format("      \"saved_bits_per_row\": {},\n", rowBits);
-  out += fmt::format("      \"tables\": {},\n", tables);
-  out += fmt::format("      \"forward\": {},\n", fwdJson);
-  out += fmt::format("      \"backward\": {}\n", bwdJson);
-  return out + "    }";
+  SmallVector<Value> fwdProduced(fret.getResults());
+  fwdProduced.append(fret.getSaved().begin(), fret.getSaved().end());
+
+  j.object([&] {
+    j.attribute("name", utf8(op.getSymName()));
+    j.attribute("inputs", static_cast<int64_t>(inputs));
+    j.attribute("outputs", static_cast<int64_t>(fret.getResults().size()));
+    compactAttribute(j, "params", [&](json::OStream &c) {
+      c.array([&] {
+        for (const std::string &name : paramNames)
+          c.value(utf8(name));
+      });
+    });
+    j.attribute("row_wise", rowWise);
+    compactAttribute(j, "no_grad", [&](json::OStream &c) {
+      c.array([&] {
+        for (int64_t i : noGrad)
+          c.value(i);
+      });
+    });
+    compactAttribute(j, "residuals", [&](json::OStream &c) {
+      c.array([&] {
+        for (Value v : fret.getSaved())
+          residualJson(c, v, fret, inputRank);
+      });
+    });
+    j.attribute("saved_bits_per_element", bits);
+    j.attribute("saved_bits_per_row", rowBits);
+    compactAttribute(j, "tables", [&](json::OStream &c) {
+      c.array([&] {
+        if (auto schemes = op->getAttrOfType<ArrayAttr>("abp.schemes"))
+          for (Attribute a : schemes) {
+            auto b = cast<BucketsAttr>(a);
+            c.object([&] {
+              c.attributeBegin("borders");
+              f32Array(c, b.getBorders().asArrayRef());
+              c.attributeEnd();
+              c.attributeBegin("levels");
+              f32Array(c, b.getLevels().asArrayRef());
+              c.attributeEnd();
+            });
+          }
+      });
+    });
+    compactAttribute(j, "forward", [&](json::OStream &c) {
+      directionJson(c, op.getForward(), fnames, fwdProduced);
+    });
+    compactAttribute(j, "backward", [&](json::OStream &c) {
+      directionJson(c, op.getBackward(), bnames, SmallVector<Value>(bret.getResults()));
+    });
+  });
 }
 
-std::string kernelJson(KernelOp kernel, const KernelSymbols &symbols) {
-  std::string syms;
-  for (const auto &[dtype, symbol] : symbols)
-    syms += fmt::format("{}\"{}\": {}", syms.empty() ? "" : ", ", dtype, quote(symbol));
+void kernelJson(json::OStream &j, KernelOp kernel, const KernelSymbols &symbols) {
   Block &body = kernel.getBody().front();
   auto layout = [&](Attribute a, const char *role, size_t index) {
-    if (auto packed = dyn_cast<PackedLayoutAttr>(a))
-      return fmt::format("{{\"role\": \"{}\", \"layout\": \"packed\", \"bits\": {}}}", role,
-                         packed.getBits());
-    if (isa<ScalarLayoutAttr>(a))
-      return fmt::format("{{\"role\": \"scalar\", \"type\": \"{}\"}}",
-                         body.getArgument(index).getType().isInteger(64) ? "i64" : "f32");
-    if (isa<RowsLayoutAttr>(a))
-      return std::string(role) == "in" && body.getArgument(index).getType().isInteger(32)
-                 ? std::string("{\"role\": \"in\", \"layout\": \"rows\", \"type\": \"i32\"}")
-                 : fmt::format("{{\"role\": \"{}\", \"layout\": \"rows\"}}", role);
-    if (auto gathered = dyn_cast<GatheredLayoutAttr>(a))
-      return fmt::format("{{\"role\": \"in\", \"layout\": \"gathered\", \"by\": {}}}",
-                         gathered.getBy());
-    return fmt::format("{{\"role\": \"{}\", \"layout\": \"dense\"}}", role);
+    j.object([&] {
+      if (auto packed = dyn_cast<PackedLayoutAttr>(a)) {
+        j.attribute("role", role);
+        j.attribute("layout", "packed");
+        j.attribute("bits", static_cast<int64_t>(packed.getBits()));
+      } else if (isa<ScalarLayoutAttr>(a)) {
+        j.attribute("role", "scalar");
+        j.attribute("type", body.getArgument(index).getType().isInteger(64) ? "i64" : "f32");
+      } else if (isa<RowsLayoutAttr>(a)) {
+        j.attribute("role", role);
+        j.attribute("layout", "rows");
+        if (std::string(role) == "in" && body.getArgument(index).getType().isInteger(32))
+          j.attribute("type", "i32");
+      } else if (auto gathered = dyn_cast<GatheredLayoutAttr>(a)) {
+        j.attribute("role", "in");
+        j.attribute("layout", "gathered");
+        j.attribute("by", static_cast<int64_t>(gathered.getBy()));
+      } else {
+        j.attribute("role", role);
+        j.attribute("layout", "dense");
+      }
+    });
   };
-  std::string args;
-  for (auto [i, a] : llvm::enumerate(kernel.getIns()))
-    args += layout(a, "in", i) + ", ";
-  for (auto [i, a] : llvm::enumerate(kernel.getOuts()))
-    args += layout(a, "out", i) + ", ";
-  std::string kind = "\"kind\": \"elementwise\", ";
-  if (kernel.isRowKernel()) {
-    args += "{\"role\": \"rows\"}, {\"role\": \"cols\"}";
-    kind = fmt::format("\"kind\": \"rows\", \"warp_max_cols\": {}, ", *kernel.getWarpMaxCols());
-  } else {
-    args += "{\"role\": \"count\"}";
-  }
-  return fmt::format("    {{\"name\": {}, {}\"symbols\": {{{}}}, \"block\": {}, \"chunk\": {}, "
-                     "\"args\": [{}]}}",
-                     quote(kernel.getSymName()), kind, syms, *kernel.getBlockSize(),
-                     *kernel.getChunk(), args);
+  j.object([&] {
+    j.attribute("name", utf8(kernel.getSymName()));
+    j.attribute("kind", kernel.isRowKernel() ? "rows" : "elementwise");
+    if (kernel.isRowKernel())
+      j.attribute("warp_max_cols", static_cast<int64_t>(*kernel.getWarpMaxCols()));
+    j.attributeObject("symbols", [&] {
+      for (const auto &[dtype, symbol] : symbols)
+        j.attribute(dtype, utf8(symbol));
+    });
+    j.attribute("block", static_cast<int64_t>(*kernel.getBlockSize()));
+    j.attribute("chunk", static_cast<int64_t>(*kernel.getChunk()));
+    j.attributeArray("args", [&] {
+      for (auto [i, a] : llvm::enumerate(kernel.getIns()))
+        layout(a, "in", i);
+      for (auto [i, a] : llvm::enumerate(kernel.getOuts()))
+        layout(a, "out", i);
+      if (kernel.isRowKernel()) {
+        j.object([&] { j.attribute("role", "rows"); });
+        j.object([&] { j.attribute("role", "cols"); });
+      } else {
+        j.object([&] { j.attribute("role", "count"); });
+      }
+    });
+  });
 }
 } // namespace
 
 std::string abp::emitManifest(
     ModuleOp module, const EmitOptions &options,
     const std::vector<std::pair<KernelOp, KernelSymbols>> &kernels) {
-  std::string out = "{\n  \"format\": 2,\n";
-  out += fmt::format("  \"file\": {},\n", quote(options.inputFile));
-  out += fmt::format("  \"source\": {},\n", quote(options.sourceName));
-  out += fmt::format("  \"host_library\": {},\n", quote(options.hostLibrary));
-  out += "  \"operators\": [\n";
-  bool first = true;
-  for (OperatorOp op : module.getOps<OperatorOp>()) {
-    out += (first ? "" : ",\n") + operatorJson(op);
-    first = false;
-  }
-  out += "\n  ],\n  \"kernels\": [\n";
-  first = true;
-  for (const auto &[kernel, symbols] : kernels) {
-    out += (first ? "" : ",\n") + kernelJson(kernel, symbols);
-    first = false;
-  }
-  return out + "\n  ]\n}\n";
+  std::string text;
+  llvm::raw_string_ostream os(text);
+  json::OStream j(os, /*IndentSize=*/2);
+  j.object([&] {
+    j.attribute("format", static_cast<int64_t>(2));
+    j.attribute("file", utf8(options.inputFile));
+    j.attribute("source", utf8(options.sourceName));
+    j.attribute("host_library", utf8(options.hostLibrary));
+    j.attributeArray("operators", [&] {
+      for (OperatorOp op : module.getOps<OperatorOp>())
+        operatorJson(j, op);
+    });
+    j.attributeArray("kernels", [&] {
+      for (const auto &[kernel, symbols] : kernels)
+        j.rawValue(compact([&](json::OStream &c) { kernelJson(c, kernel, symbols); }));
+    });
+  });
+  os << "\n";
+  os.flush();
+  return text;
 }

@@ -46,15 +46,15 @@
 // MANIFEST: "outputs": 1,
 // MANIFEST: "params": ["scale"],
 // MANIFEST: "row_wise": false,
-// MANIFEST: "residuals": [{"kind": "codes", "bits": 3}, {"kind": "scalar"}],
+// MANIFEST: "residuals": [{"kind":"codes","bits":3},{"kind":"scalar"}],
 // MANIFEST: "saved_bits_per_element": 3,
 // MANIFEST: "saved_bits_per_row": 0,
-// MANIFEST: "tables": [{"borders": [-3, -2, -1, 0, 1, 2, 3], "levels": [0, 0.100000001, 0.200000003, 0.300000012, 0.400000006, 0.5, 0.600000024, 0.699999988]}],
-// MANIFEST: "forward": {"kernel": "op_fwd", "args": ["input0"], "produces": ["result0", "result1", "param0"]},
-// MANIFEST: "backward": {"kernel": "op_bwd", "args": ["residual0", "grad0", "residual1"], "produces": ["result0"]}
+// MANIFEST: "tables": [{"borders":[-3,-2,-1,0,1,2,3],"levels":[0,0.100000001,0.200000003,0.300000012,0.400000006,0.5,0.600000024,0.699999988]}],
+// MANIFEST: "forward": {"kernel":"op_fwd","args":["input0"],"produces":["result0","result1","param0"]},
+// MANIFEST: "backward": {"kernel":"op_bwd","args":["residual0","grad0","residual1"],"produces":["result0"]}
 // MANIFEST: "kernels": [
-// MANIFEST: {"name": "op_fwd", "kind": "elementwise", "symbols": {"f32": "abp_op_fwd_f32_{{[0-9a-f]+}}", "f16": "abp_op_fwd_f16_{{[0-9a-f]+}}", "bf16": "abp_op_fwd_bf16_{{[0-9a-f]+}}"}, "block": 256, "chunk": 8, "args": [{"role": "in", "layout": "dense"}, {"role": "out", "layout": "dense"}, {"role": "out", "layout": "packed", "bits": 3}, {"role": "count"}]}
-// MANIFEST: {"name": "op_bwd", {{.*}} "args": [{"role": "in", "layout": "packed", "bits": 3}, {"role": "in", "layout": "dense"}, {"role": "scalar", "type": "f32"}, {"role": "out", "layout": "dense"}, {"role": "count"}]}
+// MANIFEST: {"name":"op_fwd","kind":"elementwise","symbols":{"f32":"abp_op_fwd_f32_{{[0-9a-f]+}}","f16":"abp_op_fwd_f16_{{[0-9a-f]+}}","bf16":"abp_op_fwd_bf16_{{[0-9a-f]+}}"},"block":256,"chunk":8,"args":[{"role":"in","layout":"dense"},{"role":"out","layout":"dense"},{"role":"out","layout":"packed","bits":3},{"role":"count"}]}
+// MANIFEST: {"name":"op_bwd",{{.*}}"args":[{"role":"in","layout":"packed","bits":3},{"role":"in","layout":"dense"},{"role":"scalar","type":"f32"},{"role":"out","layout":"dense"},{"role":"count"}]}
 
 #s = #abp.buckets<borders = [-3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0], levels = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]>
 func.func private @scale(%x: f32) -> f32 {

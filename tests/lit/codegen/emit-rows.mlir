@@ -46,11 +46,11 @@
 // CHECK: ln_fwd_hostRows<double, double, 32>(
 
 // MANIFEST: "row_wise": true,
-// MANIFEST: "residuals": [{"kind": "shared", "output": 0}, {"kind": "rows", "bits": 32}],
+// MANIFEST: "residuals": [{"kind":"shared","output":0},{"kind":"rows","bits":32}],
 // MANIFEST: "saved_bits_per_element": 0,
 // MANIFEST: "saved_bits_per_row": 32,
-// MANIFEST: "forward": {"kernel": "ln_fwd", "args": ["input0", "param0"], "produces": ["result1", "result1", "result0"]},
-// MANIFEST: {"name": "ln_fwd", "kind": "rows", "warp_max_cols": 1024, "symbols": {"f32": "{{.*}}", "f16": "{{.*}}", "bf16": "{{.*}}", "f64": "{{.*}}"}, "block": 256, "chunk": 8, "args": [{"role": "in", "layout": "dense"}, {"role": "scalar", "type": "f32"}, {"role": "out", "layout": "rows"}, {"role": "out", "layout": "dense"}, {"role": "rows"}, {"role": "cols"}]}
+// MANIFEST: "forward": {"kernel":"ln_fwd","args":["input0","param0"],"produces":["result1","result1","result0"]},
+// MANIFEST: {"name":"ln_fwd","kind":"rows","warp_max_cols":1024,"symbols":{"f32":"{{.*}}","f16":"{{.*}}","bf16":"{{.*}}","f64":"{{.*}}"},"block":256,"chunk":8,"args":[{"role":"in","layout":"dense"},{"role":"scalar","type":"f32"},{"role":"out","layout":"rows"},{"role":"out","layout":"dense"},{"role":"rows"},{"role":"cols"}]}
 abp.operator @ln forward {
 ^bb0(%x: tensor<?x?xf32>, %eps: f32):
   %mean = abp.reduce_rows mean %x : tensor<?x?xf32> -> tensor<?xf32>

@@ -11,8 +11,8 @@
 // CHECK: ABP_KERNEL void abp_noise_fwd_f32_{{[0-9a-f]+}}(abp::u64 a0, abp::u64 a1, const float *ABP_RESTRICT a2, float *ABP_RESTRICT r0, abp::i64 n) {
 // CHECK: abp::u64 a0 = *static_cast<abp::u64 *>(args[0]);
 
-// MANIFEST: "params": ["seed", "offset"],
-// MANIFEST: "args": [{"role": "scalar", "type": "i64"}, {"role": "scalar", "type": "i64"}, {"role": "in", "layout": "dense"}, {"role": "out", "layout": "dense"}, {"role": "count"}]
+// MANIFEST: "params": ["seed","offset"],
+// MANIFEST: "args":[{"role":"scalar","type":"i64"},{"role":"scalar","type":"i64"},{"role":"in","layout":"dense"},{"role":"out","layout":"dense"},{"role":"count"}]
 
 abp.operator @noise attributes {params = ["seed", "offset"]} forward {
 ^bb0(%x: tensor<?xf32>, %seed: i64, %offset: i64):

@@ -34,9 +34,9 @@
 // MANIFEST: "name": "gact_b2",
 // MANIFEST-NEXT: "inputs": 1,
 // MANIFEST-NEXT: "outputs": 0,
-// MANIFEST-NEXT: "params": ["seed", "offset"],
+// MANIFEST-NEXT: "params": ["seed","offset"],
 // MANIFEST-NEXT: "row_wise": true,
 // MANIFEST-NEXT: "no_grad": [],
-// MANIFEST-NEXT: "residuals": [{"kind": "codes", "bits": 2}, {"kind": "rows", "bits": 32}, {"kind": "rows", "bits": 32}]
-// MANIFEST: {"name": "gact_b2_fwd", "kind": "rows"
-// MANIFEST-SAME: "args": [{"role": "in", "layout": "dense"}, {"role": "scalar", "type": "i64"}, {"role": "scalar", "type": "i64"}, {"role": "out", "layout": "rows"}, {"role": "out", "layout": "rows"}, {"role": "out", "layout": "packed", "bits": 2}, {"role": "rows"}, {"role": "cols"}]
+// MANIFEST-NEXT: "residuals": [{"kind":"codes","bits":2},{"kind":"rows","bits":32},{"kind":"rows","bits":32}]
+// MANIFEST: {"name":"gact_b2_fwd","kind":"rows"
+// MANIFEST-SAME: "args":[{"role":"in","layout":"dense"},{"role":"scalar","type":"i64"},{"role":"scalar","type":"i64"},{"role":"out","layout":"rows"},{"role":"out","layout":"rows"},{"role":"out","layout":"packed","bits":2},{"role":"rows"},{"role":"cols"}]

@@ -37,12 +37,12 @@
 // MANIFEST-NEXT: "outputs": 0,
 // MANIFEST-NEXT: "params": [],
 // MANIFEST-NEXT: "row_wise": true,
-// MANIFEST-NEXT: "no_grad": [1, 2, 3],
-// MANIFEST-NEXT: "residuals": [{"kind": "tensor", "bits": 32}, {"kind": "rows", "bits": 32}],
-// MANIFEST: "forward": {"kernel": "sample_rows_fwd", "args": ["input0", "input1", "input2"], "produces": ["result0", "input3"]},
-// MANIFEST-NEXT: "backward": {"kernel": "sample_rows_bwd", "args": ["residual0", "residual1"], "produces": ["result0"]}
+// MANIFEST-NEXT: "no_grad": [1,2,3],
+// MANIFEST-NEXT: "residuals": [{"kind":"tensor","bits":32},{"kind":"rows","bits":32}],
+// MANIFEST: "forward": {"kernel":"sample_rows_fwd","args":["input0","input1","input2"],"produces":["result0","input3"]},
+// MANIFEST-NEXT: "backward": {"kernel":"sample_rows_bwd","args":["residual0","residual1"],"produces":["result0"]}
 // MANIFEST: "name": "philox_uniform",
 // MANIFEST-NEXT: "inputs": 0,
-// MANIFEST: "backward": {"kernel": null, "args": [], "produces": []}
-// MANIFEST: {"name": "sample_rows_fwd", "kind": "rows"
-// MANIFEST-SAME: "args": [{"role": "in", "layout": "gathered", "by": 1}, {"role": "in", "layout": "rows", "type": "i32"}, {"role": "in", "layout": "rows"}, {"role": "out", "layout": "dense"}, {"role": "rows"}, {"role": "cols"}]
+// MANIFEST: "backward": {"kernel":null,"args":[],"produces":[]}
+// MANIFEST: {"name":"sample_rows_fwd","kind":"rows"
+// MANIFEST-SAME: "args":[{"role":"in","layout":"gathered","by":1},{"role":"in","layout":"rows","type":"i32"},{"role":"in","layout":"rows"},{"role":"out","layout":"dense"},{"role":"rows"},{"role":"cols"}]
