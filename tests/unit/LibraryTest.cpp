@@ -186,7 +186,16 @@ TEST(Library, OperatorsJsonAddsTheKernelsEachOperatorUses) {
   ASSERT_EQ(ops.asArray().size(), 3u);
   const Json &scale = ops.asArray()[0];
   EXPECT_EQ(scale.find("name")->asString(), "test_scale");
-  EXPECT_EQ(scale.asObject().back().first, "kernels"); // appended after the written members
+  // Appended after the written members: the kernels, then where the manifest was read from.
+  const Json::Object &members = scale.asObject();
+  ASSERT_GE(members.size(), 2u);
+  EXPECT_EQ(members[members.size() - 2].first, "kernels");
+  EXPECT_EQ(members.back().first, "manifest");
+  const Json &where = members.back().second;
+  EXPECT_EQ(where.find("path")->asString(), lib->manifests()[0]->path);
+  EXPECT_EQ(where.find("source_path")->asString(), lib->manifests()[0]->sourcePath());
+  EXPECT_EQ(lib->manifestJson("test_scale"), lib->manifests()[0]->json.dump());
+  EXPECT_THROW(lib->manifestJson("no_such_operator"), Error);
   // forward and backward use the same kernel: listed once.
   ASSERT_EQ(scale.find("kernels")->asArray().size(), 1u);
   EXPECT_EQ(scale.find("kernels")->asArray()[0].find("name")->asString(), "test_scale");
