@@ -256,6 +256,16 @@ def test_it_compiles_without_graph_breaks() -> None:
     compiled(x).backward()
     assert torch.equal(x.grad, 2.0 * x.detach())
 
+    # Two inputs and a float parameter: a torch.library op too.
+    @operator(name=fresh("scaled_product"), params=("k",))
+    def scaled_product(a, b, k):
+        return a * b * k, lambda dy: (dy * b * k, dy * a * k)
+
+    a, b = torch.randn(32, requires_grad=True), torch.randn(32, requires_grad=True)
+    compiled = torch.compile(lambda p, q: scaled_product(p, q, 3.0).sum(), backend="aot_eager", fullgraph=True)
+    compiled(a, b).backward()
+    assert torch.equal(a.grad, 3.0 * b.detach()) and torch.equal(b.grad, 3.0 * a.detach())
+
 
 def test_regelu2_written_in_python_matches_the_library_operator_bit_for_bit() -> None:
     # The library's table, read from ops/lowmembp/regelu2.mlir itself (fp64 text, as there).

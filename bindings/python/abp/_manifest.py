@@ -119,14 +119,17 @@ class Operator:
     # and dtype; they live with the record, so an operator compiled again gets its own.
     bindings: Dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
-    @cached_property
-    def dtypes(self) -> Tuple[str, ...]:
-        """The launch dtypes (manifest names) every kernel of the operator supports."""
+    # The launch dtypes (manifest names) every kernel of the operator supports. Computed once,
+    # at construction: a plain attribute, which torch.compile traces through (abp.functional
+    # reads it on every call; a cached_property would break the graph).
+    dtypes: Tuple[str, ...] = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
         names: Optional[set] = None
         for record in self.kernels.values():
             names = set(record.symbols) if names is None else names & set(record.symbols)
         order = ("f32", "f16", "bf16", "f64")
-        return tuple(d for d in order if names is None or d in names)
+        object.__setattr__(self, "dtypes", tuple(d for d in order if names is None or d in names))
 
     @cached_property
     def same_shape(self) -> bool:

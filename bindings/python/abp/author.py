@@ -43,7 +43,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _bucket_solver
+from . import _bucket_solver, _custom_ops
 from ._errors import AbpError, Status
 
 __all__ = ["operator", "Operator", "AuthoringError", "where", "quantize", "dequantize", "uniform",
@@ -481,9 +481,10 @@ class Operator:
         self.param_types = param_types or (float,) * len(params)
         self.input_names = input_names or tuple(f"input{i}" for i in range(inputs))
         self.per_row, self.rows = per_row, rows
-        # One input, float parameters, dense outputs: abp.functional.apply (the torch.library op
-        # under torch.compile), as library operators. Otherwise the autograd path directly.
-        self._library_op = library_op and inputs == 1 and int not in self.param_types
+        # Float parameters, dense inputs and outputs, every input differentiated: a torch.library
+        # op under torch.compile (no graph break), as library operators. Otherwise the autograd
+        # path directly.
+        self._library_op = library_op and int not in self.param_types
 
     def _check_params(self, values: Sequence[Any], what: str) -> Tuple[Any, ...]:
         checked: List[Any] = []
@@ -545,8 +546,10 @@ class Operator:
         tensors = args[:self.inputs]
         self._check_tensors(tensors)
         params = self._check_params(args[self.inputs:], self.name)
-        if self._library_op:
+        if self._library_op and self.inputs == 1:
             return functional.apply(self.name, tensors[0], params)
+        if self._library_op and _custom_ops.compiling():
+            return _custom_ops.apply_custom(self.name, params, tensors)
         return OperatorFunction.apply(self.name, params, None, *tensors)
 
     def module(self, *params: Any) -> "torch.nn.Module":
