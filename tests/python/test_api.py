@@ -506,3 +506,14 @@ def test_pip_nvrtc_candidates_find_nvidia_wheels_newest_first(tmp_path, monkeypa
     monkeypatch.setattr(sys, "path", [str(tmp_path / d) for d in ("a", "b", "c", "missing")])
     assert abp._lib.pip_nvrtc_candidates() == [tmp_path / "b/nvidia/cu13/lib/libnvrtc.so.13",
                                                tmp_path / "a/nvidia/cuda_nvrtc/lib/libnvrtc.so.12"]
+
+
+def test_f32_parameters_travel_as_their_bits_and_overflow_to_infinity():
+    # Launch words carry an f32 parameter's bits in their low half; beyond f32's range the
+    # value becomes ±inf, as C's float conversion gives it (not an OverflowError).
+    from abp._launch import _f32_bits
+
+    assert _f32_bits(1.0) == 0x3F800000 and _f32_bits(-2.5) == 0xC0200000
+    assert _f32_bits(1e39) == 0x7F800000 and _f32_bits(-1e39) == 0xFF800000
+    y = abp.functional.apply("leaky_relu", torch.tensor([-1.0, 2.0]), (0.25,))
+    assert torch.equal(y, torch.tensor([-0.25, 2.0]))

@@ -142,7 +142,7 @@ class Binding:
             elif scalar == "i64":
                 words.append(int(value) & _U64)
             else:
-                words.append(_F32_BITS.unpack(_F32.pack(float(value)))[0])
+                words.append(_f32_bits(float(value)))
         return words
 
     def launch(self, values: Mapping[str, Any], outputs: Sequence[int], shape: Tuple[int, ...],
@@ -160,6 +160,15 @@ class Binding:
 
 _U64 = (1 << 64) - 1
 _F32, _F32_BITS = struct.Struct("<f"), struct.Struct("<I")
+
+
+def _f32_bits(value: float) -> int:
+    """The bits of `value` as an f32, as C's conversion gives them (beyond the range: ±inf)."""
+    try:
+        packed = _F32.pack(value)
+    except OverflowError:
+        packed = _F32.pack(math.copysign(math.inf, value))
+    return _F32_BITS.unpack(packed)[0]
 
 
 def binding(op: Operator, backward: bool, dtype: torch.dtype) -> Binding:
