@@ -230,7 +230,6 @@ class KernelLibrary:
         # Kernels of directories added at run time (compiled IR) live in their own abp_library.
         self._owner: Dict[str, c_void_p] = {}
         self._added: Dict[str, c_void_p] = {}
-        self._directory: Dict[str, Path] = {}  # operator -> its added directory
         self._op_handle: Dict[str, c_void_p] = {}  # operator -> its added directory's library
 
     def manifest_of(self, name: str) -> Dict[str, Any]:
@@ -244,8 +243,7 @@ class KernelLibrary:
 
     def directory_of(self, name: str) -> Path:
         """The kernel directory whose manifest declares operator `name` (AbpError if unknown)."""
-        self.operator(name)
-        return self._directory.get(name) or kernel_dir()
+        return Path(self.operator(name).raw["manifest"]["path"]).parent
 
     def add_directory(self, directory: Path) -> List[str]:
         """Opens another kernel directory (e.g. from compile_ir) and registers its operators.
@@ -273,7 +271,6 @@ class KernelLibrary:
             self._added[key] = handle
             for name, op in ops.items():
                 self.operators[name] = op
-                self._directory[name] = Path(directory)
                 self._op_handle[name] = handle
                 for kernel in op.kernels:
                     self._owner[kernel] = handle
