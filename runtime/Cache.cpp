@@ -312,17 +312,15 @@ static Json entryManifest(const KeyInputs &inputs, const CacheKey &key, const st
                           const std::vector<std::pair<std::string, std::string>> &payloads) {
   Json payloadHashes = Json::object();
   for (const auto &[name, data] : payloads)
-    payloadHashes.set(name, Json::string(Sha256::hex(data)));
-  Json m = Json::object();
-  m.set("format", Json::integer(kCacheFormatVersion));
-  m.set("hash", Json::string(key.hash));
-  m.set("unit", Json::string(unit));
-  m.set("source_name", Json::string(inputs.sourceName));
-  m.set("kind", Json::string(outputKindName(inputs.kind)));
-  m.set("arch", Json::string(inputs.arch));
-  m.set("key", Json::string(key.text));
-  m.set("payloads", std::move(payloadHashes));
-  return m;
+    payloadHashes[name] = Sha256::hex(data);
+  return Json{{"format", kCacheFormatVersion},
+              {"hash", key.hash},
+              {"unit", unit},
+              {"source_name", inputs.sourceName},
+              {"kind", outputKindName(inputs.kind)},
+              {"arch", inputs.arch},
+              {"key", key.text},
+              {"payloads", std::move(payloadHashes)}};
 }
 
 void Cache::publish(const KeyInputs &inputs, const CacheKey &key, const std::string &unit,
@@ -338,7 +336,7 @@ void Cache::publish(const KeyInputs &inputs, const CacheKey &key, const std::str
     for (const auto &[name, data] : payloads)
       writeFileSynced(tmp + "/" + name, data);
     // The manifest goes last: a directory holding it is complete.
-    writeFileSynced(tmp + "/manifest.json", entryManifest(inputs, key, unit, payloads).dump());
+    writeFileSynced(tmp + "/manifest.json", dumpJson(entryManifest(inputs, key, unit, payloads)));
     syncDirectory(tmp);
     makeDirectories(directoryOf(final));
   } catch (...) {
@@ -392,23 +390,23 @@ Cache::ReadStatus Cache::readEntry(const CacheKey &key, OutputKind kind, Artifac
   }
   Json m;
   try {
-    m = Json::parse(text);
-  } catch (const JsonError &e) {
-    return corrupt(std::string("manifest.json: ") + e.what());
+    m = parseJson(text);
+  } catch (const JsonParseError &e) {
+    return corrupt("manifest.json: " + parseErrorText(e));
   }
-  const Json *format = m.find("format");
-  if (!format || !format->isInteger() || format->asInteger() != kCacheFormatVersion)
+  const Json *format = findMember(m, "format");
+  if (!format || integralValue(*format) != kCacheFormatVersion)
     return corrupt("format version mismatch");
-  const Json *keyText = m.find("key");
-  if (!keyText || !keyText->isString() || keyText->asString() != key.text)
+  const Json *keyText = findMember(m, "key");
+  if (!keyText || !keyText->is_string() || *keyText != key.text)
     return corrupt("the stored key text differs from the requested key");
-  const Json *payloads = m.find("payloads");
+  const Json *payloads = findMember(m, "payloads");
   const std::string binaryName = binaryFileName(kind);
-  if (!payloads || !payloads->isObject() || !payloads->find("kernel.cu") ||
-      !payloads->find("compile.log") || !payloads->find(binaryName))
+  if (!payloads || !findMember(*payloads, "kernel.cu") || !findMember(*payloads, "compile.log") ||
+      !findMember(*payloads, binaryName))
     return corrupt("payload list incomplete");
-  for (const auto &[name, hash] : payloads->asObject()) {
-    if (name.find('/') != std::string::npos || !hash.isString())
+  for (const auto &[name, hash] : payloads->items()) {
+    if (name.find('/') != std::string::npos || !hash.is_string())
       return corrupt("malformed payload entry " + name);
     std::string data;
     try {
@@ -416,7 +414,7 @@ Cache::ReadStatus Cache::readEntry(const CacheKey &key, OutputKind kind, Artifac
     } catch (const Error &) {
       return isDirectory(dir) ? corrupt("payload " + name + " is missing") : ReadStatus::Absent;
     }
-    if (Sha256::hex(data) != hash.asString())
+    if (hash != Sha256::hex(data))
       return corrupt("payload " + name + " does not match its sha256");
     if (name == binaryName)
       out.binary = std::move(data);

@@ -1,96 +1,80 @@
-// Json.h — a small JSON value, parser and serializer (enough for manifests and cache entries).
+// Json.h — the runtime's JSON value: nlohmann-json's ordered_json, and the few lookups the
+// manifest and cache readers share.
+//
+// ordered_json keeps an object's members in document order, so the records handed to Python
+// (operatorsJson) read like the manifest that was written. Numbers are doubles or 64-bit
+// integers; the emitter writes fp32 tables with 9 significant digits, which name their float
+// exactly through a double, so nothing is lost by not keeping a number's text.
 #ifndef ABP_RUNTIME_JSON_H
 #define ABP_RUNTIME_JSON_H
 
-#include "runtime/Error.h"
+#include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
-#include <utility>
-#include <vector>
 
 namespace abp::rt {
 
-/// A parse error: the message says what was expected and where (offset, line, column).
-class JsonError : public Error {
-public:
-  JsonError(const std::string &what, size_t offset, size_t line, size_t column);
-  size_t offset() const { return offset_; }
-  size_t line() const { return line_; }
-  size_t column() const { return column_; }
+using Json = nlohmann::ordered_json;
+/// Thrown by Json::parse: its what() names the line and column.
+using JsonParseError = nlohmann::ordered_json::parse_error;
 
-private:
-  size_t offset_, line_, column_;
-};
+/// Parses a complete document (surrounding whitespace allowed); throws JsonParseError.
+/// Comments and trailing commas are errors, as in RFC 8259.
+inline Json parseJson(std::string_view text) { return Json::parse(text.begin(), text.end()); }
 
-/// A JSON value. Objects keep their members in document order (so re-serializing a manifest
-/// keeps its shape) and numbers keep their source text (so fp32 tables round-trip exactly).
-class Json {
-public:
-  enum class Kind { Null, Bool, Number, String, Array, Object };
-  using Array = std::vector<Json>;
-  using Member = std::pair<std::string, Json>;
-  using Object = std::vector<Member>;
+/// A parse error's message without nlohmann's "[json.exception.parse_error.N] " prefix:
+/// "parse error at line L, column C: ...".
+inline std::string parseErrorText(const JsonParseError &e) {
+  std::string_view what = e.what();
+  size_t close = what.find("] ");
+  return std::string(close == std::string_view::npos ? what : what.substr(close + 2));
+}
 
-  Json() = default; ///< null
-  static Json boolean(bool value);
-  /// A number; `text` is its JSON spelling (kept by dump()), "" to format `value`.
-  static Json number(double value, std::string text = "");
-  static Json integer(int64_t value);
-  static Json string(std::string value);
-  static Json array(Array items = {});
-  static Json object(Object members = {});
+/// Compact text. A string that is not UTF-8 (a path's bytes) has its bad bytes replaced with
+/// U+FFFD instead of throwing: JSON text must be UTF-8.
+inline std::string dumpJson(const Json &value) {
+  return value.dump(-1, ' ', false, Json::error_handler_t::replace);
+}
 
-  /// Parses a complete document (surrounding whitespace allowed); throws JsonError.
-  static Json parse(std::string_view text);
+/// The member `key` of an object, or nullptr (also when `value` is not an object).
+inline const Json *findMember(const Json &value, std::string_view key) {
+  if (!value.is_object())
+    return nullptr;
+  auto it = value.find(key);
+  return it == value.end() ? nullptr : &*it;
+}
 
-  Kind kind() const { return kind_; }
-  bool isNull() const { return kind_ == Kind::Null; }
-  bool isBool() const { return kind_ == Kind::Bool; }
-  bool isNumber() const { return kind_ == Kind::Number; }
-  bool isString() const { return kind_ == Kind::String; }
-  bool isArray() const { return kind_ == Kind::Array; }
-  bool isObject() const { return kind_ == Kind::Object; }
-  /// True for a number with an integral value in the int64 range.
-  bool isInteger() const;
+/// The value as an int64 when it is a number with an integral value in int64's range
+/// (1, -3 and 1.0e3 are; 1.5 and 2^63 are not).
+inline std::optional<int64_t> integralValue(const Json &value) {
+  if (value.is_number_integer() && !value.is_number_unsigned())
+    return value.get<int64_t>();
+  if (value.is_number_unsigned()) {
+    uint64_t u = value.get<uint64_t>();
+    if (u > static_cast<uint64_t>(INT64_MAX))
+      return std::nullopt;
+    return static_cast<int64_t>(u);
+  }
+  if (value.is_number_float()) {
+    double d = value.get<double>();
+    // [-2^63, 2^63): the doubles that convert to int64 without overflow.
+    if (d >= -9223372036854775808.0 && d < 9223372036854775808.0 &&
+        d == static_cast<double>(static_cast<int64_t>(d)))
+      return static_cast<int64_t>(d);
+  }
+  return std::nullopt;
+}
 
-  /// Accessors; reading the wrong kind is an InvalidArgument error naming both kinds.
-  bool asBool() const;
-  double asNumber() const;
-  int64_t asInteger() const;
-  const std::string &asString() const;
-  const Array &asArray() const;
-  Array &asArray();
-  const Object &asObject() const;
-  Object &asObject();
-
-  /// A number's source text ("" if it was built from a double, or not a number).
-  const std::string &numberText() const;
-
-  /// The member `key` of an object, or nullptr (also for non-objects).
-  const Json *find(std::string_view key) const;
-  /// Sets member `key` of an object (replacing an existing one, else appending).
-  void set(const std::string &key, Json value);
-  /// Appends to an array.
-  void push(Json value);
-
-  /// Compact serialization (no whitespace); numbers keep their source text.
-  std::string dump() const;
-
-  static const char *kindName(Kind kind);
-
-private:
-  Kind kind_ = Kind::Null;
-  bool bool_ = false;
-  double number_ = 0;
-  std::string text_; ///< a string's value, or a number's source text
-  Array array_;
-  Object object_;
-};
-
-/// Appends `text` as a JSON string literal (quoted, escaped) to `out`.
-void appendJsonString(std::string &out, std::string_view text);
+/// How an error message names a value's kind: "a string", "an array", "null", ...
+inline std::string kindName(const Json &value) {
+  std::string name = value.type_name();
+  if (value.is_null() || value.is_discarded())
+    return name;
+  return (value.is_array() || value.is_object() ? "an " : "a ") + name;
+}
 
 } // namespace abp::rt
 

@@ -253,7 +253,7 @@ std::unique_ptr<Library> Library::open(const std::string &directory) {
   for (const std::string &file : files) {
     auto unit = std::make_unique<Kernel::Unit>(loadManifest(dir + "/" + file));
     const Manifest &m = unit->manifest;
-    const std::string document = m.json.dump();
+    const std::string document = dumpJson(m.json);
     for (const KernelRecord &k : m.kernels) {
       auto [it, fresh] = kernelOwner.emplace(k.name, m.path);
       if (!fresh)
@@ -270,29 +270,21 @@ std::unique_ptr<Library> Library::open(const std::string &directory) {
                     "operator " + op.name + " is defined by both " + it->second + " and " + m.path);
       Json entry = op.json;
       Json used = Json::array();
-      for (const std::string *name : {&op.forward.kernel, &op.backward.kernel}) {
-        if (name->empty())
-          continue;
-        bool seen = false;
-        for (const Json &k : used.asArray())
-          seen = seen || k.find("name")->asString() == *name;
-        if (!seen)
-          used.push(m.findKernel(*name)->json);
-      }
-      entry.set("kernels", std::move(used));
+      for (const std::string *name : {&op.forward.kernel, &op.backward.kernel})
+        if (!name->empty() && (used.empty() || used.front()["name"] != *name))
+          used.push_back(m.findKernel(*name)->json);
+      entry["kernels"] = std::move(used);
       // Where it was read from, as the runtime resolved it (abp.inspect shows these).
-      Json where = Json::object();
-      where.set("path", Json::string(m.path));
-      where.set("source_path", Json::string(m.sourcePath()));
-      where.set("host_library_path",
-                m.hostLibrary.empty() ? Json() : Json::string(m.hostLibraryPath()));
-      entry.set("manifest", std::move(where));
-      operators.push(std::move(entry));
+      entry["manifest"] = Json{
+          {"path", m.path},
+          {"source_path", m.sourcePath()},
+          {"host_library_path", m.hostLibrary.empty() ? Json() : Json(m.hostLibraryPath())}};
+      operators.push_back(std::move(entry));
       lib->manifestJson_[op.name] = document;
     }
     lib->units_.push_back(std::move(unit));
   }
-  lib->operatorsJson_ = operators.dump();
+  lib->operatorsJson_ = dumpJson(operators);
   logInfo("opened kernel directory " + dir + " (" + std::to_string(files.size()) + " manifests, " +
           std::to_string(lib->kernels_.size()) + " kernel symbols)");
   return lib;

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 
+#include "runtime/Error.h"
 #include "runtime/Files.h"
 
 #include <cstdint>
@@ -126,7 +127,7 @@ public:
   }
 
   const Json &member(const Json &object, const std::string &field, const char *key) const {
-    const Json *value = object.find(key);
+    const Json *value = findMember(object, key);
     if (!value)
       fail(field, std::string("missing required member \"") + key + "\"");
     return *value;
@@ -136,18 +137,19 @@ public:
                   bool nonEmpty) const {
     const Json &value = member(object, field, key);
     std::string at = join(field, key);
-    if (!value.isString())
-      fail(at, std::string("expected a string, got ") + Json::kindName(value.kind()));
-    if (nonEmpty && value.asString().empty())
+    if (!value.is_string())
+      fail(at, "expected a string, got " + kindName(value));
+    if (nonEmpty && value.get_ref<const std::string &>().empty())
       fail(at, "expected a non-empty string");
-    return value.asString();
+    return value.get<std::string>();
   }
 
   int64_t integer(const Json &value, const std::string &at, int64_t lo, int64_t hi) const {
-    if (!value.isInteger() || value.asInteger() < lo || value.asInteger() > hi)
+    std::optional<int64_t> n = integralValue(value);
+    if (!n || *n < lo || *n > hi)
       fail(at, "expected an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
-                   "], got " + (value.isNumber() ? value.dump() : Json::kindName(value.kind())));
-    return value.asInteger();
+                   "], got " + (value.is_number() ? value.dump() : kindName(value)));
+    return *n;
   }
 
   int64_t integer(const Json &object, const std::string &field, const char *key, int64_t lo,
@@ -155,16 +157,16 @@ public:
     return integer(member(object, field, key), join(field, key), lo, hi);
   }
 
-  const Json::Array &array(const Json &object, const std::string &field, const char *key) const {
+  const Json &array(const Json &object, const std::string &field, const char *key) const {
     const Json &value = member(object, field, key);
-    if (!value.isArray())
-      fail(join(field, key), std::string("expected an array, got ") + Json::kindName(value.kind()));
-    return value.asArray();
+    if (!value.is_array())
+      fail(join(field, key), "expected an array, got " + kindName(value));
+    return value;
   }
 
   void object(const Json &value, const std::string &at) const {
-    if (!value.isObject())
-      fail(at, std::string("expected an object, got ") + Json::kindName(value.kind()));
+    if (!value.is_object())
+      fail(at, "expected an object, got " + kindName(value));
   }
 
   static std::string join(const std::string &field, const char *key) {
@@ -195,22 +197,23 @@ KernelRecord parseKernel(const Checker &check, const Json &value, const std::str
   k.name = check.str(value, at, "name", true);
   const Json &symbols = check.member(value, at, "symbols");
   std::string symAt = Checker::join(at, "symbols");
-  if (!symbols.isObject() || symbols.asObject().empty())
+  if (!symbols.is_object() || symbols.empty())
     check.fail(symAt, "expected a non-empty object mapping dtypes to symbols");
-  for (const auto &[dtype, sym] : symbols.asObject()) {
+  for (const auto &[dtype, sym] : symbols.items()) {
     std::string field = symAt + "." + dtype;
     if (!parseDtype(dtype))
       check.fail(field, "unknown dtype \"" + dtype + "\" (expected f32, f16, bf16 or f64)");
-    if (!sym.isString() || !isIdentifier(sym.asString()))
+    if (!sym.is_string() || !isIdentifier(sym.get<std::string>()))
       check.fail(field, "expected a C identifier naming the kernel symbol");
-    if (!symbolsSeen.insert(sym.asString()).second)
-      check.fail(field, "symbol \"" + sym.asString() + "\" appears twice in the manifest");
-    k.symbols.emplace_back(dtype, sym.asString());
+    const std::string &symbol = sym.get_ref<const std::string &>();
+    if (!symbolsSeen.insert(symbol).second)
+      check.fail(field, "symbol \"" + symbol + "\" appears twice in the manifest");
+    k.symbols.emplace_back(dtype, symbol);
   }
-  if (const Json *kind = value.find("kind")) {
-    if (!kind->isString() || (kind->asString() != "elementwise" && kind->asString() != "rows"))
+  if (const Json *kind = findMember(value, "kind")) {
+    if (!kind->is_string() || (*kind != "elementwise" && *kind != "rows"))
       check.fail(at + ".kind", "expected \"elementwise\" or \"rows\"");
-    if (kind->asString() == "rows")
+    if (*kind == "rows")
       k.kind = KernelKind::Rows;
   }
   const bool rows = k.kind == KernelKind::Rows;
@@ -222,7 +225,7 @@ KernelRecord parseKernel(const Checker &check, const Json &value, const std::str
     k.warpMaxCols = check.integer(value, at, "warp_max_cols", 0, INT64_MAX);
   }
 
-  const Json::Array &args = check.array(value, at, "args");
+  const Json &args = check.array(value, at, "args");
   std::string argsAt = Checker::join(at, "args");
   // The trailing shape arguments: the count, or (rows, cols).
   const size_t tail = rows ? 2 : 1;
@@ -295,7 +298,7 @@ KernelRecord parseKernel(const Checker &check, const Json &value, const std::str
         if (!rows)
           check.fail(argAt + ".layout", "the \"rows\" layout is only valid in a row kernel");
         arg.layout = ArgLayout::Rows;
-        if (arg.role == ArgRole::In && args[i].find("type")) {
+        if (arg.role == ArgRole::In && findMember(args[i], "type")) {
           if (check.str(args[i], argAt, "type", true) != "i32")
             check.fail(argAt + ".type", "a rows input's type must be \"i32\" (row indices) when "
                                         "given; compute-type rows have none");
@@ -351,15 +354,15 @@ DirectionRecord parseDirection(const Checker &check, const Json &value, const st
                                const OperatorRecord &op, const std::vector<KernelRecord> &kernels,
                                size_t expectedProduces) {
   DirectionRecord d;
-  if (value.isNull())
+  if (value.is_null())
     return d; // no work and nothing to describe
   check.object(value, at);
   const Json &kernel = check.member(value, at, "kernel");
   const KernelRecord *record = nullptr;
-  if (!kernel.isNull()) {
-    if (!kernel.isString() || kernel.asString().empty())
+  if (!kernel.is_null()) {
+    if (!kernel.is_string() || kernel.get_ref<const std::string &>().empty())
       check.fail(at + ".kernel", "expected a kernel name or null");
-    d.kernel = kernel.asString();
+    d.kernel = kernel.get<std::string>();
     for (const KernelRecord &k : kernels)
       if (k.name == d.kernel)
         record = &k;
@@ -367,12 +370,12 @@ DirectionRecord parseDirection(const Checker &check, const Json &value, const st
       check.fail(at + ".kernel", "names kernel \"" + d.kernel + "\", which is not in \"kernels\"");
   }
   auto refs = [&](const char *key, std::vector<std::string> &out) {
-    const Json::Array &items = check.array(value, at, key);
+    const Json &items = check.array(value, at, key);
     for (size_t i = 0; i < items.size(); ++i) {
       std::string refAt = Checker::index(Checker::join(at, key), i);
-      if (!items[i].isString())
+      if (!items[i].is_string())
         check.fail(refAt, "expected a reference string such as \"input0\"");
-      const std::string &ref = items[i].asString();
+      const std::string &ref = items[i].get_ref<const std::string &>();
       std::string kind;
       int index = 0;
       if (!splitRef(ref, kind, index))
@@ -434,13 +437,13 @@ OperatorRecord parseOperator(const Checker &check, const Json &value, const std:
   op.name = check.str(value, at, "name", true);
   op.inputs = static_cast<int>(check.integer(value, at, "inputs", 0, 1024));
   op.outputs = static_cast<int>(check.integer(value, at, "outputs", 0, 1024));
-  const Json::Array &params = check.array(value, at, "params");
+  const Json &params = check.array(value, at, "params");
   for (size_t i = 0; i < params.size(); ++i) {
-    if (!params[i].isString())
+    if (!params[i].is_string())
       check.fail(Checker::index(at + ".params", i), "expected a parameter name (a string)");
-    op.params.push_back(params[i].asString());
+    op.params.push_back(params[i].get<std::string>());
   }
-  const Json::Array &residuals = check.array(value, at, "residuals");
+  const Json &residuals = check.array(value, at, "residuals");
   for (size_t i = 0; i < residuals.size(); ++i) {
     std::string rAt = Checker::index(at + ".residuals", i);
     check.object(residuals[i], rAt);
@@ -467,22 +470,21 @@ OperatorRecord parseOperator(const Checker &check, const Json &value, const std:
     op.residuals.push_back(r);
   }
   const Json &saved = check.member(value, at, "saved_bits_per_element");
-  if (!saved.isNumber() || saved.asNumber() < 0)
+  if (!saved.is_number() || saved.get<double>() < 0)
     check.fail(at + ".saved_bits_per_element", "expected a non-negative number");
-  op.savedBitsPerElement = saved.asNumber();
-  if (const Json *perRow = value.find("saved_bits_per_row")) {
-    if (!perRow->isNumber() || perRow->asNumber() < 0)
+  op.savedBitsPerElement = saved.get<double>();
+  if (const Json *perRow = findMember(value, "saved_bits_per_row")) {
+    if (!perRow->is_number() || perRow->get<double>() < 0)
       check.fail(at + ".saved_bits_per_row", "expected a non-negative number");
-    op.savedBitsPerRow = perRow->asNumber();
+    op.savedBitsPerRow = perRow->get<double>();
   }
-  if (const Json *rowWise = value.find("row_wise")) {
-    if (!rowWise->isBool())
+  if (const Json *rowWise = findMember(value, "row_wise")) {
+    if (!rowWise->is_boolean())
       check.fail(at + ".row_wise", "expected true or false");
-    op.rowWise = rowWise->asBool();
+    op.rowWise = rowWise->get<bool>();
   }
-  if (const Json *noGrad = value.find("no_grad")) {
-    const Json::Array &list = check.array(value, at, "no_grad");
-    (void)noGrad;
+  if (findMember(value, "no_grad")) {
+    const Json &list = check.array(value, at, "no_grad");
     for (size_t i = 0; i < list.size(); ++i) {
       int input = static_cast<int>(
           check.integer(list[i], Checker::index(at + ".no_grad", i), 0, op.inputs - 1));
@@ -507,32 +509,33 @@ Manifest parseManifest(std::string_view text, const std::string &path) {
   Manifest m;
   m.path = path;
   try {
-    m.json = Json::parse(text);
-  } catch (const JsonError &e) {
-    check.fail("", e.what());
+    m.json = parseJson(text);
+  } catch (const JsonParseError &e) {
+    check.fail("", parseErrorText(e));
   }
   const Json &root = m.json;
   check.object(root, "(document)");
   const Json &format = check.member(root, "", "format");
-  if (!format.isInteger() || format.asInteger() < 1 || format.asInteger() > kManifestFormatVersion)
+  std::optional<int64_t> version = integralValue(format);
+  if (!version || *version < 1 || *version > kManifestFormatVersion)
     check.fail("format", "unsupported manifest format " +
-                             (format.isNumber() ? format.dump() : Json::kindName(format.kind())) +
+                             (format.is_number() ? format.dump() : kindName(format)) +
                              " (this runtime reads formats 1 to " +
                              std::to_string(kManifestFormatVersion) + ")");
-  m.format = static_cast<int>(format.asInteger());
+  m.format = static_cast<int>(*version);
   m.file = check.str(root, "", "file", false);
   m.source = check.str(root, "", "source", true);
   m.hostLibrary = check.str(root, "", "host_library", false);
 
   std::set<std::string> symbolsSeen, kernelNames, operatorNames;
-  const Json::Array &kernels = check.array(root, "", "kernels");
+  const Json &kernels = check.array(root, "", "kernels");
   for (size_t i = 0; i < kernels.size(); ++i) {
     std::string at = Checker::index("kernels", i);
     m.kernels.push_back(parseKernel(check, kernels[i], at, symbolsSeen));
     if (!kernelNames.insert(m.kernels.back().name).second)
       check.fail(at + ".name", "kernel \"" + m.kernels.back().name + "\" appears twice");
   }
-  const Json::Array &operators = check.array(root, "", "operators");
+  const Json &operators = check.array(root, "", "operators");
   for (size_t i = 0; i < operators.size(); ++i) {
     std::string at = Checker::index("operators", i);
     m.operators.push_back(parseOperator(check, operators[i], at, m.kernels));

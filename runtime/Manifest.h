@@ -2,6 +2,7 @@
 #ifndef ABP_RUNTIME_MANIFEST_H
 #define ABP_RUNTIME_MANIFEST_H
 
+#include "runtime/Error.h"
 #include "runtime/Json.h"
 
 #include <optional>

@@ -23,7 +23,7 @@ ABP_BUILD_REQUIREMENTS="$ABP_ROOT/scripts/lib/build-requirements.txt"
 ABP_PACKAGES=(
   cmake ninja-build g++
   libmlir-19-dev mlir-19-tools llvm-19-dev llvm-19-tools
-  libfmt-dev libgtest-dev
+  libfmt-dev libgtest-dev nlohmann-json3-dev
   clang-19 libclang-rt-19-dev
   python3-dev python3-numpy python3-pytest python3-sklearn python3-torch python3-venv
 )

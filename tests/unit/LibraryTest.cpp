@@ -137,15 +137,9 @@ TEST(Library, LookupErrors) {
 
 TEST(Library, MissingDtypeIsNotFound) {
   TempDir dir;
-  Json m = Json::parse(abp::test::readText(abp::test::dataDir() + "/test_kernels.json"));
-  for (auto &kernel : m.asObject()) // drop every bf16 symbol
-    if (kernel.first == "kernels")
-      for (Json &k : kernel.second.asArray())
-        for (auto &member : k.asObject())
-          if (member.first == "symbols") {
-            auto &symbols = member.second.asObject();
-            symbols.pop_back();
-          }
+  Json m = parseJson(abp::test::readText(abp::test::dataDir() + "/test_kernels.json"));
+  for (Json &k : m.at("kernels")) // drop every bf16 symbol
+    k.at("symbols").erase("bf16");
   abp::test::writeText(dir / "k.json", m.dump());
   auto lib = Library::open(dir.path());
   std::string message;
@@ -182,34 +176,36 @@ TEST(Library, EmptyDirectoryIsAnEmptyLibrary) {
 
 TEST(Library, OperatorsJsonAddsTheKernelsEachOperatorUses) {
   auto lib = fixture();
-  Json ops = Json::parse(lib->operatorsJson());
-  ASSERT_EQ(ops.asArray().size(), 3u);
-  const Json &scale = ops.asArray()[0];
-  EXPECT_EQ(scale.find("name")->asString(), "test_scale");
+  Json ops = parseJson(lib->operatorsJson());
+  ASSERT_EQ(ops.size(), 3u);
+  const Json &scale = ops[0];
+  EXPECT_EQ(scale.at("name"), "test_scale");
   // Appended after the written members: the kernels, then where the manifest was read from.
-  const Json::Object &members = scale.asObject();
-  ASSERT_GE(members.size(), 2u);
-  EXPECT_EQ(members[members.size() - 2].first, "kernels");
-  EXPECT_EQ(members.back().first, "manifest");
-  const Json &where = members.back().second;
-  EXPECT_EQ(where.find("path")->asString(), lib->manifests()[0]->path);
-  EXPECT_EQ(where.find("source_path")->asString(), lib->manifests()[0]->sourcePath());
+  std::vector<std::string> keys;
+  for (const auto &item : scale.items())
+    keys.push_back(item.key());
+  ASSERT_GE(keys.size(), 2u);
+  EXPECT_EQ(keys[keys.size() - 2], "kernels");
+  EXPECT_EQ(keys.back(), "manifest");
+  const Json &where = scale.at("manifest");
+  EXPECT_EQ(where.at("path"), lib->manifests()[0]->path);
+  EXPECT_EQ(where.at("source_path"), lib->manifests()[0]->sourcePath());
   EXPECT_EQ(lib->manifestJson("test_scale"), lib->manifests()[0]->json.dump());
   EXPECT_THROW(lib->manifestJson("no_such_operator"), Error);
   // forward and backward use the same kernel: listed once.
-  ASSERT_EQ(scale.find("kernels")->asArray().size(), 1u);
-  EXPECT_EQ(scale.find("kernels")->asArray()[0].find("name")->asString(), "test_scale");
-  const Json &sign = ops.asArray()[1];
-  ASSERT_EQ(sign.find("kernels")->asArray().size(), 2u);
-  EXPECT_EQ(sign.find("kernels")->asArray()[0].find("name")->asString(), "test_sign_codes");
-  EXPECT_EQ(sign.find("kernels")->asArray()[1].find("name")->asString(), "test_unpack");
-  EXPECT_EQ(sign.find("tables")->dump(), R"([{"borders":[-1,0,1],"levels":[0,1,2,3]}])");
-  const Json &random = ops.asArray()[2];
-  EXPECT_TRUE(random.find("backward")->isNull());
-  EXPECT_EQ(random.find("kernels")->asArray().size(), 1u);
+  ASSERT_EQ(scale.at("kernels").size(), 1u);
+  EXPECT_EQ(scale.at("kernels")[0].at("name"), "test_scale");
+  const Json &sign = ops[1];
+  ASSERT_EQ(sign.at("kernels").size(), 2u);
+  EXPECT_EQ(sign.at("kernels")[0].at("name"), "test_sign_codes");
+  EXPECT_EQ(sign.at("kernels")[1].at("name"), "test_unpack");
+  EXPECT_EQ(sign.at("tables").dump(), R"([{"borders":[-1,0,1],"levels":[0,1,2,3]}])");
+  const Json &random = ops[2];
+  EXPECT_TRUE(random.at("backward").is_null());
+  EXPECT_EQ(random.at("kernels").size(), 1u);
   // The kernel records are the manifest's, member for member.
   Manifest m = loadManifest(abp::test::dataDir() + "/test_kernels.json");
-  EXPECT_EQ(sign.find("kernels")->asArray()[1].dump(), m.findKernel("test_unpack")->json.dump());
+  EXPECT_EQ(sign.at("kernels")[1], m.findKernel("test_unpack")->json);
 }
 
 TEST(Library, HostLaunchesAreExactForEveryDtype) {

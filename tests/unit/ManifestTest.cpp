@@ -15,7 +15,7 @@ std::string fixtureText() { return abp::test::readText(fixturePath()); }
 
 /// The error of parsing the fixture after `edit`; fails the test if it parses.
 std::string rejection(const std::function<void(Json &)> &edit) {
-  Json j = Json::parse(fixtureText());
+  Json j = parseJson(fixtureText());
   edit(j);
   try {
     parseManifest(j.dump(), "/m/x.json");
@@ -27,21 +27,10 @@ std::string rejection(const std::function<void(Json &)> &edit) {
   return "";
 }
 
-Json &member(Json &j, const char *key) {
-  for (auto &m : j.asObject())
-    if (m.first == key)
-      return m.second;
-  throw std::runtime_error(std::string("no member ") + key);
-}
-Json &at(Json &j, size_t i) { return j.asArray().at(i); }
-void erase(Json &object, const char *key) {
-  auto &members = object.asObject();
-  for (auto it = members.begin(); it != members.end(); ++it)
-    if (it->first == key) {
-      members.erase(it);
-      return;
-    }
-}
+Json &member(Json &j, const char *key) { return j.at(key); }
+Json &at(Json &j, size_t i) { return j.at(i); }
+void erase(Json &object, const char *key) { object.erase(key); }
+void popBack(Json &array) { array.erase(array.size() - 1); }
 } // namespace
 
 TEST(Manifest, ParsesTheFixture) {
@@ -70,7 +59,7 @@ TEST(Manifest, ParsesTheFixture) {
   ASSERT_NE(codes->symbol("bf16"), nullptr);
   EXPECT_EQ(*codes->symbol("bf16"), "abp_test_sign_codes_bf16");
   EXPECT_EQ(codes->symbol("f64"), nullptr);
-  EXPECT_EQ(codes->json.find("name")->asString(), "test_sign_codes");
+  EXPECT_EQ(codes->json.at("name"), "test_sign_codes");
   EXPECT_EQ(m.findKernel("nope"), nullptr);
 
   ASSERT_EQ(m.operators.size(), 3u);
@@ -112,9 +101,9 @@ TEST(Manifest, DtypeAndRoleNames) {
 }
 
 TEST(Manifest, DirectionWithNullKernelIsAccepted) {
-  Json j = Json::parse(fixtureText());
+  Json j = parseJson(fixtureText());
   Json &backward = member(at(member(j, "operators"), 2), "backward");
-  backward = Json::parse(R"({"kernel": null, "args": [], "produces": []})");
+  backward = parseJson(R"({"kernel": null, "args": [], "produces": []})");
   Manifest m = parseManifest(j.dump(), "/m/x.json");
   EXPECT_TRUE(m.findOperator("test_random")->backward.kernel.empty());
 }
@@ -129,81 +118,81 @@ TEST(Manifest, RejectsInvalidManifestsNamingFileAndField) {
   };
   auto op = [](Json &j, size_t i) -> Json & { return at(member(j, "operators"), i); };
   const Case cases[] = {
-      {[](Json &j) { member(j, "format") = Json::integer(3); },
+      {[](Json &j) { member(j, "format") = Json(3); },
        "format: unsupported manifest format 3 (this runtime reads formats 1 to 2)"},
-      {[](Json &j) { member(j, "format") = Json::integer(0); },
+      {[](Json &j) { member(j, "format") = Json(0); },
        "format: unsupported manifest format 0"},
-      {[&](Json &j) { member(kernelArg(j, 0, 0), "layout") = Json::string("rows"); },
+      {[&](Json &j) { member(kernelArg(j, 0, 0), "layout") = Json("rows"); },
        "kernels[0].args[0].layout: the \"rows\" layout is only valid in a row kernel"},
-      {[](Json &j) { at(member(j, "kernels"), 0).set("kind", Json::string("tiles")); },
+      {[](Json &j) { at(member(j, "kernels"), 0)["kind"] = Json("tiles"); },
        "kernels[0].kind: expected \"elementwise\" or \"rows\""},
       {[](Json &j) {
          Json &k = at(member(j, "kernels"), 0);
-         k.set("kind", Json::string("rows"));
-         k.set("warp_max_cols", Json::integer(1024));
+         k["kind"] = Json("rows");
+         k["warp_max_cols"] = Json(1024);
        },
        "kernels[0].args[2]: a row kernel's last two arguments must be rows and cols"},
-      {[](Json &j) { at(member(j, "kernels"), 0).set("kind", Json::string("rows")); },
+      {[](Json &j) { at(member(j, "kernels"), 0)["kind"] = Json("rows"); },
        "kernels[0]: missing required member \"warp_max_cols\""},
       {[&](Json &j) {
          Json &r = at(member(op(j, 1), "residuals"), 0);
-         member(r, "kind") = Json::string("shared");
-         r.set("output", Json::integer(3));
+         member(r, "kind") = Json("shared");
+         r["output"] = Json(3);
        },
        "operators[1].residuals[0].output: expected an integer in [0, 0], got 3"},
-      {[&](Json &j) { op(j, 0).set("row_wise", Json::integer(1)); },
+      {[&](Json &j) { op(j, 0)["row_wise"] = Json(1); },
        "operators[0].row_wise: expected true or false"},
       {[](Json &j) { erase(j, "source"); }, "missing required member \"source\""},
-      {[](Json &j) { member(j, "source") = Json::string(""); }, "source: expected a non-empty"},
+      {[](Json &j) { member(j, "source") = Json(""); }, "source: expected a non-empty"},
       {[](Json &j) { member(j, "kernels") = Json::object(); }, "kernels: expected an array"},
-      {[&](Json &j) { member(kernelArg(j, 0, 1), "role") = Json::string("inout"); },
+      {[&](Json &j) { member(kernelArg(j, 0, 1), "role") = Json("inout"); },
        "kernels[0].args[1].role: unknown role \"inout\""},
-      {[&](Json &j) { member(kernelArg(j, 1, 2), "bits") = Json::integer(9); },
+      {[&](Json &j) { member(kernelArg(j, 1, 2), "bits") = Json(9); },
        "kernels[1].args[2].bits: expected an integer in [1, 8], got 9"},
-      {[&](Json &j) { member(kernelArg(j, 1, 2), "bits") = Json::integer(0); },
+      {[&](Json &j) { member(kernelArg(j, 1, 2), "bits") = Json(0); },
        "kernels[1].args[2].bits: expected an integer in [1, 8], got 0"},
-      {[&](Json &j) { member(kernelArg(j, 1, 2), "bits") = Json::number(1.5); },
+      {[&](Json &j) { member(kernelArg(j, 1, 2), "bits") = Json(1.5); },
        "kernels[1].args[2].bits: expected an integer in [1, 8], got 1.5"},
       {[&](Json &j) { std::swap(kernelArg(j, 0, 2), kernelArg(j, 0, 3)); },
        "kernels[0].args[2]: the count argument must be last"},
-      {[&](Json &j) { member(at(member(j, "kernels"), 2), "args").asArray().pop_back(); },
+      {[&](Json &j) { popBack(member(at(member(j, "kernels"), 2), "args")); },
        "kernels[2].args[1]: the last argument must be the count"},
       {[&](Json &j) { std::swap(kernelArg(j, 1, 0), kernelArg(j, 1, 1)); },
        "kernels[1].args[1]: inputs and scalars must come before the outputs"},
-      {[&](Json &j) { member(kernelArg(j, 0, 1), "type") = Json::string("f64"); },
+      {[&](Json &j) { member(kernelArg(j, 0, 1), "type") = Json("f64"); },
        "kernels[0].args[1].type: unsupported scalar type \"f64\""},
-      {[&](Json &j) { member(kernelArg(j, 0, 0), "layout") = Json::string("strided"); },
+      {[&](Json &j) { member(kernelArg(j, 0, 0), "layout") = Json("strided"); },
        "kernels[0].args[0].layout: unknown layout \"strided\""},
       {[](Json &j) {
-         member(at(member(j, "kernels"), 0), "symbols").set("f128", Json::string("abp_x"));
+         member(at(member(j, "kernels"), 0), "symbols")["f128"] = Json("abp_x");
        },
        "kernels[0].symbols.f128: unknown dtype \"f128\""},
       {[](Json &j) {
-         member(at(member(j, "kernels"), 0), "symbols").set("f16", Json::string("not an id"));
+         member(at(member(j, "kernels"), 0), "symbols")["f16"] = Json("not an id");
        },
        "kernels[0].symbols.f16: expected a C identifier"},
       {[](Json &j) {
          member(at(member(j, "kernels"), 1), "symbols")
-             .set("f16", Json::string("abp_test_scale_f16"));
+             ["f16"] = Json("abp_test_scale_f16");
        },
        "appears twice in the manifest"},
-      {[](Json &j) { member(at(member(j, "kernels"), 1), "name") = Json::string("test_scale"); },
+      {[](Json &j) { member(at(member(j, "kernels"), 1), "name") = Json("test_scale"); },
        "kernels[1].name: kernel \"test_scale\" appears twice"},
-      {[](Json &j) { member(at(member(j, "kernels"), 0), "block") = Json::integer(0); },
+      {[](Json &j) { member(at(member(j, "kernels"), 0), "block") = Json(0); },
        "kernels[0].block: expected an integer in [1, 1024], got 0"},
-      {[](Json &j) { member(at(member(j, "kernels"), 0), "block") = Json::integer(2048); },
+      {[](Json &j) { member(at(member(j, "kernels"), 0), "block") = Json(2048); },
        "kernels[0].block: expected an integer in [1, 1024], got 2048"},
-      {[](Json &j) { member(at(member(j, "kernels"), 1), "chunk") = Json::integer(3); },
+      {[](Json &j) { member(at(member(j, "kernels"), 1), "chunk") = Json(3); },
        "kernels[1].args[2].bits: chunk (3) * bits (2) must fill whole bytes"},
-      {[&](Json &j) { member(member(op(j, 0), "forward"), "kernel") = Json::string("nope"); },
+      {[&](Json &j) { member(member(op(j, 0), "forward"), "kernel") = Json("nope"); },
        "operators[0].forward.kernel: names kernel \"nope\", which is not in \"kernels\""},
       {[&](Json &j) {
-         at(member(member(op(j, 0), "forward"), "args"), 0) = Json::string("input1");
+         at(member(member(op(j, 0), "forward"), "args"), 0) = Json("input1");
        },
        "operators[0].forward.args[0]: \"input1\" is out of range (1 input available)"},
-      {[&](Json &j) { at(member(member(op(j, 0), "forward"), "args"), 0) = Json::string("foo0"); },
+      {[&](Json &j) { at(member(member(op(j, 0), "forward"), "args"), 0) = Json("foo0"); },
        "\"foo0\" is not a reference"},
-      {[&](Json &j) { member(member(op(j, 0), "forward"), "args").push(Json::string("input0")); },
+      {[&](Json &j) { member(member(op(j, 0), "forward"), "args").push_back("input0"); },
        "operators[0].forward.args: kernel \"test_scale\" takes 2 inputs and scalars, but 3"},
       {[&](Json &j) {
          std::swap(at(member(member(op(j, 0), "forward"), "args"), 0),
@@ -211,21 +200,21 @@ TEST(Manifest, RejectsInvalidManifestsNamingFileAndField) {
        },
        "operators[0].forward.args[0]: \"param0\" feeds argument 0 of kernel \"test_scale\", "
        "whose role is in"},
-      {[&](Json &j) { member(at(member(op(j, 1), "residuals"), 0), "bits") = Json::integer(9); },
+      {[&](Json &j) { member(at(member(op(j, 1), "residuals"), 0), "bits") = Json(9); },
        "operators[1].residuals[0].bits: expected an integer in [1, 8], got 9"},
-      {[&](Json &j) { member(at(member(op(j, 1), "residuals"), 0), "bits") = Json::integer(4); },
+      {[&](Json &j) { member(at(member(op(j, 1), "residuals"), 0), "bits") = Json(4); },
        "operators[1].backward.args[0]: \"residual0\" holds 4-bit codes"},
       {[&](Json &j) {
-         member(at(member(op(j, 1), "residuals"), 0), "kind") = Json::string("blob");
+         member(at(member(op(j, 1), "residuals"), 0), "kind") = Json("blob");
        },
        "operators[1].residuals[0].kind: unknown residual kind \"blob\""},
-      {[&](Json &j) { member(member(op(j, 1), "forward"), "produces").asArray().pop_back(); },
+      {[&](Json &j) { popBack(member(member(op(j, 1), "forward"), "produces")); },
        "operators[1].forward.produces: expected 2 references, got 1"},
-      {[&](Json &j) { member(op(j, 0), "saved_bits_per_element") = Json::integer(-1); },
+      {[&](Json &j) { member(op(j, 0), "saved_bits_per_element") = Json(-1); },
        "operators[0].saved_bits_per_element: expected a non-negative number"},
-      {[&](Json &j) { member(op(j, 2), "name") = Json::string("test_scale"); },
+      {[&](Json &j) { member(op(j, 2), "name") = Json("test_scale"); },
        "operators[2].name: operator \"test_scale\" appears twice"},
-      {[&](Json &j) { member(op(j, 0), "params") = Json::parse("[1]"); },
+      {[&](Json &j) { member(op(j, 0), "params") = parseJson("[1]"); },
        "operators[0].params[0]: expected a parameter name"},
   };
   for (const Case &c : cases) {
@@ -241,9 +230,9 @@ TEST(Manifest, RejectsBadJsonAndNonObjects) {
     parseManifest("{\"format\": 1,", "/m/bad.json");
     FAIL() << "accepted truncated JSON";
   } catch (const Error &e) {
-    EXPECT_NE(std::string(e.what()).find("manifest /m/bad.json: json: "), std::string::npos)
+    // Where the text ends, in the words of the JSON library's parser.
+    EXPECT_EQ(std::string(e.what()).rfind("manifest /m/bad.json: parse error at line 1, column 14: ", 0), 0u)
         << e.what();
-    EXPECT_NE(std::string(e.what()).find("at offset 13"), std::string::npos) << e.what();
   }
   try {
     parseManifest("[]", "/m/array.json");
@@ -287,7 +276,7 @@ const char *kGatherManifest = R"({
 })";
 
 std::string gatherRejection(const std::function<void(Json &)> &edit) {
-  Json j = Json::parse(kGatherManifest);
+  Json j = parseJson(kGatherManifest);
   edit(j);
   try {
     parseManifest(j.dump(), "/m/g.json");
@@ -324,19 +313,19 @@ TEST(Manifest, RejectsBadGatheredArgumentsAndNoGradLists) {
     const char *want;
   };
   const Case cases[] = {
-      {[&](Json &j) { member(arg(j, 0, 0), "by") = Json::integer(2); },
+      {[&](Json &j) { member(arg(j, 0, 0), "by") = Json(2); },
        "kernels[0].args[0].by: must name an i32 rows input (the row indices), got argument 2"},
-      {[&](Json &j) { member(arg(j, 0, 0), "by") = Json::integer(9); },
+      {[&](Json &j) { member(arg(j, 0, 0), "by") = Json(9); },
        "kernels[0].args[0].by: expected an integer in [0, 5], got 9"},
-      {[&](Json &j) { member(arg(j, 0, 1), "type") = Json::string("f32"); },
+      {[&](Json &j) { member(arg(j, 0, 1), "type") = Json("f32"); },
        "kernels[0].args[1].type: a rows input's type must be \"i32\""},
-      {[&](Json &j) { member(arg(j, 0, 3), "layout") = Json::string("gathered"); },
+      {[&](Json &j) { member(arg(j, 0, 3), "layout") = Json("gathered"); },
        "kernels[0].args[3].layout: the \"gathered\" layout is only valid for inputs of a row kernel"},
-      {[&](Json &j) { member(op(j), "no_grad") = Json::parse("[4]"); },
+      {[&](Json &j) { member(op(j), "no_grad") = parseJson("[4]"); },
        "operators[0].no_grad[0]: expected an integer in [0, 3], got 4"},
-      {[&](Json &j) { member(op(j), "no_grad") = Json::parse("[1, 1]"); },
+      {[&](Json &j) { member(op(j), "no_grad") = parseJson("[1, 1]"); },
        "operators[0].no_grad[1]: lists input 1 twice"},
-      {[&](Json &j) { member(op(j), "no_grad") = Json::parse("[1, 2]"); },
+      {[&](Json &j) { member(op(j), "no_grad") = parseJson("[1, 2]"); },
        "operators[0].backward.produces: expected 2 references, got 1"},
   };
   for (const Case &c : cases) {
