@@ -27,8 +27,32 @@ static FailureOr<std::string> signatureOf(func::FuncOp fn) {
                      ScalarEmitter::functionName(fn.getSymName()), params);
 }
 
+/// The functions kernel bodies call, directly or through other functions, in module order.
+/// The pipeline inlines the callees of abp.map into the kernels it fuses, so these are the
+/// functions hand-written abp.kernel ops call; the rest would be dead code in the source.
+static SmallVector<func::FuncOp> calledFunctions(ModuleOp module) {
+  llvm::DenseSet<Operation *> called;
+  SmallVector<Operation *> work;
+  auto visit = [&](Operation *root) {
+    root->walk([&](func::CallOp call) {
+      auto fn = SymbolTable::lookupNearestSymbolFrom<func::FuncOp>(call, call.getCalleeAttr());
+      if (fn && called.insert(fn).second)
+        work.push_back(fn);
+    });
+  };
+  for (KernelOp kernel : module.getOps<KernelOp>())
+    visit(kernel);
+  while (!work.empty())
+    visit(work.pop_back_val());
+  SmallVector<func::FuncOp> fns;
+  for (func::FuncOp fn : module.getOps<func::FuncOp>())
+    if (called.contains(fn))
+      fns.push_back(fn);
+  return fns;
+}
+
 LogicalResult abp::emitScalarFunctions(ModuleOp module, SourceWriter &out) {
-  SmallVector<func::FuncOp> fns(module.getOps<func::FuncOp>());
+  SmallVector<func::FuncOp> fns = calledFunctions(module);
   if (fns.empty())
     return success();
   out.line("// Scalar functions of the module (func.func), called from kernel bodies.");

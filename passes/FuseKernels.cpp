@@ -27,6 +27,33 @@ std::pair<Value, Value> gatherOf(Operation *op) {
     return {unsample.getKept(), unsample.getSlot()};
   return {};
 }
+/// Replaces every func.call in `kernel` by the body of its callee, until none is left (the
+/// verifier refuses recursion, so this ends). A kernel's code so depends on its maths only, not on
+/// how the author split them into functions: a map over @f, a map whose body calls @f and a map
+/// over f's body give the same kernel, and the emitted source needs no helper functions.
+void inlineCalls(KernelOp kernel) {
+  SmallVector<func::CallOp> calls;
+  kernel.walk([&](func::CallOp call) { calls.push_back(call); });
+  while (!calls.empty()) {
+    func::CallOp call = calls.pop_back_val();
+    auto fn = SymbolTable::lookupNearestSymbolFrom<func::FuncOp>(call, call.getCalleeAttr());
+    assert(fn && fn.getBody().hasOneBlock() && "the verifier resolves every callee");
+    Block &entry = fn.getBody().front();
+    IRMapping local;
+    for (auto [param, arg] : llvm::zip(entry.getArguments(), call.getOperands()))
+      local.map(param, arg);
+    OpBuilder builder(call);
+    for (Operation &inner : entry.without_terminator()) {
+      Operation *copy = builder.clone(inner, local);
+      copy->walk([&](func::CallOp nested) { calls.push_back(nested); });
+    }
+    for (auto [res, val] :
+         llvm::zip(call.getResults(), cast<func::ReturnOp>(entry.getTerminator()).getOperands()))
+      res.replaceAllUsesWith(local.lookup(val));
+    call.erase();
+  }
+}
+
 bool isFusable(Operation *op) {
   return isa<MapOp, PackOp, UnpackOp, UniformOp>(op) || isRowOp(op);
 }
@@ -211,6 +238,7 @@ LogicalResult fuseDirection(OperatorOp op, Region &region, StringRef name) {
   for (Value out : outputs)
     yielded.push_back(scalars.lookup(out));
   body.create<YieldOp>(op.getLoc(), yielded);
+  inlineCalls(kernel);
 
   // One launch replaces the fused ops, right after the last of them (a shared residual that
   // aliases an output follows it); every remaining user is the terminator or a share_saved.

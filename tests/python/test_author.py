@@ -267,6 +267,15 @@ def test_it_compiles_without_graph_breaks() -> None:
     assert torch.equal(a.grad, 3.0 * b.detach()) and torch.equal(b.grad, 3.0 * a.detach())
 
 
+def _kernel_text(source: str, name: str) -> str:
+    """Generated source without its first line (which names the file it came from), with the
+    operator's name and the kernels' content hashes (which hash the name too) masked."""
+    import re
+
+    body = source.split("\n", 1)[1]
+    return re.sub(r"_[0-9a-f]{8}(?=\b|__)", "_HASH", body).replace(name, "OP")
+
+
 def test_regelu2_written_in_python_matches_the_library_operator_bit_for_bit() -> None:
     # The library's table, read from ops/lowmembp/regelu2.mlir itself (fp64 text, as there).
     import re
@@ -280,9 +289,16 @@ def test_regelu2_written_in_python_matches_the_library_operator_bit_for_bit() ->
 
     @operator(name=fresh("regelu2"))
     def regelu2(x):
+        # The library's operations in the library's order (its @activation, then the codes).
+        p = erf(x * 0.707106781186547524) + 1.0
+        y = x * 0.5 * p
         codes = quantize(x, (borders, levels))
-        y = x * 0.5 * (erf(x * 0.707106781186547524) + 1.0)  # the library's order of operations
         return y, lambda dy: dequantize(codes) * dy
+
+    # The same kernels, character for character, up to the operator's name: the library's map
+    # over a func.func and the front end's maps fuse into one kernel body alike.
+    assert _kernel_text(regelu2.cuda, regelu2.name) == _kernel_text(
+        abp.inspect("regelu2")["source"], "regelu2")
 
     torch.manual_seed(2)
     x = torch.randn(10007) * 3
@@ -311,6 +327,8 @@ def test_ms_layernorm_written_in_python_matches_the_library_operator_bit_for_bit
         return y, backward
 
     assert ms_layernorm.saved_bits == 0 and ms_layernorm.saved_bits_per_row == 32
+    assert _kernel_text(ms_layernorm.cuda, ms_layernorm.name) == _kernel_text(
+        abp.inspect("ms_layernorm")["source"], "ms_layernorm")
     torch.manual_seed(3)
     x = torch.randn(37, 300) * 2 + 0.5
     g = torch.randn(37, 300)

@@ -3,16 +3,13 @@
 // RUN: abp-compile %s --emit=cuda | FileCheck %s
 // RUN: abp-compile %s --emit=manifest | FileCheck %s --check-prefix=MANIFEST
 
+// The map's callee @scale is inlined into the kernel body: no helper function is emitted.
 // CHECK: #include "abp_device.h"
-// CHECK: template <typename C> ABP_FN C fn_scale(C a0);
-// CHECK: template <typename C> ABP_FN C fn_scale(C a0) {
-// CHECK-NEXT: const C v0 = (C)2.0f;
-// CHECK-NEXT: const C v1 = a0 * v0;
-// CHECK-NEXT: return v1;
-
+// CHECK-NOT: fn_scale
 // CHECK-LABEL: // kernel op_fwd: 8 element(s) per thread and step, 256 threads per block
 // CHECK: ABP_FN void op_fwd_body(float a0, float & r0, abp::u32 & r1) {
-// CHECK: const float v{{[0-9]+}} = fn_scale<float>(a0);
+// CHECK: const float v[[TWO:[0-9]+]] = 2.0f;
+// CHECK: const float v{{[0-9]+}} = a0 * v[[TWO]];
 // CHECK: const bool v{{[0-9]+}} = (a0 > v{{[0-9]+}});
 // CHECK: template <typename T>
 // CHECK: ABP_FN void op_fwd_loop(const T *ABP_RESTRICT a0, T *ABP_RESTRICT r0, abp::u8 *ABP_RESTRICT r1, abp::i64 n, abp::i64 first, abp::i64 stride, abp::i64 last) {

@@ -6,7 +6,7 @@
 // CHECK-LABEL: abp.kernel @f_fwd
 // CHECK-SAME: ins = [#abp.dense], outs = [#abp.dense, #abp.packed<1>]
 // CHECK: ^bb0(%[[X:.*]]: f32):
-// CHECK: %[[Y:.*]] = func.call @sq(%[[X]]) : (f32) -> f32
+// CHECK: %[[Y:.*]] = arith.mulf %[[X]], %[[X]] : f32
 // CHECK: %[[Z:.*]] = arith.constant 0.000000e+00 : f32
 // CHECK: %[[B:.*]] = arith.cmpf ogt, %[[X]], %[[Z]] : f32
 // CHECK: %[[C:.*]] = arith.extui %[[B]] : i1 to i8
@@ -74,11 +74,11 @@ abp.operator @id forward {
 // -----
 
 // A parameter given to a map as an input (not captured) is a #abp.scalar argument as well; the
-// callee receives it as its scalar argument.
+// callee's body, inlined, reads it as its scalar argument.
 // CHECK-LABEL: abp.kernel @scaled_fwd
 // CHECK-SAME: ins = [#abp.dense, #abp.scalar], outs = [#abp.dense]
 // CHECK: ^bb0(%[[X:.*]]: f32, %[[S:.*]]: f32):
-// CHECK: %[[Y:.*]] = func.call @scale(%[[X]], %[[S]]) : (f32, f32) -> f32
+// CHECK: %[[Y:.*]] = arith.mulf %[[X]], %[[S]] : f32
 // CHECK: abp.yield %[[Y]] : f32
 // CHECK-LABEL: abp.kernel @scaled_bwd
 // CHECK-SAME: ins = [#abp.dense, #abp.scalar], outs = [#abp.dense]
@@ -101,4 +101,47 @@ abp.operator @scaled attributes {params = ["slope"]} forward {
     abp.yield %d : f32
   }
   abp.return %dx : tensor<?xf32>
+}
+
+// -----
+
+// Callees are inlined into the kernel, through every level of calls and from region bodies too,
+// so a kernel's code does not depend on how its maths were split into functions.
+// CHECK-LABEL: abp.kernel @nested_fwd
+// CHECK: ^bb0(%[[X:.*]]: f32):
+// CHECK-NOT: func.call
+// CHECK: %[[SQ:.*]] = arith.mulf %[[X]], %[[X]] : f32
+// CHECK: %[[P:.*]] = arith.addf %[[SQ]], %[[X]] : f32
+// CHECK: %[[N:.*]] = arith.negf %[[P]] : f32
+// CHECK: %[[SQ2:.*]] = arith.mulf %[[N]], %[[N]] : f32
+// CHECK: %[[E:.*]] = math.exp %[[SQ2]] : f32
+// CHECK: abp.yield %[[N]], %[[E]] : f32, f32
+// CHECK-LABEL: abp.operator @nested
+func.func private @square(%x: f32) -> f32 {
+  %y = arith.mulf %x, %x : f32
+  return %y : f32
+}
+func.func private @square_plus(%x: f32) -> f32 {
+  %s = func.call @square(%x) : (f32) -> f32
+  %y = arith.addf %s, %x : f32
+  return %y : f32
+}
+func.func private @negated(%x: f32) -> f32 {
+  %p = func.call @square_plus(%x) : (f32) -> f32
+  %n = arith.negf %p : f32
+  return %n : f32
+}
+abp.operator @nested forward {
+^bb0(%x: tensor<?xf32>):
+  %n = abp.map @negated(%x) : (tensor<?xf32>) -> tensor<?xf32>
+  %e = abp.map(%n) : (tensor<?xf32>) -> tensor<?xf32> {
+  ^bb0(%v: f32):
+    %s = func.call @square(%v) : (f32) -> f32
+    %r = math.exp %s : f32
+    abp.yield %r : f32
+  }
+  abp.return %n, %e : tensor<?xf32>, tensor<?xf32>
+} backward {
+^bb0(%dn: tensor<?xf32>, %de: tensor<?xf32>):
+  abp.return %dn : tensor<?xf32>
 }
