@@ -431,13 +431,60 @@ def test_the_autograd_path_runs_a_per_row_output_and_refuses_shapes_it_cannot_de
     g = torch.randn(2, 3, dtype=torch.float64)
     norms.backward(g)
     torch.testing.assert_close(x.grad, g[..., None] * x.detach() / x.detach().norm(dim=-1, keepdim=True))
-    # Rows gathered by index (sample_rows) and draws without an input (philox_uniform): their
-    # shapes are abp.sampling's to give.
-    op = abp._lib.kernel_library().operator("sample_rows")
-    with pytest.raises(ValueError, match="operator sample_rows: its shapes do not follow from its inputs"):
-        abp._launch.forward(op, [torch.randn(3, 4), torch.zeros(2, dtype=torch.int32), torch.ones(2), torch.ones(2)], [])
+    # Draws without an input (philox_uniform): their shape is abp.sampling's to give.
     with pytest.raises(ValueError, match="operator philox_uniform: its shapes do not follow from its inputs"):
         abp._launch.forward(abp._lib.kernel_library().operator("philox_uniform"), [], [1, 2])
+
+
+# An operator that reads rows gathered by index, run through the generic autograd path: forward
+# keeps weight[r] * x[index[r]] (k rows of an N-row x), backward puts each kept row's gradient
+# back where slot says (the defined derivative: weights are not applied again).
+_GATHER_IR = """
+abp.operator @gather_rows_test attributes {no_grad = array<i64: 1, 2, 3>} forward {
+^bb0(%x: tensor<?x?xf32>, %index: tensor<?xi32>, %weight: tensor<?xf32>, %slot: tensor<?xi32>):
+  %kept = abp.sample %x, %index, %weight : tensor<?x?xf32>, tensor<?xi32>, tensor<?xf32> -> tensor<?x?xf32>
+  abp.return %kept : tensor<?x?xf32> saves %slot : tensor<?xi32>
+} backward {
+^bb0(%slot: tensor<?xi32>, %g: tensor<?x?xf32>):
+  %dx = abp.unsample %g, %slot : tensor<?x?xf32>, tensor<?xi32> -> tensor<?x?xf32>
+  abp.return %dx : tensor<?x?xf32>
+}
+"""
+
+
+def test_the_autograd_path_runs_rows_gathered_by_index() -> None:
+    if "gather_rows_test" not in abp.operators():
+        abp.compile_operators(_GATHER_IR, origin="test_sampling.py")
+    torch.manual_seed(5)
+    for dtype in (torch.float32, torch.float64):
+        x = torch.randn(2, 3, 7, dtype=dtype, requires_grad=True)  # 6 rows of 7
+        index = torch.tensor([4, 0, -1, 2], dtype=torch.int32)    # -1: a row of zeros
+        weight = torch.tensor([2.0, 0.5, 3.0, -1.0], dtype=abp._launch.compute_dtype(dtype))
+        slot = torch.tensor([1, -1, 3, -1, 0, -1], dtype=torch.int32)
+        kept = abp.functional.apply("gather_rows_test", (x, index, weight, slot))
+        rows = x.detach().reshape(6, 7)
+        want = torch.stack([w * rows[i] if i >= 0 else torch.zeros(7, dtype=dtype)
+                            for i, w in zip(index.tolist(), weight.to(dtype).tolist())])
+        assert kept.shape == (4, 7) and kept.dtype == dtype
+        torch.testing.assert_close(kept, want, rtol=0, atol=0)
+        g = torch.randn(4, 7, dtype=dtype)
+        kept.backward(g)
+        back = torch.stack([g[s] if s >= 0 else torch.zeros(7, dtype=dtype) for s in slot.tolist()])
+        assert torch.equal(x.grad, back.reshape(2, 3, 7))
+    # An index outside x's rows is refused before any kernel reads it, naming both.
+    with pytest.raises(ValueError, match=r"input1 holds row indices of input0, which must lie in \[-1, 6\), got \[0, 6\]"):
+        abp.functional.apply("gather_rows_test", (torch.randn(6, 7), torch.tensor([0, 6], dtype=torch.int32),
+                             torch.ones(2), torch.zeros(6, dtype=torch.int32)))
+    # Per-row inputs follow the index's rows; the matrix read by index has the launch's columns.
+    with pytest.raises(ValueError, match="input2 must be a contiguous torch.float32 tensor of one value per row"):
+        abp.functional.apply("gather_rows_test", (torch.randn(6, 7), torch.tensor([0, 1], dtype=torch.int32),
+                             torch.ones(3), torch.zeros(6, dtype=torch.int32)))
+    with pytest.raises(ValueError, match="the row indices must be a tensor with at least one dimension"):
+        abp.functional.apply("gather_rows_test", (torch.randn(6, 7), torch.tensor(0, dtype=torch.int32),
+                             torch.ones(1), torch.zeros(6, dtype=torch.int32)))
+    # Several inputs are one tuple; a count that does not match says how to pass them.
+    with pytest.raises(TypeError, match=r"gather_rows_test: takes 4 tensor input\(s\), got 1; pass several as one tuple"):
+        abp.functional.apply("gather_rows_test", torch.randn(6, 7))
 
 
 # --- abp.convert(recipe="sampled") ---------------------------------------------------------------

@@ -96,8 +96,8 @@ def registered(op_name: str) -> bool:
 
 def registrable(op: Operator) -> bool:
     """True for the operators abp registers: same-shaped ones with at least one output. Gathered
-    or per-row ones are launched by abp.sampling, and codecs without an output (gact_b<k>: input
-    to codes) by abp.compress; neither is differentiable as an op of its own."""
+    or per-row ones run eagerly (their outputs are not shaped like their inputs), and codecs
+    without an output (gact_b<k>: input to codes) are abp.compress's."""
     return op.same_shape and op.outputs > 0
 
 

@@ -22,6 +22,8 @@ __all__ = [
     "Binding",
     "binding",
     "launch_input",
+    "launch_shape",
+    "forward_shape",
     "forward",
     "backward",
 ]
@@ -183,7 +185,7 @@ def binding(op: Operator, backward: bool, dtype: torch.dtype) -> Binding:
     return bound
 
 
-def _check_argument(op: Operator, ref: str, value: Any, spec: KernelArg, n: int, rows: int,
+def _check_argument(op: Operator, ref: str, value: Any, spec: KernelArg, n: int, rows: int, cols: int,
                     dtype: torch.dtype, device: torch.device) -> None:
     """Checks the tensor feeding kernel argument `spec` (named by its reference `ref`)."""
     if not isinstance(value, torch.Tensor):
@@ -195,6 +197,13 @@ def _check_argument(op: Operator, ref: str, value: Any, spec: KernelArg, n: int,
             raise ValueError(
                 f"{op.name}: {ref} must be {need} contiguous uint8 bytes of {spec.bits}-bit codes for "
                 f"{n} elements, got {value.numel()} {value.dtype} elements"
+            )
+    elif spec.layout == "gathered":
+        # Read a row at a time, by index: any number of rows of the launch's columns.
+        if value.dtype != dtype or not value.is_contiguous() or value.dim() == 0 or value.shape[-1] != cols:
+            raise ValueError(
+                f"{op.name}: {ref} must be a contiguous {dtype} tensor of rows of {cols} elements "
+                f"(its rows are read by index), got {value.dtype} of shape {tuple(value.shape)}"
             )
     elif spec.layout == "rows":
         row_dtype = torch.int32 if spec.type == "i32" else compute_dtype(dtype)
@@ -212,6 +221,39 @@ def _check_argument(op: Operator, ref: str, value: Any, spec: KernelArg, n: int,
         raise ValueError(f"{op.name}: {ref} is on {value.device}, expected {device}")
 
 
+def launch_shape(bound: Binding, values: Mapping[str, Any], shape: Sequence[int]) -> torch.Size:
+    """The shape a direction runs over: `shape` (its dense inputs'), except for a row kernel
+    that reads rows gathered by index, which runs one row per index: (len(index), the gathered
+    tensor's columns)."""
+    for ref, spec in zip(bound.refs, bound.record.inputs):
+        if spec.layout == "gathered" and spec.by is not None:
+            index, source = values[bound.refs[spec.by]], values[ref]
+            for what, value in (("the row indices", index), ("the rows read by index", source)):
+                if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                    raise ValueError(f"{bound.op.name}: {what} must be a tensor with at least one "
+                                     f"dimension, got {_describe(value)}")
+            return torch.Size((index.numel(), source.shape[-1]))
+    return torch.Size(shape)
+
+
+def _describe(value: Any) -> str:
+    return f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def _check_gathered_indices(op: Operator, bound: Binding, values: Mapping[str, Any]) -> None:
+    """Every row index lies in [-1, rows of the tensor it indexes) (-1: a row of zeros): a kernel
+    would read outside the tensor otherwise. The check syncs with the device once per launch;
+    abp.sampling's own launchers skip it for plans made from the tensor's own rows."""
+    for ref, spec in zip(bound.refs, bound.record.inputs):
+        if spec.layout != "gathered" or spec.by is None:
+            continue
+        index, source = values[bound.refs[spec.by]], values[ref]
+        rows = source.numel() // source.shape[-1] if source.shape[-1] else 0
+        if index.numel() and (int(index.min()) < -1 or int(index.max()) >= rows):
+            raise ValueError(f"{op.name}: {bound.refs[spec.by]} holds row indices of {ref}, which must lie "
+                             f"in [-1, {rows}), got [{int(index.min())}, {int(index.max())}]")
+
+
 def _launch_kernel(
     op: Operator,
     backward: bool,
@@ -225,11 +267,13 @@ def _launch_kernel(
     value per row (shape ``shape[:-1]``) in the compute dtype (or int32 row indices).
     """
     bound = binding(op, backward, dtype)
+    shape = launch_shape(bound, values, shape)
     n = math.prod(shape)
     rows = math.prod(shape[:-1]) if bound.rows_kernel else 0
     for ref, spec in zip(bound.refs, bound.record.inputs):
         if spec.role != "scalar":
-            _check_argument(op, ref, values[ref], spec, n, rows, dtype, device)
+            _check_argument(op, ref, values[ref], spec, n, rows, int(shape[-1]) if shape else 1, dtype, device)
+    _check_gathered_indices(op, bound, values)
     results: List[torch.Tensor] = []
     for spec in bound.outputs:
         if spec.layout == "packed":
@@ -264,12 +308,24 @@ def _run(
     return [values[ref] for ref in direction.produces]
 
 
+def forward_shape(op: Operator, inputs: Sequence[torch.Tensor]) -> torch.Size:
+    """The shape the forward of `op` runs over (launch_shape): its outputs' shape, and the shape
+    its backward's output gradients have."""
+    first = launch_input(op, inputs)
+    if not any(spec is not None and spec.layout == "gathered" for spec in op.input_args):
+        return first.shape
+    values = {f"input{i}": x for i, x in enumerate(inputs)}
+    return launch_shape(binding(op, False, first.dtype), values, first.shape)
+
+
 def launch_input(op: Operator, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
     """The input whose shape and dtype a launch of `op` runs over: its first input read densely
-    (per-row inputs hold one value per row of it, in the compute dtype), else its first."""
-    for x, spec in zip(inputs, op.input_args):
-        if spec is None or spec.layout == "dense":
-            return x
+    (per-row inputs hold one value per row of it, in the compute dtype), else its first read by
+    row index, else its first."""
+    for layout in ("dense", "gathered"):
+        for x, spec in zip(inputs, op.input_args):
+            if spec is not None and spec.layout == layout:
+                return x
     return inputs[0]
 
 
@@ -288,9 +344,9 @@ def forward(
     """
     if op.forward is None:
         raise RuntimeError(f"operator {op.name} has no forward direction")
-    if op.inputs == 0 or any(spec is not None and spec.layout == "gathered" for spec in op.input_args):
-        raise ValueError(f"operator {op.name}: its shapes do not follow from its inputs (rows gathered by "
-                         f"index, or draws without an input); use abp.sampling, which launches it")
+    if op.inputs == 0:
+        raise ValueError(f"operator {op.name}: its shapes do not follow from its inputs (draws without "
+                         f"an input); use abp.sampling, which launches it")
     if len(inputs) != op.inputs:
         raise TypeError(f"{op.name}: expected {op.inputs} tensor inputs, got {len(inputs)}")
     if len(params) != len(op.params):

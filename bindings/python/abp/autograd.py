@@ -43,7 +43,7 @@ class OperatorFunction(torch.autograd.Function):
         ctx.abp_is_tensor = tuple(isinstance(r, torch.Tensor) for r in residuals)
         ctx.abp_scalars = tuple(float(r) for r in residuals if not isinstance(r, torch.Tensor))
         ctx.abp_input_shapes = tuple(x.shape for x in inputs)
-        ctx.abp_shape = first.shape
+        ctx.abp_shape = _launch.forward_shape(op, inputs)
         ctx.abp_dtype = first.dtype
         ctx.abp_device = first.device
         ctx.set_materialize_grads(False)

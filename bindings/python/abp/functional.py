@@ -126,24 +126,45 @@ def fewbit_operator(activation: str, bits: int, weight: str = "normal") -> str:
     return f"{activation}_b{bits}" + ("_uniform" if weight == "uniform" else "")
 
 
-def apply(op_name: str, input: Tensor, params: Sequence[float] = (), out_dtype: Optional[torch.dtype] = None) -> Tensor:
+def apply(
+    op_name: str,
+    input: Union[Tensor, Sequence[Tensor]],
+    params: Sequence[float] = (),
+    out_dtype: Optional[torch.dtype] = None,
+) -> Any:
     """Runs manifest operator ``op_name`` on ``input`` with f32 ``params``, differentiably.
+
+    ``input`` is the operator's one tensor input, or a tuple of its tensor inputs in order
+    (``apply("mul2", (x, y))``): matrices and tensors read densely or by row index in the launch
+    dtype, one value per row in the compute dtype (fp32, fp64 for fp64), row indices in int32.
+    One output is returned as a tensor, several as a tuple.
 
     Eagerly this runs the autograd.Function abp.autograd.OperatorFunction; while torch.compile traces
     (torch >= 2.4) it calls the ``torch.ops.abp.<op>_fwd`` custom op instead, which the compiled graph
-    keeps. Both launch the same kernels and save the same residuals. A row-wise operator (a norm)
-    works on rows along the last dimension. ``out_dtype`` casts the output (see OperatorFunction;
-    the custom op's ``out_dtype`` does the same under torch.compile).
+    keeps (operators whose outputs are not shaped like their inputs run eagerly). Both launch the
+    same kernels and save the same residuals. A row-wise operator (a norm) works on rows along the
+    last dimension. ``out_dtype`` casts the output (see OperatorFunction; the custom op's
+    ``out_dtype`` does the same under torch.compile).
     """
     from . import _lib
 
     op = _lib.kernel_library().operator(op_name)
+    # One input is the tensor itself (a list given for it is an error naming `input`).
+    inputs = tuple(input) if op.inputs > 1 and isinstance(input, (tuple, list)) else (input,)
+    if len(inputs) != op.inputs:
+        raise TypeError(f"{op_name}: takes {op.inputs} tensor input(s), got {len(inputs)}"
+                        + ("; pass several as one tuple: apply(name, (x, y), params)" if op.inputs > 1 else ""))
     dtypes = tuple(d for d, name in _launch.DTYPE_NAMES.items() if name in op.dtypes)
-    _launch.check_float_tensor("input", input, dtypes)
+    for i, (x, spec) in enumerate(zip(inputs, op.input_args)):
+        name = "input" if len(inputs) == 1 else f"input[{i}]"
+        if spec is not None and spec.layout in ("dense", "gathered"):
+            _launch.check_float_tensor(name, x, dtypes)
+        elif not isinstance(x, torch.Tensor):  # per row, or only saved: checked where read
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     params = tuple(_launch.check_param(f"params[{i}]", p) for i, p in enumerate(params))
-    if _custom_ops.compiling():
-        return _custom_ops.apply_custom(op_name, params, (input,), out_dtype)
-    return autograd.apply_eager(op_name, params, (input,), out_dtype)
+    if _custom_ops.compiling() and _custom_ops.registrable(op):
+        return _custom_ops.apply_custom(op_name, params, inputs, out_dtype)
+    return autograd.apply_eager(op_name, params, inputs, out_dtype)
 
 
 def _require_default(function: str, name: str, value: Any, default: float) -> None:
