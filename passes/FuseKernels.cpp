@@ -5,6 +5,8 @@
 #include "mlir/IR/IRMapping.h"
 #include "llvm/ADT/SetVector.h"
 
+#include <algorithm>
+
 namespace abp {
 #define GEN_PASS_DEF_ABPFUSEKERNELS
 #include "passes/Passes.h.inc"
@@ -27,26 +29,44 @@ std::pair<Value, Value> gatherOf(Operation *op) {
     return {unsample.getKept(), unsample.getSlot()};
   return {};
 }
-/// Replaces every func.call in `kernel` by the body of its callee, until none is left (the
-/// verifier refuses recursion, so this ends). A kernel's code so depends on its maths only, not on
-/// how the author split them into functions: a map over @f, a map whose body calls @f and a map
-/// over f's body give the same kernel, and the emitted source needs no helper functions.
+/// How many operations a kernel body may grow to by inlining. Calls beyond it stay calls (codegen
+/// emits their callees as device functions): a chain of functions that each call the previous
+/// twice would otherwise grow exponentially.
+constexpr size_t kInlineBudget = 4096;
+
+/// Replaces every func.call in `kernel` by the body of its callee, until none is left or the
+/// budget is spent (the verifier refuses recursion and bodiless callees, so this ends). A
+/// kernel's code so depends on its maths only, not on how the author split them into functions:
+/// a map over @f, a map whose body calls @f and a map over f's body give the same kernel, and the
+/// emitted source needs no helper functions.
 void inlineCalls(KernelOp kernel) {
   SmallVector<func::CallOp> calls;
-  kernel.walk([&](func::CallOp call) { calls.push_back(call); });
+  size_t size = 0;
+  kernel.walk([&](Operation *op) {
+    ++size;
+    if (auto call = dyn_cast<func::CallOp>(op))
+      calls.push_back(call);
+  });
+  // In program order, so that under the budget the first calls are the inlined ones.
+  std::reverse(calls.begin(), calls.end());
   while (!calls.empty()) {
     func::CallOp call = calls.pop_back_val();
     auto fn = SymbolTable::lookupNearestSymbolFrom<func::FuncOp>(call, call.getCalleeAttr());
     assert(fn && fn.getBody().hasOneBlock() && "the verifier resolves every callee");
     Block &entry = fn.getBody().front();
+    size_t added = entry.getOperations().size() - 1; // its ops, less the return
+    if (size + added > kInlineBudget)
+      continue;
+    size += added;
     IRMapping local;
     for (auto [param, arg] : llvm::zip(entry.getArguments(), call.getOperands()))
       local.map(param, arg);
     OpBuilder builder(call);
-    for (Operation &inner : entry.without_terminator()) {
-      Operation *copy = builder.clone(inner, local);
-      copy->walk([&](func::CallOp nested) { calls.push_back(nested); });
-    }
+    SmallVector<func::CallOp> nested;
+    for (Operation &inner : entry.without_terminator())
+      if (auto copy = dyn_cast<func::CallOp>(builder.clone(inner, local)))
+        nested.push_back(copy);
+    calls.append(nested.rbegin(), nested.rend());
     for (auto [res, val] :
          llvm::zip(call.getResults(), cast<func::ReturnOp>(entry.getTerminator()).getOperands()))
       res.replaceAllUsesWith(local.lookup(val));

@@ -145,3 +145,102 @@ abp.operator @nested forward {
 ^bb0(%dn: tensor<?xf32>, %de: tensor<?xf32>):
   abp.return %dn : tensor<?xf32>
 }
+
+// -----
+
+// A chain of functions that each call the previous twice would inline into 2^13 operations:
+// inlining stops at its budget, and the calls beyond it stay calls (codegen emits those callees).
+// CHECK-LABEL: abp.kernel @doubling_fwd
+// CHECK: arith.mulf
+// CHECK: func.call @f
+// CHECK-LABEL: abp.operator @doubling
+func.func private @f0(%x: f32) -> f32 {
+  %y = arith.mulf %x, %x : f32
+  return %y : f32
+}
+func.func private @f1(%x: f32) -> f32 {
+  %a = func.call @f0(%x) : (f32) -> f32
+  %b = func.call @f0(%a) : (f32) -> f32
+  %y = arith.addf %a, %b : f32
+  return %y : f32
+}
+func.func private @f2(%x: f32) -> f32 {
+  %a = func.call @f1(%x) : (f32) -> f32
+  %b = func.call @f1(%a) : (f32) -> f32
+  %y = arith.addf %a, %b : f32
+  return %y : f32
+}
+func.func private @f3(%x: f32) -> f32 {
+  %a = func.call @f2(%x) : (f32) -> f32
+  %b = func.call @f2(%a) : (f32) -> f32
+  %y = arith.addf %a, %b : f32
+  return %y : f32
+}
+func.func private @f4(%x: f32) -> f32 {
+  %a = func.call @f3(%x) : (f32) -> f32
+  %b = func.call @f3(%a) : (f32) -> f32
+  %y = arith.addf %a, %b : f32
+  return %y : f32
+}
+func.func private @f5(%x: f32) -> f32 {
+  %a = func.call @f4(%x) : (f32) -> f32
+  %b = func.call @f4(%a) : (f32) -> f32
+  %y = arith.addf %a, %b : f32
+  return %y : f32
+}
+func.func private @f6(%x: f32) -> f32 {
+  %a = func.call @f5(%x) : (f32) -> f32
+  %b = func.call @f5(%a) : (f32) -> f32
+  %y = arith.addf %a, %b : f32
+  return %y : f32
+}
+func.func private @f7(%x: f32) -> f32 {
+  %a = func.call @f6(%x) : (f32) -> f32
+  %b = func.call @f6(%a) : (f32) -> f32
+  %y = arith.addf %a, %b : f32
+  return %y : f32
+}
+func.func private @f8(%x: f32) -> f32 {
+  %a = func.call @f7(%x) : (f32) -> f32
+  %b = func.call @f7(%a) : (f32) -> f32
+  %y = arith.addf %a, %b : f32
+  return %y : f32
+}
+func.func private @f9(%x: f32) -> f32 {
+  %a = func.call @f8(%x) : (f32) -> f32
+  %b = func.call @f8(%a) : (f32) -> f32
+  %y = arith.addf %a, %b : f32
+  return %y : f32
+}
+func.func private @f10(%x: f32) -> f32 {
+  %a = func.call @f9(%x) : (f32) -> f32
+  %b = func.call @f9(%a) : (f32) -> f32
+  %y = arith.addf %a, %b : f32
+  return %y : f32
+}
+func.func private @f11(%x: f32) -> f32 {
+  %a = func.call @f10(%x) : (f32) -> f32
+  %b = func.call @f10(%a) : (f32) -> f32
+  %y = arith.addf %a, %b : f32
+  return %y : f32
+}
+func.func private @f12(%x: f32) -> f32 {
+  %a = func.call @f11(%x) : (f32) -> f32
+  %b = func.call @f11(%a) : (f32) -> f32
+  %y = arith.addf %a, %b : f32
+  return %y : f32
+}
+func.func private @f13(%x: f32) -> f32 {
+  %a = func.call @f12(%x) : (f32) -> f32
+  %b = func.call @f12(%a) : (f32) -> f32
+  %y = arith.addf %a, %b : f32
+  return %y : f32
+}
+abp.operator @doubling forward {
+^bb0(%x: tensor<?xf32>):
+  %y = abp.map @f13(%x) : (tensor<?xf32>) -> tensor<?xf32>
+  abp.return %y : tensor<?xf32>
+} backward {
+^bb0(%dy: tensor<?xf32>):
+  abp.return %dy : tensor<?xf32>
+}
