@@ -8,6 +8,7 @@ whole). Mistakes are AbpErrors that name the user's file and line.
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -422,6 +423,45 @@ def test_draws_per_row_inputs_without_gradient_and_per_row_outputs() -> None:
         row_dropout(x, s[:5], seed, offset)
 
 
+@pytest.mark.skipif(not _custom_ops.supported_torch(), reason="torch.library needs torch >= 2.4")
+def test_draws_per_row_values_and_no_grad_inputs_compile_without_graph_breaks_or_a_compile_per_seed() -> None:
+    from abp.author import sum_rows, uniform
+
+    @operator(name=fresh("compiled_row_dropout"), params={"seed": int, "offset": int, "p": float},
+              rows=True, per_row=("s",), no_grad=("s",))
+    def row_dropout(x, s, seed, offset, p):
+        keep = uniform(seed, offset) >= p
+        y = where(keep, x * s, 0.0)
+        return (y, sum_rows(y)), lambda dy, dr: where(keep, (dy + dr) * s, 0.0)
+
+    graphs = []
+
+    def counting(gm: Any, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    def step(x, s, seed):
+        y, r = row_dropout(x, s, seed, 3, 0.25)
+        return (y * y).sum() + r.sum()
+
+    compiled = torch.compile(step, backend=counting, fullgraph=True)
+    x, s = torch.randn(5, 40), torch.rand(5) + 0.5
+    for seed in range(10, 14):  # a new seed every step, as training makes them (not 0 or 1, which dynamo always specialises)
+        mine, theirs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        compiled(mine, s, seed).backward()
+        step(theirs, s, seed).backward()
+        assert torch.equal(mine.grad, theirs.grad)
+    # The first seed specialises, the second makes it symbolic; no further compiles.
+    assert len(graphs) <= 2
+    calls = [n.target for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert getattr(torch.ops.abp, f"{row_dropout.name}_fwd").default in calls
+    # Schema (SymInt seeds), fake tensors (per-row output, per-row residual), autograd (no
+    # gradient for s) and dynamic shapes, as torch.library checks them.
+    plan = _custom_ops.plan(row_dropout.name)
+    assert "SymInt param0, SymInt param1, float param2" in str(plan.fwd._schema)
+    torch.library.opcheck(plan.fwd, (x.clone().requires_grad_(True), s, 12, 3, 0.25))
+
+
 def test_mistakes_with_draws_per_row_inputs_and_no_grad_are_named() -> None:
     from abp.author import uniform
 
@@ -477,8 +517,8 @@ def test_a_per_row_input_with_a_gradient() -> None:
     def row_scale(x, s):
         return x * s, lambda dy: (dy * s, sum_rows(dy * x))
 
-    # Its gradients differ in shape, which torch.library's fake tensors would not describe.
-    assert not abp._lib.kernel_library().operator(row_scale.name).same_shape
+    # A torch.library op too: its fake tensors give the per-row gradient its own shape.
+    assert _custom_ops.registrable(abp._lib.kernel_library().operator(row_scale.name))
     x = torch.randn(5, 24, requires_grad=True)
     s = torch.randn(5, requires_grad=True)
     row_scale(x, s).backward(torch.ones(5, 24))

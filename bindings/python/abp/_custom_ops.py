@@ -95,10 +95,37 @@ def registered(op_name: str) -> bool:
 
 
 def registrable(op: Operator) -> bool:
-    """True for the operators abp registers: same-shaped ones with at least one output. Gathered
-    or per-row ones run eagerly (their outputs are not shaped like their inputs), and codecs
-    without an output (gact_b<k>: input to codes) are abp.compress's."""
-    return op.same_shape and op.outputs > 0
+    """True for the operators abp registers: those with an output whose shapes follow from a dense
+    input (dense outputs like it, per-row ones without its last dimension; per-row and no_grad
+    inputs too). Ones reading rows by index run eagerly (their row count is the index's), draws
+    without an input are abp.sampling's, and codecs without an output (gact_b<k>: input to
+    codes) are abp.compress's."""
+    if op.inputs == 0 or op.outputs == 0 or op.forward is None:
+        return False
+    layouts = [spec.layout if spec is not None else None for spec in op.input_args]
+    return "gathered" not in layouts and "dense" in layouts
+
+
+def param_kinds(op: Operator) -> Tuple[str, ...]:
+    """Per parameter, "int" (an i64 kernel scalar: seeds, offsets) or "float", as the kernels that
+    read it (directly, or as a saved scalar residual) declare it."""
+    kinds = ["float"] * len(op.params)
+    saved_from = {}
+    if op.forward is not None:
+        for i, ref in enumerate(op.forward.produces[op.outputs:]):
+            kind, index = parse_ref(ref)
+            if kind == "param":
+                saved_from[f"residual{i}"] = index
+    for direction in (op.forward, op.backward):
+        record = op.kernel(direction) if direction is not None else None
+        if record is None or direction is None:
+            continue
+        for ref, spec in zip(direction.args, record.inputs):
+            kind, index = parse_ref(ref)
+            param = index if kind == "param" else saved_from.get(ref)
+            if param is not None and spec.role == "scalar" and spec.type == "i64":
+                kinds[param] = "int"
+    return tuple(kinds)
 
 
 def _residual_sources(op: Operator) -> Tuple[Tuple[str, int], ...]:
@@ -127,6 +154,7 @@ def _schema(args: Sequence[str], returns: int) -> str:
 
 
 def _fake_residual(op: Operator, index: int, like: torch.Tensor) -> torch.Tensor:
+    """An empty tensor shaped as residual `index` of a launch over `like` (the launch input)."""
     residual = op.residuals[index]
     if residual.kind == "codes":
         assert residual.bits is not None
@@ -147,11 +175,16 @@ def register(op: Operator) -> _Plan:
         return plan
 
 
+# Integer parameters (seeds, offsets) are SymInts: a seed that changes per call then becomes
+# symbolic under torch.compile instead of specialising the graph (a compile per seed).
+_SCHEMA_TYPES = {"float": "float", "int": "SymInt"}
+
+
 def _define(op: Operator) -> _Plan:
     if not registrable(op):
         raise ValueError(
-            f"operator {op.name}: only same-shaped operators with at least one output become custom ops "
-            f"({op.outputs} outputs, same_shape={op.same_shape})"
+            f"operator {op.name}: only operators with an output whose shapes follow from a dense input "
+            f"become custom ops ({op.outputs} outputs)"
         )
     sources = _residual_sources(op)
     tensor_residuals = tuple(i for i, s in enumerate(sources) if s[0] == "tensor")
@@ -159,13 +192,26 @@ def _define(op: Operator) -> _Plan:
     # The bwd op takes every tensor residual (returned or shared) in residual order.
     saved_residuals = tuple(i for i, s in enumerate(sources) if s[0] != "param")
     n_in, n_out, n_params = op.inputs, op.outputs, len(op.params)
+    kinds = param_kinds(op)
+    per_row_outputs = tuple(layout == "rows" for layout in op.output_layouts)
+    per_row_inputs = tuple(spec is not None and spec.layout == "rows" for spec in op.input_args)
+    differentiated = tuple(i for i in range(n_in) if i not in op.no_grad)
     name = op.name
 
-    # abp::<op>_fwd(Tensor input0, ..., float param0, ..., ScalarType? out_dtype=None)
+    def launch_input(inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        return _launch.launch_input(op, inputs)
+
+    def like(first: torch.Tensor, per_row: bool, dtype: torch.dtype, shape: Sequence[Any]) -> torch.Tensor:
+        """An empty tensor shaped as a dense (or per-row) value of a launch over `shape`."""
+        if per_row:
+            return first.new_empty(tuple(shape)[:-1], dtype=_launch.compute_dtype(dtype))
+        return first.new_empty(tuple(shape), dtype=dtype)
+
+    # abp::<op>_fwd(Tensor input0, ..., float|SymInt param0, ..., ScalarType? out_dtype=None)
     #   -> (outputs..., tensor residuals...)
     fwd_args = (
         [f"Tensor input{i}" for i in range(n_in)]
-        + [f"float param{i}" for i in range(n_params)]
+        + [f"{_SCHEMA_TYPES[kind]} param{i}" for i, kind in enumerate(kinds)]
         + ["ScalarType? out_dtype=None"]
     )
 
@@ -173,11 +219,15 @@ def _define(op: Operator) -> _Plan:
         inputs, params = args[:n_in], args[n_in : n_in + n_params]
         out_dtype = args[n_in + n_params] if len(args) > n_in + n_params else None
         outputs, residuals = _launch.forward(op, inputs, params)
-        if out_dtype is not None and out_dtype != inputs[0].dtype:
-            outputs = [o.to(out_dtype) for o in outputs]
+        if out_dtype is not None and out_dtype != launch_input(inputs).dtype:
+            outputs = [o if per_row else o.to(out_dtype) for o, per_row in zip(outputs, per_row_outputs)]
         produced = list(outputs) + [residuals[i] for i in tensor_residuals]
-        # An op's outputs must not alias its inputs: copy any input passed through unchanged.
-        produced = [t.clone() if any(t is x for x in inputs) else t for t in produced]
+        # An op's returns must not alias its inputs or each other: copy any input passed through
+        # unchanged, and an output that is also saved (row_norms saves its norms).
+        unique: List[torch.Tensor] = []
+        for t in produced:
+            unique.append(t.clone() if any(t is u for u in (*inputs, *unique)) else t)
+        produced = unique
         return produced[0] if len(produced) == 1 else tuple(produced)
 
     fwd = torch.library.custom_op(
@@ -186,42 +236,52 @@ def _define(op: Operator) -> _Plan:
 
     @fwd.register_fake
     def _(*args: Any) -> Any:
-        first = args[0]
+        first = launch_input(args[:n_in])
         out_dtype = args[n_in + n_params] if len(args) > n_in + n_params else None
-        produced = [first.new_empty(first.shape, dtype=out_dtype or first.dtype) for _ in range(n_out)]
+        produced = [like(first, per_row, first.dtype if per_row else out_dtype or first.dtype, first.shape)
+                    for per_row in per_row_outputs]
         produced += [_fake_residual(op, i, first) for i in tensor_residuals]
         return produced[0] if len(produced) == 1 else tuple(produced)
 
-    # abp::<op>_bwd(Tensor residual..., Tensor grad0, ..., float scalar residual...,
-    #               ScalarType? dtype=None) -> grads (in `dtype`, by default the gradients')
+    # abp::<op>_bwd(Tensor residual..., Tensor grad0, ..., float|SymInt scalar residual...,
+    #               ScalarType? dtype=None, SymInt[]? shape=None)
+    #   -> one gradient per differentiated input, in `dtype` (by default the gradients'), over
+    #      the launch `shape` (by default grad0's: the shape of a dense output 0)
     bwd_args = (
         [f"Tensor residual{i}" for i in saved_residuals]
         + [f"Tensor grad{i}" for i in range(n_out)]
-        + [f"float residual{i}" for i in scalar_residuals]
-        + ["ScalarType? dtype=None"]
+        + [f"{_SCHEMA_TYPES[kinds[sources[i][1]]]} residual{i}" for i in scalar_residuals]
+        + ["ScalarType? dtype=None", "SymInt[]? shape=None"]
     )
     n_tensors = len(saved_residuals) + n_out
     n_bwd = n_tensors + len(scalar_residuals)
+
+    def bwd_options(args: Sequence[Any]) -> Tuple[torch.Tensor, torch.dtype, Sequence[Any]]:
+        first = args[len(saved_residuals)]
+        dtype = args[n_bwd] if len(args) > n_bwd and args[n_bwd] is not None else first.dtype
+        shape = args[n_bwd + 1] if len(args) > n_bwd + 1 and args[n_bwd + 1] is not None else first.shape
+        return first, dtype, shape
 
     def bwd_impl(*args: Any) -> Any:
         tensors = iter(args[: len(saved_residuals)])
         grads = args[len(saved_residuals) : n_tensors]
         scalars = iter(args[n_tensors:n_bwd])
         residuals = [next(scalars) if s[0] == "param" else next(tensors) for s in sources]
-        first = grads[0]
-        dtype = args[n_bwd] if len(args) > n_bwd and args[n_bwd] is not None else first.dtype
-        dxs = _launch.backward(op, residuals, grads, first.shape, dtype, first.device)
-        dxs = [torch.zeros_like(first) if dx is None else dx for dx in dxs]
+        first, dtype, shape = bwd_options(args)
+        dxs = _launch.backward(op, residuals, grads, torch.Size(shape), dtype, first.device)
+        dxs = [dx if dx is not None else like(first, per_row_inputs[i], dtype, shape)
+               for i, dx in enumerate(dxs) if i in differentiated]
         return dxs[0] if len(dxs) == 1 else tuple(dxs)
 
-    bwd = torch.library.custom_op(f"abp::{name}_bwd", mutates_args=(), schema=_schema(bwd_args, n_in))(bwd_impl)
+    bwd = torch.library.custom_op(
+        f"abp::{name}_bwd", mutates_args=(), schema=_schema(bwd_args, len(differentiated))
+    )(bwd_impl)
     bwd_op = getattr(torch.ops.abp, f"{name}_bwd").default
 
     @bwd.register_fake
     def _(*args: Any) -> Any:
-        first = args[len(saved_residuals)]
-        dtype = args[n_bwd] if len(args) > n_bwd and args[n_bwd] is not None else first.dtype
-        dxs = [first.new_empty(first.shape, dtype=dtype) for _ in range(n_in)]
+        first, dtype, shape = bwd_options(args)
+        dxs = [like(first, per_row_inputs[i], dtype, shape) for i in differentiated]
         return dxs[0] if len(dxs) == 1 else tuple(dxs)
 
     def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
@@ -230,24 +290,28 @@ def _define(op: Operator) -> _Plan:
         ctx.save_for_backward(
             *[produced[sources[i][1]] if sources[i][0] == "output" else next(returned) for i in saved_residuals]
         )
-        ctx.abp_scalars = tuple(float(inputs[n_in + sources[i][1]]) for i in scalar_residuals)
+        ctx.abp_scalars = tuple(inputs[n_in + sources[i][1]] for i in scalar_residuals)
         ctx.abp_input_shapes = tuple(inputs[i].shape for i in range(n_in))
-        ctx.abp_input_dtype = inputs[0].dtype
+        first = launch_input(inputs[:n_in])
+        ctx.abp_shape, ctx.abp_input_dtype = first.shape, first.dtype
         ctx.abp_non_tensors = len(inputs) - n_in  # the parameters and out_dtype: no gradient
 
     def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:
         output_grads = list(grads[:n_out])
         saved = ctx.saved_tensors
-        shape = ctx.abp_input_shapes[0]
         for i, g in enumerate(output_grads):
             if g is None:
-                # Outputs share the first input's shape (elementwise operators); dtype from a saved
-                # tensor is not reliable (codes are uint8), so take it from any given gradient.
-                like = next(x for x in output_grads if x is not None)
-                output_grads[i] = torch.zeros(shape, dtype=like.dtype, device=like.device)
-        result = bwd_op(*saved, *output_grads, *ctx.abp_scalars, ctx.abp_input_dtype)
-        dxs = result if isinstance(result, tuple) else (result,)
-        shaped = tuple(dx.reshape(s) for dx, s in zip(dxs, ctx.abp_input_shapes))
+                # dtype from a saved tensor is not reliable (codes are uint8), so take it from
+                # any given gradient.
+                given = next(x for x in output_grads if x is not None)
+                output_grads[i] = torch.zeros(
+                    ctx.abp_shape[:-1] if per_row_outputs[i] else ctx.abp_shape,
+                    dtype=_launch.compute_dtype(ctx.abp_input_dtype) if per_row_outputs[i] else given.dtype,
+                    device=given.device)
+        result = bwd_op(*saved, *output_grads, *ctx.abp_scalars, ctx.abp_input_dtype, list(ctx.abp_shape))
+        dxs = iter(result if isinstance(result, tuple) else (result,))
+        shaped = tuple(next(dxs).reshape(s) if i in differentiated else None
+                       for i, s in enumerate(ctx.abp_input_shapes))
         return shaped + (None,) * ctx.abp_non_tensors
 
     fwd.register_autograd(backward, setup_context=setup_context)

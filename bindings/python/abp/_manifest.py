@@ -132,22 +132,6 @@ class Operator:
         object.__setattr__(self, "dtypes", tuple(d for d in order if names is None or d in names))
 
     @cached_property
-    def same_shape(self) -> bool:
-        """Whether torch.library registers it (its fake tensors assume this): it has tensor
-        inputs, all dense and differentiable, and outputs shaped like its first input. The
-        autograd path (abp._launch.forward) runs more: per-row inputs and outputs, no_grad."""
-        if self.inputs == 0 or self.no_grad or self.forward is None:
-            return False
-        if any(spec is not None and spec.layout != "dense" for spec in self.input_args):
-            return False  # per-row inputs: their gradients are per row too
-        record = self.kernel(self.forward)
-        for ref in self.forward.produces[: self.outputs]:
-            kind, index = parse_ref(ref)
-            if kind == "result" and record is not None and record.outputs[index].layout == "rows":
-                return False
-        return True
-
-    @cached_property
     def input_args(self) -> Tuple[Optional[KernelArg], ...]:
         """Per tensor input, the forward kernel argument reading it (its layout says how the
         input is shaped: dense, one value per row, or rows gathered by index), or None when the

@@ -43,7 +43,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _bucket_solver, _custom_ops
+from . import _bucket_solver, _custom_ops, _lib
 from ._errors import AbpError, Status
 
 __all__ = ["operator", "Operator", "AuthoringError", "where", "quantize", "dequantize", "uniform",
@@ -474,26 +474,30 @@ class Operator:
     """A compiled operator written in Python: call it on tensors (and its parameters)."""
 
     def __init__(self, name: str, ir: str, inputs: int, params: Tuple[str, ...],
-                 param_types: Tuple[type, ...] = (), library_op: bool = True,
-                 input_names: Tuple[str, ...] = (), per_row: Tuple[str, ...] = (),
-                 rows: bool = False) -> None:
+                 param_types: Tuple[type, ...] = (), input_names: Tuple[str, ...] = (),
+                 per_row: Tuple[str, ...] = (), rows: bool = False) -> None:
         self.name, self.ir, self.inputs, self.params = name, ir, inputs, params
         self.param_types = param_types or (float,) * len(params)
         self.input_names = input_names or tuple(f"input{i}" for i in range(inputs))
         self.per_row, self.rows = per_row, rows
-        # Float parameters, dense inputs and outputs, every input differentiated: a torch.library
-        # op under torch.compile (no graph break), as library operators. Otherwise the autograd
-        # path directly.
-        self._library_op = library_op and int not in self.param_types
+        # Every operator the front end makes has a dense input, so it is a torch.library op
+        # under torch.compile (no graph break) where torch has torch.library.custom_op.
+        self._library_op = _custom_ops.registrable(_lib.kernel_library().operator(name))
 
     def _check_params(self, values: Sequence[Any], what: str) -> Tuple[Any, ...]:
         checked: List[Any] = []
         for name, kind, value in zip(self.params, self.param_types, values):
             if kind is int:  # a seed or an offset: Python, numpy or 0-d torch integers
-                try:
-                    number = None if isinstance(value, bool) else _index(value)
-                except TypeError:
-                    number = None
+                if _custom_ops.compiling() and isinstance(value, int) and not isinstance(value, bool):
+                    # Under torch.compile a seed that changes per call becomes a symbolic integer:
+                    # __index__ would specialise the graph on its value (a compile per seed);
+                    # the range check below only guards its sign and size.
+                    number = value
+                else:
+                    try:
+                        number = None if isinstance(value, bool) else _index(value)
+                    except TypeError:
+                        number = None
                 if number is None:
                     raise TypeError(f"{what}: parameter {name!r} must be an int, got {type(value).__name__}")
                 if not 0 <= number < 2**63:
@@ -537,7 +541,6 @@ class Operator:
                                  + (f"shape {got[0]}, dtype {got[1]}, on {got[2]}" if got else type(t).__name__))
 
     def __call__(self, *args: Any) -> Any:
-        from . import functional
         from .autograd import OperatorFunction
 
         if len(args) != self.inputs + len(self.params):
@@ -546,8 +549,6 @@ class Operator:
         tensors = args[:self.inputs]
         self._check_tensors(tensors)
         params = self._check_params(args[self.inputs:], self.name)
-        if self._library_op and self.inputs == 1:
-            return functional.apply(self.name, tensors[0], params)
         if self._library_op and _custom_ops.compiling():
             return _custom_ops.apply_custom(self.name, params, tensors)
         return OperatorFunction.apply(self.name, params, None, *tensors)
@@ -744,9 +745,8 @@ def _build(fn: Callable[..., Any], name: str, param_types: Dict[str, type], rows
     if name not in _compiled_ir:
         compile_operators(ir, origin=f"{fn.__code__.co_filename}:{fn.__code__.co_firstlineno}")
         _compiled_ir[name] = ir
-    library_op = not no_grad and not per_row and all(o.shape != "per_row" for o in outputs)
-    return Operator(name, ir, inputs, params, tuple(param_types.values()), library_op,
-                    tuple(tensor_names), per_row, rows)
+    return Operator(name, ir, inputs, params, tuple(param_types.values()), tuple(tensor_names),
+                    per_row, rows)
 
 
 _compiled_ir: Dict[str, str] = {}
