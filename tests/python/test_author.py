@@ -446,7 +446,7 @@ def test_draws_per_row_values_and_no_grad_inputs_compile_without_graph_breaks_or
 
     compiled = torch.compile(step, backend=counting, fullgraph=True)
     x, s = torch.randn(5, 40), torch.rand(5) + 0.5
-    for seed in range(10, 14):  # a new seed every step, as training makes them (not 0 or 1, which dynamo always specialises)
+    for seed in range(10, 14):  # a new seed every step, as training makes them
         mine, theirs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
         compiled(mine, s, seed).backward()
         step(theirs, s, seed).backward()
