@@ -1386,7 +1386,9 @@ def test_recipe_lists_and_all():
     "kwargs,error,match",
     [
         ({"recipe": "fewbit"}, ValueError, "recipe: expected one of lowmembp, sampled, compress or 'all', got 'fewbit'"),
-        ({"recipe": ["lowmembp", "nope"]}, ValueError, "recipe: expected one of .* got 'nope'"),
+        ({"recipe": ["lowmembp", "nope"]}, ValueError, "recipe: expected one of .* got 'nope'$"),
+        ({"recipe": "lowmemBP"}, ValueError, "got 'lowmemBP'; did you mean 'lowmembp'\\?"),
+        ({"recipe": "sampeld"}, ValueError, "got 'sampeld'; did you mean 'sampled'\\?"),
         ({"recipe": []}, TypeError, "recipe: expected a recipe name or a list of them, got \\[\\]"),
         ({"recipe": 3}, TypeError, "recipe: expected a recipe name or a list of them, got 3"),
         ({"recipe": ["lowmembp", 3]}, TypeError, "recipe: expected a recipe name or a list of them"),

@@ -119,7 +119,9 @@ def _recipes(recipe: Union[str, Sequence[str]]) -> Tuple[str, ...]:
         expanded = RECIPES if n == "all" else (n,)
         for e in expanded:
             if e not in RECIPES:
-                raise ValueError(f"recipe: expected one of {', '.join(RECIPES)} or 'all', got {n!r}")
+                near = difflib.get_close_matches(n.lower(), (*RECIPES, "all"), n=1)
+                raise ValueError(f"recipe: expected one of {', '.join(RECIPES)} or 'all', got {n!r}"
+                                 + (f"; did you mean {near[0]!r}?" if near else ""))
             if e not in out:
                 out.append(e)
     return tuple(r for r in RECIPES if r in out)
