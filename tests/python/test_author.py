@@ -462,6 +462,96 @@ def test_draws_per_row_values_and_no_grad_inputs_compile_without_graph_breaks_or
     torch.library.opcheck(plan.fwd, (x.clone().requires_grad_(True), s, 12, 3, 0.25))
 
 
+def test_sample_and_unsample_read_rows_by_index() -> None:
+    # Forward keeps weight[r] * x[index[r]] (k rows of an N-row x); backward puts each kept row's
+    # gradient back where slot says: the defined derivative, as ops/sample's sample_rows codec.
+    from abp.author import sample, unsample
+
+    @operator(name=fresh("gather"), rows=True, index=("index", "slot"), per_row=("weight",),
+              no_grad=("weight",))
+    def gather(x, index, weight, slot):
+        kept = sample(x, index, weight)
+        return kept, lambda g: unsample(g, slot)
+
+    assert "abp.sample %x0, %x1, %x2" in gather.ir and "abp.unsample %g0, %r0" in gather.ir
+    assert "no_grad = array<i64: 2, 1, 3>" in gather.ir and "tensor<?xi32>" in gather.ir
+    # The same kernels as the operator written in IR by hand.
+    name = fresh("gather_ir")
+    ir = f"""
+abp.operator @{name} attributes {{no_grad = array<i64: 1, 2, 3>}} forward {{
+^bb0(%x: tensor<?x?xf32>, %index: tensor<?xi32>, %weight: tensor<?xf32>, %slot: tensor<?xi32>):
+  %kept = abp.sample %x, %index, %weight : tensor<?x?xf32>, tensor<?xi32>, tensor<?xf32> -> tensor<?x?xf32>
+  abp.return %kept : tensor<?x?xf32> saves %slot : tensor<?xi32>
+}} backward {{
+^bb0(%slot: tensor<?xi32>, %g: tensor<?x?xf32>):
+  %dx = abp.unsample %g, %slot : tensor<?x?xf32>, tensor<?xi32> -> tensor<?x?xf32>
+  abp.return %dx : tensor<?x?xf32>
+}}
+"""
+    abp.compile_operators(ir, origin="test_author.py")
+    assert _kernel_text(gather.cuda, gather.name) == _kernel_text(abp.inspect(name)["source"], name)
+
+    torch.manual_seed(7)
+    for dtype in (torch.float32, torch.float64):
+        x = torch.randn(2, 3, 5, dtype=dtype, requires_grad=True)  # 6 rows
+        index = torch.tensor([5, -1, 0, 3], dtype=torch.int32)
+        weight = torch.tensor([2.0, 1.0, -0.5, 3.0], dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+        slot = torch.tensor([[2, -1, -1], [3, -1, 0]], dtype=torch.int32)  # one per row of x
+        kept = gather(x, index, weight, slot)
+        rows = x.detach().reshape(6, 5)
+        want = torch.stack([w * rows[i] if i >= 0 else torch.zeros(5, dtype=dtype)
+                            for i, w in zip(index.tolist(), weight.to(dtype).tolist())])
+        assert kept.shape == (4, 5) and torch.equal(kept, want)
+        g = torch.randn(4, 5, dtype=dtype)
+        kept.backward(g)
+        back = torch.stack([g[t] if t >= 0 else torch.zeros(5, dtype=dtype) for t in slot.flatten().tolist()])
+        assert torch.equal(x.grad, back.reshape(2, 3, 5))
+
+    # The user's arguments are named: index and weight have the sample's rows, slot x's.
+    x = torch.randn(6, 5)
+    index, weight, slot = torch.tensor([1, 2], dtype=torch.int32), torch.ones(2), torch.zeros(6, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r": weight: expected one value per row of the sample's rows \(index\): "
+                                         r"a tensor of shape \(2,\), dtype torch.float32, on cpu, got shape \(3,\)"):
+        gather(x, index, torch.ones(3), slot)
+    with pytest.raises(ValueError, match=r": slot: expected one value per row of x: a tensor of shape \(6,\), "
+                                         r"dtype torch.int32, on cpu, got shape \(2,\)"):
+        gather(x, index, weight, slot[:2])
+    with pytest.raises(ValueError, match=r": index: expected .* dtype torch.int32, on cpu, got shape \(2,\), dtype torch.int64"):
+        gather(x, index.long(), weight, slot)
+    with pytest.raises(ValueError, match=r"input1 holds row indices of input0, which must lie in \[-1, 6\), got \[1, 6\]"):
+        gather(x, torch.tensor([1, 6], dtype=torch.int32), weight, slot)
+
+
+def test_mistakes_with_sample_and_unsample_are_named() -> None:
+    from abp.author import sample, unsample
+
+    def arithmetic_on_indices():
+        @operator(name=fresh("index_math"), rows=True, index=("index",))
+        def f(x, index):
+            return x * index, lambda g: g
+
+    assert "row indices (an index= input) are read by sample and unsample" in _authoring_error_at_this_file(
+        arithmetic_on_indices)
+
+    def swapped():
+        @operator(name=fresh("swapped"), rows=True, index=("index",), per_row=("w",), no_grad=("w",))
+        def f(x, index, w):
+            return sample(x, w, index), lambda g: g
+
+    assert "sample: index must be an input named in index=" in _authoring_error_at_this_file(swapped)
+
+    def unsample_by_weights():
+        @operator(name=fresh("by_weights"), rows=True, per_row=("w",), no_grad=("w",))
+        def f(x, w):
+            return x * w, lambda g: unsample(g, w)
+
+    assert "unsample: slot must be an input named in index=" in _authoring_error_at_this_file(unsample_by_weights)
+    with pytest.raises(AuthoringError, match="index inputs need a row operator"):
+        operator(lambda x, i: (x, lambda g: g), name=fresh("flat_index"), index=("i",))
+    with pytest.raises(AuthoringError, match=r"\['i'\] named in both per_row and index"):
+        operator(lambda x, i: (x, lambda g: g), name=fresh("both"), rows=True, index=("i",), per_row=("i",))
+
+
 def test_mistakes_with_draws_per_row_inputs_and_no_grad_are_named() -> None:
     from abp.author import uniform
 

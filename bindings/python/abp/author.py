@@ -47,7 +47,7 @@ from . import _bucket_solver, _custom_ops, _lib
 from ._errors import AbpError, Status
 
 __all__ = ["operator", "Operator", "AuthoringError", "where", "quantize", "dequantize", "uniform",
-           "sum_rows", "mean_rows", "max_rows", "min_rows", "maximum", "minimum",
+           "sample", "unsample", "sum_rows", "mean_rows", "max_rows", "min_rows", "maximum", "minimum",
            "exp", "exp2", "expm1", "log", "log1p", "log2", "tanh", "erf", "sqrt", "rsqrt", "abs",
            "sin", "cos", "floor", "ceil", "trunc", "round", "sigmoid"]
 
@@ -125,7 +125,7 @@ class Value:
             return "i64"
         if self.kind == "codes":
             return f"!abp.codes<{self.bits}>"
-        return _tensor_type(self.shape, "i8" if self.kind == "mask" else "f32")
+        return _tensor_type(self.shape, {"mask": "i8", "index": "i32"}.get(self.kind, "f32"))
 
     # Python operators: arithmetic on tensors and parameters, comparisons give masks.
     def __add__(self, other: Any) -> "Value": return _binary("arith.addf", self, other)
@@ -178,6 +178,8 @@ class _Trace:
     backward: _Region = field(default_factory=lambda: _Region("b"))
     # forward value name -> (the forward value saved, its backward block argument)
     residuals: Dict[str, Tuple[str, Value]] = field(default_factory=dict)
+    # The inputs whose rows are a sample's (sample's index and weight), not the matrices'.
+    sampled_rows: List[str] = field(default_factory=list)
     outputs: Tuple[str, ...] = ()  # the forward outputs' names, once forward is traced
     current: Optional[_Region] = None
 
@@ -257,6 +259,9 @@ def _map(results_kind: str, operands: Sequence[Any], body: Callable[[List[str]],
             if v.kind == "codes":
                 raise AuthoringError("codes of abp.author.quantize are read by dequantize, not "
                                      "used in arithmetic")
+            if v.kind == "index":
+                raise AuthoringError("row indices (an index= input) are read by sample and unsample, "
+                                     "not used in arithmetic")
             if v.kind == "int_param":
                 raise AuthoringError("an integer parameter only keys draws (abp.author.uniform(seed, "
                                      "offset)); derive other seeds or offsets in Python and pass "
@@ -373,6 +378,48 @@ def sigmoid(x: Any) -> Value:
     return 1.0 / (1.0 + exp(-x))
 
 
+def sample(x: Value, index: Value, weight: Value) -> Value:
+    """Rows weight[r] * x[index[r]], one per index (-1: a row of zeros): abp.sample, which reads
+    the rows of `x` through the index as it goes (no gathered copy). `x` is a matrix input of a
+    row operator, read only through its index in that direction; `index` an index= input;
+    `weight` one value per kept row. The result and `index` have the sample's rows, not x's."""
+    if not (isinstance(x, Value) and x.kind == "tensor" and x.shape == "rows"):
+        raise AuthoringError("sample: x must be a matrix of a row operator (@operator(rows=True))")
+    if not (isinstance(index, Value) and index.kind == "index"):
+        raise AuthoringError("sample: index must be an input named in index= (int32 row indices)")
+    if not (isinstance(weight, Value) and weight.kind == "tensor" and weight.shape == "per_row"):
+        raise AuthoringError("sample: weight must be one value per row (a per_row input, or a "
+                             "row reduction)")
+    trace = x.trace
+    x, index, weight = trace.arrive(x), trace.arrive(index), trace.arrive(weight)
+    region = trace.current
+    assert region is not None
+    for v in (index, weight):
+        if v.name.startswith("%x") and v.name not in trace.sampled_rows:
+            trace.sampled_rows.append(v.name)
+    out = Value(trace, region, region.fresh(), "tensor", "rows")
+    region.lines.append(f"  {out.name} = abp.sample {x.name}, {index.name}, {weight.name} : {x.type}, "
+                        f"{index.type}, {weight.type} -> {out.type}" + _user_location())
+    return out
+
+
+def unsample(kept: Value, slot: Value) -> Value:
+    """Row i = kept[slot[i]], or zeros where slot[i] < 0: abp.unsample, which puts a sample's rows
+    back (one row per slot). `slot` is an index= input with one value per row of the result."""
+    if not (isinstance(kept, Value) and kept.kind == "tensor" and kept.shape == "rows"):
+        raise AuthoringError("unsample: kept must be a matrix of a row operator (@operator(rows=True))")
+    if not (isinstance(slot, Value) and slot.kind == "index"):
+        raise AuthoringError("unsample: slot must be an input named in index= (int32 row indices)")
+    trace = kept.trace
+    kept, slot = trace.arrive(kept), trace.arrive(slot)
+    region = trace.current
+    assert region is not None
+    out = Value(trace, region, region.fresh(), "tensor", "rows")
+    region.lines.append(f"  {out.name} = abp.unsample {kept.name}, {slot.name} : {kept.type}, {slot.type} "
+                        f"-> {out.type}" + _user_location())
+    return out
+
+
 def _reduce(kind: str, x: Value) -> Value:
     if not (isinstance(x, Value) and x.kind == "tensor" and x.shape == "rows"):
         raise AuthoringError(f"{kind}_rows: expected a matrix of a row operator "
@@ -475,11 +522,15 @@ class Operator:
 
     def __init__(self, name: str, ir: str, inputs: int, params: Tuple[str, ...],
                  param_types: Tuple[type, ...] = (), input_names: Tuple[str, ...] = (),
-                 per_row: Tuple[str, ...] = (), rows: bool = False) -> None:
+                 per_row: Tuple[str, ...] = (), rows: bool = False, index: Tuple[str, ...] = (),
+                 sampled_rows: Tuple[str, ...] = ()) -> None:
         self.name, self.ir, self.inputs, self.params = name, ir, inputs, params
         self.param_types = param_types or (float,) * len(params)
         self.input_names = input_names or tuple(f"input{i}" for i in range(inputs))
         self.per_row, self.rows = per_row, rows
+        # Row indices (int32), and the per-row inputs that have a sample's rows (its index and
+        # weight) instead of one value per row of the matrices.
+        self.index, self.sampled_rows = index, sampled_rows
         # Every operator the front end makes has a dense input, so it is a torch.library op
         # under torch.compile (no graph break) where torch has torch.library.custom_op.
         self._library_op = _custom_ops.registrable(_lib.kernel_library().operator(name))
@@ -517,7 +568,7 @@ class Operator:
         dtypes = _launch.ROW_DTYPES if self.rows else _launch.ELEMENTWISE_DTYPES
         first: Optional[Tuple[str, torch.Tensor]] = None
         for name, t in zip(self.input_names, tensors):
-            if name in self.per_row:
+            if name in self.per_row or name in self.index:
                 continue
             _launch.check_float_tensor(f"{self.name}: {name}", t, dtypes)
             if first is None:
@@ -530,14 +581,24 @@ class Operator:
         assert first is not None
         if self.rows and first[1].dim() == 0:
             raise ValueError(f"{self.name}: {first[0]}: expected at least one dimension (rows run along the last)")
+        sample: Optional[Tuple[str, int]] = None  # the first input with a sample's rows, and their count
         for name, t in zip(self.input_names, tensors):
-            if name not in self.per_row:
+            if name not in self.per_row and name not in self.index:
                 continue
-            want = (tuple(first[1].shape[:-1]), _launch.compute_dtype(first[1].dtype), first[1].device)
+            dtype = torch.int32 if name in self.index else _launch.compute_dtype(first[1].dtype)
+            if name in self.sampled_rows:
+                # A sample's rows: one value each, as many as the sample's first such input has.
+                if sample is None and isinstance(t, torch.Tensor) and t.dim() == 1:
+                    sample = (name, t.numel())
+                rows, of = ((sample[1],), f"the sample's rows ({sample[0]})") if sample else ((-1,), "the sample's rows")
+            else:
+                rows, of = tuple(first[1].shape[:-1]), first[0]
+            want = (rows, dtype, first[1].device)
             got = (tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else None
             if got != want:
-                raise ValueError(f"{self.name}: {name}: expected one value per row of {first[0]}: a tensor of shape "
-                                 f"{want[0]}, dtype {want[1]}, on {want[2]}, got "
+                shape = "a 1-d shape" if rows == (-1,) else f"shape {rows}"
+                raise ValueError(f"{self.name}: {name}: expected one value per row of {of}: a tensor of {shape}, "
+                                 f"dtype {dtype}, on {want[2]}, got "
                                  + (f"shape {got[0]}, dtype {got[1]}, on {got[2]}" if got else type(t).__name__))
 
     def __call__(self, *args: Any) -> Any:
@@ -600,7 +661,7 @@ class _OperatorModule(torch.nn.Module):
 
 def operator(fn: Optional[Callable[..., Any]] = None, *, name: Optional[str] = None,
              params: Any = (), rows: bool = False, per_row: Sequence[str] = (),
-             no_grad: Sequence[str] = ()) -> Any:
+             no_grad: Sequence[str] = (), index: Sequence[str] = ()) -> Any:
     """Traces `fn(*tensors, *params) -> (outputs, backward)` into an abp operator and compiles it.
 
     `fn` takes its tensor inputs, then its parameters: `params` names them, all floats
@@ -610,16 +671,19 @@ def operator(fn: Optional[Callable[..., Any]] = None, *, name: Optional[str] = N
     gradient per tensor input, except those named in `no_grad` (inputs without a gradient).
     `rows=True` makes a row-wise operator (rows along the last dimension; `mean_rows` and the
     other reductions); its inputs named in `per_row` hold one value per row, and its outputs may
-    too (a per-row output's gradient is per row). Use as `@operator` or
-    `@operator(name=..., params=..., rows=..., per_row=..., no_grad=...)`.
+    too (a per-row output's gradient is per row). Its inputs named in `index` hold int32 row
+    indices, one per row, for `sample` and `unsample` (they have no gradient). Use as `@operator`
+    or `@operator(name=..., params=..., rows=..., per_row=..., no_grad=..., index=...)`.
     """
-    for what, names in (("params", params), ("per_row", per_row), ("no_grad", no_grad)):
+    for what, names in (("params", params), ("per_row", per_row), ("no_grad", no_grad), ("index", index)):
         if isinstance(names, str):
             raise AuthoringError(f"{what}: expected a sequence of names, e.g. ({names!r},), got the "
                                  "string itself")
     if fn is None:
-        return lambda f: operator(f, name=name, params=params, rows=rows, per_row=per_row, no_grad=no_grad)
-    return _build(fn, name or fn.__name__, _param_types(params), rows, tuple(per_row), tuple(no_grad))
+        return lambda f: operator(f, name=name, params=params, rows=rows, per_row=per_row, no_grad=no_grad,
+                                  index=index)
+    return _build(fn, name or fn.__name__, _param_types(params), rows, tuple(per_row), tuple(no_grad),
+                  tuple(index))
 
 
 def _param_types(params: Any) -> Dict[str, type]:
@@ -650,7 +714,7 @@ def _tensors(name: str, what: str, values: Any, trace: _Trace, region: _Region,
 
 
 def _build(fn: Callable[..., Any], name: str, param_types: Dict[str, type], rows: bool,
-           per_row: Tuple[str, ...], no_grad: Tuple[str, ...]) -> Operator:
+           per_row: Tuple[str, ...], no_grad: Tuple[str, ...], index: Tuple[str, ...] = ()) -> Operator:
     import inspect as pyinspect
 
     from . import compile_operators, operators
@@ -662,22 +726,31 @@ def _build(fn: Callable[..., Any], name: str, param_types: Dict[str, type], rows
         raise AuthoringError(f"{name}: takes {len(arguments)} argument(s) but names {len(params)} "
                              f"parameter(s); at least one tensor input comes first")
     tensor_names = arguments[:inputs]
-    for what, names in (("per_row", per_row), ("no_grad", no_grad)):
+    for what, names in (("per_row", per_row), ("no_grad", no_grad), ("index", index)):
         unknown = [n for n in names if n not in tensor_names]
         if unknown:
             raise AuthoringError(f"{name}: {what} names {unknown}, which are not among its tensor "
                                  f"inputs {tensor_names}")
     if per_row and not rows:
         raise AuthoringError(f"{name}: per_row inputs need a row operator (@operator(rows=True))")
+    if index and not rows:
+        raise AuthoringError(f"{name}: index inputs need a row operator (@operator(rows=True))")
+    both = [n for n in index if n in per_row]
+    if both:
+        raise AuthoringError(f"{name}: {both} named in both per_row and index: row indices are per row "
+                             "already; name them in index only")
+    # Row indices have no gradient.
+    no_grad = no_grad + tuple(n for n in index if n not in no_grad)
     if len(no_grad) == inputs:
         raise AuthoringError(f"{name}: every input is in no_grad; an operator differentiates at "
                              "least one")
     trace = _Trace(rows)
     shape = "rows" if rows else "flat"
-    if rows and all(n in per_row for n in tensor_names):
+    if rows and all(n in per_row or n in index for n in tensor_names):
         raise AuthoringError(f"{name}: a row operator needs at least one matrix input (its rows)")
     trace.current = trace.forward
-    xs = [Value(trace, trace.forward, f"%x{i}", "tensor", "per_row" if n in per_row else shape)
+    xs = [Value(trace, trace.forward, f"%x{i}", "index" if n in index else "tensor",
+                "per_row" if n in per_row or n in index else shape)
           for i, n in enumerate(tensor_names)]
     ps = [Value(trace, trace.forward, f"%p{i}", "int_param" if kind is int else "param")
           for i, kind in enumerate(param_types.values())]
@@ -745,8 +818,9 @@ def _build(fn: Callable[..., Any], name: str, param_types: Dict[str, type], rows
     if name not in _compiled_ir:
         compile_operators(ir, origin=f"{fn.__code__.co_filename}:{fn.__code__.co_firstlineno}")
         _compiled_ir[name] = ir
+    sampled = tuple(tensor_names[int(v[2:])] for v in trace.sampled_rows)
     return Operator(name, ir, inputs, params, tuple(param_types.values()), tuple(tensor_names),
-                    per_row, rows)
+                    per_row, rows, index, sampled)
 
 
 _compiled_ir: Dict[str, str] = {}
