@@ -1,0 +1,159 @@
+"""Per-call host overhead of every abp module against the torch module it replaces (#16).
+
+Each pair runs forward plus backward on a tiny CPU tensor (so the kernels cost next to nothing
+and what is timed is the host path: argument checks, marshalling, allocation, autograd),
+interleaved in one process: rounds alternate abp and torch, each round times a batch of calls,
+and the medians are compared. The ratio is abp's time over torch's; the issue's target is at
+most 1.5. A recipe row times one step of a small converted block against the original.
+
+    python bench/host_overhead.py                 # the table
+    python bench/host_overhead.py --json out.json --rounds 5 --calls 20   # CI's smoke size
+
+Numbers vary with the machine and its load; only the ratios, measured side by side in one run,
+mean anything.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Tuple
+
+import torch
+
+import abp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import commit_id  # noqa: E402
+
+ROWS, COLS = 4, 32  # tiny: the host path dominates
+
+
+def _norms() -> List[Tuple[str, Callable[[], torch.nn.Module], Callable[[], torch.nn.Module]]]:
+    pairs = [("MSLayerNorm", lambda: abp.nn.MSLayerNorm(COLS),
+              lambda: torch.nn.LayerNorm(COLS, elementwise_affine=False))]
+    if hasattr(torch.nn, "RMSNorm"):  # torch >= 2.4
+        pairs.append(("MSRMSNorm", lambda: abp.nn.MSRMSNorm(COLS),
+                      lambda: torch.nn.RMSNorm(COLS, eps=1e-6, elementwise_affine=False)))
+    return pairs
+
+
+def pairs() -> List[Tuple[str, Callable[[], torch.nn.Module], Callable[[], torch.nn.Module]]]:
+    """(name, abp module factory, torch module factory) for every module of abp.nn with a torch
+    counterpart: the activations (same name in torch.nn; ReGELU2 and ReSiLU2 replace GELU and
+    SiLU) and the memory-sharing norms."""
+    special = {"ReGELU2": torch.nn.GELU, "ReSiLU2": torch.nn.SiLU}
+    out = []
+    for name in abp.nn.__all__:
+        mine = getattr(abp.nn, name)
+        if not (isinstance(mine, type) and issubclass(mine, abp.nn.AbpActivation)):
+            continue
+        theirs = special.get(name) or getattr(torch.nn, name)
+        args: Tuple[float, ...] = (0.5, 0.0) if name == "Threshold" else ()
+        out.append((name, (lambda m=mine, a=args: m(*a)), (lambda t=theirs, a=args: t(*a))))
+    return out + _norms()
+
+
+def _step(module: torch.nn.Module, x: torch.Tensor, g: torch.Tensor) -> Callable[[], None]:
+    def run() -> None:
+        x.grad = None
+        module(x).backward(g)
+    return run
+
+
+def _recipe_block() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.LayerNorm(COLS), torch.nn.Linear(COLS, 4 * COLS), torch.nn.GELU(),
+                               torch.nn.Linear(4 * COLS, COLS))
+
+
+def recipes() -> List[Tuple[str, Callable[[], Callable[[], None]], Callable[[], Callable[[], None]]]]:
+    """(name, abp step factory, exact step factory): one forward and backward of a small
+    LayerNorm-Linear-GELU-Linear block, converted by a recipe (or under compress_saved) against
+    the original."""
+    x = torch.randn(ROWS, COLS)
+
+    def exact() -> Callable[[], None]:
+        block = _recipe_block()
+        return lambda: block(x).sum().backward()
+
+    def converted(recipe: str) -> Callable[[], Callable[[], None]]:
+        def make() -> Callable[[], None]:
+            block, _ = abp.convert(_recipe_block(), recipe=recipe, example_inputs=(x,))
+            return lambda: block(x).sum().backward()
+        return make
+
+    def compressed() -> Callable[[], None]:
+        block = _recipe_block()
+
+        def run() -> None:
+            with abp.compress_saved(bits=4):
+                loss = block(x).sum()
+            loss.backward()
+        return run
+
+    return [("recipe lowmembp", converted("lowmembp"), exact),
+            ("compress_saved(bits=4)", compressed, exact)]
+
+
+def _time(run: Callable[[], None], calls: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        run()
+    return (time.perf_counter() - t0) / calls
+
+
+def side_by_side(mine: Callable[[], None], theirs: Callable[[], None], rounds: int, calls: int) -> Tuple[float, float]:
+    """Median seconds per call of each, alternating rounds (after one warm-up round each)."""
+    _time(mine, calls), _time(theirs, calls)
+    a, b = [], []
+    for _ in range(rounds):
+        a.append(_time(mine, calls))
+        b.append(_time(theirs, calls))
+    return statistics.median(a), statistics.median(b)
+
+
+def measure(rounds: int, calls: int) -> List[Dict[str, object]]:
+    rows = []
+    torch.manual_seed(0)
+    for name, mine, theirs in pairs():
+        x = torch.randn(ROWS, COLS, requires_grad=True)
+        g = torch.randn(ROWS, COLS)
+        a, b = side_by_side(_step(mine(), x, g), _step(theirs(), x, g), rounds, calls)
+        rows.append({"op": name, "abp_us": a * 1e6, "torch_us": b * 1e6, "ratio": a / b})
+    for name, mine_step, theirs_step in recipes():
+        a, b = side_by_side(mine_step(), theirs_step(), rounds, calls)
+        rows.append({"op": name, "abp_us": a * 1e6, "torch_us": b * 1e6, "ratio": a / b})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: host time, not kernel parallelism)")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = measure(args.rounds, args.calls)
+    print(f"host overhead per call, forward + backward on {ROWS}x{COLS} CPU tensors "
+          f"(torch {torch.__version__}, {args.rounds} rounds of {args.calls} calls, medians)")
+    print(f"{'op':<24} {'torch us':>9} {'abp us':>9} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['op']:<24} {r['torch_us']:>9.1f} {r['abp_us']:>9.1f} {r['ratio']:>6.2f}")
+    ratios = [float(r["ratio"]) for r in rows]
+    print(f"median ratio {statistics.median(ratios):.2f}, worst {max(ratios):.2f} "
+          f"({rows[ratios.index(max(ratios))]['op']}); target <= 1.5")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "commit": commit_id(str(Path(__file__).resolve().parents[1])),
+            "date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
+            "torch": torch.__version__, "rounds": args.rounds, "calls": args.calls, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""Smoke test of bench/host_overhead.py (#16): every abp module is paired with the torch module
+it replaces, the pairs compute the same forward, and one tiny side-by-side run gives a finite
+time for each. The numbers themselves live in the benchmark, not here."""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+import abp
+from abp_reference import library_or_skip
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import host_overhead  # noqa: E402  (bench/host_overhead.py)
+
+
+def test_every_abp_module_is_paired_with_the_torch_module_it_replaces() -> None:
+    library_or_skip()
+    names = [name for name, _, _ in host_overhead.pairs()]
+    activations = [n for n in abp.nn.__all__
+                   if isinstance(getattr(abp.nn, n), type) and issubclass(getattr(abp.nn, n), abp.nn.AbpActivation)]
+    assert names[: len(activations)] == activations and "MSLayerNorm" in names
+    torch.manual_seed(0)
+    x = torch.randn(host_overhead.ROWS, host_overhead.COLS)
+    for name, mine, theirs in host_overhead.pairs():
+        # Forward is the exact op for every abp module: the pairing is the right one.
+        torch.testing.assert_close(mine()(x), theirs()(x), rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_one_tiny_run_times_every_pair_and_recipe() -> None:
+    library_or_skip()
+    rows = host_overhead.measure(rounds=1, calls=2)
+    assert [r["op"] for r in rows] == [n for n, _, _ in host_overhead.pairs()] + [n for n, _, _ in host_overhead.recipes()]
+    for r in rows:
+        assert all(math.isfinite(float(r[k])) and float(r[k]) > 0 for k in ("abp_us", "torch_us", "ratio")), r
