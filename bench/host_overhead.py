@@ -77,20 +77,31 @@ def recipes() -> List[Tuple[str, Callable[[], Callable[[], None]], Callable[[], 
     the original."""
     x = torch.randn(ROWS, COLS)
 
+    # Gradients are dropped before each step, as an optimizer step would: accumulated without
+    # end, they would grow like a diverging run's (and compress_saved's guard would say so).
     def exact() -> Callable[[], None]:
         block = _recipe_block()
-        return lambda: block(x).sum().backward()
+
+        def run() -> None:
+            block.zero_grad(set_to_none=True)
+            block(x).sum().backward()
+        return run
 
     def converted(recipe: str) -> Callable[[], Callable[[], None]]:
         def make() -> Callable[[], None]:
             block, _ = abp.convert(_recipe_block(), recipe=recipe, example_inputs=(x,))
-            return lambda: block(x).sum().backward()
+
+            def run() -> None:
+                block.zero_grad(set_to_none=True)
+                block(x).sum().backward()
+            return run
         return make
 
     def compressed() -> Callable[[], None]:
         block = _recipe_block()
 
         def run() -> None:
+            block.zero_grad(set_to_none=True)
             with abp.compress_saved(bits=4):
                 loss = block(x).sum()
             loss.backward()
