@@ -120,7 +120,7 @@ class Binding:
     in the low half (a kernel reads the 4 bytes it declares, as cuLaunchKernel copies them).
     """
 
-    __slots__ = ("op", "record", "handle", "refs", "scalars", "outputs", "rows_kernel")
+    __slots__ = ("op", "record", "handle", "refs", "inputs", "scalars", "gathered", "outputs", "rows_kernel")
 
     def __init__(self, op: Operator, direction: Direction, dtype: torch.dtype) -> None:
         record = op.kernel(direction)
@@ -128,8 +128,12 @@ class Binding:
             raise RuntimeError(f"operator {op.name}: this direction launches no kernel")
         self.op, self.record = op, record
         self.refs = direction.args
+        self.inputs = record.inputs  # resolved once: KernelRecord.inputs builds a tuple per read
         # Per kernel input: None (a tensor address), "i64" or "f32" (a scalar).
-        self.scalars = tuple((spec.type or "f32") if spec.role == "scalar" else None for spec in record.inputs)
+        self.scalars = tuple((spec.type or "f32") if spec.role == "scalar" else None for spec in self.inputs)
+        # (reference of the rows read by index, reference of their indices) per gathered input.
+        self.gathered = tuple((ref, self.refs[spec.by]) for ref, spec in zip(self.refs, self.inputs)
+                              if spec.layout == "gathered" and spec.by is not None)
         self.outputs = record.outputs
         self.rows_kernel = record.kind == "rows"
         self.handle = _lib.kernel_library().kernel(record.name, DTYPE_NAMES[dtype])
@@ -225,14 +229,13 @@ def launch_shape(bound: Binding, values: Mapping[str, Any], shape: Sequence[int]
     """The shape a direction runs over: `shape` (its dense inputs'), except for a row kernel
     that reads rows gathered by index, which runs one row per index: (len(index), the gathered
     tensor's columns)."""
-    for ref, spec in zip(bound.refs, bound.record.inputs):
-        if spec.layout == "gathered" and spec.by is not None:
-            index, source = values[bound.refs[spec.by]], values[ref]
-            for what, value in (("the row indices", index), ("the rows read by index", source)):
-                if not isinstance(value, torch.Tensor) or value.dim() == 0:
-                    raise ValueError(f"{bound.op.name}: {what} must be a tensor with at least one "
-                                     f"dimension, got {_describe(value)}")
-            return torch.Size((index.numel(), source.shape[-1]))
+    for ref, by in bound.gathered:
+        index, source = values[by], values[ref]
+        for what, value in (("the row indices", index), ("the rows read by index", source)):
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                raise ValueError(f"{bound.op.name}: {what} must be a tensor with at least one "
+                                 f"dimension, got {_describe(value)}")
+        return torch.Size((index.numel(), source.shape[-1]))
     return torch.Size(shape)
 
 
@@ -244,13 +247,11 @@ def _check_gathered_indices(op: Operator, bound: Binding, values: Mapping[str, A
     """Every row index lies in [-1, rows of the tensor it indexes) (-1: a row of zeros): a kernel
     would read outside the tensor otherwise. The check syncs with the device once per launch;
     abp.sampling's own launchers skip it for plans made from the tensor's own rows."""
-    for ref, spec in zip(bound.refs, bound.record.inputs):
-        if spec.layout != "gathered" or spec.by is None:
-            continue
-        index, source = values[bound.refs[spec.by]], values[ref]
+    for ref, by in bound.gathered:
+        index, source = values[by], values[ref]
         rows = source.numel() // source.shape[-1] if source.shape[-1] else 0
         if index.numel() and (int(index.min()) < -1 or int(index.max()) >= rows):
-            raise ValueError(f"{op.name}: {bound.refs[spec.by]} holds row indices of {ref}, which must lie "
+            raise ValueError(f"{op.name}: {by} holds row indices of {ref}, which must lie "
                              f"in [-1, {rows}), got [{int(index.min())}, {int(index.max())}]")
 
 
@@ -270,7 +271,7 @@ def _launch_kernel(
     shape = launch_shape(bound, values, shape)
     n = math.prod(shape)
     rows = math.prod(shape[:-1]) if bound.rows_kernel else 0
-    for ref, spec in zip(bound.refs, bound.record.inputs):
+    for ref, spec in zip(bound.refs, bound.inputs):
         if spec.role != "scalar":
             _check_argument(op, ref, values[ref], spec, n, rows, int(shape[-1]) if shape else 1, dtype, device)
     _check_gathered_indices(op, bound, values)
