@@ -14,7 +14,7 @@ using namespace abp;
 
 namespace {
 struct Arg {
-  enum Kind { Dense, Packed, Scalar } kind;
+  enum Kind { Dense, Packed, Scalar, Total } kind; ///< Total: one value read through a pointer
   unsigned bits = 0;
   bool isOutput = false;
   bool isInt = false; ///< Scalar: an i64 parameter (a seed or offset) rather than an f32
@@ -38,7 +38,9 @@ SmallVector<Arg> argsOf(KernelOp kernel) {
       a.kind = Arg::Packed;
       a.bits = packed.getBits();
     } else {
-      a.kind = isa<ScalarLayoutAttr>(layout) ? Arg::Scalar : Arg::Dense;
+      a.kind = isa<ScalarLayoutAttr>(layout)  ? Arg::Scalar
+               : isa<TotalLayoutAttr>(layout) ? Arg::Total
+                                              : Arg::Dense;
     }
     a.isInt = a.kind == Arg::Scalar && kernel.getBody().getArgument(index).getType().isInteger(64);
     args.push_back(a);
@@ -59,6 +61,8 @@ std::string paramList(ArrayRef<Arg> args, StringRef elem) {
       type = fmt::format("{}{} *ABP_RESTRICT", a.isOutput ? "" : "const ", elem.str());
     else if (a.kind == Arg::Packed)
       type = fmt::format("{}abp::u8 *ABP_RESTRICT", a.isOutput ? "" : "const ");
+    else if (a.kind == Arg::Total)
+      type = "const float *ABP_RESTRICT"; // elementwise kernels compute in fp32
     else
       type = a.isInt ? "abp::u64" : "float";
     params += fmt::format("{} {}, ", type, a.name);
@@ -137,6 +141,10 @@ void emitLoop(KernelOp kernel, ArrayRef<Arg> args, int64_t chunk, SourceWriter &
       call += fmt::format("{}{}", call.empty() ? "" : ", ", a.name);
       continue;
     }
+    if (a.kind == Arg::Total) {
+      call += fmt::format("{}*{}", call.empty() ? "" : ", ", a.name);
+      continue;
+    }
     std::string local = "e_" + a.name;
     std::string bytes = fmt::format("N * {} / 8", a.bits);
     if (a.kind == Arg::Dense) {
@@ -204,6 +212,8 @@ void emitEntry(KernelOp kernel, ArrayRef<Arg> args, const Dtype &dtype, const st
       type = fmt::format("{}{} *", a.isOutput ? "" : "const ", dtype.cppType);
     else if (a.kind == Arg::Packed)
       type = fmt::format("{}abp::u8 *", a.isOutput ? "" : "const ");
+    else if (a.kind == Arg::Total)
+      type = "const float *";
     else
       type = a.isInt ? "abp::u64" : "float";
     out.line("{} {} = *static_cast<{} *>(args[{}]);", type, a.name, type, index++);

@@ -61,6 +61,8 @@ void residualJson(json::OStream &j, Value saved, ReturnOp ret, int64_t inputRank
     } else if (auto tensor = dyn_cast<RankedTensorType>(type)) {
       j.attribute("kind", tensor.getRank() < inputRank ? "rows" : "tensor");
       j.attribute("bits", static_cast<int64_t>(tensor.getElementTypeBitWidth()));
+    } else if (saved.getDefiningOp<LaunchOp>()) {
+      j.attribute("kind", "total"); // a whole-tensor reduction's one value
     } else {
       j.attribute("kind", "scalar");
     }
@@ -81,10 +83,20 @@ struct DirectionNames {
 void directionJson(json::OStream &j, Region &region, const DirectionNames &base,
                    ArrayRef<Value> produced) {
   DirectionNames names = base;
+  // Total kernels run first, in order, each naming its result totalN; the direction's kernel
+  // (at most one other launch) then reads them.
   LaunchOp launch;
+  SmallVector<LaunchOp> totals;
   for (Operation &op : region.front())
-    if (auto l = dyn_cast<LaunchOp>(op))
-      launch = l;
+    if (auto l = dyn_cast<LaunchOp>(op)) {
+      auto kernel = SymbolTable::lookupNearestSymbolFrom<KernelOp>(l, l.getKernelAttr());
+      if (kernel && kernel.isTotalKernel()) {
+        names.names[l.getResult(0)] = fmt::format("total{}", totals.size());
+        totals.push_back(l);
+      } else {
+        launch = l;
+      }
+    }
   if (launch)
     for (auto [i, r] : llvm::enumerate(launch.getResults()))
       names.names[r] = fmt::format("result{}", i);
@@ -100,8 +112,19 @@ void directionJson(json::OStream &j, Region &region, const DirectionNames &base,
     j.attributeArray("args", [&] {
       if (launch)
         for (Value v : launch.getArgs())
-          j.value(base.of(v));
+          j.value(names.of(v));
     });
+    if (!totals.empty())
+      j.attributeArray("totals", [&] {
+        for (LaunchOp total : totals)
+          j.object([&] {
+            j.attribute("kernel", utf8(total.getKernel()));
+            j.attributeArray("args", [&] {
+              for (Value v : total.getArgs())
+                j.value(names.of(v));
+            });
+          });
+      });
     j.attributeArray("produces", [&] {
       for (Value v : produced)
         j.value(names.of(v));
@@ -231,6 +254,9 @@ void kernelJson(json::OStream &j, KernelOp kernel, const KernelSymbols &symbols)
         j.attribute("layout", "rows");
         if (std::string(role) == "in" && body.getArgument(index).getType().isInteger(32))
           j.attribute("type", "i32");
+      } else if (isa<TotalLayoutAttr>(a)) {
+        j.attribute("role", role);
+        j.attribute("layout", "total");
       } else if (auto gathered = dyn_cast<GatheredLayoutAttr>(a)) {
         j.attribute("role", "in");
         j.attribute("layout", "gathered");
@@ -243,7 +269,11 @@ void kernelJson(json::OStream &j, KernelOp kernel, const KernelSymbols &symbols)
   };
   j.object([&] {
     j.attribute("name", utf8(kernel.getSymName()));
-    j.attribute("kind", kernel.isRowKernel() ? "rows" : "elementwise");
+    j.attribute("kind", kernel.isRowKernel()     ? "rows"
+                        : kernel.isTotalKernel() ? "total"
+                                                 : "elementwise");
+    if (kernel.isTotalKernel())
+      j.attribute("reduce", stringifyReduceKind(*kernel.getTotal()));
     if (kernel.isRowKernel())
       j.attribute("warp_max_cols", static_cast<int64_t>(*kernel.getWarpMaxCols()));
     j.attributeObject("symbols", [&] {
@@ -260,6 +290,13 @@ void kernelJson(json::OStream &j, KernelOp kernel, const KernelSymbols &symbols)
       if (kernel.isRowKernel()) {
         j.object([&] { j.attribute("role", "rows"); });
         j.object([&] { j.attribute("role", "cols"); });
+      } else if (kernel.isTotalKernel()) {
+        // The partials and the completion counter (abp_device.h: kTotalScratchValues).
+        j.object([&] {
+          j.attribute("role", "scratch");
+          j.attribute("values", static_cast<int64_t>(1025));
+        });
+        j.object([&] { j.attribute("role", "count"); });
       } else {
         j.object([&] { j.attribute("role", "count"); });
       }
@@ -275,7 +312,7 @@ std::string abp::emitManifest(
   llvm::raw_string_ostream os(text);
   json::OStream j(os, /*IndentSize=*/2);
   j.object([&] {
-    j.attribute("format", static_cast<int64_t>(2));
+    j.attribute("format", static_cast<int64_t>(3));
     j.attribute("file", utf8(options.inputFile));
     j.attribute("source", utf8(options.sourceName));
     j.attribute("host_library", utf8(options.hostLibrary));

@@ -33,7 +33,8 @@ using namespace mlir;
 using namespace abp;
 
 namespace {
-enum class ArgKind { Dense, Packed, Rows, Scalar, Gathered };
+/// Total: one compute-type value for the whole launch, read through a pointer (#abp.total).
+enum class ArgKind { Dense, Packed, Rows, Scalar, Gathered, Total };
 
 struct RowArg {
   ArgKind kind;
@@ -486,6 +487,8 @@ struct RowKernelEmitter {
       else if (spec.kind == ArgKind::Rows)
         out.line(host ? "{} = {}[row];" : "{} = live ? {}[row] : ({})0;", a.field.lookup(arg),
                  spec.name, spec.isInt ? "abp::i32" : "C");
+      else if (spec.kind == ArgKind::Total)
+        out.line("{} = {}[0];", a.field.lookup(arg), spec.name);
     }
     out.line("{}_stage0<C>(u, nullptr, cols);", name);
     out.line("const abp::i64 base = row * cols;");
@@ -674,6 +677,7 @@ SmallVector<RowArg> rowArgsOf(KernelOp kernel) {
                    : isa<ScalarLayoutAttr>(layout)   ? ArgKind::Scalar
                    : isa<PackedLayoutAttr>(layout)   ? ArgKind::Packed
                    : isa<GatheredLayoutAttr>(layout) ? ArgKind::Gathered
+                   : isa<TotalLayoutAttr>(layout)    ? ArgKind::Total
                                                      : ArgKind::Dense;
     RowArg arg{kind, isOutput, fmt::format("{}{}", isOutput ? "r" : "a", index)};
     if (auto packed = dyn_cast<PackedLayoutAttr>(layout))

@@ -56,8 +56,9 @@ FailureOr<EmittedBundle> abp::emitBundle(ModuleOp module, const EmitOptions &opt
   std::vector<std::pair<KernelOp, KernelSymbols>> kernels;
   for (KernelOp kernel : module.getOps<KernelOp>()) {
     KernelSymbols symbols;
-    if (failed(kernel.isRowKernel() ? emitRowKernel(kernel, out, symbols)
-                                    : emitElementwiseKernel(kernel, out, symbols)))
+    if (failed(kernel.isRowKernel()     ? emitRowKernel(kernel, out, symbols)
+               : kernel.isTotalKernel() ? emitTotalKernel(kernel, out, symbols)
+                                        : emitElementwiseKernel(kernel, out, symbols)))
       return failure();
     kernels.emplace_back(kernel, std::move(symbols));
   }

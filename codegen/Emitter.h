@@ -55,6 +55,10 @@ mlir::LogicalResult emitElementwiseKernel(KernelOp kernel, class SourceWriter &o
 /// (EmitRows.cpp).
 mlir::LogicalResult emitRowKernel(KernelOp kernel, class SourceWriter &out,
                                   KernelSymbols &symbols);
+/// Emits a total kernel (`total`): the thread partials and the GPU and CPU entries that combine
+/// them over the whole launch (EmitTotal.cpp).
+mlir::LogicalResult emitTotalKernel(KernelOp kernel, class SourceWriter &out,
+                                    KernelSymbols &symbols);
 /// Emits the manifest JSON (EmitManifest.cpp).
 std::string emitManifest(mlir::ModuleOp module, const EmitOptions &options,
                          const std::vector<std::pair<KernelOp, KernelSymbols>> &kernels);

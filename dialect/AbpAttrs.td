@@ -85,7 +85,19 @@ def Abp_GatheredLayoutAttr : AttrDef<Abp_Dialect, "GatheredLayout"> {
   let assemblyFormat = "`<` $by `>`";
 }
 
-def Abp_ReduceKind : I32EnumAttr<"ReduceKind", "how abp.reduce_rows combines a row", [
+def Abp_TotalLayoutAttr : AttrDef<Abp_Dialect, "TotalLayout"> {
+  let mnemonic = "total";
+  let summary = "a kernel argument holding one value for the whole launch, in memory";
+  let description = [{
+    Example: `outs = [#abp.total]` — a total kernel (`abp.kernel` with `total = <kind>`) writes
+    the reduction of its body's value over every element; `ins = [#abp.dense, #abp.total]` —
+    another kernel reads that one value, and its body sees it as the same `f32` for every
+    element (like `#abp.scalar`, but computed on the device: no host sync). Stored in the
+    compute type: fp32, or fp64 for fp64 launches.
+  }];
+}
+
+def Abp_ReduceKind : I32EnumAttr<"ReduceKind", "how abp.reduce_rows and abp.reduce_tensor combine values", [
     I32EnumAttrCase<"sum", 0>,
     I32EnumAttrCase<"mean", 1>,
     I32EnumAttrCase<"max", 2>,

@@ -354,6 +354,10 @@ LogicalResult OperatorOp::verifyRegions() {
 //===----------------------------------------------------------------------===//
 
 LogicalResult ReturnOp::verify() {
+  for (Value v : getResults())
+    if (isa_and_nonnull<ReduceTensorOp>(v.getDefiningOp()))
+      return emitOpError() << "returns a whole-tensor reduction (abp.reduce_tensor); an output "
+                              "is a tensor: use the value in an abp.map, or save it";
   for (Value v : getSaved())
     if (!isa<RankedTensorType, CodesType>(v.getType()) && !v.getType().isF32())
       return emitOpError() << "can only save tensors, codes or f32 parameters, got "
@@ -675,15 +679,27 @@ LogicalResult KernelOp::verifyRegions() {
   Block &body = getBody().front();
   for (Attribute layout : getIns())
     if (!isa<DenseLayoutAttr, PackedLayoutAttr, ScalarLayoutAttr, RowsLayoutAttr,
-             GatheredLayoutAttr>(layout))
+             GatheredLayoutAttr, TotalLayoutAttr>(layout))
       return emitOpError() << "expects each of 'ins' to be #abp.dense, #abp.packed<b>, "
-                              "#abp.scalar, #abp.rows or #abp.gathered<i>, got "
+                              "#abp.scalar, #abp.rows, #abp.gathered<i> or #abp.total, got "
                            << layout;
-  for (Attribute layout : getOuts())
-    if (!isa<DenseLayoutAttr, PackedLayoutAttr, RowsLayoutAttr>(layout))
-      return emitOpError() << "expects each of 'outs' to be #abp.dense, #abp.packed<b> or "
-                              "#abp.rows, got "
-                           << layout;
+  if (isTotalKernel()) {
+    // One reduction of the body's per-element value: its only output is the total.
+    if (isRowKernel())
+      return emitOpError() << "cannot be both a total kernel (`total`) and a row kernel (`rows`)";
+    if (getOuts().size() != 1 || !isa<TotalLayoutAttr>(getOuts()[0]))
+      return emitOpError() << "is a total kernel and expects 'outs' = [#abp.total], got "
+                           << getOuts();
+  } else {
+    for (Attribute layout : getOuts())
+      if (!isa<DenseLayoutAttr, PackedLayoutAttr, RowsLayoutAttr>(layout))
+        return emitOpError() << "expects each of 'outs' to be #abp.dense, #abp.packed<b> or "
+                                "#abp.rows, got "
+                             << layout
+                             << (isa<TotalLayoutAttr>(layout) ? " (only a total kernel, with "
+                                                                "`total = <kind>`, writes one)"
+                                                              : "");
+  }
   for (Attribute layout : llvm::concat<const Attribute>(getIns(), getOuts())) {
     if (isa<RowsLayoutAttr>(layout) && !isRowKernel())
       return emitOpError() << "has a #abp.rows argument but is not a row kernel (`rows`)";
@@ -738,6 +754,8 @@ static bool matchesLayout(Type type, Attribute layout) {
   }
   if (isa<ScalarLayoutAttr>(layout))
     return type.isF32() || type.isInteger(64);
+  if (isa<TotalLayoutAttr>(layout))
+    return type.isF32();
   auto tensor = dyn_cast<RankedTensorType>(type);
   if (isa<RowsLayoutAttr>(layout))
     return tensor && tensor.getRank() == 1 &&

@@ -166,6 +166,31 @@ def Abp_ReduceRowsOp : Abp_Op<"reduce_rows", [Pure]> {
   let hasVerifier = 1;
 }
 
+def Abp_ReduceTensorOp : Abp_Op<"reduce_tensor", [Pure]> {
+  let summary = "sums, averages or takes the maximum or minimum of a whole tensor";
+  let description = [{
+    Reduces every element of a tensor of any rank to one `f32` value, which an `abp.map` then
+    reads like a parameter (every element sees it) or the operator saves (a per-tensor scale
+    costs one value, not bits per element). `sum` and `mean` accumulate in the compute type
+    (fp32, or fp64 for fp64 launches); `max` and `min` propagate NaN. An empty tensor gives 0,
+    NaN (0 / 0), -inf and +inf respectively.
+
+    `abp-fuse-kernels` gives each reduction its own *total kernel*, launched before the
+    direction's kernel: it recomputes what the reduced value depends on (elementwise maths,
+    codes, draws; not row reductions) and reduces it in a fixed order, so the result does not
+    depend on the device and the CPU path gives the same bits. No host synchronisation.
+
+    Example:
+    ```mlir
+    %amax = abp.reduce_tensor max %ax : tensor<?x?xf32> -> f32
+    %q = abp.map(%x, %amax) : (tensor<?x?xf32>, f32) -> tensor<?x?xf32> { ... }
+    ```
+  }];
+  let arguments = (ins Abp_ReduceKind:$kind, RankedTensorOf<[F32]>:$input);
+  let results = (outs F32:$result);
+  let assemblyFormat = "$kind $input attr-dict `:` type($input) `->` type($result)";
+}
+
 def Abp_BroadcastRowsOp : Abp_Op<"broadcast_rows", [Pure]> {
   let summary = "repeats one value per row along the row (the last dimension)";
   let description = [{
@@ -427,6 +452,10 @@ def Abp_KernelOp : Abp_Op<"kernel", [Symbol, IsolatedFromAbove]> {
     value), and `abp.reduce_rows` combines a per-element value over the row. Rows of at most
     `warp_max_cols` elements are handled by one warp each, longer rows by a whole block.
 
+    With `total = <kind>` (a *total kernel*, made by `abp-fuse-kernels` for each
+    `abp.reduce_tensor`), the body yields one `f32` per element and the kernel writes their
+    reduction over the whole launch to its one output, `#abp.total`.
+
     Example:
     ```mlir
     abp.kernel @relu_bwd {ins = [#abp.packed<1>, #abp.dense], outs = [#abp.dense]} {
@@ -438,13 +467,16 @@ def Abp_KernelOp : Abp_Op<"kernel", [Symbol, IsolatedFromAbove]> {
   }];
   let arguments = (ins SymbolNameAttr:$sym_name, ArrayAttr:$ins, ArrayAttr:$outs,
                        OptionalAttr<I64Attr>:$block_size, OptionalAttr<I64Attr>:$chunk,
-                       UnitAttr:$rows, OptionalAttr<I64Attr>:$warp_max_cols);
+                       UnitAttr:$rows, OptionalAttr<I64Attr>:$warp_max_cols,
+                       OptionalAttr<Abp_ReduceKind>:$total);
   let regions = (region SizedRegion<1>:$body);
   let assemblyFormat = "$sym_name attr-dict-with-keyword $body";
   let hasRegionVerifier = 1;
   let extraClassDeclaration = [{
     /// Whether the kernel works row by row (`rows`) rather than element by element.
     bool isRowKernel() { return getRows(); }
+    /// Whether the kernel reduces its body's value over the whole launch (`total`).
+    bool isTotalKernel() { return getTotal().has_value(); }
   }];
 }
 

@@ -1,4 +1,5 @@
-// FuseKernels.cpp — merges each direction's ops into one abp.kernel (elementwise or row) + abp.launch.
+// FuseKernels.cpp — merges each direction's ops into one abp.kernel (elementwise or row) + abp.launch,
+// after one total kernel per whole-tensor reduction (abp.reduce_tensor).
 #include "passes/Passes.h"
 
 #include "mlir/IR/Builders.h"
@@ -78,11 +79,29 @@ bool isFusable(Operation *op) {
   return isa<MapOp, PackOp, UnpackOp, UniformOp>(op) || isRowOp(op);
 }
 
+/// Whether `value` is a whole-tensor reduction's result: a total kernel's launch result, or
+/// the backward argument holding one that forward saved (forward is fused first).
+bool isTotal(Value value, OperatorOp op) {
+  if (!value.getType().isF32())
+    return false;
+  if (value.getDefiningOp<LaunchOp>())
+    return true; // only total kernels produce an f32
+  auto arg = dyn_cast<BlockArgument>(value);
+  if (!arg || arg.getOwner() != &op.getBackward().front())
+    return false;
+  ReturnOp ret = op.getForwardReturn();
+  return arg.getArgNumber() < ret.getSaved().size() &&
+         isTotal(ret.getSaved()[arg.getArgNumber()], op);
+}
+
 /// What the fused kernel reads or writes: a dense tensor, packed codes, a captured f32 or i64
-/// parameter, or (row kernels) one value per row.
-Attribute layoutOf(Value value, bool rowKernel, MLIRContext *ctx) {
+/// parameter, a whole-tensor reduction's result, or (row kernels) one value per row.
+Attribute layoutOf(Value value, bool rowKernel, OperatorOp op) {
+  MLIRContext *ctx = op.getContext();
   if (auto codes = dyn_cast<CodesType>(value.getType()))
     return PackedLayoutAttr::get(ctx, codes.getBits());
+  if (isTotal(value, op))
+    return TotalLayoutAttr::get(ctx);
   if (value.getType().isF32() || value.getType().isInteger(64))
     return ScalarLayoutAttr::get(ctx);
   if (rowKernel && cast<RankedTensorType>(value.getType()).getRank() == 1)
@@ -91,32 +110,10 @@ Attribute layoutOf(Value value, bool rowKernel, MLIRContext *ctx) {
   return DenseLayoutAttr::get(ctx);
 }
 
-/// Fuses the elementwise ops of one direction of `op` into kernel `name`. Returns failure
-/// after emitting a diagnostic when the direction cannot be fused.
-LogicalResult fuseDirection(OperatorOp op, Region &region, StringRef name) {
-  MLIRContext *ctx = op.getContext();
-  Block &block = region.front();
-  SmallVector<Operation *> fused;
-  for (Operation &inner : block.without_terminator()) {
-    // Constants hoisted out of map bodies by canonicalization are re-materialized in the kernel;
-    // a shared residual stays an alias of the kernel's output.
-    if (inner.hasTrait<OpTrait::ConstantLike>() || isa<ShareSavedOp>(inner))
-      continue;
-    if (!isFusable(&inner))
-      return inner.emitOpError() << "cannot be fused into a kernel; only abp.map, abp.pack, "
-                                    "abp.unpack, abp.uniform, abp.reduce_rows, "
-                                    "abp.broadcast_rows, abp.sample and abp.unsample may "
-                                    "remain after lowering";
-    fused.push_back(&inner);
-  }
-  if (fused.empty())
-    return success();
+/// External values a kernel made of `fused` reads, in first-use order: operands of fused ops not
+/// produced by them, and parameters captured by map bodies.
+llvm::SetVector<Value> externalInputs(ArrayRef<Operation *> fused) {
   llvm::SmallPtrSet<Operation *, 16> inSet(fused.begin(), fused.end());
-  // Any reduction or broadcast along rows makes this a row kernel: one row at a time.
-  const bool rowKernel = llvm::any_of(fused, isRowOp);
-
-  // External values the kernel reads, in first-use order: operands of fused ops not produced by
-  // them, and f32 parameters captured by map bodies.
   llvm::SetVector<Value> inputs;
   for (Operation *inner : fused) {
     for (Value operand : inner->getOperands())
@@ -132,76 +129,21 @@ LogicalResult fuseDirection(OperatorOp op, Region &region, StringRef name) {
         }
       });
   }
-  // Values leaving the direction: results of fused ops with a use outside them.
-  llvm::SetVector<Value> outputs;
-  for (Operation *inner : fused)
-    for (Value result : inner->getResults())
-      for (Operation *user : result.getUsers())
-        if (!inSet.contains(user))
-          outputs.insert(result);
+  return inputs;
+}
 
-  // Matrices read at gathered rows (abp.sample / abp.unsample): the kernel's rows are the
-  // index's, so such a matrix is read only through its index, and must come from outside.
-  llvm::DenseMap<Value, Value> gatheredBy; // matrix -> its row-index value
-  for (Operation *inner : fused) {
-    auto [matrix, index] = gatherOf(inner);
-    if (!matrix)
-      continue;
-    if (!inputs.contains(matrix))
-      return inner->emitOpError() << "gathers rows of a value computed in the same kernel; "
-                                     "gather a kernel input (an operator argument or residual)";
-    for (Operation *user : matrix.getUsers())
-      if (inSet.contains(user) && gatherOf(user) != std::make_pair(matrix, index))
-        return inner->emitOpError()
-               << "gathers rows of a matrix that the kernel also reads otherwise; a kernel "
-                  "reads each matrix either row by row or through one index";
-    gatheredBy[matrix] = index;
-  }
+/// The scalar type a kernel body sees for an external value.
+Type bodyArgType(Value in, bool rowIndex, MLIRContext *ctx) {
+  return isa<CodesType>(in.getType()) ? Type(IntegerType::get(ctx, 8))
+         : in.getType().isInteger(64) ? in.getType()
+         : rowIndex                   ? Type(IntegerType::get(ctx, 32))
+                                      : Type(Float32Type::get(ctx));
+}
 
-  SmallVector<Attribute> ins, outs;
-  SmallVector<Type> argTypes;
-  SmallVector<Location> argLocs;
-  for (Value in : inputs) {
-    auto tensor = dyn_cast<RankedTensorType>(in.getType());
-    bool rowIndex = tensor && rowKernel && tensor.getRank() == 1 &&
-                    tensor.getElementType().isInteger(32);
-    if (tensor && !tensor.getElementType().isF32() && !rowIndex)
-      return emitError(in.getLoc()) << "an i8 code tensor enters a kernel unpacked; "
-                                       "store codes with abp.pack";
-    if (Value index = gatheredBy.lookup(in))
-      ins.push_back(GatheredLayoutAttr::get(
-          ctx, static_cast<unsigned>(std::distance(inputs.begin(), llvm::find(inputs, index)))));
-    else
-      ins.push_back(layoutOf(in, rowKernel, ctx));
-    argTypes.push_back(isa<CodesType>(in.getType())  ? Type(IntegerType::get(ctx, 8))
-                       : in.getType().isInteger(64) ? in.getType()
-                       : rowIndex                   ? Type(IntegerType::get(ctx, 32))
-                                                    : Type(Float32Type::get(ctx)));
-    argLocs.push_back(in.getLoc());
-  }
-  for (Value out : outputs) {
-    auto tensor = dyn_cast<RankedTensorType>(out.getType());
-    if (tensor && !tensor.getElementType().isF32())
-      return out.getDefiningOp()->emitOpError()
-             << "produces an i8 code tensor that leaves the kernel unpacked; store codes with "
-                "abp.pack";
-    outs.push_back(layoutOf(out, rowKernel, ctx));
-  }
-
-  // The kernel symbol, placed before the operator.
-  OpBuilder moduleBuilder(op);
-  auto kernel = moduleBuilder.create<KernelOp>(
-      op.getLoc(), name, moduleBuilder.getArrayAttr(ins), moduleBuilder.getArrayAttr(outs),
-      IntegerAttr(), IntegerAttr(), /*rows=*/rowKernel, IntegerAttr());
-  OpBuilder body(ctx);
-  Block *entry = body.createBlock(&kernel.getBody(), {}, argTypes, argLocs);
-  IRMapping scalars; // tensor/codes/param value -> its per-element scalar in the kernel
-  for (auto [in, arg] : llvm::zip(inputs, entry->getArguments()))
-    scalars.map(in, arg);
-  for (Operation &inner : block.without_terminator())
-    if (inner.hasTrait<OpTrait::ConstantLike>())
-      body.clone(inner, scalars);
-
+/// Translates the fused ops into the kernel body at `body`'s insertion point: every tensor,
+/// code or parameter value gets its per-element scalar in `scalars`.
+void translateOps(ArrayRef<Operation *> fused, OpBuilder &body, IRMapping &scalars) {
+  MLIRContext *ctx = body.getContext();
   for (Operation *inner : fused) {
     if (auto pack = dyn_cast<PackOp>(inner)) {
       scalars.map(pack.getResult(), scalars.lookup(pack.getInput()));
@@ -254,21 +196,204 @@ LogicalResult fuseDirection(OperatorOp op, Region &region, StringRef name) {
         scalars.map(res, local.lookup(val));
     }
   }
-  SmallVector<Value> yielded;
-  for (Value out : outputs)
-    yielded.push_back(scalars.lookup(out));
-  body.create<YieldOp>(op.getLoc(), yielded);
+}
+
+/// Creates kernel `name` (before `op`) over `inputs` with `ins` layouts, whose body computes
+/// `fused` and yields the scalars of `yielded`. Constants of the direction's block are
+/// re-materialized in it; calls are inlined.
+KernelOp buildKernel(OperatorOp op, Block &block, ArrayRef<Operation *> fused,
+                     const llvm::SetVector<Value> &inputs, ArrayRef<Attribute> ins,
+                     ArrayRef<Attribute> outs, ArrayRef<Value> yielded, StringRef name,
+                     bool rowKernel, ReduceKindAttr total) {
+  MLIRContext *ctx = op.getContext();
+  SmallVector<Type> argTypes;
+  SmallVector<Location> argLocs;
+  for (auto [in, layout] : llvm::zip(inputs, ins)) {
+    bool rowIndex = isa<RowsLayoutAttr>(layout) && cast<RankedTensorType>(in.getType())
+                                                       .getElementType()
+                                                       .isInteger(32);
+    argTypes.push_back(bodyArgType(in, rowIndex, ctx));
+    argLocs.push_back(in.getLoc());
+  }
+  OpBuilder moduleBuilder(op);
+  auto kernel = moduleBuilder.create<KernelOp>(
+      op.getLoc(), name, moduleBuilder.getArrayAttr(ins), moduleBuilder.getArrayAttr(outs),
+      IntegerAttr(), IntegerAttr(), /*rows=*/rowKernel, IntegerAttr(), total);
+  OpBuilder body(ctx);
+  Block *entry = body.createBlock(&kernel.getBody(), {}, argTypes, argLocs);
+  IRMapping scalars; // tensor/codes/param value -> its per-element scalar in the kernel
+  for (auto [in, arg] : llvm::zip(inputs, entry->getArguments()))
+    scalars.map(in, arg);
+  for (Operation &inner : block.without_terminator())
+    if (inner.hasTrait<OpTrait::ConstantLike>())
+      body.clone(inner, scalars);
+  translateOps(fused, body, scalars);
+  SmallVector<Value> values;
+  for (Value out : yielded)
+    values.push_back(scalars.lookup(out));
+  body.create<YieldOp>(op.getLoc(), values);
   inlineCalls(kernel);
+  return kernel;
+}
+
+/// Gives every abp.reduce_tensor of the direction its own total kernel (`<name>_total<i>`),
+/// launched where the reduction was: the kernel recomputes the elementwise ops its operand
+/// depends on and reduces that value over every element. The ops only it needed are erased;
+/// the direction's kernel reads the result as #abp.total.
+LogicalResult fuseTotals(OperatorOp op, Region &region, StringRef name) {
+  MLIRContext *ctx = op.getContext();
+  Block &block = region.front();
+  SmallVector<ReduceTensorOp> reductions(block.getOps<ReduceTensorOp>());
+  int64_t inputRank = 0;
+  for (BlockArgument arg : op.getTensorInputs())
+    inputRank = std::max(inputRank, cast<RankedTensorType>(arg.getType()).getRank());
+  for (auto [i, reduce] : llvm::enumerate(reductions)) {
+    if (cast<RankedTensorType>(reduce.getInput().getType()).getRank() < inputRank)
+      return reduce.emitOpError()
+             << "reduces a per-row value (rank below the operator's inputs'); a whole-tensor "
+                "reduction runs over every element of the operator's tensors";
+    // The ops the reduced value depends on within the direction, in block order.
+    llvm::SmallPtrSet<Operation *, 16> needed;
+    SmallVector<Value> work{reduce.getInput()};
+    while (!work.empty()) {
+      Operation *def = work.pop_back_val().getDefiningOp();
+      if (!def || def->getBlock() != &block || def->hasTrait<OpTrait::ConstantLike>() ||
+          isa<LaunchOp>(def) || !needed.insert(def).second)
+        continue;
+      if (isRowOp(def) || !isFusable(def))
+        return reduce.emitOpError()
+               << "reduces a value computed by '" << def->getName()
+               << "'; a whole-tensor reduction recomputes its operand element by element, from "
+                  "abp.map, abp.unpack, abp.pack and abp.uniform (reduce along rows first "
+                  "in another operator)";
+      llvm::append_range(work, def->getOperands());
+      if (auto map = dyn_cast<MapOp>(def))
+        map.getBody().walk([&](Operation *bodyOp) {
+          for (Value operand : bodyOp->getOperands())
+            if (!map.getBody().isAncestor(operand.getParentRegion()))
+              work.push_back(operand);
+        });
+    }
+    SmallVector<Operation *> slice;
+    for (Operation &inner : block.without_terminator())
+      if (needed.contains(&inner))
+        slice.push_back(&inner);
+    llvm::SetVector<Value> inputs = externalInputs(slice);
+    if (slice.empty())
+      inputs.insert(reduce.getInput()); // the reduced tensor is itself an input
+    SmallVector<Attribute> ins;
+    for (Value in : inputs) {
+      auto tensor = dyn_cast<RankedTensorType>(in.getType());
+      if (tensor && !tensor.getElementType().isF32())
+        return emitError(in.getLoc()) << "an i8 code tensor enters a kernel unpacked; "
+                                         "store codes with abp.pack";
+      ins.push_back(layoutOf(in, /*rowKernel=*/false, op));
+    }
+    std::string kernelName = (name + "_total" + llvm::Twine(i)).str();
+    buildKernel(op, block, slice, inputs, ins, {TotalLayoutAttr::get(ctx)},
+                {reduce.getInput()}, kernelName, /*rowKernel=*/false, reduce.getKindAttr());
+    OpBuilder launchBuilder(reduce);
+    auto launch = launchBuilder.create<LaunchOp>(reduce.getLoc(), TypeRange{reduce.getType()},
+                                                 FlatSymbolRefAttr::get(ctx, kernelName),
+                                                 inputs.getArrayRef());
+    reduce.getResult().replaceAllUsesWith(launch.getResult(0));
+    reduce.erase();
+    for (Operation *inner : llvm::reverse(slice))
+      if (inner->use_empty())
+        inner->erase();
+  }
+  return success();
+}
+
+/// Fuses the elementwise ops of one direction of `op` into kernel `name` (after its
+/// whole-tensor reductions got their own kernels). Returns failure after emitting a
+/// diagnostic when the direction cannot be fused.
+LogicalResult fuseDirection(OperatorOp op, Region &region, StringRef name) {
+  if (failed(fuseTotals(op, region, name)))
+    return failure();
+  Block &block = region.front();
+  SmallVector<Operation *> fused;
+  for (Operation &inner : block.without_terminator()) {
+    // Constants hoisted out of map bodies by canonicalization are re-materialized in the kernel;
+    // a shared residual stays an alias of the kernel's output; total kernels are launched.
+    if (inner.hasTrait<OpTrait::ConstantLike>() || isa<ShareSavedOp, LaunchOp>(inner))
+      continue;
+    if (!isFusable(&inner))
+      return inner.emitOpError() << "cannot be fused into a kernel; only abp.map, abp.pack, "
+                                    "abp.unpack, abp.uniform, abp.reduce_rows, "
+                                    "abp.reduce_tensor, abp.broadcast_rows, abp.sample and "
+                                    "abp.unsample may remain after lowering";
+    fused.push_back(&inner);
+  }
+  if (fused.empty())
+    return success();
+  llvm::SmallPtrSet<Operation *, 16> inSet(fused.begin(), fused.end());
+  // Any reduction or broadcast along rows makes this a row kernel: one row at a time.
+  const bool rowKernel = llvm::any_of(fused, isRowOp);
+
+  llvm::SetVector<Value> inputs = externalInputs(fused);
+  // Values leaving the direction: results of fused ops with a use outside them.
+  llvm::SetVector<Value> outputs;
+  for (Operation *inner : fused)
+    for (Value result : inner->getResults())
+      for (Operation *user : result.getUsers())
+        if (!inSet.contains(user))
+          outputs.insert(result);
+
+  // Matrices read at gathered rows (abp.sample / abp.unsample): the kernel's rows are the
+  // index's, so such a matrix is read only through its index, and must come from outside.
+  llvm::DenseMap<Value, Value> gatheredBy; // matrix -> its row-index value
+  for (Operation *inner : fused) {
+    auto [matrix, index] = gatherOf(inner);
+    if (!matrix)
+      continue;
+    if (!inputs.contains(matrix))
+      return inner->emitOpError() << "gathers rows of a value computed in the same kernel; "
+                                     "gather a kernel input (an operator argument or residual)";
+    for (Operation *user : matrix.getUsers())
+      if (inSet.contains(user) && gatherOf(user) != std::make_pair(matrix, index))
+        return inner->emitOpError()
+               << "gathers rows of a matrix that the kernel also reads otherwise; a kernel "
+                  "reads each matrix either row by row or through one index";
+    gatheredBy[matrix] = index;
+  }
+
+  SmallVector<Attribute> ins, outs;
+  for (Value in : inputs) {
+    auto tensor = dyn_cast<RankedTensorType>(in.getType());
+    bool rowIndex = tensor && rowKernel && tensor.getRank() == 1 &&
+                    tensor.getElementType().isInteger(32);
+    if (tensor && !tensor.getElementType().isF32() && !rowIndex)
+      return emitError(in.getLoc()) << "an i8 code tensor enters a kernel unpacked; "
+                                       "store codes with abp.pack";
+    if (Value index = gatheredBy.lookup(in))
+      ins.push_back(GatheredLayoutAttr::get(
+          op.getContext(),
+          static_cast<unsigned>(std::distance(inputs.begin(), llvm::find(inputs, index)))));
+    else
+      ins.push_back(layoutOf(in, rowKernel, op));
+  }
+  for (Value out : outputs) {
+    auto tensor = dyn_cast<RankedTensorType>(out.getType());
+    if (tensor && !tensor.getElementType().isF32())
+      return out.getDefiningOp()->emitOpError()
+             << "produces an i8 code tensor that leaves the kernel unpacked; store codes with "
+                "abp.pack";
+    outs.push_back(layoutOf(out, rowKernel, op));
+  }
+
+  buildKernel(op, block, fused, inputs, ins, outs, outputs.getArrayRef(), name, rowKernel,
+              ReduceKindAttr());
 
   // One launch replaces the fused ops, right after the last of them (a shared residual that
   // aliases an output follows it); every remaining user is the terminator or a share_saved.
-  OpBuilder launchBuilder(ctx);
+  OpBuilder launchBuilder(op.getContext());
   launchBuilder.setInsertionPointAfter(fused.back());
   SmallVector<Type> resultTypes;
   for (Value out : outputs)
     resultTypes.push_back(out.getType());
   auto launch = launchBuilder.create<LaunchOp>(fused.back()->getLoc(), resultTypes,
-                                               FlatSymbolRefAttr::get(ctx, name),
+                                               FlatSymbolRefAttr::get(op.getContext(), name),
                                                inputs.getArrayRef());
   for (auto [out, res] : llvm::zip(outputs, launch.getResults()))
     Value(out).replaceAllUsesWith(res);

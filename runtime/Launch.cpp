@@ -38,6 +38,18 @@ LaunchConfig gridForRows(int64_t rows, int64_t cols, int block, int64_t warpMaxC
   return config;
 }
 
+LaunchConfig gridForTotal(int64_t n, int chunk, int block) {
+  LaunchConfig config;
+  config.block = block;
+  if (n < 0 || chunk <= 0 || block <= 0)
+    return config;
+  // A function of n alone (docs/manifest.md): the result's bits do not depend on the device.
+  int64_t chunks = (n + chunk - 1) / chunk;
+  int64_t blocks = (chunks + block - 1) / block;
+  config.grid = blocks < 1 ? 1 : blocks > kTotalMaxBlocks ? kTotalMaxBlocks : blocks;
+  return config;
+}
+
 static int64_t argInt64(void *const *args, int i) {
   int64_t value;
   std::memcpy(&value, args[i], sizeof value);
@@ -49,6 +61,8 @@ LaunchConfig launchConfigFor(const KernelRecord &record, void *const *args, int 
   if (record.kind == KernelKind::Rows)
     return gridForRows(argInt64(args, nargs - 2), argInt64(args, nargs - 1), record.block,
                        record.warpMaxCols, maxBlocks);
+  if (record.kind == KernelKind::Total)
+    return gridForTotal(n, record.chunk, record.block);
   return gridFor(n, record.chunk, record.block, maxBlocks);
 }
 
@@ -103,6 +117,16 @@ void checkLaunchArgs(const KernelRecord &record, void *const *args, int nargs, i
   }
   // Last, once the sizes agree: a tensor's data pointer may only be NULL when there is nothing
   // to read or write (a tensor without storage, e.g. a FakeTensor's, would crash the process).
+  // A total kernel runs even over no elements: its result, scratch and total inputs are read
+  // or written regardless.
+  for (int i = 0; i < nargs; ++i) {
+    const KernelArg &arg = record.args[static_cast<size_t>(i)];
+    if ((arg.role == ArgRole::Scratch || arg.layout == ArgLayout::Total) &&
+        !*static_cast<void *const *>(args[i]))
+      throw Error(ErrorCode::InvalidArgument,
+                  "args[" + std::to_string(i) + "]: a NULL pointer (kernel " + record.name +
+                      ", role " + argRoleName(arg.role) + ", one value or the scratch)");
+  }
   if (n > 0)
     for (int i = 0; i < nargs; ++i) {
       ArgRole role = record.args[static_cast<size_t>(i)].role;
@@ -155,7 +179,7 @@ static Error roleMismatch(const KernelRecord &record, int index, const char *giv
 
 ArgPack &ArgPack::pointer(const void *p) {
   const KernelArg &arg = expect("a pointer");
-  if (arg.role != ArgRole::In && arg.role != ArgRole::Out)
+  if (arg.role != ArgRole::In && arg.role != ArgRole::Out && arg.role != ArgRole::Scratch)
     throw roleMismatch(record_, next_, "a pointer");
   values_[next_++].pointer = p;
   return *this;

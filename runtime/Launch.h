@@ -20,6 +20,11 @@ struct LaunchConfig {
   int64_t block = 0; ///< threads per block
 };
 
+/// A total kernel's grid: ceil(ceil(n / chunk) / block) blocks, at least 1 (it runs even over
+/// no elements, writing the reduction's identity) and at most kTotalMaxBlocks, whatever the
+/// device: the combination order, and so the result, depend on n alone.
+LaunchConfig gridForTotal(int64_t n, int chunk, int block);
+
 /// docs/manifest.md's grid rule: `block` threads per block and
 /// min(ceil(ceil(n / chunk) / block), maxBlocks) blocks (maxBlocks <= 0: no cap); n == 0 gives
 /// grid 0.

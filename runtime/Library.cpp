@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <set>
 #include <dirent.h>
 
 namespace abp::rt {
@@ -270,9 +271,16 @@ std::unique_ptr<Library> Library::open(const std::string &directory) {
                     "operator " + op.name + " is defined by both " + it->second + " and " + m.path);
       Json entry = op.json;
       Json used = Json::array();
-      for (const std::string *name : {&op.forward.kernel, &op.backward.kernel})
-        if (!name->empty() && (used.empty() || used.front()["name"] != *name))
-          used.push_back(m.findKernel(*name)->json);
+      std::set<std::string> seen;
+      for (const DirectionRecord *d : {&op.forward, &op.backward}) {
+        std::vector<const std::string *> names;
+        for (const TotalLaunch &total : d->totals)
+          names.push_back(&total.kernel);
+        names.push_back(&d->kernel);
+        for (const std::string *name : names)
+          if (!name->empty() && seen.insert(*name).second)
+            used.push_back(m.findKernel(*name)->json);
+      }
       entry["kernels"] = std::move(used);
       // Where it was read from, as the runtime resolved it (abp.inspect shows these).
       entry["manifest"] = Json{

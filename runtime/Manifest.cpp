@@ -56,6 +56,8 @@ const char *argRoleName(ArgRole role) {
     return "rows";
   case ArgRole::Cols:
     return "cols";
+  case ArgRole::Scratch:
+    return "scratch";
   }
   return "?";
 }
@@ -211,10 +213,18 @@ KernelRecord parseKernel(const Checker &check, const Json &value, const std::str
     k.symbols.emplace_back(dtype, symbol);
   }
   if (const Json *kind = findMember(value, "kind")) {
-    if (!kind->is_string() || (*kind != "elementwise" && *kind != "rows"))
-      check.fail(at + ".kind", "expected \"elementwise\" or \"rows\"");
+    if (!kind->is_string() || (*kind != "elementwise" && *kind != "rows" && *kind != "total"))
+      check.fail(at + ".kind", "expected \"elementwise\", \"rows\" or \"total\"");
     if (*kind == "rows")
       k.kind = KernelKind::Rows;
+    if (*kind == "total")
+      k.kind = KernelKind::Total;
+  }
+  const bool total = k.kind == KernelKind::Total;
+  if (total) {
+    std::string reduce = check.str(value, at, "reduce", true);
+    if (reduce != "sum" && reduce != "mean" && reduce != "max" && reduce != "min")
+      check.fail(at + ".reduce", "expected sum, mean, max or min, got \"" + reduce + "\"");
   }
   const bool rows = k.kind == KernelKind::Rows;
   k.block = static_cast<int>(check.integer(value, at, "block", 1, 1024));
@@ -253,9 +263,20 @@ KernelRecord parseKernel(const Checker &check, const Json &value, const std::str
       arg.role = ArgRole::Rows;
     else if (role == "cols")
       arg.role = ArgRole::Cols;
+    else if (role == "scratch")
+      arg.role = ArgRole::Scratch;
     else
-      check.fail(argAt + ".role",
-                 "unknown role \"" + role + "\" (expected in, out, scalar, count, rows or cols)");
+      check.fail(argAt + ".role", "unknown role \"" + role +
+                                      "\" (expected in, out, scalar, count, rows, cols or scratch)");
+    // A total kernel's scratch comes right before its count, and only there.
+    if ((arg.role == ArgRole::Scratch) != (total && i + 2 == args.size()))
+      check.fail(argAt, total ? "a total kernel's argument before the count must be its scratch "
+                                "(role \"scratch\"), and only that one"
+                              : "only a total kernel takes a scratch argument");
+    if (arg.role == ArgRole::Scratch &&
+        check.integer(args[i], argAt, "values", 0, INT64_MAX) != kTotalScratchValues)
+      check.fail(argAt + ".values", "expected " + std::to_string(kTotalScratchValues) +
+                                        " (this runtime's total kernel scratch)");
     // The shape arguments close the list: the count, or rows then cols in row kernels.
     bool inTail = i + tail >= args.size();
     ArgRole expectedTail = !rows ? ArgRole::Count
@@ -273,7 +294,7 @@ KernelRecord parseKernel(const Checker &check, const Json &value, const std::str
                             (rows ? "one of the last two" : "last"));
     if (arg.role == ArgRole::Out)
       seenOut = true;
-    else if (seenOut && !shapeRole)
+    else if (seenOut && !shapeRole && arg.role != ArgRole::Scratch)
       check.fail(argAt, "inputs and scalars must come before the outputs");
     if (arg.role == ArgRole::Scalar) {
       std::string type = check.str(args[i], argAt, "type", true);
@@ -304,6 +325,10 @@ KernelRecord parseKernel(const Checker &check, const Json &value, const std::str
                                         "given; compute-type rows have none");
           arg.rowIndex = true;
         }
+      } else if (layout == "total") {
+        if (arg.role == ArgRole::Out && !total)
+          check.fail(argAt + ".layout", "only a total kernel writes a \"total\" output");
+        arg.layout = ArgLayout::Total;
       } else if (layout == "gathered") {
         if (!rows || arg.role != ArgRole::In)
           check.fail(argAt + ".layout",
@@ -313,11 +338,15 @@ KernelRecord parseKernel(const Checker &check, const Json &value, const std::str
             check.integer(args[i], argAt, "by", 0, static_cast<int64_t>(args.size()) - 1));
       } else {
         check.fail(argAt + ".layout",
-                   "unknown layout \"" + layout + "\" (expected dense, packed, rows or gathered)");
+                   "unknown layout \"" + layout +
+                       "\" (expected dense, packed, rows, gathered or total)");
       }
     }
     k.args.push_back(arg);
   }
+  if (total && (k.numOutputs() != 1 || k.args[static_cast<size_t>(k.numInputs())].layout !=
+                                            ArgLayout::Total))
+    check.fail(argsAt, "a total kernel writes exactly one output, of layout \"total\"");
   for (size_t i = 0; i < k.args.size(); ++i) {
     const KernelArg &arg = k.args[i];
     if (arg.layout == ArgLayout::Gathered &&
@@ -332,7 +361,7 @@ KernelRecord parseKernel(const Checker &check, const Json &value, const std::str
 
 /// Splits "residual12" into ("residual", 12); returns false if it is not such a reference.
 bool splitRef(const std::string &ref, std::string &kind, int &index) {
-  static const char *const kKinds[] = {"input", "param", "residual", "grad", "result"};
+  static const char *const kKinds[] = {"input", "param", "residual", "grad", "result", "total"};
   for (const char *k : kKinds) {
     size_t len = std::strlen(k);
     if (ref.size() <= len || ref.compare(0, len, k) != 0)
@@ -350,6 +379,79 @@ bool splitRef(const std::string &ref, std::string &kind, int &index) {
   return false;
 }
 
+/// Checks the references `items` (at `at`) and appends them to `out`: each names an existing
+/// input, parameter, residual, gradient, result of `record` (the direction's kernel; none for
+/// a total launch) or one of the first `totals` total kernel results.
+void parseRefs(const Checker &check, const Json &items, const std::string &at,
+               const OperatorRecord &op, const KernelRecord *record, int totals,
+               std::vector<std::string> &out) {
+  if (!items.is_array())
+    check.fail(at, "expected an array, got " + kindName(items));
+  for (size_t i = 0; i < items.size(); ++i) {
+    std::string refAt = Checker::index(at, i);
+    if (!items[i].is_string())
+      check.fail(refAt, "expected a reference string such as \"input0\"");
+    const std::string &ref = items[i].get_ref<const std::string &>();
+    std::string kind;
+    int index = 0;
+    if (!splitRef(ref, kind, index))
+      check.fail(refAt, "\"" + ref +
+                            "\" is not a reference (inputN, paramN, residualN, gradN, resultN, "
+                            "totalN)");
+    int limit = kind == "input"      ? op.inputs
+                : kind == "param"    ? static_cast<int>(op.params.size())
+                : kind == "residual" ? static_cast<int>(op.residuals.size())
+                : kind == "grad"     ? op.outputs
+                : kind == "total"    ? totals
+                                     : (record ? record->numOutputs() : 0);
+    if (index >= limit)
+      check.fail(refAt, "\"" + ref + "\" is out of range (" + std::to_string(limit) + " " + kind +
+                            (limit == 1 ? "" : "s") + " available)");
+    out.push_back(ref);
+  }
+}
+
+/// Each reference in `args` must fit the argument of `record` it feeds: tensors to dense
+/// inputs, codes to packed inputs of the same width, parameters and scalar residuals to
+/// scalars, totals to "total" inputs.
+void checkArgs(const Checker &check, const std::vector<std::string> &args, const std::string &at,
+               const OperatorRecord &op, const KernelRecord &record) {
+  if (static_cast<int>(args.size()) != record.numInputs())
+    check.fail(at, "kernel \"" + record.name + "\" takes " + std::to_string(record.numInputs()) +
+                       " inputs and scalars, but " + std::to_string(args.size()) +
+                       " references are given");
+  for (size_t i = 0; i < args.size(); ++i) {
+    std::string kind;
+    int index = 0;
+    splitRef(args[i], kind, index);
+    const KernelArg &arg = record.args[i];
+    std::string refAt = Checker::index(at, i);
+    auto residualIs = [&](ResidualKind k) {
+      return kind == "residual" && op.residuals[index].kind == k;
+    };
+    bool scalarRef = kind == "param" || residualIs(ResidualKind::Scalar);
+    bool totalRef = kind == "total" || residualIs(ResidualKind::Total);
+    if (scalarRef != (arg.role == ArgRole::Scalar) ||
+        totalRef != (arg.role == ArgRole::In && arg.layout == ArgLayout::Total))
+      check.fail(refAt, "\"" + args[i] + "\" feeds argument " + std::to_string(i) +
+                            " of kernel \"" + record.name + "\", whose role is " +
+                            argRoleName(arg.role) +
+                            (arg.layout == ArgLayout::Total ? " (layout total)" : ""));
+    if (residualIs(ResidualKind::Codes) &&
+        (arg.layout != ArgLayout::Packed || arg.bits != op.residuals[index].bits))
+      check.fail(refAt, "\"" + args[i] + "\" holds " + std::to_string(op.residuals[index].bits) +
+                            "-bit codes, but argument " + std::to_string(i) + " of kernel \"" +
+                            record.name + "\" is not packed with that width");
+  }
+}
+
+const KernelRecord *findKernel(const std::vector<KernelRecord> &kernels, const std::string &name) {
+  for (const KernelRecord &k : kernels)
+    if (k.name == name)
+      return &k;
+  return nullptr;
+}
+
 DirectionRecord parseDirection(const Checker &check, const Json &value, const std::string &at,
                                const OperatorRecord &op, const std::vector<KernelRecord> &kernels,
                                size_t expectedProduces) {
@@ -357,43 +459,44 @@ DirectionRecord parseDirection(const Checker &check, const Json &value, const st
   if (value.is_null())
     return d; // no work and nothing to describe
   check.object(value, at);
+  // Total kernels first: each may read the totals before it.
+  if (const Json *totals = findMember(value, "totals")) {
+    std::string totalsAt = at + ".totals";
+    if (!totals->is_array())
+      check.fail(totalsAt, "expected an array, got " + kindName(*totals));
+    for (size_t i = 0; i < totals->size(); ++i) {
+      std::string tAt = Checker::index(totalsAt, i);
+      const Json &item = (*totals)[i];
+      check.object(item, tAt);
+      TotalLaunch launch;
+      launch.kernel = check.str(item, tAt, "kernel", true);
+      const KernelRecord *record = findKernel(kernels, launch.kernel);
+      if (!record || record->kind != KernelKind::Total)
+        check.fail(tAt + ".kernel", "names \"" + launch.kernel +
+                                        "\", which is not a total kernel of \"kernels\"");
+      parseRefs(check, check.member(item, tAt, "args"), tAt + ".args", op, nullptr,
+                static_cast<int>(i), launch.args);
+      checkArgs(check, launch.args, tAt + ".args", op, *record);
+      d.totals.push_back(std::move(launch));
+    }
+  }
+  const int totals = static_cast<int>(d.totals.size());
   const Json &kernel = check.member(value, at, "kernel");
   const KernelRecord *record = nullptr;
   if (!kernel.is_null()) {
     if (!kernel.is_string() || kernel.get_ref<const std::string &>().empty())
       check.fail(at + ".kernel", "expected a kernel name or null");
     d.kernel = kernel.get<std::string>();
-    for (const KernelRecord &k : kernels)
-      if (k.name == d.kernel)
-        record = &k;
+    record = findKernel(kernels, d.kernel);
     if (!record)
       check.fail(at + ".kernel", "names kernel \"" + d.kernel + "\", which is not in \"kernels\"");
+    if (record->kind == KernelKind::Total)
+      check.fail(at + ".kernel", "names total kernel \"" + d.kernel +
+                                     "\"; a direction launches those under \"totals\"");
   }
-  auto refs = [&](const char *key, std::vector<std::string> &out) {
-    const Json &items = check.array(value, at, key);
-    for (size_t i = 0; i < items.size(); ++i) {
-      std::string refAt = Checker::index(Checker::join(at, key), i);
-      if (!items[i].is_string())
-        check.fail(refAt, "expected a reference string such as \"input0\"");
-      const std::string &ref = items[i].get_ref<const std::string &>();
-      std::string kind;
-      int index = 0;
-      if (!splitRef(ref, kind, index))
-        check.fail(refAt, "\"" + ref +
-                              "\" is not a reference (inputN, paramN, residualN, gradN, resultN)");
-      int limit = kind == "input"      ? op.inputs
-                  : kind == "param"    ? static_cast<int>(op.params.size())
-                  : kind == "residual" ? static_cast<int>(op.residuals.size())
-                  : kind == "grad"     ? op.outputs
-                                       : (record ? record->numOutputs() : 0);
-      if (index >= limit)
-        check.fail(refAt, "\"" + ref + "\" is out of range (" + std::to_string(limit) + " " + kind +
-                              (limit == 1 ? "" : "s") + " available)");
-      out.push_back(ref);
-    }
-  };
-  refs("args", d.args);
-  refs("produces", d.produces);
+  parseRefs(check, check.member(value, at, "args"), at + ".args", op, record, totals, d.args);
+  parseRefs(check, check.member(value, at, "produces"), at + ".produces", op, record, totals,
+            d.produces);
   if (d.produces.size() != expectedProduces)
     check.fail(at + ".produces", "expected " + std::to_string(expectedProduces) +
                                      " references, got " + std::to_string(d.produces.size()));
@@ -402,30 +505,7 @@ DirectionRecord parseDirection(const Checker &check, const Json &value, const st
       check.fail(at + ".args", "a direction without a kernel takes no arguments");
     return d;
   }
-  if (static_cast<int>(d.args.size()) != record->numInputs())
-    check.fail(at + ".args", "kernel \"" + record->name + "\" takes " +
-                                 std::to_string(record->numInputs()) + " inputs and scalars, but " +
-                                 std::to_string(d.args.size()) + " references are given");
-  // Each reference must fit the argument it feeds: tensors to dense inputs, codes to packed
-  // inputs of the same width, parameters and scalar residuals to scalars.
-  for (size_t i = 0; i < d.args.size(); ++i) {
-    std::string kind;
-    int index = 0;
-    splitRef(d.args[i], kind, index);
-    const KernelArg &arg = record->args[i];
-    std::string refAt = Checker::index(at + ".args", i);
-    bool scalarRef =
-        kind == "param" || (kind == "residual" && op.residuals[index].kind == ResidualKind::Scalar);
-    if (scalarRef != (arg.role == ArgRole::Scalar))
-      check.fail(refAt, "\"" + d.args[i] + "\" feeds argument " + std::to_string(i) +
-                            " of kernel \"" + record->name + "\", whose role is " +
-                            argRoleName(arg.role));
-    if (kind == "residual" && op.residuals[index].kind == ResidualKind::Codes &&
-        (arg.layout != ArgLayout::Packed || arg.bits != op.residuals[index].bits))
-      check.fail(refAt, "\"" + d.args[i] + "\" holds " + std::to_string(op.residuals[index].bits) +
-                            "-bit codes, but argument " + std::to_string(i) + " of kernel \"" +
-                            record->name + "\" is not packed with that width");
-  }
+  checkArgs(check, d.args, at + ".args", op, *record);
   return d;
 }
 
@@ -463,9 +543,11 @@ OperatorRecord parseOperator(const Checker &check, const Json &value, const std:
       r.output = static_cast<int>(check.integer(residuals[i], rAt, "output", 0, op.outputs - 1));
     } else if (kind == "scalar") {
       r.kind = ResidualKind::Scalar;
+    } else if (kind == "total") {
+      r.kind = ResidualKind::Total;
     } else {
       check.fail(rAt + ".kind", "unknown residual kind \"" + kind +
-                                    "\" (expected codes, tensor, rows, shared or scalar)");
+                                    "\" (expected codes, tensor, rows, shared, scalar or total)");
     }
     op.residuals.push_back(r);
   }

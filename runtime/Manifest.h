@@ -16,8 +16,16 @@ namespace abp::rt {
 /// The manifest "format" this runtime reads. Changing the format? Bump this, the "format"
 /// that codegen writes (codegen/EmitManifest.cpp) and docs/manifest.md together.
 /// Format 2 added row kernels ("kind": "rows"), the f64 dtype, the "rows" layout and roles,
-/// and "shared"/"rows" residuals; this runtime still reads format 1 (a subset).
-constexpr int kManifestFormatVersion = 2;
+/// and "shared"/"rows" residuals; format 3 total kernels ("kind": "total"), the "total" layout,
+/// the "scratch" role, "total" residuals and a direction's "totals". This runtime still reads
+/// formats 1 and 2 (subsets).
+constexpr int kManifestFormatVersion = 3;
+/// The scratch a total kernel takes, in compute-type values (runtime/device/abp_device.h's
+/// kTotalScratchValues; the manifest states it too).
+constexpr int kTotalScratchValues = 1025;
+/// The most blocks a total kernel runs on (abp_device.h's kTotalMaxBlocks): a fixed number, so
+/// its result does not depend on the device.
+constexpr int64_t kTotalMaxBlocks = 1024;
 
 /// The most arguments a kernel may take (launch argument arrays are fixed-size).
 constexpr int kMaxKernelArgs = 64;
@@ -30,12 +38,14 @@ std::optional<Dtype> parseDtype(std::string_view name);
 size_t dtypeSize(Dtype dtype);
 
 /// Count: an elementwise kernel's element count (last). Rows, Cols: a row kernel's shape (the
-/// last two arguments).
-enum class ArgRole { In, Out, Scalar, Count, Rows, Cols };
+/// last two arguments). Scratch: a total kernel's partials and counter (kTotalScratchValues
+/// compute-type values, zeroed before first use; right before the count).
+enum class ArgRole { In, Out, Scalar, Count, Rows, Cols, Scratch };
 /// Rows: one value per row, in the compute type (f32, or f64 for f64 launches), or one i32
 /// row index per row. Gathered: dense rows of another matrix, row r being the one that the
-/// i32 rows input `by` names (zeros where it is negative).
-enum class ArgLayout { None, Dense, Packed, Rows, Gathered };
+/// i32 rows input `by` names (zeros where it is negative). Total: one compute-type value for
+/// the whole launch (a total kernel's output, another kernel's input).
+enum class ArgLayout { None, Dense, Packed, Rows, Gathered, Total };
 const char *argRoleName(ArgRole role);
 
 /// One kernel argument, in calling-convention order.
@@ -52,8 +62,9 @@ struct KernelArg {
 };
 
 /// Elementwise kernels take a count; row kernels take (rows, cols) and run one warp per row
-/// up to warp_max_cols columns, else one block per row.
-enum class KernelKind { Elementwise, Rows };
+/// up to warp_max_cols columns, else one block per row; total kernels reduce one value per
+/// element over the whole launch (a count; they run even when it is 0).
+enum class KernelKind { Elementwise, Rows, Total };
 
 /// One entry of "kernels": a kernel with one symbol per dtype.
 struct KernelRecord {
@@ -74,8 +85,8 @@ struct KernelRecord {
 };
 
 /// Shared: the forward output `output` itself (its consumer keeps it; no memory of its own).
-/// Rows: one value per row.
-enum class ResidualKind { Codes, Tensor, Scalar, Shared, Rows };
+/// Rows: one value per row. Total: a total kernel's one value.
+enum class ResidualKind { Codes, Tensor, Scalar, Shared, Rows, Total };
 
 struct ResidualRecord {
   ResidualKind kind = ResidualKind::Scalar;
@@ -85,7 +96,13 @@ struct ResidualRecord {
 
 /// "forward" / "backward": the kernel to launch (empty if the direction does no work), where its
 /// inputs come from and what the direction produces (references such as "input0", "result1").
+/// A total kernel a direction launches before its kernel; its result is "totalN".
+struct TotalLaunch {
+  std::string kernel;
+  std::vector<std::string> args;
+};
 struct DirectionRecord {
+  std::vector<TotalLaunch> totals;
   std::string kernel;
   std::vector<std::string> args;
   std::vector<std::string> produces;

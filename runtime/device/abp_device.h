@@ -569,6 +569,77 @@ template <int RT, int... Ops, typename C> ABP_FN void hostRowAllReduce(C (*v)[si
 #endif
 
 //===----------------------------------------------------------------------===//
+// Whole-tensor reductions (total kernels, abp.reduce_tensor). A total kernel runs on
+// G = min(max(ceil(chunks / block), 1), kTotalMaxBlocks) blocks: a function of n alone, so the
+// order below, and the result's bits, do not depend on the device.
+//   1. thread t of block b combines its chunks (b * block + t, then + G * block, ...) element by
+//      element, in order, starting from the identity;
+//   2. the block's threads combine as rowAllReduce<block> does; block b writes its partial to
+//      scratch[b] and counts itself done in the counter after the partials;
+//   3. the last block to finish combines the G partials (thread t takes partials t, t + block,
+//      ... in order, then rowAllReduce<block>), writes the result (divided by n for a mean)
+//      and sets the counter back to zero.
+// One launch, no host synchronisation. The CPU path runs each block's threads in turn and
+// replays the same order (hostRowAllReduce), so both paths give the same bits.
+//===----------------------------------------------------------------------===//
+constexpr int kTotalMaxBlocks = 1024;
+/// The scratch a total kernel takes, in compute-type values: the partials, then the counter
+/// (zero before the first launch; every launch leaves it zero).
+constexpr int kTotalScratchValues = kTotalMaxBlocks + 1;
+
+template <typename C> ABP_FN u32 *totalCounter(C *scratch) {
+  return reinterpret_cast<u32 *>(scratch + kTotalMaxBlocks);
+}
+
+#if ABP_GPU
+/// Steps 2 and 3 for the calling thread's partial `acc`; every thread of the block calls.
+template <int BLOCK, int OP, typename C>
+ABP_FN void totalFinish(C acc, C *ABP_RESTRICT total, C *scratch, i64 n, bool mean) {
+  __shared__ C shared[32];
+  __shared__ bool last;
+  C v[1] = {acc};
+  rowAllReduce<BLOCK, OP>(v, shared);
+  if (threadIdx.x == 0) {
+    scratch[blockIdx.x] = v[0];
+    __threadfence(); // the partial is visible before the counter says it is there
+    last = atomicAdd(totalCounter(scratch), 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last)
+    return;
+  __threadfence();
+  C w[1] = {reduceIdentity<C>(OP)};
+  for (unsigned b = threadIdx.x; b < gridDim.x; b += BLOCK)
+    w[0] = reduceCombine(OP, w[0], ((volatile C *)scratch)[b]);
+  rowAllReduce<BLOCK, OP>(w, shared);
+  if (threadIdx.x == 0) {
+    *total = mean ? w[0] / (C)n : w[0];
+    *totalCounter(scratch) = 0u;
+  }
+}
+#else
+/// Steps 2 and 3 for block `block` of `grid`, whose threads' partials are acc[0..BLOCK).
+template <int BLOCK, int OP, typename C>
+ABP_FN void hostTotalFinish(C (*acc)[1], i64 block, i64 grid, C *total, C *scratch, i64 n,
+                            bool mean) {
+  hostRowAllReduce<BLOCK, OP>(acc);
+  scratch[block] = acc[0][0];
+  // Blocks run on several OS threads: the last to count itself done sees every partial.
+  if (__atomic_add_fetch(totalCounter(scratch), 1u, __ATOMIC_ACQ_REL) != (u32)grid)
+    return;
+  C w[BLOCK][1];
+  for (int t = 0; t < BLOCK; ++t) {
+    w[t][0] = reduceIdentity<C>(OP);
+    for (i64 b = t; b < grid; b += BLOCK)
+      w[t][0] = reduceCombine(OP, w[t][0], scratch[b]);
+  }
+  hostRowAllReduce<BLOCK, OP>(w);
+  *total = mean ? w[0][0] / (C)n : w[0][0];
+  __atomic_store_n(totalCounter(scratch), 0u, __ATOMIC_RELEASE);
+}
+#endif
+
+//===----------------------------------------------------------------------===//
 // Philox-4x32-10 (Salmon et al., SC'11): the one counter-based generator of the
 // project, addressed by (key = seed, counter = stream/offset). Integer-only, so
 // the GPU and CPU paths draw identical numbers.

@@ -51,6 +51,22 @@ TEST(Launch, GridRule) {
   }
 }
 
+TEST(Launch, TotalGridDependsOnTheCountAlone) {
+  // At least one block (an empty tensor still writes the identity), at most kTotalMaxBlocks,
+  // and no device cap: the combination order, and so the result, is the same everywhere.
+  EXPECT_EQ(gridForTotal(0, 8, 256).grid, 1);
+  EXPECT_EQ(gridForTotal(1, 8, 256).grid, 1);
+  EXPECT_EQ(gridForTotal(8 * 256, 8, 256).grid, 1);
+  EXPECT_EQ(gridForTotal(8 * 256 + 1, 8, 256).grid, 2);
+  EXPECT_EQ(gridForTotal(int64_t{1} << 40, 8, 256).grid, kTotalMaxBlocks);
+  EXPECT_EQ(gridForTotal(-1, 8, 256).grid, 0);
+  KernelRecord record;
+  record.kind = KernelKind::Total;
+  record.chunk = 8;
+  record.block = 256;
+  EXPECT_EQ(launchConfigFor(record, nullptr, 0, 1 << 30, /*maxBlocks=*/4).grid, kTotalMaxBlocks);
+}
+
 TEST(Launch, ArgumentChecksNameTheArgument) {
   float xs[10] = {}, ys[10] = {};
   const void *x = xs;

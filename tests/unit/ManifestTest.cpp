@@ -108,6 +108,52 @@ TEST(Manifest, DirectionWithNullKernelIsAccepted) {
   EXPECT_TRUE(m.findOperator("test_random")->backward.kernel.empty());
 }
 
+TEST(Manifest, ReadsTotalKernelsAndTheDirectionsThatLaunchThem) {
+  // test_scale's forward reduces its input first, reads the result as a second input and
+  // saves it for backward.
+  Json j = parseJson(fixtureText());
+  Json &kernels = member(j, "kernels");
+  kernels.push_back(parseJson(R"({"name": "test_total", "kind": "total", "reduce": "max",
+    "symbols": {"f32": "abp_test_total_f32"}, "block": 64, "chunk": 8,
+    "args": [{"role": "in", "layout": "dense"}, {"role": "out", "layout": "total"},
+             {"role": "scratch", "values": 1025}, {"role": "count"}]})"));
+  kernels.push_back(parseJson(R"({"name": "test_times_total", "symbols": {"f32": "abp_ttt_f32"},
+    "block": 64, "chunk": 8,
+    "args": [{"role": "in", "layout": "dense"}, {"role": "in", "layout": "total"},
+             {"role": "out", "layout": "dense"}, {"role": "count"}]})"));
+  Json &op = at(member(j, "operators"), 0);
+  member(op, "residuals") = parseJson(R"([{"kind": "total"}])");
+  member(op, "forward") = parseJson(R"({"kernel": "test_times_total", "args": ["input0", "total0"],
+    "totals": [{"kernel": "test_total", "args": ["input0"]}], "produces": ["result0", "total0"]})");
+  member(op, "backward") = parseJson(R"({"kernel": "test_times_total",
+    "args": ["grad0", "residual0"], "produces": ["result0"]})");
+  Manifest m = parseManifest(j.dump(), "/m/x.json");
+  const KernelRecord *total = m.findKernel("test_total");
+  ASSERT_NE(total, nullptr);
+  EXPECT_EQ(total->kind, KernelKind::Total);
+  EXPECT_EQ(total->args[1].layout, ArgLayout::Total);
+  EXPECT_EQ(total->args[2].role, ArgRole::Scratch);
+  EXPECT_EQ(total->numInputs(), 1);
+  EXPECT_EQ(total->numOutputs(), 1);
+  const OperatorRecord *scale = m.findOperator("test_scale");
+  ASSERT_EQ(scale->forward.totals.size(), 1u);
+  EXPECT_EQ(scale->forward.totals[0].kernel, "test_total");
+  EXPECT_EQ(scale->forward.totals[0].args, std::vector<std::string>{"input0"});
+  EXPECT_EQ(scale->residuals[0].kind, ResidualKind::Total);
+  EXPECT_STREQ(argRoleName(ArgRole::Scratch), "scratch");
+
+  // A total fed to a plain input, a tensor to a total input, a total kernel as the kernel.
+  Json wrong = j;
+  at(member(member(at(member(wrong, "operators"), 0), "forward"), "args"), 0) = Json("total0");
+  EXPECT_THROW(parseManifest(wrong.dump(), "/m/x.json"), Error);
+  wrong = j;
+  at(member(member(at(member(wrong, "operators"), 0), "backward"), "args"), 1) = Json("grad0");
+  EXPECT_THROW(parseManifest(wrong.dump(), "/m/x.json"), Error);
+  wrong = j;
+  member(member(at(member(wrong, "operators"), 0), "forward"), "kernel") = Json("test_total");
+  EXPECT_THROW(parseManifest(wrong.dump(), "/m/x.json"), Error);
+}
+
 TEST(Manifest, RejectsInvalidManifestsNamingFileAndField) {
   struct Case {
     std::function<void(Json &)> edit;
@@ -118,14 +164,41 @@ TEST(Manifest, RejectsInvalidManifestsNamingFileAndField) {
   };
   auto op = [](Json &j, size_t i) -> Json & { return at(member(j, "operators"), i); };
   const Case cases[] = {
-      {[](Json &j) { member(j, "format") = Json(3); },
-       "format: unsupported manifest format 3 (this runtime reads formats 1 to 2)"},
+      {[](Json &j) { member(j, "format") = Json(4); },
+       "format: unsupported manifest format 4 (this runtime reads formats 1 to 3)"},
       {[](Json &j) { member(j, "format") = Json(0); },
        "format: unsupported manifest format 0"},
       {[&](Json &j) { member(kernelArg(j, 0, 0), "layout") = Json("rows"); },
        "kernels[0].args[0].layout: the \"rows\" layout is only valid in a row kernel"},
       {[](Json &j) { at(member(j, "kernels"), 0)["kind"] = Json("tiles"); },
-       "kernels[0].kind: expected \"elementwise\" or \"rows\""},
+       "kernels[0].kind: expected \"elementwise\", \"rows\" or \"total\""},
+      {[](Json &j) { at(member(j, "kernels"), 0)["kind"] = Json("total"); },
+       "kernels[0]: missing required member \"reduce\""},
+      {[](Json &j) {
+         Json &k = at(member(j, "kernels"), 0);
+         k["kind"] = Json("total");
+         k["reduce"] = Json("product");
+       },
+       "kernels[0].reduce: expected sum, mean, max or min, got \"product\""},
+      {[](Json &j) {
+         Json &k = at(member(j, "kernels"), 0);
+         k["kind"] = Json("total");
+         k["reduce"] = Json("sum");
+       },
+       "kernels[0].args[2]: a total kernel's argument before the count must be its scratch"},
+      {[&](Json &j) { member(kernelArg(j, 0, 2), "role") = Json("scratch"); },
+       "kernels[0].args[2]: only a total kernel takes a scratch argument"},
+      {[&](Json &j) { member(kernelArg(j, 0, 2), "layout") = Json("total"); },
+       "kernels[0].args[2].layout: only a total kernel writes a \"total\" output"},
+      {[&](Json &j) {
+         at(member(member(op(j, 0), "forward"), "args"), 0) = Json("total0");
+       },
+       "operators[0].forward.args[0]: \"total0\" is out of range (0 totals available)"},
+      {[&](Json &j) {
+         member(op(j, 0), "forward")["totals"] =
+             parseJson(R"([{"kernel": "test_scale", "args": ["input0", "param0"]}])");
+       },
+       "operators[0].forward.totals[0].kernel: names \"test_scale\", which is not a total kernel"},
       {[](Json &j) {
          Json &k = at(member(j, "kernels"), 0);
          k["kind"] = Json("rows");

@@ -116,11 +116,15 @@ def param_kinds(op: Operator) -> Tuple[str, ...]:
             kind, index = parse_ref(ref)
             if kind == "param":
                 saved_from[f"residual{i}"] = index
+    launches = []  # (kernel record, its argument references), total kernels included
     for direction in (op.forward, op.backward):
-        record = op.kernel(direction) if direction is not None else None
-        if record is None or direction is None:
+        if direction is None:
             continue
-        for ref, spec in zip(direction.args, record.inputs):
+        launches += [(op.kernels[name], refs) for name, refs in direction.totals]
+        if direction.kernel is not None:
+            launches.append((op.kernels[direction.kernel], direction.args))
+    for record, refs in launches:
+        for ref, spec in zip(refs, record.inputs):
             kind, index = parse_ref(ref)
             param = index if kind == "param" else saved_from.get(ref)
             if param is not None and spec.role == "scalar" and spec.type == "i64":
@@ -161,6 +165,8 @@ def _fake_residual(op: Operator, index: int, like: torch.Tensor) -> torch.Tensor
         return like.new_empty(packed_bytes(residual.bits, like.numel()), dtype=torch.uint8)
     if residual.kind == "rows":
         return like.new_empty(like.shape[:-1], dtype=_launch.compute_dtype(like.dtype))
+    if residual.kind == "total":
+        return like.new_empty((), dtype=_launch.compute_dtype(like.dtype))
     return like.new_empty(like.shape)
 
 

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 
 from . import _lib
-from ._manifest import Direction, KernelArg, Operator, packed_bytes
+from ._manifest import KernelArg, KernelRecord, Operator, packed_bytes
 
 __all__ = [
     "DTYPE_NAMES",
@@ -120,14 +120,12 @@ class Binding:
     in the low half (a kernel reads the 4 bytes it declares, as cuLaunchKernel copies them).
     """
 
-    __slots__ = ("op", "record", "handle", "refs", "inputs", "scalars", "gathered", "outputs", "rows_kernel")
+    __slots__ = ("op", "record", "handle", "refs", "inputs", "scalars", "gathered", "outputs", "rows_kernel",
+                 "total_kernel")
 
-    def __init__(self, op: Operator, direction: Direction, dtype: torch.dtype) -> None:
-        record = op.kernel(direction)
-        if record is None:
-            raise RuntimeError(f"operator {op.name}: this direction launches no kernel")
+    def __init__(self, op: Operator, record: KernelRecord, refs: Tuple[str, ...], dtype: torch.dtype) -> None:
         self.op, self.record = op, record
-        self.refs = direction.args
+        self.refs = refs
         self.inputs = record.inputs  # resolved once: KernelRecord.inputs builds a tuple per read
         # Per kernel input: None (a tensor address), "i64" or "f32" (a scalar).
         self.scalars = tuple((spec.type or "f32") if spec.role == "scalar" else None for spec in self.inputs)
@@ -136,6 +134,7 @@ class Binding:
                               if spec.layout == "gathered" and spec.by is not None)
         self.outputs = record.outputs
         self.rows_kernel = record.kind == "rows"
+        self.total_kernel = record.kind == "total"
         self.handle = _lib.kernel_library().kernel(record.name, DTYPE_NAMES[dtype])
 
     def words(self, values: Mapping[str, Any]) -> List[int]:
@@ -154,11 +153,14 @@ class Binding:
     def launch(self, values: Mapping[str, Any], outputs: Sequence[int], shape: Tuple[int, ...],
                device: int, stream: Optional[int]) -> None:
         """Launches over `shape` ((rows, cols) for a row kernel, (n,) for an elementwise one) with
-        the inputs from `values` and the output addresses `outputs`; nothing runs when empty."""
-        if len(shape) != (2 if self.rows_kernel else 1) or len(outputs) != len(self.outputs):
+        the inputs from `values` and the output addresses `outputs` (a total kernel's: its result,
+        then its zeroed scratch); nothing runs when empty, except a total kernel, whose result
+        is then the reduction's identity."""
+        want = len(self.outputs) + self.total_kernel
+        if len(shape) != (2 if self.rows_kernel else 1) or len(outputs) != want:
             raise RuntimeError(f"operator {self.op.name}: kernel {self.record.name} takes "
-                               f"{len(self.outputs)} output(s) over {'(rows, cols)' if self.rows_kernel else '(n,)'}")
-        if shape[0] == 0:  # no rows (a row kernel still runs rows of 0 columns) or no elements
+                               f"{want} output address(es) over {'(rows, cols)' if self.rows_kernel else '(n,)'}")
+        if shape[0] == 0 and not self.total_kernel:  # no rows (a row kernel still runs rows of 0 columns) or no elements
             return
         n = shape[0] * shape[1] if self.rows_kernel else shape[0]
         _lib.launch_words(self.handle, device, self.words(values) + list(outputs) + list(shape), n, stream)
@@ -177,15 +179,19 @@ def _f32_bits(value: float) -> int:
     return _F32_BITS.unpack(packed)[0]
 
 
-def binding(op: Operator, backward: bool, dtype: torch.dtype) -> Binding:
-    """The cached Binding of `op`'s forward (or backward) for launch dtype `dtype`."""
-    key = (backward, dtype)
+def binding(op: Operator, backward: bool, dtype: torch.dtype, total: Optional[int] = None) -> Binding:
+    """The cached Binding of `op`'s forward (or backward) kernel for launch dtype `dtype`, or of
+    its total kernel number `total`."""
+    key = (backward, dtype, total)
     bound = op.bindings.get(key)
     if bound is None:
         direction = op.backward if backward else op.forward
-        if direction is None or direction.kernel is None:
-            raise RuntimeError(f"operator {op.name}: the {'backward' if backward else 'forward'} launches no kernel")
-        bound = op.bindings[key] = Binding(op, direction, dtype)
+        what = "backward" if backward else "forward"
+        if direction is None or (direction.kernel is None if total is None else total >= len(direction.totals)):
+            raise RuntimeError(f"operator {op.name}: the {what} launches no "
+                               f"{'kernel' if total is None else f'total kernel {total}'}")
+        name, refs = (direction.kernel, direction.args) if total is None else direction.totals[total]
+        bound = op.bindings[key] = Binding(op, op.kernels[name], refs, dtype)
     return bound
 
 
@@ -209,6 +215,10 @@ def _check_argument(op: Operator, ref: str, value: Any, spec: KernelArg, n: int,
                 f"{op.name}: {ref} must be a contiguous {dtype} tensor of rows of {cols} elements "
                 f"(its rows are read by index), got {value.dtype} of shape {tuple(value.shape)}"
             )
+    elif spec.layout == "total":
+        if value.dtype != compute_dtype(dtype) or value.numel() != 1:
+            raise ValueError(f"{op.name}: {ref} must hold one {compute_dtype(dtype)} value (a whole-tensor "
+                             f"reduction), got {value.dtype} with {value.numel()} elements")
     elif spec.layout == "rows":
         row_dtype = torch.int32 if spec.type == "i32" else compute_dtype(dtype)
         if value.dtype != row_dtype or value.numel() != rows or not value.is_contiguous():
@@ -290,6 +300,33 @@ def _launch_kernel(
     return results
 
 
+def _launch_totals(
+    op: Operator,
+    backward: bool,
+    values: Dict[str, Any],
+    dtype: torch.dtype,
+    device: torch.device,
+    shape: torch.Size,
+) -> None:
+    """Runs the direction's total kernels in order, each over every element of `shape`; their
+    results (0-d tensors of the compute dtype, on the device: no host sync) become total0, ..."""
+    direction = op.backward if backward else op.forward
+    assert direction is not None
+    n = math.prod(shape)
+    compute = compute_dtype(dtype)
+    device_index, stream = device_and_stream(device)
+    for i in range(len(direction.totals)):
+        bound = binding(op, backward, dtype, i)
+        for ref, spec in zip(bound.refs, bound.inputs):
+            if spec.role != "scalar":
+                _check_argument(op, ref, values[ref], spec, n, 0, int(shape[-1]) if shape else 1, dtype, device)
+        total = torch.empty((), dtype=compute, device=device)
+        # The partials and the completion counter, which must start at zero.
+        scratch = torch.zeros(bound.record.args[-2].values or 0, dtype=compute, device=device)
+        bound.launch(values, [total.data_ptr(), scratch.data_ptr()], (n,), device_index, stream)
+        values[f"total{i}"] = total
+
+
 def _run(
     op: Operator,
     backward: bool,
@@ -300,6 +337,8 @@ def _run(
 ) -> List[Any]:
     direction = op.backward if backward else op.forward
     assert direction is not None
+    if direction.totals:
+        _launch_totals(op, backward, values, dtype, device, shape)
     if direction.kernel is not None:
         for i, result in enumerate(_launch_kernel(op, backward, values, dtype, device, shape)):
             values[f"result{i}"] = result

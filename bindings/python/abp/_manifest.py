@@ -19,14 +19,14 @@ __all__ = [
     "packed_bytes",
 ]
 
-_REF = re.compile(r"^(input|param|residual|grad|result)(0|[1-9][0-9]{0,5})$")
+_REF = re.compile(r"^(input|param|residual|grad|result|total)(0|[1-9][0-9]{0,5})$")
 
 
 def parse_ref(ref: str) -> Tuple[str, int]:
     """Splits a manifest reference ("residual1") into its kind and index (("residual", 1))."""
     m = _REF.match(ref)
     if m is None:
-        raise ValueError(f"manifest reference {ref!r} is not inputN, paramN, residualN, gradN or resultN")
+        raise ValueError(f"manifest reference {ref!r} is not inputN, paramN, residualN, gradN, resultN or totalN")
     return m.group(1), int(m.group(2))
 
 
@@ -37,15 +37,17 @@ def packed_bytes(bits: int, n: int) -> int:
 
 @dataclass(frozen=True)
 class KernelArg:
-    """One kernel argument: role in/out/scalar/count; layout dense/packed/rows/gathered for
-    in/out; `type` of a scalar (f32/i64) or of a rows input holding row indices (i32); `by`: the
-    argument holding a gathered input's row indices."""
+    """One kernel argument: role in/out/scalar/count/scratch; layout dense/packed/rows/gathered/
+    total for in/out; `type` of a scalar (f32/i64) or of a rows input holding row indices (i32);
+    `by`: the argument holding a gathered input's row indices; `values`: a total kernel's scratch
+    size, in compute-type values."""
 
     role: str
     layout: Optional[str] = None
     bits: Optional[int] = None
     type: Optional[str] = None
     by: Optional[int] = None
+    values: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,9 @@ class KernelRecord:
     block: int
     chunk: int
     args: Tuple[KernelArg, ...]
-    kind: str = "elementwise"  # or "rows": args end in (rows, cols) instead of the count
+    # or "rows": args end in (rows, cols) instead of the count; or "total": reduces one value per
+    # element over the whole launch into its one output, with a scratch before the count
+    kind: str = "elementwise"
     warp_max_cols: int = 0
     @property
     def inputs(self) -> Tuple[KernelArg, ...]:
@@ -72,17 +76,20 @@ class KernelRecord:
 
 @dataclass(frozen=True)
 class Direction:
-    """A direction (forward or backward): the kernel, where its inputs come from, what it produces."""
+    """A direction (forward or backward): the kernel, where its inputs come from, what it produces;
+    before it, its total kernels (kernel, args), whose results are total0, total1, ..."""
 
     kernel: Optional[str]
     args: Tuple[str, ...]
     produces: Tuple[str, ...]
+    totals: Tuple[Tuple[str, Tuple[str, ...]], ...] = ()
 
 
 @dataclass(frozen=True)
 class Residual:
     """What forward saves: `codes` (packed, `bits` per element), `tensor` (dense), `rows` (one
-    value per row), `shared` (forward output `output` itself: no memory of its own) or `scalar` (f32)."""
+    value per row), `shared` (forward output `output` itself: no memory of its own), `scalar` (f32)
+    or `total` (a whole-tensor reduction: one compute-dtype value on the device, a 0-d tensor)."""
 
     kind: str
     bits: Optional[int] = None
@@ -169,7 +176,8 @@ class Operator:
 
 def _kernel_arg(raw: Mapping[str, Any]) -> KernelArg:
     return KernelArg(
-        role=raw["role"], layout=raw.get("layout"), bits=raw.get("bits"), type=raw.get("type"), by=raw.get("by")
+        role=raw["role"], layout=raw.get("layout"), bits=raw.get("bits"), type=raw.get("type"), by=raw.get("by"),
+        values=raw.get("values"),
     )
 
 
@@ -188,7 +196,12 @@ def _kernel(raw: Mapping[str, Any]) -> KernelRecord:
 def _direction(raw: Optional[Mapping[str, Any]]) -> Optional[Direction]:
     if raw is None:
         return None
-    return Direction(kernel=raw.get("kernel"), args=tuple(raw.get("args", ())), produces=tuple(raw["produces"]))
+    return Direction(
+        kernel=raw.get("kernel"),
+        args=tuple(raw.get("args", ())),
+        produces=tuple(raw["produces"]),
+        totals=tuple((t["kernel"], tuple(t["args"])) for t in raw.get("totals", ())),
+    )
 
 
 def _operator(raw: Mapping[str, Any]) -> Operator:
@@ -215,8 +228,11 @@ def _operator(raw: Mapping[str, Any]) -> Operator:
         raw=raw,
     )
     for direction in (op.forward, op.backward):
-        if direction is not None and direction.kernel is not None and direction.kernel not in kernels:
-            raise ValueError(f"operator {op.name}: kernel {direction.kernel!r} has no record in the manifest")
+        if direction is None:
+            continue
+        for name in [direction.kernel] + [kernel for kernel, _ in direction.totals]:
+            if name is not None and name not in kernels:
+                raise ValueError(f"operator {op.name}: kernel {name!r} has no record in the manifest")
     return op
 
 

@@ -47,7 +47,8 @@ from . import _bucket_solver, _custom_ops, _lib
 from ._errors import AbpError, Status
 
 __all__ = ["operator", "Operator", "AuthoringError", "where", "quantize", "dequantize", "uniform",
-           "sample", "unsample", "sum_rows", "mean_rows", "max_rows", "min_rows", "maximum", "minimum",
+           "sample", "unsample", "sum_rows", "mean_rows", "max_rows", "min_rows", "sum_all", "mean_all",
+           "max_all", "min_all", "maximum", "minimum",
            "exp", "exp2", "expm1", "log", "log1p", "log2", "tanh", "erf", "sqrt", "rsqrt", "abs",
            "sin", "cos", "floor", "ceil", "trunc", "round", "sigmoid"]
 
@@ -449,6 +450,40 @@ def max_rows(x: Value) -> Value:
 def min_rows(x: Value) -> Value:
     """The minimum of each row (NaN if the row has one)."""
     return _reduce("min", x)
+
+
+def _reduce_all(kind: str, x: Value) -> Value:
+    if not (isinstance(x, Value) and x.kind == "tensor" and x.shape in ("flat", "rows")):
+        raise AuthoringError(f"{kind}_all: expected a tensor of the operator's shape (a per-row value "
+                             f"is reduced along rows already; reduce the tensor itself)")
+    x = x.trace.arrive(x)
+    # One f32 for the whole tensor: maps read it like a parameter, backward may save it.
+    out = Value(x.trace, x.region, x.region.fresh(), "param")
+    x.region.lines.append(f"  {out.name} = abp.reduce_tensor {kind} {x.name} : {x.type} -> f32"
+                          + _user_location())
+    return out
+
+
+def sum_all(x: Value) -> Value:
+    """The sum of every element (one value, accumulated in the compute type, in an order that
+    depends only on the element count: no host sync, the same bits on every device)."""
+    return _reduce_all("sum", x)
+
+
+def mean_all(x: Value) -> Value:
+    """The mean of every element (NaN for an empty tensor)."""
+    return _reduce_all("mean", x)
+
+
+def max_all(x: Value) -> Value:
+    """The maximum of every element (NaN if there is one; -inf for an empty tensor): a
+    per-tensor absmax scale is max_all(abs(x))."""
+    return _reduce_all("max", x)
+
+
+def min_all(x: Value) -> Value:
+    """The minimum of every element (NaN if there is one; +inf for an empty tensor)."""
+    return _reduce_all("min", x)
 
 
 def uniform(seed: Value, offset: Value) -> Value:

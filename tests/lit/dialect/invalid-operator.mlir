@@ -179,3 +179,32 @@ abp.operator @op forward {
   // expected-error @+1 {{use of undeclared SSA value name}}
   abp.return %nowhere : tensor<?xf32>
 }
+
+// -----
+
+// A whole-tensor reduction is one value: an operator's outputs are tensors.
+abp.operator @returns_a_total forward {
+^bb0(%x: tensor<?xf32>):
+  %t = abp.reduce_tensor sum %x : tensor<?xf32> -> f32
+  // expected-error @+1 {{returns a whole-tensor reduction (abp.reduce_tensor); an output is a tensor: use the value in an abp.map, or save it}}
+  abp.return %t : f32
+} backward {
+^bb0(%dy: f32):
+  abp.return %dy : f32
+}
+
+// -----
+
+// expected-error @+1 {{is a total kernel and expects 'outs' = [#abp.total], got [#abp.dense]}}
+abp.kernel @total_with_a_dense_output attributes {ins = [#abp.dense], outs = [#abp.dense], total = 0 : i32} {
+^bb0(%x: f32):
+  abp.yield %x : f32
+}
+
+// -----
+
+// expected-error @+1 {{expects each of 'outs' to be #abp.dense, #abp.packed<b> or #abp.rows, got #abp.total (only a total kernel, with `total = <kind>`, writes one)}}
+abp.kernel @not_a_total_kernel attributes {ins = [#abp.dense], outs = [#abp.total]} {
+^bb0(%x: f32):
+  abp.yield %x : f32
+}

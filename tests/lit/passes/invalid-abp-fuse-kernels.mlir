@@ -2,7 +2,7 @@
 
 abp.operator @unlowered forward {
 ^bb0(%x: tensor<?xf32>):
-  // expected-error @+1 {{cannot be fused into a kernel; only abp.map, abp.pack, abp.unpack, abp.uniform, abp.reduce_rows, abp.broadcast_rows, abp.sample and abp.unsample may remain after lowering}}
+  // expected-error @+1 {{cannot be fused into a kernel; only abp.map, abp.pack, abp.unpack, abp.uniform, abp.reduce_rows, abp.reduce_tensor, abp.broadcast_rows, abp.sample and abp.unsample may remain after lowering}}
   %c = abp.quantize %x {scheme = #abp.buckets<borders = [0.0], levels = [0.0, 1.0]>} : tensor<?xf32> -> !abp.codes<1>
   abp.return %x : tensor<?xf32> saves %c : !abp.codes<1>
 } backward {
@@ -64,4 +64,48 @@ abp.operator @gather_and_read attributes {no_grad = array<i64: 1, 2>} forward {
 } backward {
 ^bb0(%kept: tensor<?x?xf32>):
   abp.return %kept : tensor<?x?xf32>
+}
+
+// -----
+
+// A whole-tensor reduction recomputes its operand element by element: a value computed along
+// rows cannot be part of it.
+abp.operator @total_of_row_values forward {
+^bb0(%x: tensor<?x?xf32>):
+  %m = abp.reduce_rows mean %x : tensor<?x?xf32> -> tensor<?xf32>
+  %mb = abp.broadcast_rows %m : tensor<?xf32> -> tensor<?x?xf32>
+  %d = abp.map(%x, %mb) : (tensor<?x?xf32>, tensor<?x?xf32>) -> tensor<?x?xf32> {
+  ^bb0(%a: f32, %b: f32):
+    %s = arith.subf %a, %b : f32
+    abp.yield %s : f32
+  }
+  // expected-error @+1 {{reduces a value computed by 'abp.broadcast_rows'; a whole-tensor reduction recomputes its operand element by element}}
+  %t = abp.reduce_tensor max %d : tensor<?x?xf32> -> f32
+  %y = abp.map(%x, %t) : (tensor<?x?xf32>, f32) -> tensor<?x?xf32> {
+  ^bb0(%a: f32, %b: f32):
+    %s = arith.mulf %a, %b : f32
+    abp.yield %s : f32
+  }
+  abp.return %y : tensor<?x?xf32>
+} backward {
+^bb0(%g: tensor<?x?xf32>):
+  abp.return %g : tensor<?x?xf32>
+}
+
+// -----
+
+abp.operator @total_of_a_per_row_value forward {
+^bb0(%x: tensor<?x?xf32>):
+  %m = abp.reduce_rows mean %x : tensor<?x?xf32> -> tensor<?xf32>
+  // expected-error @+1 {{reduces a per-row value (rank below the operator's inputs'); a whole-tensor reduction runs over every element of the operator's tensors}}
+  %t = abp.reduce_tensor sum %m : tensor<?xf32> -> f32
+  %y = abp.map(%x, %t) : (tensor<?x?xf32>, f32) -> tensor<?x?xf32> {
+  ^bb0(%a: f32, %b: f32):
+    %s = arith.mulf %a, %b : f32
+    abp.yield %s : f32
+  }
+  abp.return %y : tensor<?x?xf32>
+} backward {
+^bb0(%g: tensor<?x?xf32>):
+  abp.return %g : tensor<?x?xf32>
 }

@@ -1,0 +1,208 @@
+"""Whole-tensor reductions (abp.reduce_tensor; abp.author's sum_all, mean_all, max_all, min_all).
+
+Each reduction runs as its own total kernel before the direction's kernel, on the device, with
+no host sync. Forward must equal the maths with the reduced value in place; backward the
+derivative the operator defines; a saved reduction costs one value (no bits per element). Sums
+accumulate in the compute type in an order fixed by the element count alone, so they are checked
+against fp64 references with a tolerance, and for repeatability bit for bit.
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+import abp
+from abp import _custom_ops
+from abp.author import (AuthoringError, dequantize, max_all, mean_all, mean_rows, min_all, operator,
+                        quantize, sum_all, sum_rows, uniform, where)
+from abp_reference import compiler_or_skip
+
+_names = itertools.count()
+
+
+def fresh(stem: str) -> str:
+    return f"test_total_{stem}_{next(_names)}"
+
+
+@pytest.fixture(autouse=True)
+def _compiler() -> None:
+    compiler_or_skip()
+
+
+# 16 levels evenly over [-1, 1] and the midpoints between them: 4-bit absmax codes.
+LEVELS = [-1.0 + 2.0 * k / 15 for k in range(16)]
+BORDERS = [(a + b) / 2 for a, b in zip(LEVELS, LEVELS[1:])]
+
+
+def _codes_reference(v: torch.Tensor) -> torch.Tensor:
+    """levels[#{borders < v}] in fp32, as the kernels compare and look up."""
+    borders = torch.tensor(BORDERS, dtype=torch.float32)
+    levels = torch.tensor(LEVELS, dtype=torch.float32)
+    return levels[(v.unsqueeze(-1) > borders).sum(-1)]
+
+
+def _absmax_product():
+    """x * y with both inputs saved as 4-bit codes of x / max|x| and y / max|y| (per-tensor
+    scales): the authoring issue's third operator, without a host sync for the scales."""
+    @operator(name=fresh("absmax_product"))
+    def product(x, y):
+        ax, ay = max_all(abs(x)), max_all(abs(y))
+        cx, cy = quantize(x / ax, (BORDERS, LEVELS)), quantize(y / ay, (BORDERS, LEVELS))
+
+        def backward(dz):
+            return dz * dequantize(cy) * ay, dz * dequantize(cx) * ax
+        return x * y, backward
+    return product
+
+
+def test_absmax_codes_with_per_tensor_scales() -> None:
+    product = _absmax_product()
+    assert product.ir.count("abp.reduce_tensor max") == 2
+    # Two 4-bit code streams per element; the two scales cost one value each, no bits per element.
+    assert product.saved_bits == 8
+    assert sorted(r["kind"] for r in product.manifest["residuals"]) == ["codes", "codes", "total", "total"]
+    assert f"{product.name}_fwd_total0" in product.cuda and f"{product.name}_fwd_total1" in product.cuda
+    torch.manual_seed(0)
+    for n in (1, 7, 5000, 2048 * 300 + 3):
+        x = (torch.randn(n) * 3).requires_grad_(True)
+        y = torch.randn(n).requires_grad_(True)
+        z = product(x, y)
+        assert torch.equal(z, x * y)
+        dz = torch.randn(n)
+        z.backward(dz)
+        ax, ay = x.detach().abs().max(), y.detach().abs().max()
+        assert torch.equal(x.grad, dz * _codes_reference(y.detach() / ay) * ay)
+        assert torch.equal(y.grad, dz * _codes_reference(x.detach() / ax) * ax)
+
+
+def _centre():
+    """y = x - mean(x) over the whole tensor; its exact derivative is dy - mean(dy): a reduction
+    of a backward value."""
+    @operator(name=fresh("centre"))
+    def centre(x):
+        return x - mean_all(x), lambda dy: dy - mean_all(dy)
+    return centre
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_mean_in_forward_and_in_backward(dtype: torch.dtype) -> None:
+    centre = _centre()
+    assert centre.saved_bits == 0 and centre.manifest["residuals"] == []
+    torch.manual_seed(1)
+    # One block, several, and more than the 1024 blocks a total kernel runs on (a grid stride).
+    for n in (1, 3, 2048, 2049, 2048 * 1024 + 77):
+        x = (torch.randn(n) + 0.5).to(dtype).requires_grad_(True)
+        y = centre(x)
+        mean = x.detach().double().mean()
+        expected = (x.detach().float() - mean.float()).to(dtype)
+        torch.testing.assert_close(y, expected, rtol=0, atol=float(torch.finfo(dtype).eps) * 4)
+        dy = torch.randn(n).to(dtype)
+        y.backward(dy)
+        expected_grad = (dy.float() - dy.double().mean().float()).to(dtype)
+        torch.testing.assert_close(x.grad, expected_grad, rtol=0, atol=float(torch.finfo(dtype).eps) * 4)
+        # The order depends on n alone: the same bits every time.
+        assert torch.equal(centre(x.detach()), y.detach())
+
+
+def test_every_kind_exactly_where_exact_and_nan_propagates() -> None:
+    @operator(name=fresh("extremes"))
+    def extremes(x):
+        # max and min are exact; the sum of small integers is exact in fp32.
+        return (x - min_all(x)) / (max_all(x) - min_all(x)) + sum_all(x * 0.0 + 1.0), lambda dy: dy
+
+    x = torch.tensor([3.0, -2.0, 7.0, 0.5] * 1001)
+    y = extremes(x)
+    assert torch.equal(y, (x - x.min()) / (x.max() - x.min()) + float(x.numel()))
+    x[2001] = float("nan")  # max and min see it; every output is NaN
+    assert torch.isnan(extremes(x)).all()
+    # An empty tensor still runs (the totals are the identities, read by no element).
+    assert extremes(torch.empty(0)).shape == (0,)
+
+
+def test_a_row_operator_reads_a_total_and_runs_in_fp64() -> None:
+    # Rows centred on their own mean, scaled by the largest magnitude anywhere in the tensor.
+    @operator(name=fresh("row_centre_scaled"), rows=True)
+    def scaled(x):
+        s = max_all(abs(x))
+        return (x - mean_rows(x)) / s, lambda dy: (dy - mean_rows(dy)) / s
+
+    torch.manual_seed(2)
+    x = torch.randn(37, 129, dtype=torch.float64, requires_grad=True)
+    y = scaled(x)
+    s = x.detach().abs().max()
+    torch.testing.assert_close(y, (x.detach() - x.detach().mean(-1, keepdim=True)) / s, rtol=1e-14, atol=1e-14)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    torch.testing.assert_close(x.grad, (dy - dy.mean(-1, keepdim=True)) / s, rtol=1e-14, atol=1e-14)
+    assert scaled.saved_bits == 0 and [r["kind"] for r in scaled.manifest["residuals"]] == ["total"]
+
+
+def test_a_total_over_draws_sees_the_elements_draws() -> None:
+    import gact_reference as ref
+
+    # Dropout rescaled by the fraction actually kept, not by its expectation: the total kernel
+    # draws each element's number again, from the same (seed, offset + index).
+    @operator(name=fresh("kept_fraction"), params={"seed": int, "offset": int})
+    def dropout(x, seed, offset):
+        keep = uniform(seed, offset) < 0.5
+        fraction = mean_all(where(keep, 1.0, 0.0))
+        return where(keep, x / fraction, 0.0), lambda dy: where(keep, dy / fraction, 0.0)
+
+    seed, offset, n = 1234, 99, 10007
+    x = torch.randn(n, requires_grad=True)
+    y = dropout(x, seed, offset)
+    keep = torch.from_numpy(ref.uniform_at(seed, np.arange(n, dtype=np.uint64) + np.uint64(offset)) < 0.5)
+    fraction = torch.tensor(float(keep.sum()), dtype=torch.float32) / n
+    assert torch.equal(y, torch.where(keep, x.detach() / fraction, torch.zeros(())))
+    dy = torch.randn(n)
+    y.backward(dy)
+    assert torch.equal(x.grad, torch.where(keep, dy / fraction, torch.zeros(())))
+
+
+def _authoring_error_at_this_file(build) -> str:
+    with pytest.raises(AuthoringError) as info:
+        build()
+    assert f"{__file__}:" in str(info.value)
+    return str(info.value)
+
+
+def test_mistakes_with_whole_tensor_reductions_are_named() -> None:
+    def of_a_per_row_value():
+        @operator(name=fresh("total_of_rows"), rows=True)
+        def f(x):
+            return x * sum_all(sum_rows(x)), lambda dy: dy
+
+    assert "sum_all: expected a tensor of the operator's shape" in \
+        _authoring_error_at_this_file(of_a_per_row_value)
+
+    def of_a_value_computed_along_rows():
+        @operator(name=fresh("total_of_centred_rows"), rows=True)
+        def f(x):
+            return x * max_all(x - mean_rows(x)), lambda dy: dy
+
+    # The compiler finds this one, at the line that traced the reduction.
+    with pytest.raises(abp.CompileError) as info:
+        of_a_value_computed_along_rows()
+    assert f"{__file__}:{of_a_value_computed_along_rows.__code__.co_firstlineno + 3}:" in str(info.value)
+    assert "a whole-tensor reduction recomputes its operand element by element" in str(info.value)
+
+    def returned():
+        @operator(name=fresh("returns_total"))
+        def f(x):
+            return sum_all(x), lambda dy: dy
+
+    assert "outputs are traced float tensors" in _authoring_error_at_this_file(returned)
+
+
+@pytest.mark.skipif(not _custom_ops.supported_torch(), reason="torch.library needs torch >= 2.4")
+def test_it_compiles_without_graph_breaks() -> None:
+    product = _absmax_product()
+    x, y = torch.randn(300, requires_grad=True), torch.randn(300, requires_grad=True)
+    compiled = torch.compile(lambda a, b: product(a, b).sum(), backend="aot_eager", fullgraph=True)
+    compiled(x, y).backward()
+    ax, ay = x.detach().abs().max(), y.detach().abs().max()
+    assert torch.equal(x.grad, _codes_reference(y.detach() / ay) * ay)
+    assert torch.equal(y.grad, _codes_reference(x.detach() / ax) * ax)
