@@ -235,6 +235,15 @@ def _check_argument(op: Operator, ref: str, value: Any, spec: KernelArg, n: int,
         raise ValueError(f"{op.name}: {ref} is on {value.device}, expected {device}")
 
 
+def _check_arguments(bound: Binding, values: Mapping[str, Any], n: int, rows: int, shape: Sequence[int],
+                     dtype: torch.dtype, device: torch.device) -> None:
+    """Checks every tensor argument of one launch of `bound` over `n` elements (`rows` rows)."""
+    cols = int(shape[-1]) if shape else 1
+    for ref, spec in zip(bound.refs, bound.inputs):
+        if spec.role != "scalar":
+            _check_argument(bound.op, ref, values[ref], spec, n, rows, cols, dtype, device)
+
+
 def launch_shape(bound: Binding, values: Mapping[str, Any], shape: Sequence[int]) -> torch.Size:
     """The shape a direction runs over: `shape` (its dense inputs'), except for a row kernel
     that reads rows gathered by index, which runs one row per index: (len(index), the gathered
@@ -281,9 +290,7 @@ def _launch_kernel(
     shape = launch_shape(bound, values, shape)
     n = math.prod(shape)
     rows = math.prod(shape[:-1]) if bound.rows_kernel else 0
-    for ref, spec in zip(bound.refs, bound.inputs):
-        if spec.role != "scalar":
-            _check_argument(op, ref, values[ref], spec, n, rows, int(shape[-1]) if shape else 1, dtype, device)
+    _check_arguments(bound, values, n, rows, shape, dtype, device)
     _check_gathered_indices(op, bound, values)
     results: List[torch.Tensor] = []
     for spec in bound.outputs:
@@ -317,9 +324,7 @@ def _launch_totals(
     device_index, stream = device_and_stream(device)
     for i in range(len(direction.totals)):
         bound = binding(op, backward, dtype, i)
-        for ref, spec in zip(bound.refs, bound.inputs):
-            if spec.role != "scalar":
-                _check_argument(op, ref, values[ref], spec, n, 0, int(shape[-1]) if shape else 1, dtype, device)
+        _check_arguments(bound, values, n, 0, shape, dtype, device)
         total = torch.empty((), dtype=compute, device=device)
         # The partials and the completion counter, which must start at zero.
         scratch = torch.zeros(bound.record.args[-2].values or 0, dtype=compute, device=device)
