@@ -189,12 +189,45 @@ def test_mistakes_with_whole_tensor_reductions_are_named() -> None:
     assert f"{__file__}:{of_a_value_computed_along_rows.__code__.co_firstlineno + 3}:" in str(info.value)
     assert "a whole-tensor reduction recomputes its operand element by element" in str(info.value)
 
+    for argument, message in ((lambda x: x > 0, "reduce where(mask, 1.0, 0.0) to count it"),
+                              (lambda x: quantize(x, (BORDERS, LEVELS)), "reduce dequantize(codes)"),
+                              (lambda x: max_all(x), "got a single value"),
+                              (lambda x: 1.5, "expected a traced tensor of an @abp.author.operator, got float")):
+        def wrong_argument():
+            @operator(name=fresh("wrong_argument"))
+            def f(x):
+                return x * sum_all(argument(x)), lambda dy: dy
+
+        assert message in _authoring_error_at_this_file(wrong_argument)
+
+    def compared_alone():
+        @operator(name=fresh("compared_alone"))
+        def f(x):
+            return where(sum_all(x) > 0, x, -x), lambda dy: dy
+
+    assert "compare x * 0.0 + value" in _authoring_error_at_this_file(compared_alone)
+
     def returned():
         @operator(name=fresh("returns_total"))
         def f(x):
             return sum_all(x), lambda dy: dy
 
     assert "outputs are traced float tensors" in _authoring_error_at_this_file(returned)
+
+
+def test_float64_is_refused_by_name_where_a_kernel_lacks_it() -> None:
+    # A row operator without a row reduction compiles to an elementwise kernel (no f64 symbol):
+    # the dtype check lists what its kernels have, instead of a failed kernel lookup.
+    @operator(name=fresh("global_scale_rows"), rows=True)
+    def scaled(x):
+        s = max_all(abs(x))
+        return x / s, lambda dy: dy / s
+
+    x = torch.randn(4, 8, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"x: expected dtype torch.float32, torch.float16 or torch.bfloat16, "
+                                        r"got torch.float64"):
+        scaled(x)
+    assert torch.equal(scaled(x.float()), x.float() / x.float().abs().max())
 
 
 @pytest.mark.skipif(not _custom_ops.supported_torch(), reason="torch.library needs torch >= 2.4")

@@ -43,7 +43,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _bucket_solver, _custom_ops, _lib
+from . import _bucket_solver, _custom_ops, _launch, _lib
 from ._errors import AbpError, Status
 
 __all__ = ["operator", "Operator", "AuthoringError", "where", "quantize", "dequantize", "uniform",
@@ -275,8 +275,9 @@ def _map(results_kind: str, operands: Sequence[Any], body: Callable[[List[str]],
             raise AuthoringError(f"expected a traced value or a number, got {type(v).__name__}")
     if not any(isinstance(v, Value) and v.kind in ("tensor", "mask") for v in operands):
         if results_kind != "tensor":
-            raise AuthoringError("compare a tensor: a comparison of parameters alone is one "
-                                 "value for every element")
+            raise AuthoringError("compare a tensor: a comparison of parameters (or whole-tensor "
+                                 "reductions) alone is one value for every element; compare "
+                                 "x * 0.0 + value to get one per element")
         expression = Value(trace, region, "", "scalar")
         expression.operands, expression.body = tuple(operands), body
         return expression
@@ -453,8 +454,20 @@ def min_rows(x: Value) -> Value:
 
 
 def _reduce_all(kind: str, x: Value) -> Value:
-    if not (isinstance(x, Value) and x.kind == "tensor" and x.shape in ("flat", "rows")):
-        raise AuthoringError(f"{kind}_all: expected a tensor of the operator's shape (a per-row value "
+    what = f"{kind}_all"
+    if not isinstance(x, Value):
+        raise AuthoringError(f"{what}: expected a traced tensor of an @abp.author.operator, got "
+                             f"{type(x).__name__}")
+    if x.kind == "mask":
+        raise AuthoringError(f"{what}: a mask (a comparison) is not a number: reduce "
+                             f"where(mask, 1.0, 0.0) to count it")
+    if x.kind == "codes":
+        raise AuthoringError(f"{what}: codes are read by dequantize; reduce dequantize(codes)")
+    if x.kind != "tensor":
+        raise AuthoringError(f"{what}: expected a tensor, got a single value (a parameter or a "
+                             f"reduction), which needs no reducing")
+    if x.shape not in ("flat", "rows"):
+        raise AuthoringError(f"{what}: expected a tensor of the operator's shape (a per-row value "
                              f"is reduced along rows already; reduce the tensor itself)")
     x = x.trace.arrive(x)
     # One f32 for the whole tensor: maps read it like a parameter, backward may save it.
@@ -568,7 +581,11 @@ class Operator:
         self.index, self.sampled_rows = index, sampled_rows
         # Every operator the front end makes has a dense input, so it is a torch.library op
         # under torch.compile (no graph break) where torch has torch.library.custom_op.
-        self._library_op = _custom_ops.registrable(_lib.kernel_library().operator(name))
+        compiled = _lib.kernel_library().operator(name)
+        self._library_op = _custom_ops.registrable(compiled)
+        # The launch dtypes its kernels have: float64 needs every kernel to be a row or a total
+        # kernel (a row operator without a row reduction compiles to an elementwise one).
+        self._dtypes = tuple(d for d in _launch.ROW_DTYPES if _launch.DTYPE_NAMES[d] in compiled.dtypes)
 
     def _check_params(self, values: Sequence[Any], what: str) -> Tuple[Any, ...]:
         checked: List[Any] = []
@@ -598,9 +615,7 @@ class Operator:
     def _check_tensors(self, tensors: Sequence[Any]) -> None:
         """Names the user's arguments: dense ones share dtype, device and shape; per-row ones
         hold one value per row of them, in the compute dtype."""
-        from . import _launch
-
-        dtypes = _launch.ROW_DTYPES if self.rows else _launch.ELEMENTWISE_DTYPES
+        dtypes = self._dtypes
         first: Optional[Tuple[str, torch.Tensor]] = None
         for name, t in zip(self.input_names, tensors):
             if name in self.per_row or name in self.index:
