@@ -35,8 +35,8 @@ FailureOr<EmittedBundle> abp::emitBundle(ModuleOp module, const EmitOptions &opt
     if (auto oper = dyn_cast<OperatorOp>(op)) {
       bool lowered = true;
       oper.walk([&](Operation *inner) {
-        if (isa<MapOp, PackOp, UnpackOp, QuantizeOp, DequantizeOp, ReduceRowsOp, BroadcastRowsOp>(
-                inner))
+        if (isa<MapOp, PackOp, UnpackOp, QuantizeOp, DequantizeOp, ReduceRowsOp, ReduceTensorOp,
+                BroadcastRowsOp>(inner))
           lowered = false;
       });
       if (!lowered)

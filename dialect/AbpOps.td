@@ -178,7 +178,7 @@ def Abp_ReduceTensorOp : Abp_Op<"reduce_tensor", [Pure]> {
     `abp-fuse-kernels` gives each reduction its own *total kernel*, launched before the
     direction's kernel: it recomputes what the reduced value depends on (elementwise maths,
     codes, draws; not row reductions) and reduces it in a fixed order, so the result does not
-    depend on the device and the CPU path gives the same bits. No host synchronisation.
+    depend on the device and the CPU path combines in the same order. No host synchronisation.
 
     Example:
     ```mlir

@@ -247,7 +247,18 @@ LogicalResult fuseTotals(OperatorOp op, Region &region, StringRef name) {
   int64_t inputRank = 0;
   for (BlockArgument arg : op.getTensorInputs())
     inputRank = std::max(inputRank, cast<RankedTensorType>(arg.getType()).getRank());
-  for (auto [i, reduce] : llvm::enumerate(reductions)) {
+  // The same reduction of the same value twice (min_all(x) written twice) runs once.
+  llvm::DenseMap<std::pair<Value, unsigned>, Value> done;
+  unsigned launched = 0;
+  bool deduplicated = false;
+  for (ReduceTensorOp reduce : reductions) {
+    auto key = std::make_pair(reduce.getInput(), static_cast<unsigned>(reduce.getKind()));
+    if (Value result = done.lookup(key)) {
+      reduce.getResult().replaceAllUsesWith(result);
+      reduce.erase();
+      deduplicated = true;
+      continue;
+    }
     if (cast<RankedTensorType>(reduce.getInput().getType()).getRank() < inputRank)
       return reduce.emitOpError()
              << "reduces a per-row value (rank below the operator's inputs'); a whole-tensor "
@@ -289,7 +300,7 @@ LogicalResult fuseTotals(OperatorOp op, Region &region, StringRef name) {
                                          "store codes with abp.pack";
       ins.push_back(layoutOf(in, /*rowKernel=*/false, op));
     }
-    std::string kernelName = (name + "_total" + llvm::Twine(i)).str();
+    std::string kernelName = (name + "_total" + llvm::Twine(launched++)).str();
     buildKernel(op, block, slice, inputs, ins, {TotalLayoutAttr::get(ctx)},
                 {reduce.getInput()}, kernelName, /*rowKernel=*/false, reduce.getKindAttr());
     OpBuilder launchBuilder(reduce);
@@ -297,11 +308,17 @@ LogicalResult fuseTotals(OperatorOp op, Region &region, StringRef name) {
                                                  FlatSymbolRefAttr::get(ctx, kernelName),
                                                  inputs.getArrayRef());
     reduce.getResult().replaceAllUsesWith(launch.getResult(0));
+    done[key] = launch.getResult(0);
     reduce.erase();
     for (Operation *inner : llvm::reverse(slice))
       if (inner->use_empty())
         inner->erase();
   }
+  // A reduction that ran once for two may leave the second's operand unused.
+  if (deduplicated)
+    for (Operation &inner : llvm::make_early_inc_range(llvm::reverse(block.without_terminator())))
+      if (inner.use_empty() && (isFusable(&inner) || inner.hasTrait<OpTrait::ConstantLike>()))
+        inner.erase();
   return success();
 }
 

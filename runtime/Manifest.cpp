@@ -229,9 +229,11 @@ KernelRecord parseKernel(const Checker &check, const Json &value, const std::str
   const bool rows = k.kind == KernelKind::Rows;
   k.block = static_cast<int>(check.integer(value, at, "block", 1, 1024));
   k.chunk = static_cast<int>(check.integer(value, at, "chunk", 1, 1024));
+  if ((rows || total) && k.block % 32 != 0)
+    // Both combine a block's threads warp by warp (abp_device.h's rowAllReduce).
+    check.fail(at + ".block", std::string(rows ? "a row" : "a total") +
+                                  " kernel needs whole warps, got " + std::to_string(k.block));
   if (rows) {
-    if (k.block % 32 != 0)
-      check.fail(at + ".block", "a row kernel needs whole warps, got " + std::to_string(k.block));
     k.warpMaxCols = check.integer(value, at, "warp_max_cols", 0, INT64_MAX);
   }
 
@@ -581,6 +583,24 @@ OperatorRecord parseOperator(const Checker &check, const Json &value, const std:
   // Backward produces one gradient per input that has one.
   op.backward = parseDirection(check, check.member(value, at, "backward"), at + ".backward", op,
                                kernels, op.inputs - static_cast<int>(op.noGrad.size()));
+  // A total is one value: it is a residual of kind "total" and nothing else, and such a
+  // residual is a total.
+  auto isTotalRef = [](const std::string &ref) { return ref.rfind("total", 0) == 0; };
+  for (size_t i = 0; i < op.forward.produces.size(); ++i) {
+    const std::string &ref = op.forward.produces[i];
+    bool residualTotal = i >= static_cast<size_t>(op.outputs) &&
+                         op.residuals[i - op.outputs].kind == ResidualKind::Total;
+    if (isTotalRef(ref) != residualTotal)
+      check.fail(Checker::index(at + ".forward.produces", i),
+                 "\"" + ref + "\"" +
+                     (residualTotal ? " is not a total, but the residual it feeds has kind total"
+                                    : " is a total (one value): only a residual of kind \"total\" "
+                                      "holds one"));
+  }
+  for (size_t i = 0; i < op.backward.produces.size(); ++i)
+    if (isTotalRef(op.backward.produces[i]))
+      check.fail(Checker::index(at + ".backward.produces", i),
+                 "\"" + op.backward.produces[i] + "\" is a total (one value), not a gradient");
   return op;
 }
 

@@ -162,6 +162,33 @@ def test_a_total_over_draws_sees_the_elements_draws() -> None:
     assert torch.equal(x.grad, torch.where(keep, dy / fraction, torch.zeros(())))
 
 
+def test_totals_of_rows_read_by_index_reduce_the_tensors_themselves() -> None:
+    from abp.author import sample, unsample
+
+    # Forward keeps k rows of an N-row x scaled by 1 / max|x| over all of x (not only the kept
+    # rows); backward puts the gradient back, shifted by the mean of the k rows it got and
+    # scaled by the same.
+    @operator(name=fresh("gather_scaled"), rows=True, index=("index", "slot"), per_row=("weight",),
+              no_grad=("weight",))
+    def gather(x, index, weight, slot):
+        s = max_all(abs(x))
+        return sample(x, index, weight) / s, lambda g: (unsample(g, slot) - mean_all(g)) / s
+
+    x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    index = torch.tensor([5, -1, 0, 3], dtype=torch.int32)
+    weight = torch.tensor([2.0, 1.0, -0.5, 3.0], dtype=torch.float64)
+    slot = torch.tensor([2, -1, -1, 3, -1, 0], dtype=torch.int32)
+    kept = gather(x, index, weight, slot)
+    s = x.detach().abs().max()
+    rows = torch.where(index[:, None] >= 0, x.detach()[index.clamp(min=0).long()], torch.zeros(()))
+    torch.testing.assert_close(kept, rows * weight[:, None] / s, rtol=1e-15, atol=1e-15)
+    g = torch.randn(4, 5, dtype=torch.float64)
+    kept.backward(g)
+    put_back = torch.where(slot[:, None] >= 0, g[slot.clamp(min=0).long()], torch.zeros(()))
+    expected = (put_back - g.mean()) / s
+    torch.testing.assert_close(x.grad, expected, rtol=1e-14, atol=1e-14)
+
+
 def _authoring_error_at_this_file(build) -> str:
     with pytest.raises(AuthoringError) as info:
         build()

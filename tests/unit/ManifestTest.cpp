@@ -152,6 +152,36 @@ TEST(Manifest, ReadsTotalKernelsAndTheDirectionsThatLaunchThem) {
   wrong = j;
   member(member(at(member(wrong, "operators"), 0), "forward"), "kernel") = Json("test_total");
   EXPECT_THROW(parseManifest(wrong.dump(), "/m/x.json"), Error);
+
+  // A total is one value: a residual of kind total, never an output or a gradient; such a
+  // residual holds a total; a total kernel combines whole warps.
+  auto refused = [&](const std::function<void(Json &)> &edit, const std::string &want) {
+    Json edited = j;
+    edit(edited);
+    try {
+      parseManifest(edited.dump(), "/m/x.json");
+      ADD_FAILURE() << "accepted: " << want;
+    } catch (const Error &e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+    }
+  };
+  auto produces = [](Json &m, const char *direction) -> Json & {
+    return member(member(at(member(m, "operators"), 0), direction), "produces");
+  };
+  refused([&](Json &m) { std::swap(at(produces(m, "forward"), 0), at(produces(m, "forward"), 1)); },
+          "operators[0].forward.produces[0]: \"total0\" is a total (one value): only a residual of "
+          "kind \"total\" holds one");
+  refused([&](Json &m) { at(produces(m, "forward"), 1) = Json("input0"); },
+          "operators[0].forward.produces[1]: \"input0\" is not a total, but the residual it feeds "
+          "has kind total");
+  refused([&](Json &m) {
+            member(at(member(m, "operators"), 0), "backward")["totals"] = parseJson(
+                R"([{"kernel": "test_total", "args": ["grad0"]}])");
+            at(produces(m, "backward"), 0) = Json("total0");
+          },
+          "operators[0].backward.produces[0]: \"total0\" is a total (one value), not a gradient");
+  refused([&](Json &m) { member(at(member(m, "kernels"), 4), "block") = Json(48); },
+          "kernels[4].block: a total kernel needs whole warps, got 48");
 }
 
 TEST(Manifest, RejectsInvalidManifestsNamingFileAndField) {

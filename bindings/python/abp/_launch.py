@@ -315,19 +315,24 @@ def _launch_totals(
     device: torch.device,
     shape: torch.Size,
 ) -> None:
-    """Runs the direction's total kernels in order, each over every element of `shape`; their
-    results (0-d tensors of the compute dtype, on the device: no host sync) become total0, ..."""
+    """Runs the direction's total kernels in order, each over every element of the tensors it
+    reduces (its dense inputs; `shape` when it reads none, e.g. draws only); their results (0-d
+    tensors of the compute dtype, on the device: no host sync) become total0, ..."""
     direction = op.backward if backward else op.forward
     assert direction is not None
-    n = math.prod(shape)
     compute = compute_dtype(dtype)
     device_index, stream = device_and_stream(device)
     for i in range(len(direction.totals)):
         bound = binding(op, backward, dtype, i)
+        dense = next((values[ref] for ref, spec in zip(bound.refs, bound.inputs) if spec.layout == "dense"), None)
+        # A matrix a row kernel reads by index is reduced whole: its own elements.
+        n = dense.numel() if isinstance(dense, torch.Tensor) else math.prod(shape)
         _check_arguments(bound, values, n, 0, shape, dtype, device)
         total = torch.empty((), dtype=compute, device=device)
         # The partials and the completion counter, which must start at zero.
-        scratch = torch.zeros(bound.record.args[-2].values or 0, dtype=compute, device=device)
+        scratch_values = bound.record.args[-2].values
+        assert scratch_values, "the runtime checked the total kernel's scratch record"
+        scratch = torch.zeros(scratch_values, dtype=compute, device=device)
         bound.launch(values, [total.data_ptr(), scratch.data_ptr()], (n,), device_index, stream)
         values[f"total{i}"] = total
 

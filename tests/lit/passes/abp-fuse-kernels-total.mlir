@@ -82,3 +82,28 @@ abp.operator @centred forward {
 ^bb0(%g: tensor<?x?xf32>):
   abp.return %g : tensor<?x?xf32>
 }
+
+// -----
+
+// The same reduction of the same value twice runs once.
+
+// CHECK-LABEL: abp.kernel @twice_fwd_total0
+// CHECK-NOT: abp.kernel @twice_fwd_total1
+// CHECK: abp.kernel @twice_fwd attributes {ins = [#abp.dense, #abp.total], outs = [#abp.dense]}
+// CHECK: %[[M:.*]] = abp.launch @twice_fwd_total0(%arg0)
+// CHECK-NEXT: abp.launch @twice_fwd(%arg0, %[[M]])
+abp.operator @twice forward {
+^bb0(%x: tensor<?xf32>):
+  %a = abp.reduce_tensor min %x : tensor<?xf32> -> f32
+  %b = abp.reduce_tensor min %x : tensor<?xf32> -> f32
+  %y = abp.map(%x, %a, %b) : (tensor<?xf32>, f32, f32) -> tensor<?xf32> {
+  ^bb0(%v: f32, %p: f32, %q: f32):
+    %d = arith.subf %v, %p : f32
+    %e = arith.subf %d, %q : f32
+    abp.yield %e : f32
+  }
+  abp.return %y : tensor<?xf32>
+} backward {
+^bb0(%g: tensor<?xf32>):
+  abp.return %g : tensor<?xf32>
+}
