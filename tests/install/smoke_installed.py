@@ -27,6 +27,8 @@ exact = 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
 assert torch.allclose(y, exact, atol=1e-6), (y - exact).abs().max()
 maps = Path("/proc/self/maps").read_text()
 assert str(package / "lib" / "libabp.so") in maps
+# The compiled launcher (one stable-ABI module for every CPython 3) came with the wheel and runs.
+assert str(package / "lib" / "_abp_launch.abi3.so") in maps, "abp launches through ctypes, not its compiled launcher"
 assert "abp_compiler" not in maps, "the IR compiler was loaded before anything compiled IR"
 y.sum().backward()
 table = abp.inspect("gelu_b3")["operator"]["tables"][0]

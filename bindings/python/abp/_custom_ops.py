@@ -66,7 +66,13 @@ _MODE_KEYS = tuple(getattr(torch._C._TorchDispatchModeKey, k) for k in ("FAKE", 
 
 
 def _tracing_mode() -> bool:
-    return any(torch._C._get_dispatch_mode(key) is not None for key in _MODE_KEYS)
+    for key in _MODE_KEYS:  # a loop, not any(<genexpr>): this runs on every eager call
+        if _GET_MODE(key) is not None:
+            return True
+    return False
+
+
+_GET_MODE = getattr(torch._C, "_get_dispatch_mode", None)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ __all__ = [
     "compute_dtype",
     "device_and_stream",
     "check_float_tensor",
+    "torch_dtypes",
     "check_inputs",
     "check_param",
     "Binding",
@@ -40,6 +41,20 @@ ELEMENTWISE_DTYPES: Tuple[torch.dtype, ...] = (torch.float32, torch.float16, tor
 ROW_DTYPES: Tuple[torch.dtype, ...] = ELEMENTWISE_DTYPES + (torch.float64,)
 
 
+# The torch dtypes of every set of manifest dtype names an operator can have (op.dtypes keeps
+# the order f32, f16, bf16, f64), built once: a constant lookup that torch.compile traces through.
+_TORCH_DTYPES: Dict[Tuple[str, ...], Tuple[torch.dtype, ...]] = {}
+for _mask in range(16):
+    _names = tuple(name for bit, name in enumerate(("f32", "f16", "bf16", "f64")) if _mask >> bit & 1)
+    _TORCH_DTYPES[_names] = tuple(d for d, name in DTYPE_NAMES.items() if name in _names)
+
+
+def torch_dtypes(names: Tuple[str, ...]) -> Tuple[torch.dtype, ...]:
+    """The torch dtypes of manifest dtype names (an Operator's ``dtypes``)."""
+    found = _TORCH_DTYPES.get(names)
+    return found if found is not None else tuple(d for d, name in DTYPE_NAMES.items() if name in names)
+
+
 def _dtype_list(dtypes: Sequence[torch.dtype]) -> str:
     names = [str(d) for d in dtypes]
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
@@ -60,7 +75,7 @@ def check_float_tensor(
         raise TypeError(f"{name}: expected dtype {_dtype_list(dtypes)}, got {value.dtype}")
     if value.layout != torch.strided:
         raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {value.layout}")
-    if value.device.type not in ("cpu", "cuda"):
+    if not (value.is_cpu or value.is_cuda):
         raise ValueError(f"{name}: expected a CPU or CUDA tensor, got a tensor on {value.device}")
     return value
 
@@ -99,7 +114,7 @@ def check_param(name: str, value: Any) -> float:
 
 def device_and_stream(device: torch.device) -> Tuple[int, Optional[int]]:
     """(device index, or -1 for the CPU path; the current CUDA stream handle, or None)."""
-    if device.type == "cpu":
+    if device == _CPU:
         return -1, None
     index = device.index if device.index is not None else torch.cuda.current_device()
     # The raw handle without building a torch.cuda.Stream (a few microseconds per launch).
@@ -108,6 +123,7 @@ def device_and_stream(device: torch.device) -> Tuple[int, Optional[int]]:
 
 
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_CPU = torch.device("cpu")
 
 
 class Binding:
@@ -116,12 +132,13 @@ class Binding:
     the outputs' layouts. Every kernel launch of abp goes through one: the autograd path below,
     abp.sampling's kernels and the GACT codec (abp.compress).
 
-    Arguments are passed as 8-byte words: addresses, i64 scalars, and f32 scalars as their bits
-    in the low half (a kernel reads the 4 bytes it declares, as cuLaunchKernel copies them).
+    Arguments reach the kernel as 8-byte words (the compiled launcher, _lib.launcher): tensors
+    as their addresses, i64 scalars, and f32 scalars as their bits in the low half (a kernel
+    reads the 4 bytes it declares, as cuLaunchKernel copies them).
     """
 
-    __slots__ = ("op", "record", "handle", "refs", "inputs", "scalars", "gathered", "outputs", "rows_kernel",
-                 "total_kernel")
+    __slots__ = ("op", "record", "handle", "address", "refs", "inputs", "scalars", "tensor_args", "gathered",
+                 "outputs", "packed_bits", "template", "rows_kernel", "total_kernel", "want_outputs", "only_tensors")
 
     def __init__(self, op: Operator, record: KernelRecord, refs: Tuple[str, ...], dtype: torch.dtype) -> None:
         self.op, self.record = op, record
@@ -129,44 +146,59 @@ class Binding:
         self.inputs = record.inputs  # resolved once: KernelRecord.inputs builds a tuple per read
         # Per kernel input: None (a tensor address), "i64" or "f32" (a scalar).
         self.scalars = tuple((spec.type or "f32") if spec.role == "scalar" else None for spec in self.inputs)
+        # (reference, spec) of every tensor input: what a launch checks.
+        self.tensor_args = tuple((ref, spec) for ref, spec in zip(refs, self.inputs) if spec.role != "scalar")
         # (reference of the rows read by index, reference of their indices) per gathered input.
         self.gathered = tuple((ref, self.refs[spec.by]) for ref, spec in zip(self.refs, self.inputs)
                               if spec.layout == "gathered" and spec.by is not None)
         self.outputs = record.outputs
+        # Per output: the code width of a packed one, 0 for one value per row, -1 for a dense one.
+        self.packed_bits = tuple((spec.bits or 0) if spec.layout == "packed" else (0 if spec.layout == "rows" else -1)
+                                 for spec in record.outputs)
+        # A dense input whose shape dense outputs usually have: empty_like of it is the cheapest
+        # allocation (torch.empty of a shape parses it, a few microseconds more per call).
+        self.template = next((ref for ref, spec in self.tensor_args if spec.layout == "dense"), None)
         self.rows_kernel = record.kind == "rows"
         self.total_kernel = record.kind == "total"
+        self.want_outputs = len(self.outputs) + self.total_kernel  # a total kernel's scratch too
+        self.only_tensors = all(scalar is None for scalar in self.scalars)
         self.handle = _lib.kernel_library().kernel(record.name, DTYPE_NAMES[dtype])
+        self.address: int = self.handle.value
 
-    def words(self, values: Mapping[str, Any]) -> List[int]:
-        """The input words: tensors (or addresses), i64 and f32 scalars, by reference."""
-        words = []
+    def arguments(self, values: Mapping[str, Any]) -> List[Any]:
+        """The input arguments by reference: tensors (or addresses), i64 and f32 scalars (as bits)."""
+        if self.only_tensors:
+            return [values[ref] for ref in self.refs]
+        args: List[Any] = []
         for ref, scalar in zip(self.refs, self.scalars):
             value = values[ref]
             if scalar is None:
-                words.append(value if isinstance(value, int) else value.data_ptr())
+                args.append(value)
             elif scalar == "i64":
-                words.append(int(value) & _U64)
+                args.append(int(value))  # negative: taken modulo 2^64 by the launcher
             else:
-                words.append(_f32_bits(float(value)))
-        return words
+                args.append(_f32_bits(float(value)))
+        return args
 
-    def launch(self, values: Mapping[str, Any], outputs: Sequence[int], shape: Tuple[int, ...],
+    def launch(self, values: Mapping[str, Any], outputs: Sequence[Any], shape: Tuple[int, ...],
                device: int, stream: Optional[int]) -> None:
         """Launches over `shape` ((rows, cols) for a row kernel, (n,) for an elementwise one) with
-        the inputs from `values` and the output addresses `outputs` (a total kernel's: its result,
-        then its zeroed scratch); nothing runs when empty, except a total kernel, whose result
-        is then the reduction's identity."""
-        want = len(self.outputs) + self.total_kernel
-        if len(shape) != (2 if self.rows_kernel else 1) or len(outputs) != want:
+        the inputs from `values` and the outputs `outputs` (tensors or addresses; a total
+        kernel's: its result, then its zeroed scratch); nothing runs when empty, except a total
+        kernel, whose result is then the reduction's identity."""
+        want = self.want_outputs
+        if len(shape) != 1 + self.rows_kernel or len(outputs) != want:
             raise RuntimeError(f"operator {self.op.name}: kernel {self.record.name} takes "
                                f"{want} output address(es) over {'(rows, cols)' if self.rows_kernel else '(n,)'}")
         if shape[0] == 0 and not self.total_kernel:  # no rows (a row kernel still runs rows of 0 columns) or no elements
             return
         n = shape[0] * shape[1] if self.rows_kernel else shape[0]
-        _lib.launch_words(self.handle, device, self.words(values) + list(outputs) + list(shape), n, stream)
+        args = self.arguments(values)
+        args.extend(outputs)
+        args.extend(shape)
+        _lib.launch(self.address, device, n, stream, args)
 
 
-_U64 = (1 << 64) - 1
 _F32, _F32_BITS = struct.Struct("<f"), struct.Struct("<I")
 
 
@@ -200,7 +232,14 @@ def _check_argument(op: Operator, ref: str, value: Any, spec: KernelArg, n: int,
     """Checks the tensor feeding kernel argument `spec` (named by its reference `ref`)."""
     if not isinstance(value, torch.Tensor):
         raise RuntimeError(f"{op.name}: {ref} feeds a tensor argument but is {type(value).__name__}")
-    if spec.layout == "packed":
+    layout = spec.layout
+    if layout == "dense":  # the common case first: this runs for every argument of every launch
+        if value.dtype != dtype or value.numel() != n or not value.is_contiguous():
+            raise ValueError(
+                f"{op.name}: {ref} must be a contiguous {dtype} tensor of {n} elements, got "
+                f"{value.dtype} with {value.numel()} elements"
+            )
+    elif layout == "packed":
         assert spec.bits is not None
         need = packed_bytes(spec.bits, n)
         if value.dtype != torch.uint8 or value.numel() < need or not value.is_contiguous():
@@ -208,29 +247,26 @@ def _check_argument(op: Operator, ref: str, value: Any, spec: KernelArg, n: int,
                 f"{op.name}: {ref} must be {need} contiguous uint8 bytes of {spec.bits}-bit codes for "
                 f"{n} elements, got {value.numel()} {value.dtype} elements"
             )
-    elif spec.layout == "gathered":
+    elif layout == "gathered":
         # Read a row at a time, by index: any number of rows of the launch's columns.
         if value.dtype != dtype or not value.is_contiguous() or value.dim() == 0 or value.shape[-1] != cols:
             raise ValueError(
                 f"{op.name}: {ref} must be a contiguous {dtype} tensor of rows of {cols} elements "
                 f"(its rows are read by index), got {value.dtype} of shape {tuple(value.shape)}"
             )
-    elif spec.layout == "total":
+    elif layout == "total":
         if value.dtype != compute_dtype(dtype) or value.numel() != 1:
             raise ValueError(f"{op.name}: {ref} must hold one {compute_dtype(dtype)} value (a whole-tensor "
                              f"reduction), got {value.dtype} with {value.numel()} elements")
-    elif spec.layout == "rows":
+    elif layout == "rows":
         row_dtype = torch.int32 if spec.type == "i32" else compute_dtype(dtype)
         if value.dtype != row_dtype or value.numel() != rows or not value.is_contiguous():
             raise ValueError(
                 f"{op.name}: {ref} must be a contiguous {row_dtype} tensor of one value per row "
                 f"({rows}), got {value.dtype} with {value.numel()} elements"
             )
-    elif value.dtype != dtype or value.numel() != n or not value.is_contiguous():
-        raise ValueError(
-            f"{op.name}: {ref} must be a contiguous {dtype} tensor of {n} elements, got "
-            f"{value.dtype} with {value.numel()} elements"
-        )
+    else:
+        raise RuntimeError(f"{op.name}: {ref} feeds an argument of unknown layout {layout!r}")
     if value.device != device:
         raise ValueError(f"{op.name}: {ref} is on {value.device}, expected {device}")
 
@@ -238,10 +274,10 @@ def _check_argument(op: Operator, ref: str, value: Any, spec: KernelArg, n: int,
 def _check_arguments(bound: Binding, values: Mapping[str, Any], n: int, rows: int, shape: Sequence[int],
                      dtype: torch.dtype, device: torch.device) -> None:
     """Checks every tensor argument of one launch of `bound` over `n` elements (`rows` rows)."""
-    cols = int(shape[-1]) if shape else 1
-    for ref, spec in zip(bound.refs, bound.inputs):
-        if spec.role != "scalar":
-            _check_argument(bound.op, ref, values[ref], spec, n, rows, cols, dtype, device)
+    cols = shape[-1] if shape else 1
+    op = bound.op
+    for ref, spec in bound.tensor_args:
+        _check_argument(op, ref, values[ref], spec, n, rows, cols, dtype, device)
 
 
 def launch_shape(bound: Binding, values: Mapping[str, Any], shape: Sequence[int]) -> torch.Size:
@@ -281,29 +317,53 @@ def _launch_kernel(
     dtype: torch.dtype,
     device: torch.device,
     shape: torch.Size,
+    device_index: int,
+    stream: Optional[int],
 ) -> List[torch.Tensor]:
     """Checks the direction's inputs, allocates its outputs and launches its kernel; returns the
     outputs. A row kernel works on rows of ``shape[-1]`` elements: its per-row arguments hold one
     value per row (shape ``shape[:-1]``) in the compute dtype (or int32 row indices).
+
+    This is every eager abp call's path, so it is one function: the arguments are checked and
+    collected in one pass (a dense tensor by four attribute reads; anything else, or a failure,
+    by _check_argument, which names what is wrong).
     """
-    bound = binding(op, backward, dtype)
-    shape = launch_shape(bound, values, shape)
+    bound = op.bindings.get((backward, dtype, None)) or binding(op, backward, dtype)
+    if bound.gathered:
+        shape = launch_shape(bound, values, shape)
+        _check_gathered_indices(op, bound, values)
     n = math.prod(shape)
+    cols = shape[-1] if shape else 1
     rows = math.prod(shape[:-1]) if bound.rows_kernel else 0
-    _check_arguments(bound, values, n, rows, shape, dtype, device)
-    _check_gathered_indices(op, bound, values)
+    args: List[Any] = []
+    for ref, spec, scalar in zip(bound.refs, bound.inputs, bound.scalars):
+        value = values[ref]
+        if scalar is None:
+            if (spec.layout != "dense" or not isinstance(value, torch.Tensor) or value.dtype != dtype
+                    or value.numel() != n or not value.is_contiguous() or value.device != device):
+                _check_argument(op, ref, value, spec, n, rows, cols, dtype, device)
+        elif scalar == "i64":
+            value = int(value)  # negative: taken modulo 2^64 by the launcher
+        else:
+            value = _f32_bits(float(value))
+        args.append(value)
+    template = values[bound.template] if bound.template is not None else None
+    if template is not None and template.shape != shape:
+        template = None
     results: List[torch.Tensor] = []
-    for spec in bound.outputs:
-        if spec.layout == "packed":
-            assert spec.bits is not None
-            results.append(torch.empty(packed_bytes(spec.bits, n), dtype=torch.uint8, device=device))
-        elif spec.layout == "rows":
+    for bits in bound.packed_bits:
+        if bits > 0:
+            results.append(torch.empty(packed_bytes(bits, n), dtype=torch.uint8, device=device))
+        elif bits == 0:
             results.append(torch.empty(shape[:-1], dtype=compute_dtype(dtype), device=device))
+        elif template is not None:  # checked above: contiguous (so is its empty_like), of the launch dtype and device
+            results.append(torch.empty_like(template))
         else:
             results.append(torch.empty(shape, dtype=dtype, device=device))
-    device_index, stream = device_and_stream(device)
-    bound.launch(values, [r.data_ptr() for r in results], (rows, int(shape[-1])) if bound.rows_kernel else (n,),
-                 device_index, stream)
+    if n or (bound.rows_kernel and rows):  # no elements: nothing to run (rows of 0 columns still run)
+        args.extend(results)
+        args.extend((rows, cols) if bound.rows_kernel else (n,))
+        _lib.launch(bound.address, device_index, n, stream, args)
     return results
 
 
@@ -314,6 +374,8 @@ def _launch_totals(
     dtype: torch.dtype,
     device: torch.device,
     shape: torch.Size,
+    device_index: int,
+    stream: Optional[int],
 ) -> None:
     """Runs the direction's total kernels in order, each over every element of the tensors it
     reduces (its dense inputs; `shape` when it reads none, e.g. draws only); their results (0-d
@@ -321,7 +383,6 @@ def _launch_totals(
     direction = op.backward if backward else op.forward
     assert direction is not None
     compute = compute_dtype(dtype)
-    device_index, stream = device_and_stream(device)
     for i in range(len(direction.totals)):
         bound = binding(op, backward, dtype, i)
         dense = next((values[ref] for ref, spec in zip(bound.refs, bound.inputs) if spec.layout == "dense"), None)
@@ -333,7 +394,7 @@ def _launch_totals(
         scratch_values = bound.record.args[-2].values
         assert scratch_values, "the runtime checked the total kernel's scratch record"
         scratch = torch.zeros(scratch_values, dtype=compute, device=device)
-        bound.launch(values, [total.data_ptr(), scratch.data_ptr()], (n,), device_index, stream)
+        bound.launch(values, (total, scratch), (n,), device_index, stream)
         values[f"total{i}"] = total
 
 
@@ -347,22 +408,29 @@ def _run(
 ) -> List[Any]:
     direction = op.backward if backward else op.forward
     assert direction is not None
+    device_index, stream = device_and_stream(device)
     if direction.totals:
-        _launch_totals(op, backward, values, dtype, device, shape)
+        _launch_totals(op, backward, values, dtype, device, shape, device_index, stream)
     if direction.kernel is not None:
-        for i, result in enumerate(_launch_kernel(op, backward, values, dtype, device, shape)):
-            values[f"result{i}"] = result
-    missing = [ref for ref in direction.produces if ref not in values]
-    if missing:
-        raise RuntimeError(f"operator {op.name}: the manifest refers to {', '.join(missing)}, which this direction lacks")
-    return [values[ref] for ref in direction.produces]
+        values.update(zip(_RESULT_REFS, _launch_kernel(op, backward, values, dtype, device, shape, device_index, stream)))
+    try:
+        return [values[ref] for ref in direction.produces]
+    except KeyError:
+        missing = [ref for ref in direction.produces if ref not in values]
+        raise RuntimeError(f"operator {op.name}: the manifest refers to {', '.join(missing)}, "
+                           "which this direction lacks") from None
+
+
+# The manifest's references by index, spelled once (kernels take at most 64 arguments).
+_INPUT_REFS, _PARAM_REFS, _RESIDUAL_REFS, _GRAD_REFS, _RESULT_REFS = (
+    tuple(f"{kind}{i}" for i in range(64)) for kind in ("input", "param", "residual", "grad", "result"))
 
 
 def forward_shape(op: Operator, inputs: Sequence[torch.Tensor]) -> torch.Size:
     """The shape the forward of `op` runs over (launch_shape): its outputs' shape, and the shape
     its backward's output gradients have."""
     first = launch_input(op, inputs)
-    if not any(spec is not None and spec.layout == "gathered" for spec in op.input_args):
+    if not reads_gathered(op):
         return first.shape
     values = {f"input{i}": x for i, x in enumerate(inputs)}
     return launch_shape(binding(op, False, first.dtype), values, first.shape)
@@ -372,11 +440,28 @@ def launch_input(op: Operator, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
     """The input whose shape and dtype a launch of `op` runs over: its first input read densely
     (per-row inputs hold one value per row of it, in the compute dtype), else its first read by
     row index, else its first."""
+    index = op.bindings.get("launch input")
+    if index is None:
+        index = op.bindings["launch input"] = _launch_index(op)
+    return inputs[index]
+
+
+def _launch_index(op: Operator) -> int:
     for layout in ("dense", "gathered"):
-        for x, spec in zip(inputs, op.input_args):
+        for i, spec in enumerate(op.input_args):
             if spec is not None and spec.layout == layout:
-                return x
-    return inputs[0]
+                return i
+    return 0
+
+
+def reads_gathered(op: Operator) -> bool:
+    """True if the forward of `op` reads an input's rows by index (its launch shape is then the
+    index's, not its inputs')."""
+    gathered = op.bindings.get("gathered")
+    if gathered is None:
+        gathered = op.bindings["gathered"] = any(spec is not None and spec.layout == "gathered"
+                                                 for spec in op.input_args)
+    return gathered
 
 
 def forward(
@@ -404,11 +489,8 @@ def forward(
     first = launch_input(op, inputs)
     if op.row_wise and first.dim() == 0:
         raise ValueError(f"{op.name}: input0 must have at least one dimension (its rows run along the last), got a 0-d tensor")
-    values: Dict[str, Any] = {}
-    for i, x in enumerate(inputs):
-        values[f"input{i}"] = x.contiguous()
-    for i, p in enumerate(params):
-        values[f"param{i}"] = p
+    values: Dict[str, Any] = dict(zip(_INPUT_REFS, [x.contiguous() for x in inputs]))
+    values.update(zip(_PARAM_REFS, params))
     produced = _run(op, False, values, first.dtype, first.device, first.shape)
     return produced[: op.outputs], produced[op.outputs :]
 
@@ -430,24 +512,25 @@ def backward(
     if op.backward is None:
         return [None] * op.inputs
     values: Dict[str, Any] = {}
-    for i, r in enumerate(residuals):
+    for ref, r, residual in zip(_RESIDUAL_REFS, residuals, op.residuals):
         # A shared residual is the forward's output, possibly handed on in another dtype
         # (autocast): the kernel reads it in the launch dtype.
-        if isinstance(r, torch.Tensor) and r.is_floating_point() and r.dtype != dtype and op.residuals[i].kind == "shared":
+        if residual.kind == "shared" and isinstance(r, torch.Tensor) and r.is_floating_point() and r.dtype != dtype:
             r = r.to(dtype)
-        values[f"residual{i}"] = r
+        values[ref] = r
+    grad_dtypes = ROW_DTYPES if op.row_wise else ELEMENTWISE_DTYPES
     for i, (g, layout) in enumerate(zip(grads, op.output_layouts)):
         want_shape, want_dtype = (shape[:-1], compute_dtype(dtype)) if layout == "rows" else (shape, dtype)
         if g is None:
             g = torch.zeros(want_shape, dtype=want_dtype, device=device)
-        name = "grad_output" if len(grads) == 1 else f"grad_output{i}"
-        check_float_tensor(name, g, ROW_DTYPES if op.row_wise else ELEMENTWISE_DTYPES)
-        if g.shape != want_shape:
-            raise ValueError(f"{name}: expected shape {tuple(want_shape)} (the output's), got {tuple(g.shape)}")
-        if g.device != device:
+        elif not isinstance(g, torch.Tensor) or g.shape != want_shape or g.device != device or g.dtype not in grad_dtypes or g.layout != torch.strided:
+            name = "grad_output" if len(grads) == 1 else f"grad_output{i}"
+            check_float_tensor(name, g, grad_dtypes)
+            if g.shape != want_shape:
+                raise ValueError(f"{name}: expected shape {tuple(want_shape)} (the output's), got {tuple(g.shape)}")
             raise ValueError(f"{name}: expected a tensor on {device} (the output's device), got {g.device}")
         if g.dtype != want_dtype:
             g = g.to(want_dtype)
-        values[f"grad{i}"] = g.contiguous()
+        values[_GRAD_REFS[i]] = g.contiguous()
     produced = iter(_run(op, True, values, dtype, device, shape))
     return [None if i in op.no_grad else next(produced) for i in range(op.inputs)]

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import ctypes
+import functools
+import importlib.util
 import json
 import os
 import sys
 import threading
+import warnings
 from ctypes import POINTER, c_char_p, c_float, c_int, c_int64, c_size_t, c_void_p
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -28,6 +31,10 @@ __all__ = [
     "cache_stats",
     "cache_clear",
     "compile_ir",
+    "launcher",
+    "launcher_path",
+    "launch_ctypes",
+    "launch",
     "c_float",
     "c_int64",
     "c_void_p",
@@ -333,11 +340,67 @@ def on_open(hook: Callable[[KernelLibrary], None]) -> None:
             hook(_kernel_library)
 
 
-def launch_words(kernel: c_void_p, device: int, words: Sequence[int], n: int, stream: Optional[int]) -> None:
-    """abp_kernel_launch of a kernel whose arguments are all 8 bytes wide (pointers and i64
-    values), given as ints in manifest order: one array holds the values, one points at them."""
-    count = len(words)
-    values = (ctypes.c_uint64 * count)(*words)
+def launcher() -> Callable[..., int]:
+    """The launch function: ``launch(kernel, device, n, stream, *args) -> status`` of
+    abp_kernel_launch, where `kernel` is a kernel handle's address and each arg an int (an
+    address, an i64, an f32's bits) or a tensor (its data_ptr()). The compiled launcher
+    (bindings/launcher, `_abp_launch` beside libabp.so) where it was built, else launch_ctypes."""
+    global _launcher
+    if _launcher is None:
+        lib = native()
+        module = _load_launcher()
+        if module is None:
+            _launcher = launch_ctypes
+        else:
+            _launcher = functools.partial(module.launch, ctypes.cast(lib.abp_kernel_launch, c_void_p).value)
+    return _launcher
+
+
+def launcher_path() -> Optional[Path]:
+    """The compiled launcher beside the loaded libabp.so, if it is there."""
+    native()
+    if _loaded_path is None or os.sep not in _loaded_path:
+        return None  # found on the loader's path: no directory to look in
+    path = Path(_loaded_path).parent / LAUNCHER_FILE
+    return path if path.is_file() else None
+
+
+def _load_launcher() -> Optional[Any]:
+    path = launcher_path()
+    if path is None:
+        return None
+    spec = importlib.util.spec_from_file_location("_abp_launch", path)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError as e:  # built for another platform: ctypes still works
+        warnings.warn(f"abp: cannot load the compiled launcher {path} ({e}); launching through ctypes, "
+                      "which costs a few microseconds more per call", RuntimeWarning, stacklevel=3)
+        return None
+    return module
+
+
+def launch_ctypes(kernel: int, device: int, n: int, stream: Optional[int], *args: Any) -> int:
+    """The launcher's contract through ctypes (where the compiled one is not built): one array
+    holds the 8-byte words, one points at them."""
+    count = len(args)
+    words = [a if isinstance(a, int) else a.data_ptr() for a in args]
+    values = (ctypes.c_uint64 * count)(*(w & _U64 for w in words))
     base = ctypes.addressof(values)
     array = (c_void_p * count)(*range(base, base + 8 * count, 8))
-    check(native().abp_kernel_launch(kernel, device, array, count, n, stream))
+    return int(native().abp_kernel_launch(c_void_p(kernel), device, array, count, n, stream))
+
+
+def launch(kernel: int, device: int, n: int, stream: Optional[int], args: Sequence[Any]) -> None:
+    """Launches kernel handle `kernel` over `n` elements with `args` (see launcher); raises the
+    runtime's error."""
+    status = (_launcher or launcher())(kernel, device, n, stream, *args)
+    if status:
+        check(status)
+
+
+LAUNCHER_FILE = "_abp_launch.abi3.so"
+_U64 = (1 << 64) - 1
+_launcher: Optional[Callable[..., int]] = None

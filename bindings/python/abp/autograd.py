@@ -30,6 +30,7 @@ class OperatorFunction(torch.autograd.Function):
     ) -> Any:
         op = _lib.kernel_library().operator(op_name)
         outputs, residuals = _launch.forward(op, inputs, params)
+        # The launch input (its shape, dtype and device are the backward's).
         first = _launch.launch_input(op, inputs)
         if out_dtype is not None and out_dtype != first.dtype:
             outputs = [o.to(out_dtype) if layout == "dense" else o for o, layout in zip(outputs, op.output_layouts)]
@@ -37,30 +38,43 @@ class OperatorFunction(torch.autograd.Function):
             if residual.kind == "shared":
                 assert residual.output is not None
                 residuals[i] = outputs[residual.output]
-        tensors = [r for r in residuals if isinstance(r, torch.Tensor)]
-        ctx.save_for_backward(*tensors)
+        is_tensor = tuple(isinstance(r, torch.Tensor) for r in residuals)
+        ctx.save_for_backward(*(r for r, t in zip(residuals, is_tensor) if t))
         ctx.abp_op = op_name
-        ctx.abp_is_tensor = tuple(isinstance(r, torch.Tensor) for r in residuals)
-        ctx.abp_scalars = tuple(float(r) for r in residuals if not isinstance(r, torch.Tensor))
+        ctx.abp_is_tensor = is_tensor
+        ctx.abp_scalars = tuple(float(r) for r, t in zip(residuals, is_tensor) if not t)
         ctx.abp_input_shapes = tuple(x.shape for x in inputs)
-        ctx.abp_shape = _launch.forward_shape(op, inputs)
+        ctx.abp_shape = _launch.forward_shape(op, inputs) if _launch.reads_gathered(op) else first.shape
         ctx.abp_dtype = first.dtype
         ctx.abp_device = first.device
         ctx.set_materialize_grads(False)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
-        op = _lib.kernel_library().operator(ctx.abp_op)
-        tensors = iter(ctx.saved_tensors)
-        scalars = iter(ctx.abp_scalars)
-        residuals = [next(tensors) if is_tensor else next(scalars) for is_tensor in ctx.abp_is_tensor]
-        dxs = _launch.backward(op, residuals, grads, ctx.abp_shape, ctx.abp_dtype, ctx.abp_device)
-        shaped = tuple(
-            None if dx is None else dx.reshape(shape) for dx, shape in zip(dxs, ctx.abp_input_shapes)
-        )
-        return (None, None, None) + shaped
+        # Grad mode is on only under backward(create_graph=True): the kernels are not
+        # differentiable, so once_differentiable makes a second backward fail loudly. It is
+        # applied only then: its no_grad context costs more than the launch itself.
+        if torch.is_grad_enabled():
+            return _backward_once(ctx, *grads)
+        return _backward(ctx, *grads)
+
+
+def _backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:
+    op = _lib.kernel_library().operator(ctx.abp_op)
+    tensors = iter(ctx.saved_tensors)
+    scalars = iter(ctx.abp_scalars)
+    residuals = [next(tensors) if is_tensor else next(scalars) for is_tensor in ctx.abp_is_tensor]
+    dxs = _launch.backward(op, residuals, grads, ctx.abp_shape, ctx.abp_dtype, ctx.abp_device)
+    # Gradients come back in the launch shape; an input of another shape (a per-row input,
+    # or one only saved) gets its own back.
+    shaped = tuple(
+        dx if dx is None or dx.shape == shape else dx.reshape(shape) for dx, shape in zip(dxs, ctx.abp_input_shapes)
+    )
+    return (None, None, None) + shaped
+
+
+_backward_once = once_differentiable(_backward)
 
 
 def apply_eager(

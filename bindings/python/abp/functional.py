@@ -154,17 +154,17 @@ def apply(
     if len(inputs) != op.inputs:
         raise TypeError(f"{op_name}: takes {op.inputs} tensor input(s), got {len(inputs)}"
                         + ("; pass several as one tuple: apply(name, (x, y), params)" if op.inputs > 1 else ""))
-    dtypes = tuple(d for d, name in _launch.DTYPE_NAMES.items() if name in op.dtypes)
+    dtypes = _launch.torch_dtypes(op.dtypes)
     for i, (x, spec) in enumerate(zip(inputs, op.input_args)):
         name = "input" if len(inputs) == 1 else f"input[{i}]"
         if spec is not None and spec.layout in ("dense", "gathered"):
             _launch.check_float_tensor(name, x, dtypes)
         elif not isinstance(x, torch.Tensor):  # per row, or only saved: checked where read
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    params = tuple(_launch.check_param(f"params[{i}]", p) for i, p in enumerate(params))
+    params = tuple(_launch.check_param(f"params[{i}]", p) for i, p in enumerate(params)) if params else ()
     if _custom_ops.compiling() and _custom_ops.registrable(op):
         return _custom_ops.apply_custom(op_name, params, inputs, out_dtype)
-    return autograd.apply_eager(op_name, params, inputs, out_dtype)
+    return autograd.OperatorFunction.apply(op_name, params, out_dtype, *inputs)  # apply_eager, one call less
 
 
 def _require_default(function: str, name: str, value: Any, default: float) -> None:
