@@ -180,3 +180,29 @@ def test_eager_saves_in_a_block_still_reach_its_own_hook() -> None:
             y = model(x)
     y.square().mean().backward()
     assert block.stats["compressed"] > 0 and not _compiled_saves.compiled_stats()
+
+
+def test_import_abp_leaves_dynamo_unloaded_until_something_compiles() -> None:
+    # AOTAutograd's hook context is imported at first need: `import abp` (and eager training
+    # with compress_saved) must not load torch._dynamo and inductor, about as slow as torch itself.
+    # A new interpreter, since this one has compiled already.
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, abp\n"
+        "assert 'torch._dynamo' not in sys.modules, 'import abp loaded torch._dynamo'\n"
+        "x = torch.randn(8, 16, requires_grad=True)\n"
+        "with abp.compress_saved(bits=4) as block:\n"
+        "    assert not block.compiles()\n"
+        "    y = torch.nn.functional.linear(x, torch.randn(4, 16, requires_grad=True)).sum()\n"
+        "y.backward()\n"
+        "assert 'torch._dynamo' not in sys.modules, 'eager compress_saved loaded torch._dynamo'\n"
+        "import torch._dynamo\n"
+        "with abp.compress_saved(bits=4) as block:\n"
+        "    assert block.compiles(), 'with dynamo loaded, the block must install the compiled hooks'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], env=dict(os.environ), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]

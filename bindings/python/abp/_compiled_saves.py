@@ -30,8 +30,9 @@ What the compiled graphs compress is not in the block's ``stats`` (no Python run
 """
 from __future__ import annotations
 
+import sys
 import threading
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -41,24 +42,44 @@ from ._launch import ROW_DTYPES
 
 __all__ = ["available", "hooks", "compiled_stats"]
 
-try:  # the AOTAutograd hook context; absent (older torch): compiled graphs are not compressed
-    from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
-    from torch._functorch._aot_autograd.utils import saved_tensors_hooks_are_inlineable as _inlineable
-except ImportError:  # pragma: no cover - older torch
-    _get_saved_tensor_hook_context = None
-    _inlineable = None
+# AOTAutograd's hook context and its inlining test, imported at first need (_aot): importing them
+# loads torch._dynamo and inductor, about as long as importing torch itself, which a user who never
+# compiles should not pay on `import abp`.
+_AOT: Optional[Tuple[Any, Any]] = None
+
+
+def _aot() -> Tuple[Any, Any]:
+    """(_get_saved_tensor_hook_context, saved_tensors_hooks_are_inlineable), or Nones on a torch
+    without them (older torch: compiled graphs are not compressed)."""
+    global _AOT
+    if _AOT is None:
+        try:
+            from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
+            from torch._functorch._aot_autograd.utils import saved_tensors_hooks_are_inlineable
+            _AOT = (_get_saved_tensor_hook_context, saved_tensors_hooks_are_inlineable)
+        except ImportError:  # pragma: no cover - older torch
+            _AOT = (None, None)
+    return _AOT
 
 
 def available() -> bool:
-    """True if compiled graphs can compress their saved tensors with this torch."""
-    return _custom_ops.enabled() and _get_saved_tensor_hook_context is not None and _inlineable is not None
+    """True if compiled graphs can compress their saved tensors with this torch (imports
+    AOTAutograd, and with it torch._dynamo, if it is not loaded yet)."""
+    return _custom_ops.enabled() and None not in _aot()
+
+
+def in_use() -> bool:
+    """available(), once torch._dynamo is loaded: until then no graph has been compiled in this
+    process, so a compress_saved block needs no compiled hooks (and `import abp` and eager
+    training never load dynamo)."""
+    return "torch._dynamo" in sys.modules and available()
 
 
 # ---------------------------------------------------------------------------------------------
 # The codec as torch.library ops
 # ---------------------------------------------------------------------------------------------
 
-if available():
+if _custom_ops.enabled():  # registered at import (cheap); only compiled graphs call them
 
     @torch.library.custom_op("abp::gact_pack", mutates_args=())
     def gact_pack(x: torch.Tensor, key: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
@@ -217,7 +238,8 @@ def _pack_traced(x: torch.Tensor, context: Dict[str, Any], bits: int, group_size
 # ---------------------------------------------------------------------------------------------
 
 def pack_saved(x: Any, bits: int, group_size: int, min_numel: int, op_rules: bool, exact_relu: bool) -> Any:
-    context = _get_saved_tensor_hook_context() if _get_saved_tensor_hook_context is not None else None
+    hook_context = (_AOT or _aot())[0]
+    context = hook_context() if hook_context is not None else None
     if context is not None and "_node" in context:
         return _pack_traced(x, context, bits, group_size, min_numel, op_rules, exact_relu)
     block = open_block()  # eager saves go to the open block's own pack hook

@@ -738,10 +738,11 @@ class compress_saved:
     def compiles(self) -> bool:
         """True if graphs torch.compile builds inside this block compress their saves too: a
         uniform width (no bits_for, no filter) on a torch whose AOTAutograd inlines saved-tensor
-        hooks (abp._compiled_saves); otherwise they save as they would without the block."""
+        hooks (abp._compiled_saves), once torch._dynamo is loaded (before, nothing has been
+        compiled); otherwise they save as they would without the block."""
         from . import _compiled_saves
 
-        return self.bits_for is None and self.filter is None and _compiled_saves.available()
+        return self.bits_for is None and self.filter is None and _compiled_saves.in_use()
 
     def __exit__(self, *exc: Any) -> None:
         hooks, self._hooks = self._hooks, None

@@ -34,7 +34,7 @@ import fnmatch
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -574,12 +574,22 @@ def _close_block(hooks: "CompressSavedHooks") -> None:
     hooks._leave()
 
 
-if _compiled_saves.available():
-    # Run eagerly even inside a model torch.compile traces (a graph break at each): the block
-    # must be open when the rest of the forward is compiled, for AOTAutograd to inline its hooks
-    # into that graph (abp._compiled_saves); traced instead, the block would be dropped.
-    _open_block = torch._dynamo.disable(_open_block)
-    _close_block = torch._dynamo.disable(_close_block)
+_BLOCK_FUNCTIONS: Optional[Tuple[Callable[["CompressSavedHooks"], None], Callable[["CompressSavedHooks"], None]]] = None
+
+
+def _block_functions() -> Tuple[Callable[["CompressSavedHooks"], None], Callable[["CompressSavedHooks"], None]]:
+    """(_open_block, _close_block), made to run eagerly even inside a model torch.compile traces
+    (a graph break at each): the block must be open when the rest of the forward is compiled,
+    for AOTAutograd to inline its hooks into that graph (abp._compiled_saves); traced instead,
+    the block would be dropped. Resolved when a recipe first makes its hooks (eagerly, before
+    any trace), not at import: it loads torch._dynamo, which `import abp` should not."""
+    global _BLOCK_FUNCTIONS
+    if _BLOCK_FUNCTIONS is None:
+        if _compiled_saves.available():
+            _BLOCK_FUNCTIONS = (torch._dynamo.disable(_open_block), torch._dynamo.disable(_close_block))
+        else:
+            _BLOCK_FUNCTIONS = (_open_block, _close_block)
+    return _BLOCK_FUNCTIONS
 
 
 class CompressSavedHooks:
@@ -597,15 +607,20 @@ class CompressSavedHooks:
         self.group_size = group_size
         self.allow_low_bits = allow_low_bits
         self._open: List[compress.compress_saved] = []
+        _block_functions()  # resolved now, eagerly: enter and leave may run inside a trace
 
     def __getstate__(self) -> Dict[str, Any]:
         return {"bits": self.bits, "group_size": self.group_size, "allow_low_bits": self.allow_low_bits, "_open": []}
 
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        _block_functions()  # as __init__: a model unpickled in a new process may be compiled next
+
     def enter(self, module: nn.Module, args: Any) -> None:
-        _open_block(self)
+        _block_functions()[0](self)
 
     def leave(self, module: nn.Module, args: Any, output: Any) -> None:
-        _close_block(self)
+        _block_functions()[1](self)
 
     def _enter(self) -> None:
         block = compress.compress_saved(bits=self.bits, group_size=self.group_size, allow_low_bits=self.allow_low_bits)
