@@ -52,10 +52,19 @@ static PyObject *launch(PyObject *self, PyObject *args) {
     PyErr_Format(PyExc_ValueError, "launch: %zd kernel arguments, at most %d", nargs, (int)kMaxArgs);
     return NULL;
   }
+  /* Each conversion is checked before the next: the C API must not run with an error set. */
   void *entry = PyLong_AsVoidPtr(PyTuple_GetItem(args, 0));
+  if (PyErr_Occurred())
+    return NULL;
   void *kernel = PyLong_AsVoidPtr(PyTuple_GetItem(args, 1));
+  if (PyErr_Occurred())
+    return NULL;
   long device = PyLong_AsLong(PyTuple_GetItem(args, 2));
+  if (PyErr_Occurred())
+    return NULL;
   long long n = PyLong_AsLongLong(PyTuple_GetItem(args, 3));
+  if (PyErr_Occurred())
+    return NULL;
   PyObject *stream_arg = PyTuple_GetItem(args, 4);
   void *stream = stream_arg == Py_None ? NULL : PyLong_AsVoidPtr(stream_arg);
   if (PyErr_Occurred())

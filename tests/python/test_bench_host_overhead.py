@@ -32,6 +32,22 @@ def test_every_abp_module_is_paired_with_the_torch_module_it_replaces() -> None:
 def test_one_tiny_run_times_every_pair_and_recipe() -> None:
     library_or_skip()
     rows = host_overhead.measure(rounds=1, calls=2)
-    assert [r["op"] for r in rows] == [n for n, _, _ in host_overhead.pairs()] + [n for n, _, _ in host_overhead.recipes()]
+    assert [r["op"] for r in rows] == ([n for n, _, _ in host_overhead.pairs()] + ["launch floor (SiLU)"]
+                                       + [n for n, _, _ in host_overhead.recipes()])
     for r in rows:
         assert all(math.isfinite(float(r[k])) and float(r[k]) > 0 for k in ("abp_us", "torch_us", "ratio")), r
+
+
+def test_the_launch_floor_computes_silu_and_its_3_bit_derivative() -> None:
+    # The reference row is only meaningful if it does abp.nn.SiLU's work: same output, same gradient.
+    library_or_skip()
+    torch.manual_seed(1)
+    x = torch.randn(host_overhead.ROWS, host_overhead.COLS, requires_grad=True)
+    g = torch.randn_like(x)
+    floor = host_overhead.floor()()
+    y = floor(x)
+    y.backward(g)
+    x_abp = x.detach().clone().requires_grad_()
+    y_abp = abp.nn.SiLU()(x_abp)
+    y_abp.backward(g)
+    assert torch.equal(y, y_abp) and torch.equal(x.grad, x_abp.grad)

@@ -331,7 +331,6 @@ def _launch_kernel(
     bound = op.bindings.get((backward, dtype, None)) or binding(op, backward, dtype)
     if bound.gathered:
         shape = launch_shape(bound, values, shape)
-        _check_gathered_indices(op, bound, values)
     n = math.prod(shape)
     cols = shape[-1] if shape else 1
     rows = math.prod(shape[:-1]) if bound.rows_kernel else 0
@@ -347,6 +346,8 @@ def _launch_kernel(
         else:
             value = _f32_bits(float(value))
         args.append(value)
+    if bound.gathered:  # the indices' range, once their dtype and device are known to be right
+        _check_gathered_indices(op, bound, values)
     template = values[bound.template] if bound.template is not None else None
     if template is not None and template.shape != shape:
         template = None

@@ -372,10 +372,10 @@ def _load_launcher() -> Optional[Any]:
     spec = importlib.util.spec_from_file_location("_abp_launch", path)
     if spec is None or spec.loader is None:
         return None
-    module = importlib.util.module_from_spec(spec)
-    try:
+    try:  # module_from_spec is what loads an extension's .so and runs its init
+        module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-    except ImportError as e:  # built for another platform: ctypes still works
+    except (ImportError, OSError) as e:  # another platform's, or damaged: ctypes still works
         warnings.warn(f"abp: cannot load the compiled launcher {path} ({e}); launching through ctypes, "
                       "which costs a few microseconds more per call", RuntimeWarning, stacklevel=3)
         return None
@@ -383,10 +383,21 @@ def _load_launcher() -> Optional[Any]:
 
 
 def launch_ctypes(kernel: int, device: int, n: int, stream: Optional[int], *args: Any) -> int:
-    """The launcher's contract through ctypes (where the compiled one is not built): one array
-    holds the 8-byte words, one points at them."""
+    """The launcher's contract through ctypes (where the compiled one is not built), its checks
+    included: one array holds the 8-byte words, one points at them."""
     count = len(args)
-    words = [a if isinstance(a, int) else a.data_ptr() for a in args]
+    if count > LAUNCHER_MAX_ARGS:
+        raise ValueError(f"launch: {count} kernel arguments, at most {LAUNCHER_MAX_ARGS}")
+    if not kernel:
+        raise ValueError("launch: entry and kernel must be non-null addresses")
+    words = []
+    for i, a in enumerate(args):
+        if isinstance(a, int):
+            words.append(a)
+        elif hasattr(a, "data_ptr"):
+            words.append(a.data_ptr())
+        else:
+            raise TypeError(f"launch: argument {i} must be an int or a tensor, got an object without data_ptr()")
     values = (ctypes.c_uint64 * count)(*(w & _U64 for w in words))
     base = ctypes.addressof(values)
     array = (c_void_p * count)(*range(base, base + 8 * count, 8))
@@ -402,5 +413,7 @@ def launch(kernel: int, device: int, n: int, stream: Optional[int], args: Sequen
 
 
 LAUNCHER_FILE = "_abp_launch.abi3.so"
+# The most arguments a kernel takes (the runtime's kMaxKernelArgs); both launchers refuse more.
+LAUNCHER_MAX_ARGS = 64
 _U64 = (1 << 64) - 1
 _launcher: Optional[Callable[..., int]] = None

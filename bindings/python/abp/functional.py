@@ -161,7 +161,8 @@ def apply(
             _launch.check_float_tensor(name, x, dtypes)
         elif not isinstance(x, torch.Tensor):  # per row, or only saved: checked where read
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    params = tuple(_launch.check_param(f"params[{i}]", p) for i, p in enumerate(params)) if params else ()
+    if not (isinstance(params, tuple) and not params):  # () is the common case: nothing to check
+        params = tuple(_launch.check_param(f"params[{i}]", p) for i, p in enumerate(params))
     if _custom_ops.compiling() and _custom_ops.registrable(op):
         return _custom_ops.apply_custom(op_name, params, inputs, out_dtype)
     return autograd.OperatorFunction.apply(op_name, params, out_dtype, *inputs)  # apply_eager, one call less
