@@ -6,7 +6,7 @@ from typing import Any, Optional, Sequence, Tuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import _launch, _lib
+from . import _eager, _launch, _lib
 
 __all__ = ["OperatorFunction", "apply_eager"]
 
@@ -29,9 +29,14 @@ class OperatorFunction(torch.autograd.Function):
         ctx: Any, op_name: str, params: Tuple[float, ...], out_dtype: Optional[torch.dtype], *inputs: torch.Tensor
     ) -> Any:
         op = _lib.kernel_library().operator(op_name)
-        outputs, residuals = _launch.forward(op, inputs, params)
-        # The launch input (its shape, dtype and device are the backward's).
-        first = _launch.launch_input(op, inputs)
+        first = _launch.launch_input(op, inputs)  # its shape, dtype and device are the backward's
+        # One-input operators take the per-call lane (abp._eager) unless the outputs are cast.
+        plan = _eager.plan(op, first.dtype) if out_dtype is None and len(inputs) == 1 else None
+        done = plan.forward(first, params) if plan is not None else None
+        if done is None:
+            plan = None
+            done = _launch.forward(op, inputs, params)
+        outputs, residuals = done
         if out_dtype is not None and out_dtype != first.dtype:
             outputs = [o.to(out_dtype) if layout == "dense" else o for o, layout in zip(outputs, op.output_layouts)]
         for i, residual in enumerate(op.residuals):
@@ -41,6 +46,7 @@ class OperatorFunction(torch.autograd.Function):
         is_tensor = tuple(isinstance(r, torch.Tensor) for r in residuals)
         ctx.save_for_backward(*(r for r, t in zip(residuals, is_tensor) if t))
         ctx.abp_op = op_name
+        ctx.abp_plan = plan
         ctx.abp_is_tensor = is_tensor
         ctx.abp_scalars = tuple(float(r) for r, t in zip(residuals, is_tensor) if not t)
         ctx.abp_input_shapes = tuple(x.shape for x in inputs)
@@ -65,7 +71,10 @@ def _backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Tuple[Optional[torch.
     tensors = iter(ctx.saved_tensors)
     scalars = iter(ctx.abp_scalars)
     residuals = [next(tensors) if is_tensor else next(scalars) for is_tensor in ctx.abp_is_tensor]
-    dxs = _launch.backward(op, residuals, grads, ctx.abp_shape, ctx.abp_dtype, ctx.abp_device)
+    plan = ctx.abp_plan
+    dxs = plan.backward(residuals, grads, ctx.abp_shape, ctx.abp_device) if plan is not None else None
+    if dxs is None:
+        dxs = _launch.backward(op, residuals, grads, ctx.abp_shape, ctx.abp_dtype, ctx.abp_device)
     # Gradients come back in the launch shape; an input of another shape (a per-row input,
     # or one only saved) gets its own back.
     shaped = tuple(

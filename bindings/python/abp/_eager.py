@@ -1,0 +1,199 @@
+"""The per-call lane of the eager autograd path: one-input operators, decided once per dtype.
+
+Most abp calls are one-input operators (activations, norms) whose forward is one kernel reading
+its input densely. For those, everything _launch works out per call from the manifest (where
+each argument comes from, what to allocate, what is saved, which checks apply) is fixed by the
+operator and the launch dtype; a Plan works it out once, and its forward and backward are
+straight-line code around one launch each. What is left per call is what varies: the tensors,
+their shape and device, and the checks a tensor from outside needs.
+
+A plan never decides an error: whatever it does not expect (another dtype, an output gradient
+of another shape, a saved tensor that a saved-tensor hook handed back changed) makes it return
+None, and OperatorFunction runs the general path (_launch.forward / backward), which handles
+it or raises the error that names it. test_eager.py holds both paths to the same bytes for
+every operator a plan serves.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import _lib
+from ._launch import _f32_bits, binding, compute_dtype, device_and_stream
+from ._manifest import Operator, packed_bytes, parse_ref
+
+__all__ = ["Plan", "plan"]
+
+# Where a kernel argument or a produced value comes from.
+_INPUT, _PARAM, _RESULT, _RESIDUAL, _GRAD = range(5)
+_KINDS = {"input": _INPUT, "param": _PARAM, "result": _RESULT, "residual": _RESIDUAL, "grad": _GRAD}
+
+
+def plan(op: Operator, dtype: torch.dtype) -> Optional["Plan"]:
+    """The plan of `op` for launch dtype `dtype`, or None if the operator is not one a plan
+    serves (then OperatorFunction always takes the general path). Cached on the operator."""
+    key = ("eager plan", dtype)
+    found = op.bindings.get(key)
+    if found is None:
+        found = op.bindings[key] = Plan.build(op, dtype) or False
+    return found or None
+
+
+class Plan:
+    """One-input operator `op` at launch dtype `dtype`, resolved for the per-call lane."""
+
+    __slots__ = ("op", "dtype", "compute", "params", "forward_kernel", "forward_args", "forward_produces", "outputs",
+                 "forward_allocs", "rows_kernel", "backward_kernel", "backward_args", "backward_checks",
+                 "backward_allocs")
+
+    @staticmethod
+    def build(op: Operator, dtype: torch.dtype) -> Optional["Plan"]:
+        forward, backward = op.forward, op.backward
+        if (op.inputs != 1 or op.outputs == 0 or forward is None or forward.kernel is None or forward.totals
+                or backward is not None and (backward.kernel is None or backward.totals) or op.no_grad):
+            return None
+        if op.input_args[0] is None or op.input_args[0].layout != "dense":
+            return None
+        if any(layout != "dense" for layout in op.output_layouts):
+            return None
+        if any(r.kind not in ("codes", "tensor", "rows", "shared", "scalar") for r in op.residuals):
+            return None
+        fwd = binding(op, False, dtype)
+        sources = [_source(ref) for ref in forward.args]
+        if any(kind not in (_INPUT, _PARAM) for kind, _ in sources) or fwd.gathered:
+            return None
+        produces = [_source(ref) for ref in forward.produces]
+        if any(kind not in (_INPUT, _PARAM, _RESULT) for kind, _ in produces):
+            return None
+        if any(kind != _RESULT or fwd.packed_bits[i] != -1 for kind, i in produces[: op.outputs]):
+            return None  # an output that is not a dense result of the kernel
+        self = Plan()
+        self.op, self.dtype, self.compute = op, dtype, compute_dtype(dtype)
+        self.params = len(op.params)
+        self.forward_kernel = fwd.address
+        # Per kernel input: None for the input tensor, else (param index, "i64" or "f32").
+        self.forward_args = tuple(None if kind == _INPUT else (i, scalar or "f32")
+                                  for (kind, i), scalar in zip(sources, fwd.scalars))
+        self.forward_produces = tuple(produces)
+        self.outputs = op.outputs
+        self.forward_allocs = fwd.packed_bits
+        self.rows_kernel = fwd.rows_kernel
+        self.backward_kernel = 0
+        if backward is not None:
+            bwd = binding(op, True, dtype)
+            if bwd.gathered or bwd.rows_kernel != fwd.rows_kernel or any(bits != -1 for bits in bwd.packed_bits):
+                return None
+            if len(backward.produces) != 1 or _source(backward.produces[0]) != (_RESULT, 0):
+                return None
+            args = [_source(ref) for ref in backward.args]
+            if any(kind not in (_RESIDUAL, _GRAD) for kind, _ in args):
+                return None
+            if any(scalar is not None and kind != _RESIDUAL for (kind, _), scalar in zip(args, bwd.scalars)):
+                return None
+            self.backward_kernel = bwd.address
+            self.backward_args = tuple(args)
+            # Per argument, what a tensor handed to it must be (its layout, and a packed one's
+            # width), or how a saved scalar is passed ("f32" or "i64").
+            self.backward_checks = tuple((spec.layout, spec.bits) if scalar is None else (scalar, None)
+                                         for spec, scalar in zip(bwd.inputs, bwd.scalars))
+            if any(layout not in ("dense", "packed", "rows", "f32", "i64") for layout, _ in self.backward_checks):
+                return None
+            self.backward_allocs = bwd.packed_bits
+        return self
+
+    def forward(self, x: torch.Tensor, params: Sequence[Any]) -> Optional[Tuple[List[Any], List[Any]]]:
+        """(outputs, residuals) of the forward on `x` (checked by the caller: a dense CPU or CUDA
+        tensor), or None for the general path."""
+        if x.dtype != self.dtype or len(params) != self.params or (self.rows_kernel and x.dim() == 0):
+            return None
+        if not x.is_contiguous():
+            x = x.contiguous()
+        shape = x.shape
+        n = x.numel()
+        device = x.device
+        device_index, stream = device_and_stream(device)
+        args: List[Any] = []
+        for source in self.forward_args:
+            if source is None:
+                args.append(x)
+            else:
+                value = params[source[0]]
+                args.append(int(value) if source[1] == "i64" else _f32_bits(float(value)))
+        results = self._allocate(self.forward_allocs, x, shape, n, device)
+        if self.rows_kernel:
+            cols = shape[-1]
+            rows = math.prod(shape[:-1])
+            if rows:
+                args.extend(results)
+                args.append(rows)
+                args.append(cols)
+                _lib.launch(self.forward_kernel, device_index, n, stream, args)
+        elif n:
+            args.extend(results)
+            args.append(n)
+            _lib.launch(self.forward_kernel, device_index, n, stream, args)
+        produced = [results[i] if kind == _RESULT else x if kind == _INPUT else params[i]
+                    for kind, i in self.forward_produces]
+        return produced[: self.outputs], produced[self.outputs:]
+
+    def backward(self, residuals: Sequence[Any], grads: Sequence[Optional[torch.Tensor]], shape: torch.Size,
+                 device: torch.device) -> Optional[List[torch.Tensor]]:
+        """[the input's gradient] from the saved `residuals` and the output gradients, or None for
+        the general path (a missing or unusual gradient, a saved tensor not as the kernel reads it)."""
+        g = grads[0]
+        if len(grads) != 1 or g is None or g.dtype != self.dtype or g.shape != shape or g.device != device:
+            return None
+        if not g.is_contiguous():
+            g = g.contiguous()
+        n = g.numel()
+        device_index, stream = device_and_stream(device)
+        cols = shape[-1] if shape else 1
+        rows = math.prod(shape[:-1]) if self.rows_kernel else 0
+        args: List[Any] = []
+        for (kind, i), (layout, bits) in zip(self.backward_args, self.backward_checks):
+            value = g if kind == _GRAD else residuals[i]
+            if layout == "f32" or layout == "i64":  # a saved scalar (a parameter)
+                if isinstance(value, torch.Tensor):
+                    return None
+                args.append(_f32_bits(float(value)) if layout == "f32" else int(value))
+                continue
+            if not isinstance(value, torch.Tensor) or not value.is_contiguous() or value.device != device:
+                return None
+            if layout == "dense":
+                if value.dtype != self.dtype or value.numel() != n:
+                    return None
+            elif layout == "packed":
+                if value.dtype != torch.uint8 or value.numel() < packed_bytes(bits, n):
+                    return None
+            elif value.dtype != self.compute or value.numel() != rows:
+                return None
+            args.append(value)
+        results = self._allocate(self.backward_allocs, g, shape, n, device)
+        if (rows if self.rows_kernel else n):
+            args.extend(results)
+            if self.rows_kernel:
+                args.append(rows)
+                args.append(cols)
+            else:
+                args.append(n)
+            _lib.launch(self.backward_kernel, device_index, n, stream, args)
+        return results
+
+    def _allocate(self, allocs: Tuple[int, ...], like: torch.Tensor, shape: torch.Size, n: int,
+                  device: torch.device) -> List[torch.Tensor]:
+        out: List[torch.Tensor] = []
+        for bits in allocs:
+            if bits > 0:
+                out.append(torch.empty(packed_bytes(bits, n), dtype=torch.uint8, device=device))
+            elif bits == 0:
+                out.append(torch.empty(shape[:-1], dtype=self.compute, device=device))
+            else:
+                out.append(torch.empty_like(like))  # `like` is contiguous, of the launch dtype
+        return out
+
+
+def _source(ref: str) -> Tuple[int, int]:
+    kind, index = parse_ref(ref)
+    return _KINDS.get(kind, -1), index
