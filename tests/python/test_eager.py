@@ -69,6 +69,7 @@ def test_every_served_operator_gives_the_general_paths_bytes(dtype):
             fast = plan.forward(x, params)
             assert fast is not None, (name, shape)
             slow = _launch.forward(op, (x,), params)
+            assert len(fast[0]) == len(slow[0]) and len(fast[1]) == len(slow[1]), name
             for a, b in zip(fast[0] + fast[1], slow[0] + slow[1]):
                 if isinstance(a, torch.Tensor):
                     assert _same_bytes(a, b), (name, shape)
@@ -111,12 +112,29 @@ def test_what_the_plan_does_not_expect_goes_to_the_general_path():
     assert plan.backward(residuals, (torch.randn(4, 8, dtype=torch.float64),), x.shape, x.device) is None
     assert plan.backward(residuals, (torch.randn(32),), x.shape, x.device) is None
     assert plan.backward([residuals[0][:1]], (torch.randn(4, 8),), x.shape, x.device) is None
-    # Through autograd, such a gradient is converted by the general path, as before.
+    sparse = torch.ones(4, 8).to_sparse()
+    assert plan.backward(residuals, (sparse,), x.shape, x.device) is None
+    # Through autograd: an expanded (stride 0) gradient is copied, the same gradient results.
     xr = x.clone().requires_grad_()
-    abp.functional.silu(xr).backward(torch.ones(4, 8, dtype=torch.float64))
+    abp.functional.silu(xr).backward(torch.ones(()).expand(4, 8))
     xs = x.clone().requires_grad_()
     abp.functional.silu(xs).backward(torch.ones(4, 8))
     assert torch.equal(xr.grad, xs.grad)
+
+
+def test_saved_tensors_not_as_the_kernel_reads_them_go_to_the_general_path():
+    # ms_layernorm's backward reads its output (shared, dense) and 1/std per row: a residual of
+    # another size, dtype or layout must never reach the kernel.
+    op = _lib.kernel_library().operator("ms_layernorm")
+    plan = _eager.plan(op, torch.float32)
+    x = torch.randn(6, 32)
+    (y,), residuals = plan.forward(x, (1e-5,))
+    residuals[0] = y
+    g = torch.randn(6, 32)
+    assert plan.backward(residuals, (g,), x.shape, x.device) is not None
+    for bad in ([y[:3], residuals[1]], [y.double(), residuals[1]], [y.t().contiguous().t(), residuals[1]],
+                [y, residuals[1][:5]], [y, residuals[1].double()], [y, 1.0]):
+        assert plan.backward(bad, (g,), x.shape, x.device) is None
 
 
 def test_saved_tensor_hooks_see_the_plans_residuals_and_their_copies_work():
@@ -126,16 +144,19 @@ def test_saved_tensor_hooks_see_the_plans_residuals_and_their_copies_work():
     seen = []
 
     def pack(t):
-        seen.append(t.dtype)
+        seen.append((t.dtype, t.dim()))
         return t.clone()
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    def unpack(t):  # the shared output comes back in fp64: the general path casts it back
+        return t.double() if t.dim() == 2 else t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         y = abp.nn.MSLayerNorm(32)(x)
     y.backward(torch.ones_like(y))
     x2 = x.detach().clone().requires_grad_()
     abp.nn.MSLayerNorm(32)(x2).backward(torch.ones_like(y))
     assert torch.equal(x.grad, x2.grad)
-    assert torch.float32 in seen
+    assert (torch.float32, 2) in seen and (torch.float32, 1) in seen  # the output and 1/std per row
 
 
 def test_a_wrong_parameter_count_is_the_general_paths_error():

@@ -80,7 +80,8 @@ class Plan:
         self.outputs = op.outputs
         self.forward_allocs = fwd.packed_bits
         self.rows_kernel = fwd.rows_kernel
-        self.backward_kernel = 0
+        self.backward_kernel = 0  # no backward: the general path returns no gradients
+        self.backward_args, self.backward_checks, self.backward_allocs = (), (), ()
         if backward is not None:
             bwd = binding(op, True, dtype)
             if bwd.gathered or bwd.rows_kernel != fwd.rows_kernel or any(bits != -1 for bits in bwd.packed_bits):
@@ -143,7 +144,8 @@ class Plan:
         """[the input's gradient] from the saved `residuals` and the output gradients, or None for
         the general path (a missing or unusual gradient, a saved tensor not as the kernel reads it)."""
         g = grads[0]
-        if len(grads) != 1 or g is None or g.dtype != self.dtype or g.shape != shape or g.device != device:
+        if (not self.backward_kernel or len(grads) != 1 or g is None or g.layout != torch.strided
+                or g.dtype != self.dtype or g.shape != shape or g.device != device):
             return None
         if not g.is_contiguous():
             g = g.contiguous()

@@ -29,14 +29,15 @@ class OperatorFunction(torch.autograd.Function):
         ctx: Any, op_name: str, params: Tuple[float, ...], out_dtype: Optional[torch.dtype], *inputs: torch.Tensor
     ) -> Any:
         op = _lib.kernel_library().operator(op_name)
-        first = _launch.launch_input(op, inputs)  # its shape, dtype and device are the backward's
         # One-input operators take the per-call lane (abp._eager) unless the outputs are cast.
-        plan = _eager.plan(op, first.dtype) if out_dtype is None and len(inputs) == 1 else None
-        done = plan.forward(first, params) if plan is not None else None
+        one = len(inputs) == 1 == op.inputs and out_dtype is None and isinstance(inputs[0], torch.Tensor)
+        plan = _eager.plan(op, inputs[0].dtype) if one else None
+        done = plan.forward(inputs[0], params) if plan is not None else None
         if done is None:
             plan = None
             done = _launch.forward(op, inputs, params)
         outputs, residuals = done
+        first = _launch.launch_input(op, inputs)  # its shape, dtype and device are the backward's
         if out_dtype is not None and out_dtype != first.dtype:
             outputs = [o.to(out_dtype) if layout == "dense" else o for o, layout in zip(outputs, op.output_layouts)]
         for i, residual in enumerate(op.residuals):
