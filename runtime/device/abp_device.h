@@ -3,8 +3,9 @@
 // This header is the runtime side of the compiler/runtime contract (docs/runtime.md): codegen writes
 // calls to it, and it must compile unchanged under NVRTC (no system headers there) and under the
 // host C++ compiler (the CPU path, with ABP_HOST defined). Everything numeric here is written so
-// that both sides produce bit-identical results: fp16/bf16 conversions are software
-// round-to-nearest-even on both, bit packing is integer arithmetic, Philox is integer arithmetic.
+// that both sides produce bit-identical results: fp16/bf16 conversions round to nearest even on
+// both (the GPU's fp16 ones in hardware, NaNs patched to the host's bits), bit packing is integer
+// arithmetic, Philox is integer arithmetic.
 //
 // Changing this file? Its content is part of every cache key (runtime/Cache.cpp), so entries are
 // invalidated automatically; bump kCacheFormatVersion only when the on-disk layout changes.
@@ -107,10 +108,42 @@ ABP_FN float bitsFloat(u32 u) {
 #endif
 }
 
+#if ABP_GPU
+// The GPU's fp16 conversions, round to nearest even. Their NaN results are unspecified: callers
+// patch NaNs to the host's bits (toFloat, fromFloat, and the chunked widen / narrow below).
+ABP_FN float hardwareToFloat(f16 v) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
+  return f;
+}
+ABP_FN u16 hardwareFromFloat(float f) {
+  u16 h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+#if __CUDA_ARCH__ >= 800
+#define ABP_HARDWARE_BF16 1
+// bf16's round-to-nearest-even conversion exists from sm_80 on (older GPUs keep the software one).
+ABP_FN u16 hardwareFromFloatBf16(float f) {
+  u16 h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+#endif
+#endif
+
 ABP_FN float toFloat(float v) { return v; }
 ABP_FN float toFloat(bf16 v) { return bitsFloat((u32)v.bits << 16); }
 ABP_FN float toFloat(f16 v) {
   // IEEE binary16 -> binary32, exact (every half is a float).
+#if ABP_GPU
+  // One hardware conversion (exact for every non-NaN half); a NaN takes the host's bits (payload
+  // kept, as below) through a select, since PTX leaves the NaN a conversion returns unspecified.
+  const float f = hardwareToFloat(v);
+  const u32 bits = v.bits;
+  const u32 nan = ((bits & 0x8000u) << 16) | 0x7f800000u | ((bits & 0x3ffu) << 13);
+  return (bits & 0x7fffu) > 0x7c00u ? bitsFloat(nan) : f;
+#else
   u32 h = v.bits;
   u32 sign = (h & 0x8000u) << 16;
   u32 exp = (h >> 10) & 0x1fu;
@@ -132,6 +165,7 @@ ABP_FN float toFloat(f16 v) {
     out = sign | ((u32)(113 - shift) << 23) | (man << 13);
   }
   return bitsFloat(out);
+#endif
 }
 
 ABP_FN void fromFloat(float f, float &out) { out = f; }
@@ -150,6 +184,14 @@ ABP_FN void fromFloat(float f, bf16 &out) {
 }
 ABP_FN void fromFloat(float f, f16 &out) {
   // IEEE binary32 -> binary16, round to nearest even, overflow to inf, subnormals exact.
+#if ABP_GPU
+  // The hardware's round-to-nearest-even conversion gives the bits of the code below for every
+  // non-NaN float; a NaN takes the host's bits through a select (PTX leaves them unspecified).
+  const u16 h = hardwareFromFloat(f);
+  const u32 bits = floatBits(f);
+  const u32 nan = ((bits >> 16) & 0x8000u) | 0x7e00u | ((bits >> 13) & 0x3ffu);
+  out.bits = (bits & 0x7fffffffu) > 0x7f800000u ? (u16)nan : h;
+#else
   u32 u = floatBits(f);
   u32 sign = (u >> 16) & 0x8000u;
   u32 a = u & 0x7fffffffu;
@@ -180,6 +222,7 @@ ABP_FN void fromFloat(float f, f16 &out) {
   if (rest > halfway || (rest == halfway && (q & 1u)))
     ++q;
   out.bits = (u16)(sign | q);
+#endif
 }
 
 //===----------------------------------------------------------------------===//
@@ -211,6 +254,65 @@ template <typename T> ABP_FN void storeRaw(void *p, const T &value) {
 #endif
 }
 
+/// Converts the K elements of one 128-bit vector to and from the compute type, as toFloat /
+/// fromFloat do element by element.
+template <int K, typename T, typename C> ABP_FN void widen(const T *e, C *out) {
+  ABP_UNROLL
+  for (int k = 0; k < K; ++k)
+    out[k] = toFloat(e[k]);
+}
+template <int K, typename C, typename T> ABP_FN void narrow(const C *in, T *e) {
+  ABP_UNROLL
+  for (int k = 0; k < K; ++k)
+    fromFloat(in[k], e[k]);
+}
+#if ABP_GPU
+// fp16 on the GPU: one hardware conversion per element and one NaN test for the vector; only a
+// vector holding a NaN (rare) takes the exact per-element path, so the NaN patch stays off the
+// fast path.
+template <int K> ABP_FN void widen(const f16 *e, float *out) {
+  bool nan = false;
+  ABP_UNROLL
+  for (int k = 0; k < K; ++k) {
+    out[k] = hardwareToFloat(e[k]);
+    nan |= out[k] != out[k];
+  }
+  if (nan) {
+    ABP_UNROLL
+    for (int k = 0; k < K; ++k)
+      out[k] = toFloat(e[k]);
+  }
+}
+#ifdef ABP_HARDWARE_BF16
+template <int K> ABP_FN void narrow(const float *in, bf16 *e) {
+  bool nan = false;
+  ABP_UNROLL
+  for (int k = 0; k < K; ++k) {
+    e[k].bits = hardwareFromFloatBf16(in[k]);
+    nan |= in[k] != in[k];
+  }
+  if (nan) {
+    ABP_UNROLL
+    for (int k = 0; k < K; ++k)
+      fromFloat(in[k], e[k]);
+  }
+}
+#endif
+template <int K> ABP_FN void narrow(const float *in, f16 *e) {
+  bool nan = false;
+  ABP_UNROLL
+  for (int k = 0; k < K; ++k) {
+    e[k].bits = hardwareFromFloat(in[k]);
+    nan |= in[k] != in[k];
+  }
+  if (nan) {
+    ABP_UNROLL
+    for (int k = 0; k < K; ++k)
+      fromFloat(in[k], e[k]);
+  }
+}
+#endif
+
 /// `out` is the compute type: float for fp32/fp16/bf16 storage, double for fp64.
 template <int N, typename T, typename C>
 ABP_FN void loadChunk(const T *ABP_RESTRICT p, i64 i, i64 n, bool vec, C *out) {
@@ -226,9 +328,7 @@ ABP_FN void loadChunk(const T *ABP_RESTRICT p, i64 i, i64 n, bool vec, C *out) {
       T e[kPer];
       std::memcpy(e, p + i + v * kPer, 16);
 #endif
-      ABP_UNROLL
-      for (int k = 0; k < kPer; ++k)
-        out[v * kPer + k] = toFloat(e[k]);
+      widen<kPer>(e, out + v * kPer);
     }
   } else {
     ABP_UNROLL
@@ -249,9 +349,7 @@ ABP_FN void storeChunk(T *ABP_RESTRICT p, i64 i, i64 n, bool vec, const C *in) {
 #else
       T e[kPer];
 #endif
-      ABP_UNROLL
-      for (int k = 0; k < kPer; ++k)
-        fromFloat(in[v * kPer + k], e[k]);
+      narrow<kPer>(in + v * kPer, e);
 #if ABP_GPU
       *reinterpret_cast<Vec16 *>(p + i + v * kPer) = raw;
 #else
