@@ -148,7 +148,8 @@ struct RowKernelEmitter {
 
   Block &body() { return kernel.getBody().front(); }
   /// Per sweep, its abp.uniform draws: the sweep makes them a chunk at a time
-  /// (abp::uniformChunk, one Philox call per four elements) and passes each element its own.
+  /// (abp::uniformChunk / uniform16Chunk, one Philox call per four / eight elements) and passes
+  /// each element its own.
   SmallVector<SmallVector<UniformOp>> sweepDraws;
 
   static SmallVector<UniformOp> drawsOf(ArrayRef<Operation *> ops) {
@@ -361,7 +362,8 @@ struct RowKernelEmitter {
     // The chunk's draws: element j + k of the row is element base + j + k of the launch.
     for (auto [d, draw] : llvm::enumerate(draws)) {
       out.line("float d{}_[N];", d);
-      out.line("abp::uniformChunk<N>({}, {} + (abp::u64)(base + j), d{}_);",
+      out.line("abp::{}<N>({}, {} + (abp::u64)(base + j), d{}_);",
+               draw.getBits() == 16 ? "uniform16Chunk" : "uniformChunk",
                a.field.lookup(draw.getSeed()), a.field.lookup(draw.getOffset()), d);
     }
     out.line("ABP_UNROLL");

@@ -222,7 +222,8 @@ LogicalResult ScalarEmitter::emit(Operation *op) {
         if (elementIndex.empty())
           return o.emitOpError() << "needs the element's index, which this kernel body does not "
                                     "have";
-        define(o, fmt::format("({})abp::uniformAt({}, {}, {} + {})", floatType, philoxCache,
+        define(o, fmt::format("({})abp::{}({}, {}, {} + {})", floatType,
+                              o.getBits() == 16 ? "uniform16At" : "uniformAt", philoxCache,
                               n(o.getSeed()), n(o.getOffset()), elementIndex));
         return success();
       })

@@ -594,6 +594,8 @@ LogicalResult DequantizeOp::verify() {
 //===----------------------------------------------------------------------===//
 
 LogicalResult UniformOp::verify() {
+  if (getBits() != 24 && getBits() != 16)
+    return emitOpError() << "draws 24-bit or 16-bit uniforms, got bits = " << getBits();
   if (getResult().getType().isF32() && !(*this)->getParentOfType<KernelOp>())
     return emitOpError() << "yields an f32 draw only in a kernel body, where each element has "
                             "its index; in an operator it yields a tensor";

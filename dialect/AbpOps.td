@@ -312,6 +312,10 @@ def Abp_UniformOp : Abp_Op<"uniform", [Pure]> {
     Element e of the result (its flat index in the launch) is
     `(w >> 8) * 2^-24` where `w` is word `c mod 4` of Philox-4x32-10 applied to the counter
     `(c / 4)` (128-bit, low words first) under the 64-bit key `seed`, with `c = offset + e`.
+    With `bits = 16` it is `h * 2^-16` where `h` is half-word `c mod 8` of Philox at counter
+    `(c / 8)`: the low half of word `(c mod 8) / 2` for even `c`, the high half for odd `c`.
+    That is half the Philox calls, for draws on a grid of 2^-16 (stochastic rounding with them
+    is biased by less than 2^-16 of a step). `bits` is 24 (the default) or 16.
     The draw is a pure function of (seed, offset + e): the same on the GPU and the CPU path, and
     a caller splitting a tensor over several launches keeps each element's draw by passing the
     launch's first flat index as `offset`. In an operator the result is a tensor of the
@@ -320,9 +324,10 @@ def Abp_UniformOp : Abp_Op<"uniform", [Pure]> {
     Example:
     ```mlir
     %u = abp.uniform %seed, %offset : i64, i64 -> tensor<?x?xf32>
+    %h = abp.uniform %seed, %offset {bits = 16 : i32} : i64, i64 -> tensor<?x?xf32>
     ```
   }];
-  let arguments = (ins I64:$seed, I64:$offset);
+  let arguments = (ins I64:$seed, I64:$offset, DefaultValuedAttr<I32Attr, "24">:$bits);
   let results = (outs AnyTypeOf<[RankedTensorOf<[F32]>, F32]>:$result);
   let assemblyFormat = "$seed `,` $offset attr-dict `:` type($seed) `,` type($offset) `->` type($result)";
   let hasVerifier = 1;

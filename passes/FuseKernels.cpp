@@ -164,7 +164,7 @@ void translateOps(ArrayRef<Operation *> fused, OpBuilder &body, IRMapping &scala
     } else if (auto uniform = dyn_cast<UniformOp>(inner)) {
       auto draw = body.create<UniformOp>(uniform.getLoc(), Float32Type::get(ctx),
                                          scalars.lookup(uniform.getSeed()),
-                                         scalars.lookup(uniform.getOffset()));
+                                         scalars.lookup(uniform.getOffset()), uniform.getBits());
       scalars.map(uniform.getResult(), draw.getResult());
     } else if (auto reduce = dyn_cast<ReduceRowsOp>(inner)) {
       auto f32 = Float32Type::get(ctx);

@@ -119,7 +119,9 @@ void lowerQuantizeGroups(QuantizeGroupsOp op) {
   });
   Value minsWide = b.create<BroadcastRowsOp>(loc, matrixType, mins);
   Value scalesWide = b.create<BroadcastRowsOp>(loc, matrixType, scales);
-  Value draws = b.create<UniformOp>(loc, matrixType, op.getSeed(), op.getOffset());
+  // 16-bit draws: half the Philox work of the quantizer, for a rounding bias below 2^-16 of a
+  // step (the codes' own resolution is 1 / (2^b - 1) of the range, b <= 8).
+  Value draws = b.create<UniformOp>(loc, matrixType, op.getSeed(), op.getOffset(), /*bits=*/16);
   Value codes = buildMap(b, loc, {x, minsWide, scalesWide, draws}, b.getI8Type(),
                          [&](OpBuilder &m, ValueRange a) -> Value {
                            Value shifted = m.create<arith::SubFOp>(loc, a[0], a[1]);

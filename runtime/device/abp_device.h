@@ -806,6 +806,26 @@ ABP_FN float uniformAt(PhiloxCache &cache, u64 seed, u64 c) {
   return (float)(word >> 8) * (1.0f / 16777216.0f);
 }
 
+/// abp.uniform with 16-bit draws: position c takes half-word c mod 8 of Philox-4x32-10 at counter
+/// (c / 8, 0) under key (seed low, seed high), the low half of word (c mod 8) / 2 for even c and
+/// the high half for odd c, scaled by 2^-16 (exact in fp32). Half the Philox calls of uniformAt.
+ABP_FN float uniform16At(PhiloxCache &cache, u64 seed, u64 c) {
+  const u64 block = c >> 3;
+  if (block != cache.block || seed != cache.seed) {
+    Philox4 ctr = {{(u32)block, (u32)(block >> 32), 0u, 0u}};
+    cache.words = philox4x32_10(ctr, (u32)seed, (u32)(seed >> 32));
+    cache.block = block;
+    cache.seed = seed;
+  }
+  const u32 at = (u32)((c >> 1) & 3u);
+  const u32 word = at == 0u   ? cache.words.v[0]
+                   : at == 1u ? cache.words.v[1]
+                   : at == 2u ? cache.words.v[2]
+                              : cache.words.v[3];
+  const u32 half = (c & 1u) ? word >> 16 : word & 0xffffu;
+  return (float)half * (1.0f / 65536.0f);
+}
+
 /// The draws of N consecutive positions c0, c0 + 1, ... (abp.uniform, as uniformAt gives them):
 /// when c0 is a multiple of 4, one Philox call serves four positions with no per-element
 /// bookkeeping; otherwise position by position.
@@ -826,6 +846,29 @@ template <int N> ABP_FN void uniformChunk(u64 seed, u64 c0, float *out) {
   ABP_UNROLL
   for (int k = 0; k < N; ++k)
     out[k] = uniformAt(cache, seed, c0 + (u64)k);
+}
+
+/// The 16-bit draws of N consecutive positions (as uniform16At gives them): when c0 is a multiple
+/// of 8, one Philox call serves eight positions; otherwise position by position.
+template <int N> ABP_FN void uniform16Chunk(u64 seed, u64 c0, float *out) {
+  if (N % 8 == 0 && (c0 & 7u) == 0) {
+    ABP_UNROLL
+    for (int b = 0; b < N / 8; ++b) {
+      const u64 block = (c0 >> 3) + (u64)b;
+      Philox4 ctr = {{(u32)block, (u32)(block >> 32), 0u, 0u}};
+      Philox4 words = philox4x32_10(ctr, (u32)seed, (u32)(seed >> 32));
+      ABP_UNROLL
+      for (int i = 0; i < 4; ++i) {
+        out[8 * b + 2 * i] = (float)(words.v[i] & 0xffffu) * (1.0f / 65536.0f);
+        out[8 * b + 2 * i + 1] = (float)(words.v[i] >> 16) * (1.0f / 65536.0f);
+      }
+    }
+    return;
+  }
+  PhiloxCache cache;
+  ABP_UNROLL
+  for (int k = 0; k < N; ++k)
+    out[k] = uniform16At(cache, seed, c0 + (u64)k);
 }
 
 /// A uniform float in (0, 1] from 32 random bits (never 0, so log() is safe).

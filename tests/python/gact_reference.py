@@ -31,17 +31,26 @@ def philox4x32_10(counters: np.ndarray, key0: int, key1: int) -> np.ndarray:
     return np.stack(c, axis=1).astype(np.uint32)
 
 
-def uniform_at(seed: int, positions: np.ndarray) -> np.ndarray:
-    """abp.uniform: word c mod 4 of Philox at counter (c / 4, 0) under key (seed lo, seed hi),
-    as (w >> 8) * 2^-24 in fp32."""
+def uniform_at(seed: int, positions: np.ndarray, bits: int = 24) -> np.ndarray:
+    """abp.uniform. 24 bits: word c mod 4 of Philox at counter (c / 4, 0) under key (seed lo,
+    seed hi), as (w >> 8) * 2^-24 in fp32. 16 bits: half-word c mod 8 of Philox at counter
+    (c / 8, 0), the low half of word (c mod 8) / 2 for even c and the high half for odd c, as
+    h * 2^-16."""
     positions = positions.astype(np.uint64)
-    blocks = positions >> np.uint64(2)
+    per_block = 4 if bits == 24 else 8
+    blocks = positions // np.uint64(per_block)
     counters = np.zeros((positions.size, 4), dtype=np.uint32)
     counters[:, 0] = (blocks & _MASK).astype(np.uint32)
     counters[:, 1] = (blocks >> np.uint64(32)).astype(np.uint32)
     words = philox4x32_10(counters, seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF)
-    word = words[np.arange(positions.size), (positions & np.uint64(3)).astype(np.int64)]
-    return (word >> np.uint32(8)).astype(np.float32) * np.float32(1.0 / 16777216.0)
+    within = positions % np.uint64(per_block)
+    if bits == 24:
+        word = words[np.arange(positions.size), within.astype(np.int64)]
+        return (word >> np.uint32(8)).astype(np.float32) * np.float32(1.0 / 16777216.0)
+    assert bits == 16, bits
+    word = words[np.arange(positions.size), (within >> np.uint64(1)).astype(np.int64)]
+    half = np.where((within & np.uint64(1)) == 1, word >> np.uint32(16), word & np.uint32(0xFFFF))
+    return half.astype(np.float32) * np.float32(1.0 / 65536.0)
 
 
 def quantize_groups(
@@ -54,7 +63,8 @@ def quantize_groups(
     n = flat.size
     groups = math.ceil(n / group_size)
     top = ctype((1 << bits) - 1)
-    u = uniform_at(seed, np.arange(n, dtype=np.uint64) + np.uint64(offset)).astype(ctype)
+    # The quantizer draws 16-bit uniforms (abp.uniform {bits = 16}).
+    u = uniform_at(seed, np.arange(n, dtype=np.uint64) + np.uint64(offset), bits=16).astype(ctype)
     codes = np.zeros(n, dtype=np.uint8)
     mins = np.zeros(groups, dtype=ctype)
     scales = np.zeros(groups, dtype=ctype)
@@ -95,3 +105,43 @@ def variance(x: torch.Tensor, bits: int, group_size: int) -> np.ndarray:
         phi = t - np.floor(t)
         out[sl] = phi * (1 - phi) / s**2
     return out
+
+
+def rounding_outcomes(x: torch.Tensor, bits: int, group_size: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The exact law of each element's dequantized value under the codec's 16-bit draws: (lower
+    value, upper value, probability of the upper one). Every one of the 65536 draws h * 2^-16 is
+    put through the quantizer's fp32 arithmetic (floor((x - m) * s + u), clamped), then decoded as
+    q * (1 / s) + m; stochastic rounding gives at most two adjacent codes. fp32 tensors only."""
+    flat = x.detach().reshape(-1).float().numpy()
+    n = flat.size
+    top = np.float32((1 << bits) - 1)
+    u = (np.arange(65536, dtype=np.float32) * np.float32(1.0 / 65536.0))[None, :]
+    lower, upper, p_upper = np.zeros(n, np.float32), np.zeros(n, np.float32), np.zeros(n)
+    for g in range(math.ceil(n / group_size)):
+        sl = slice(g * group_size, min(n, (g + 1) * group_size))
+        v = flat[sl]
+        lo = v.min()
+        s = top / np.float32(np.float32(v.max() - lo) + np.float32(2e-6))
+        scaled = ((v - lo) * s).astype(np.float32)[:, None]
+        q = np.minimum(np.floor((scaled + u).astype(np.float32)), top)  # (elements, 65536)
+        q_lo, q_hi = q.min(1), q.max(1)
+        assert np.all(q_hi - q_lo <= 1), "stochastic rounding reaches two adjacent codes at most"
+        step = np.float32(np.float32(1) / s)
+        lower[sl] = (q_lo.astype(np.float32) * step).astype(np.float32) + lo
+        upper[sl] = (q_hi.astype(np.float32) * step).astype(np.float32) + lo
+        p_upper[sl] = (q == q_hi[:, None]).mean(1) * (q_hi > q_lo)
+    return lower, upper, p_upper
+
+
+def binomial_two_sided(k: np.ndarray, n: int, p: np.ndarray) -> np.ndarray:
+    """Two-sided exact tail probability 2 * min(P[X <= k], P[X >= k]) (capped at 1) of
+    X ~ Binomial(n, p), per element."""
+    j = np.arange(n + 1)
+    with np.errstate(divide="ignore", invalid="ignore"):  # p = 0 or 1: log 0, and 0 * -inf masked below
+        logp, log1p = np.log(p)[:, None], np.log1p(-p)[:, None]
+        terms = np.array([math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) for i in j])[None, :]
+        log_pmf = terms + np.where(j > 0, j * logp, 0.0) + np.where(j < n, (n - j) * log1p, 0.0)
+    pmf = np.exp(log_pmf)
+    below = np.where(j[None, :] <= k[:, None], pmf, 0).sum(1)
+    above = np.where(j[None, :] >= k[:, None], pmf, 0).sum(1)
+    return np.minimum(1.0, 2 * np.minimum(below, above))

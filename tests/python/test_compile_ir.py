@@ -270,6 +270,30 @@ def test_uniform_in_an_elementwise_kernel_draws_philox_at_offset_plus_index() ->
     assert not torch.equal(y, y2)
 
 
+def test_16_bit_uniform_draws_half_words_of_philox() -> None:
+    # abp.uniform {bits = 16}: half-word c mod 8 of the block c / 8 (the GACT quantizer's draws),
+    # position by position (odd offset) and eight at a time (aligned offset) in the same kernel.
+    compiler_or_skip()
+    import numpy as np
+
+    from abp import _launch, _lib
+    import gact_reference as ref
+
+    if "test_noise16" not in abp.operators():
+        abp.compile_operators(NOISE_IR.replace("@test_noise", "@test_noise16")
+                              .replace("%offset : i64, i64", "%offset {bits = 16 : i32} : i64, i64"),
+                              origin="noise16.mlir")
+    op = _lib.kernel_library().operator("test_noise16")
+    seed, n = (1 << 40) + 12345, 1003
+    for offset in (3, 16):
+        (y,), _ = _launch.forward(op, [torch.zeros(n)], [seed, offset])
+        expected = ref.uniform_at(seed, np.arange(n, dtype=np.uint64) + np.uint64(offset), bits=16)
+        assert np.array_equal(y.numpy(), expected)
+        assert np.all(y.numpy() * 65536 == np.floor(y.numpy() * 65536))  # on the 2^-16 grid
+    # Not the 24-bit stream: the same position draws from another word.
+    assert not np.array_equal(ref.uniform_at(seed, np.arange(64), bits=16), ref.uniform_at(seed, np.arange(64)))
+
+
 SCALED_IR = """
 func.func private @leaky(%x: f32, %slope: f32) -> f32 {
   %zero = arith.constant 0.0 : f32

@@ -106,24 +106,38 @@ def test_dequantize_is_unbiased_and_its_variance_is_the_formula(bits):
     x = torch.randn(200, generator=gen)
     runs = 2000
     d = draws(x, bits, 64, runs)
-    v = torch.from_numpy(ref.variance(x, bits, 64))
-    mean = d.mean(0)
     xd = x.double()
-    # Per-entry z-test with the analytic variance; alpha = 1e-4 over m = 200 entries.
-    zero = v == 0
-    assert torch.equal(mean[zero], xd[zero]), "an element on its grid is reproduced exactly"
-    z = (mean - xd)[~zero] * math.sqrt(runs) / v[~zero].sqrt()
-    assert z.abs().max() <= 4.75, f"max |z| = {z.abs().max():.2f} (bound Phi^-1(1 - 1e-4/400) = 4.75)"
-    # Aggregate chi-square tail bound: T = R |mean - x|^2 / V, E[T] = 1.
-    total = v.sum()
-    lam = v / total
-    t = runs * ((mean - xd) ** 2).sum() / total
+    # The codec's exact law under its 16-bit draws: two adjacent values per element.
+    lower, upper, p = ref.rounding_outcomes(x, bits, 64)
+    lower, upper = torch.from_numpy(lower).double(), torch.from_numpy(upper).double()
+    assert bool(((d == lower) | (d == upper)).all()), "every draw decodes to one of the element's two values"
+    # Unbiased up to the draws' grid: |E[x_hat] - x| <= 2^-16 of a step (plus fp32 rounding).
+    step = upper - lower
+    mean_defined = lower + torch.from_numpy(p) * step
+    scale = xd.abs().max() * 2**-22
+    assert bool(((mean_defined - xd).abs() <= step * 2**-16 + scale).all())
+    # Variance: phi (1 - phi) / s^2 of docs/algorithms.md, to within the same grid.
+    v_formula = torch.from_numpy(ref.variance(x, bits, 64))
+    v_defined = torch.from_numpy(p * (1 - p)) * step**2
+    full_step = (torch.from_numpy(ref.quantize_groups(x, bits, 64, 0)[2]).double().reciprocal()
+                 .repeat_interleave(64)[: x.numel()])
+    assert bool(((v_defined - v_formula).abs() <= full_step**2 * 2**-15 + scale).all())
+    # Each element's count of upper values is Binomial(runs, p): exact two-sided test, alpha = 1e-4
+    # over the 200 entries (Bonferroni). Normal approximations fail for p near 0 or 1.
+    ups = ((d == upper) & (upper != lower)).sum(0).numpy()
+    tails = ref.binomial_two_sided(ups, runs, p)
+    assert tails.min() >= 1e-4 / 200, f"min two-sided p-value {tails.min():.3g} (entry {tails.argmin()})"
+    # Aggregate chi-square tail bound: T = R |mean - E|^2 / V, E[T] = 1.
+    mean = d.mean(0)
+    total = v_defined.sum()
+    lam = v_defined / total
+    t = runs * ((mean - mean_defined) ** 2).sum() / total
     bound = 1 + 2 * math.sqrt(10 * (lam**2).sum()) + 2 * 10 * lam.max()
     assert t <= bound, f"T = {t:.3f} > {bound:.3f}"
-    # Variance: the mean of |x_hat - x|^2 contains V within 5 standard errors.
-    sq = ((d - xd) ** 2).sum(1)
+    # Variance: the mean of |x_hat - E|^2 contains V within 5 standard errors.
+    sq = ((d - mean_defined) ** 2).sum(1)
     se = sq.std() / math.sqrt(runs)
-    assert abs(sq.mean() - total) <= 5 * se, f"E|x_hat - x|^2 = {sq.mean():.4g}, V = {total:.4g} +- {se:.2g}"
+    assert abs(sq.mean() - total) <= 5 * se, f"E|x_hat - E|^2 = {sq.mean():.4g}, V = {total:.4g} +- {se:.2g}"
 
 
 def test_a_scale_error_fails_the_unbiasedness_test():

@@ -74,7 +74,10 @@ def test_outputs_computed_from_one_another_are_not_counted_twice(user_loss: str)
     assert want and got.keys() == want.keys()
     for key, value in want.items():
         assert value > 0
-        assert got[key] == pytest.approx(value, rel=1e-4), key
+        # The two forms sum the gradient above the logits in another order, and the probes' squared
+        # distances carry that on at up to about 2e-4 relative (6e-5 measured with 24-bit draws,
+        # 1.6e-4 with the quantizer's 16-bit ones); the defect this catches doubled them.
+        assert got[key] == pytest.approx(value, rel=1e-3), key
 
 
 def test_a_caller_changing_the_loss_in_place_is_seen() -> None:

@@ -27,3 +27,20 @@ abp.operator @noise attributes {params = ["seed", "offset"]} forward {
 ^bb0(%g: tensor<?xf32>):
   abp.return %g : tensor<?xf32>
 }
+
+// 16-bit draws take uniform16At (half-word c mod 8 of the Philox block c / 8).
+// CHECK: ABP_FN void noise16_fwd_body(
+// CHECK: abp::uniform16At(rng, a0, a1 + idx)
+abp.operator @noise16 attributes {params = ["seed", "offset"]} forward {
+^bb0(%x: tensor<?xf32>, %seed: i64, %offset: i64):
+  %u = abp.uniform %seed, %offset {bits = 16 : i32} : i64, i64 -> tensor<?xf32>
+  %y = abp.map(%x, %u) : (tensor<?xf32>, tensor<?xf32>) -> tensor<?xf32> {
+  ^bb0(%a: f32, %b: f32):
+    %p = arith.addf %a, %b : f32
+    abp.yield %p : f32
+  }
+  abp.return %y : tensor<?xf32>
+} backward {
+^bb0(%g: tensor<?xf32>):
+  abp.return %g : tensor<?xf32>
+}

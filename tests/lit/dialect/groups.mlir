@@ -37,10 +37,14 @@ abp.operator @noise forward {
 // CHECK-LABEL: abp.kernel @draw_codes
 // CHECK: ^bb0(%{{.*}}: f32, %[[S:.*]]: i64, %[[O:.*]]: i64):
 // CHECK: abp.uniform %[[S]], %[[O]] : i64, i64 -> f32
+// The 16-bit draws print their width; the default (24) prints nothing.
+// CHECK: abp.uniform %[[S]], %[[O]] {bits = 16 : i32} : i64, i64 -> f32
 abp.kernel @draw_codes attributes {ins = [#abp.dense, #abp.scalar, #abp.scalar], outs = [#abp.packed<2>], rows} {
 ^bb0(%x: f32, %seed: i64, %offset: i64):
   %u = abp.uniform %seed, %offset : i64, i64 -> f32
-  %s = arith.addf %x, %u : f32
+  %h = abp.uniform %seed, %offset {bits = 16 : i32} : i64, i64 -> f32
+  %w = arith.addf %u, %h : f32
+  %s = arith.addf %x, %w : f32
   %c = arith.fptoui %s : f32 to i8
   abp.yield %c : i8
 }

@@ -13,6 +13,18 @@ abp.operator @scalar_draw forward {
 
 // -----
 
+abp.operator @odd_width_draw forward {
+^bb0(%x: tensor<?xf32>, %seed: i64, %offset: i64):
+  // expected-error @+1 {{draws 24-bit or 16-bit uniforms, got bits = 12}}
+  %u = abp.uniform %seed, %offset {bits = 12 : i32} : i64, i64 -> tensor<?xf32>
+  abp.return %x : tensor<?xf32>
+} backward {
+^bb0(%g: tensor<?xf32>):
+  abp.return %g : tensor<?xf32>
+}
+
+// -----
+
 abp.operator @flat_groups forward {
 ^bb0(%x: tensor<?xf32>, %seed: i64, %offset: i64):
   // expected-error @+1 {{expects a row-wide tensor<?x?xf32> and a per-row tensor<?xf32>}}

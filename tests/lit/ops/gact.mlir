@@ -7,7 +7,7 @@
 // CHECK: abp.kernel @gact_b1_fwd
 // CHECK-SAME: ins = [#abp.dense, #abp.scalar, #abp.scalar], outs = [#abp.rows, #abp.rows, #abp.packed<1>], rows
 // CHECK: ^bb0(%{{.*}}: f32, %{{.*}}: i64, %{{.*}}: i64):
-// CHECK: abp.uniform
+// CHECK: abp.uniform %{{[^ ]*}}, %{{[^ ]*}} {bits = 16 : i32} : i64, i64 -> f32
 // CHECK: abp.kernel @gact_b1_bwd
 // CHECK-SAME: ins = [#abp.packed<1>, #abp.rows, #abp.rows], outs = [#abp.dense], rows
 // CHECK: abp.operator @gact_b1 attributes {abp.saved_bits = 1 : i64, abp.saved_row_bits = 64 : i64
@@ -23,8 +23,9 @@
 // CUDA: ABP_FN void gact_b4_fwd_elem1(const gact_b4_fwd_uniforms<C> &u, C a0, C d0, abp::u32 &o0) {
 // CUDA: abp::floor(
 // CUDA: abp::toUnsignedSat<abp::u8>(
-// The sweep draws a chunk at a time, at the row's first flat index plus the chunk's column.
-// CUDA: abp::uniformChunk<N>(u.u0, u.u1 + (abp::u64)(base + j), d0_);
+// The sweep draws a chunk at a time (16-bit draws: one Philox call per eight elements), at the
+// row's first flat index plus the chunk's column.
+// CUDA: abp::uniform16Chunk<N>(u.u0, u.u1 + (abp::u64)(base + j), d0_);
 // CUDA: gact_b4_fwd_elem1<C>(u, e_a0[k], (C)d0_[k], e_r2[k]);
 // CUDA: abp::storePacked<N * 4 / 8>(r2, j * 4 / 8, full ? N * 4 / 8 : ((cols - j) * 4 + 7) / 8, abp::packCodes<4, N>(e_r2));
 // CUDA: , r2 + base * 4 / 8, cols, lane, base);
