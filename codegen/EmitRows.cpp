@@ -8,8 +8,12 @@
 //   stage 0 uniforms → sweep 0 (accumulate the stage-1 reductions) → rowAllReduce → stage 1
 //   uniforms → sweep 1 … → final sweep (compute and store the row-wide outputs) → per-row outputs
 //
-// Each sweep re-reads the row's inputs and recomputes the element values it needs, so nothing
-// row-sized is kept between sweeps (any row length works, no shared-memory cap). A row belongs
+// Each sweep recomputes the element values it needs from the row's inputs. A long row's sweeps
+// re-read them, so nothing row-sized is kept between sweeps (any row length works, no shared-
+// memory cap); a short row's dense inputs read by several sweeps are kept in registers instead:
+// the sweeps' chunk loop takes a bound K (chunks per lane) that the entry sets where the row fits
+// K chunks per lane, the first sweep that reads an input fills `keep_<arg>[it]` and the later ones
+// read it (fully unrolled, so the array is registers), K = 0 re-reads. A row belongs
 // to RT threads: one warp when cols <= warp_max_cols, else the whole block; thread `lane` takes
 // chunks lane, lane + RT, ... of `chunk` consecutive elements (128-bit vectors when aligned).
 // Short rows (cols <= warp_max_cols / 4) take 8 lanes each, four rows per warp, so that a lane
@@ -151,6 +155,11 @@ struct RowKernelEmitter {
   /// (abp::uniformChunk / uniform16Chunk, one Philox call per four / eight elements) and passes
   /// each element its own.
   SmallVector<SmallVector<UniformOp>> sweepDraws;
+  /// Dense inputs that more than one sweep reads (kept in registers for short rows), and the
+  /// sweep that reads each first (it loads and keeps; the later ones read the registers).
+  SmallVector<unsigned> kept;
+  llvm::DenseMap<unsigned, int> firstReader;
+  bool isKept(unsigned i) const { return llvm::is_contained(kept, i); }
 
   static SmallVector<UniformOp> drawsOf(ArrayRef<Operation *> ops) {
     SmallVector<UniformOp> draws;
@@ -317,7 +326,10 @@ struct RowKernelEmitter {
       params += ", abp::i64 base";
     if (!final)
       params += ", C *acc";
-    out.line("template <typename T, typename C, int RT>");
+    for (unsigned i : dense)
+      if (isKept(i))
+        params += fmt::format(", C (&keep_{})[K > 0 ? K : 1][{}]", args[i].name, chunk);
+    out.line("template <typename T, typename C, int RT, int K>");
     out.line("ABP_FN void {}_sweep{}({}) {{", name, p, params);
     out.indent();
     out.line("constexpr int N = {};", chunk);
@@ -326,8 +338,20 @@ struct RowKernelEmitter {
       if (args[i].elements())
         aligned += fmt::format("{}abp::aligned16({})", aligned.empty() ? "" : " && ", args[i].name);
     out.line("const bool aligned = {};", aligned.empty() ? "true" : aligned);
-    out.line("for (abp::i64 j = (abp::i64)lane * N; j < cols; j += (abp::i64)RT * N) {{");
+    // K > 0: the row fits K chunks per lane and the loop unrolls fully (constant `it`, so the
+    // kept chunks are registers); K = 0: as many chunks as the row has, re-read by each sweep.
+    out.line("const abp::i64 chunks = K > 0 ? K : (cols + (abp::i64)RT * N - 1) / ((abp::i64)RT * N);");
+    // Unrolled on the GPU only: there it makes the kept chunks registers (a K = 0 loop, whose trip
+    // count is not a constant, stays rolled); the CPU path's kept chunks are memory anyway, and
+    // GCC would unroll every sweep 16 times (a host compile three times as long).
+    out.line("#if ABP_GPU");
+    out.line("#pragma unroll");
+    out.line("#endif");
+    out.line("for (abp::i64 it = 0; it < chunks; ++it) {{");
     out.indent();
+    out.line("const abp::i64 j = (abp::i64)lane * N + it * ((abp::i64)RT * N);");
+    out.line("if (j >= cols)");
+    out.line("  break;");
     out.line("const bool full = j + N <= cols;");
     out.line("const bool vec = aligned && full;");
     out.line("(void)vec;");
@@ -355,7 +379,22 @@ struct RowKernelEmitter {
         out.line("  for (int k = 0; k < N; ++k) e_{}[k] = (C)0;", spec.name);
         continue;
       }
-      out.line("abp::loadChunk<N>({}, j, cols, vec, e_{});", spec.name, spec.name);
+      if (!isKept(i)) {
+        out.line("abp::loadChunk<N>({}, j, cols, vec, e_{});", spec.name, spec.name);
+        continue;
+      }
+      if (firstReader.lookup(i) == p) { // loads, and keeps the chunk for the later sweeps
+        out.line("abp::loadChunk<N>({}, j, cols, vec, e_{});", spec.name, spec.name);
+        out.line("if (K > 0)");
+        out.line("  for (int k = 0; k < N; ++k) keep_{}[K > 0 ? it : 0][k] = e_{}[k];", spec.name,
+                 spec.name);
+        continue;
+      }
+      out.line("if (K > 0)");
+      out.line("  for (int k = 0; k < N; ++k) e_{}[k] = keep_{}[K > 0 ? it : 0][k];", spec.name,
+               spec.name);
+      out.line("else");
+      out.line("  abp::loadChunk<N>({}, j, cols, vec, e_{});", spec.name, spec.name);
     }
     for (unsigned i : stores)
       out.line("{} e_{}[N];", args[i].kind == ArgKind::Packed ? "abp::u32" : "C", args[i].name);
@@ -426,6 +465,8 @@ struct RowKernelEmitter {
     for (int s = 0; s <= a.stages; ++s)
       if (failed(emitStage(s, out)))
         return failure();
+    SmallVector<SmallVector<Value>> sweepTargets;
+    SmallVector<SmallVector<Operation *>> sweepOps;
     for (int p = 0; p <= a.stages; ++p) {
       SmallVector<Value> targets = targetsOf(p);
       SmallVector<Operation *> ops;
@@ -433,13 +474,43 @@ struct RowKernelEmitter {
       sliceOf(targets, ops, dense);
       sweepInputs.push_back(dense);
       sweepDraws.push_back(drawsOf(ops));
-      if (p == a.stages && targets.empty())
-        continue; // no row-wide output: no final sweep
-      if (failed(emitElement(p, targets, ops, dense, out)))
+      sweepTargets.push_back(targets);
+      sweepOps.push_back(ops);
+    }
+    // A dense input that two emitted sweeps read is worth keeping.
+    llvm::DenseMap<unsigned, int> readers;
+    for (int p = 0; p <= a.stages; ++p) {
+      if (!emitsSweep(p, sweepTargets[p]))
+        continue;
+      for (unsigned i : sweepInputs[p])
+        if (args[i].kind == ArgKind::Dense) {
+          firstReader.try_emplace(i, p);
+          if (++readers[i] == 2)
+            kept.push_back(i);
+        }
+    }
+    for (int p = 0; p <= a.stages; ++p) {
+      if (!emitsSweep(p, sweepTargets[p]))
+        continue;
+      if (failed(emitElement(p, sweepTargets[p], sweepOps[p], sweepInputs[p], out)))
         return failure();
-      emitSweep(p, targets.size(), dense, out);
+      emitSweep(p, sweepTargets[p].size(), sweepInputs[p], out);
     }
     return success();
+  }
+
+  /// Every reduction stage has a sweep; the final one only if the kernel has row-wide outputs.
+  bool emitsSweep(int p, ArrayRef<Value> targets) const { return p < a.stages || !targets.empty(); }
+
+  /// The chunks per lane a row of at most `cols` elements takes with RT threads, when the kept
+  /// inputs fit the register budget (64 values of 32 bits per lane; an fp64 value takes two);
+  /// else 0 (the sweeps re-read).
+  int64_t keepChunks(int64_t cols, int64_t rt, bool wide) const {
+    if (kept.empty())
+      return 0;
+    int64_t k = (cols + rt * chunk - 1) / (rt * chunk);
+    int64_t registers = k * chunk * static_cast<int64_t>(kept.size()) * (wide ? 2 : 1);
+    return registers <= 64 ? k : 0;
   }
 
   /// The device header's combiner of a reduction (a mean is a sum, divided in its stage).
@@ -511,6 +582,18 @@ struct RowKernelEmitter {
     };
     // Sweeps that draw random numbers take the row's first flat index.
     auto baseArg = [&](int p) { return sweepDraws[p].empty() ? "" : ", base"; };
+    // The kept chunks: per row on the GPU (a lane's registers), per lane on the CPU (whose lanes
+    // run one after another at each sweep).
+    for (unsigned i : kept)
+      out.line(host ? "C keep_{}[K > 0 ? RT : 1][K > 0 ? K : 1][{}];" : "C keep_{}[K > 0 ? K : 1][{}];",
+               args[i].name, chunk);
+    auto keepArgs = [&](int p) {
+      std::string s;
+      for (unsigned i : sweepInputs[p])
+        if (isKept(i))
+          s += fmt::format(host ? ", keep_{}[K > 0 ? lane : 0]" : ", keep_{}", args[i].name);
+      return s;
+    };
     for (int p = 0; p < a.stages; ++p) {
       size_t r = a.reductions[p].size();
       std::string ptrs = rowPointers(sweepInputs[p]);
@@ -522,13 +605,15 @@ struct RowKernelEmitter {
         out.line("  const C init[{}] = {{{}}};", r, identities(p));
         out.line("  for (int i = 0; i < {}; ++i)", r);
         out.line("    acc[lane][i] = init[i];");
-        out.line("  {}_sweep{}<T, C, RT>(u{}, cols, lane{}, acc[lane]);", name, p, ptrs, baseArg(p));
+        out.line("  {}_sweep{}<T, C, RT, K>(u{}, cols, lane{}, acc[lane]{});", name, p, ptrs, baseArg(p),
+                 keepArgs(p));
         out.line("}}");
         out.line("abp::hostRowAllReduce<RT, {}>(acc);", deviceOps(p));
         out.line("{}_stage{}<C>(u, acc[0], cols);", name, p + 1);
       } else {
         out.line("C acc[{}] = {{{}}};", r, identities(p));
-        out.line("{}_sweep{}<T, C, RT>(u{}, cols, lane{}, acc);", name, p, ptrs, baseArg(p));
+        out.line("{}_sweep{}<T, C, RT, K>(u{}, cols, lane{}, acc{});", name, p, ptrs, baseArg(p),
+                 keepArgs(p));
         out.line("abp::rowAllReduce<RT, {}>(acc, scratch);", deviceOps(p));
         out.line("{}_stage{}<C>(u, acc, cols);", name, p + 1);
       }
@@ -543,8 +628,8 @@ struct RowKernelEmitter {
       std::string ptrs = rowPointers(sweepInputs[a.stages]) + rowPointers(stores);
       if (host)
         out.line("for (int lane = 0; lane < RT; ++lane)");
-      out.line("{}{}_sweep{}<T, C, RT>(u{}, cols, lane{});", host ? "  " : "", name, a.stages,
-               ptrs, baseArg(a.stages));
+      out.line("{}{}_sweep{}<T, C, RT, K>(u{}, cols, lane{}{});", host ? "  " : "", name, a.stages,
+               ptrs, baseArg(a.stages), keepArgs(a.stages));
     }
     SmallVector<std::pair<std::string, std::string>> rowStores;
     for (auto [v, spec] : llvm::zip(yields(), outArgs()))
@@ -591,7 +676,7 @@ struct RowKernelEmitter {
   void emitDrivers(SourceWriter &out) {
     // GPU: the RT threads of a row run together; G rows per block.
     out.line("#if ABP_GPU");
-    out.line("template <typename T, typename C, int RT>");
+    out.line("template <typename T, typename C, int RT, int K>");
     out.line("ABP_FN void {}_rows({}, C *scratch) {{", name, paramList("T", "C"));
     out.indent();
     out.line("(void)scratch;");
@@ -614,7 +699,7 @@ struct RowKernelEmitter {
     out.line("#endif");
     // CPU: blocks [b0, b1) of a `grid`-block launch; each row's lanes run phase by phase.
     out.line("#if ABP_HOST");
-    out.line("template <typename T, typename C, int RT>");
+    out.line("template <typename T, typename C, int RT, int K>");
     out.line("static void {}_hostRows({}, abp::i64 grid, abp::i64 b0, abp::i64 b1) {{", name,
              paramList("T", "C"));
     out.indent();
@@ -637,12 +722,14 @@ struct RowKernelEmitter {
     out.line("ABP_KERNEL void {}({}) {{", symbol, paramList(d.cppType, d.computeType));
     out.indent();
     out.line("__shared__ {} scratch[{}];", d.computeType, maxReductions() * 32);
+    bool wide = d.computeType == std::string("double");
+    int64_t k8 = keepChunks(warpMaxCols / 4, 8, wide), k32 = keepChunks(warpMaxCols, 32, wide);
     out.line("if (cols <= {})", warpMaxCols / 4);
-    out.line("  {}_rows<{}, 8>({}, scratch);", name, targs, argNames());
+    out.line("  {}_rows<{}, 8, {}>({}, scratch);", name, targs, k8, argNames());
     out.line("else if (cols <= {})", warpMaxCols);
-    out.line("  {}_rows<{}, 32>({}, scratch);", name, targs, argNames());
+    out.line("  {}_rows<{}, 32, {}>({}, scratch);", name, targs, k32, argNames());
     out.line("else");
-    out.line("  {}_rows<{}, {}>({}, scratch);", name, targs, block, argNames());
+    out.line("  {}_rows<{}, {}, 0>({}, scratch);", name, targs, block, argNames());
     out.dedent();
     out.line("}}");
     out.line("#endif");
@@ -660,11 +747,11 @@ struct RowKernelEmitter {
     out.line("const abp::i64 rows = *static_cast<abp::i64 *>(args[{}]);", index++);
     out.line("const abp::i64 cols = *static_cast<abp::i64 *>(args[{}]);", index);
     out.line("if (cols <= {})", warpMaxCols / 4);
-    out.line("  {}_hostRows<{}, 8>({}, grid, b0, b1);", name, targs, argNames());
+    out.line("  {}_hostRows<{}, 8, {}>({}, grid, b0, b1);", name, targs, k8, argNames());
     out.line("else if (cols <= {})", warpMaxCols);
-    out.line("  {}_hostRows<{}, 32>({}, grid, b0, b1);", name, targs, argNames());
+    out.line("  {}_hostRows<{}, 32, {}>({}, grid, b0, b1);", name, targs, k32, argNames());
     out.line("else");
-    out.line("  {}_hostRows<{}, {}>({}, grid, b0, b1);", name, targs, block, argNames());
+    out.line("  {}_hostRows<{}, {}, 0>({}, grid, b0, b1);", name, targs, block, argNames());
     out.dedent();
     out.line("}}");
     out.line("#endif");

@@ -30,6 +30,9 @@ namespace {
 struct CompilerLibrary {
   AbpCompilerCompileFn compile = nullptr;
   AbpCompilerFreeFn release = nullptr;
+  /// sha256 of the library's bytes: a rebuilt compiler (another pass or emitter, same version
+  /// string) must not reuse what an older one generated.
+  std::string identity;
 };
 
 const CompilerLibrary &compilerLibrary() {
@@ -55,8 +58,11 @@ const CompilerLibrary &compilerLibrary() {
     SymbolResolver resolve(handle);
     resolve(library.compile, ABP_COMPILER_COMPILE_SYMBOL);
     resolve(library.release, ABP_COMPILER_FREE_SYMBOL);
-    if (!resolve.missing().empty())
+    if (!resolve.missing().empty()) {
       failure = "'" + path + "' is not the abp compiler library: it lacks " + resolve.missing();
+      return;
+    }
+    library.identity = Sha256::hex(readFile(path));
   });
   if (!failure.empty())
     throw Error(ErrorCode::NotFound, failure);
@@ -185,8 +191,10 @@ void enforceSizeLimit(const std::string &root, const std::string &keep) {
 
 std::string compileIrToKernelDir(const std::string &irText, const std::string &origin) {
   const CompilerLibrary &compiler = compilerLibrary();
-  // The bundle depends on the IR and on abp itself (compiler + device header).
-  std::string key = Sha256::hex(irText + '\0' + ABP_VERSION_STRING + '\0' + deviceHeaderSource());
+  // The bundle depends on the IR and on abp itself: the compiler library's bytes and the device
+  // header (the version string alone misses a rebuilt compiler).
+  std::string key = Sha256::hex(irText + '\0' + ABP_VERSION_STRING + '\0' + compiler.identity + '\0' +
+                                deviceHeaderSource());
   std::string stem = "ir_" + key.substr(0, 16);
   std::string root = irRoot();
   std::string dir = root + "/" + stem;

@@ -234,6 +234,27 @@ def test_the_ir_cache_is_private_and_heals(tmp_path: Path) -> None:
     assert "is writable by its group or by others" in moved  # the warning says why
 
 
+
+def test_a_rebuilt_compiler_does_not_reuse_the_cache(tmp_path: Path) -> None:
+    # The IR cache is keyed by the compiler library's bytes too: a compiler rebuilt with another
+    # pass or emitter (same version string) compiles the IR afresh instead of loading what the
+    # old one generated.
+    compiler_or_skip()
+    from abp import _lib
+
+    cache = tmp_path / "cache"
+    first = Path(_compile_in_a_new_process(cache).splitlines()[0])
+    _lib.native()
+    library = Path(_lib._loaded_path or "").parent / "libabp_compiler.so"
+    assert library.is_file(), library
+    rebuilt = tmp_path / "libabp_compiler.so"
+    rebuilt.write_bytes(library.read_bytes() + b"\0")  # another build: same code, other bytes
+    second = Path(_compile_in_a_new_process(cache, ABP_COMPILER_LIBRARY=str(rebuilt)).splitlines()[0])
+    assert second.parent == first.parent and second != first
+    again = Path(_compile_in_a_new_process(cache).splitlines()[0])
+    assert again == first, "the original compiler finds its own entry again"
+
+
 NOISE_IR = """
 abp.operator @test_noise attributes {params = ["seed", "offset"]} forward {
 ^bb0(%x: tensor<?xf32>, %seed: i64, %offset: i64):

@@ -9,16 +9,32 @@
 // CHECK: template <typename C> ABP_FN void ln_fwd_stage1(ln_fwd_uniforms<C> &u, const C *sums, abp::i64 cols) {
 // CHECK: u.u[[MEAN:[0-9]+]] = sums[0] / (C)cols;
 // CHECK: template <typename C> ABP_FN void ln_fwd_elem0(const ln_fwd_uniforms<C> &u, C a0, C &o0) {
-// CHECK: template <typename T, typename C, int RT>
-// CHECK-NEXT: ABP_FN void ln_fwd_sweep0(const ln_fwd_uniforms<C> &u, const T *ABP_RESTRICT a0, abp::i64 cols, int lane, C *acc) {
-// CHECK: for (abp::i64 j = (abp::i64)lane * N; j < cols; j += (abp::i64)RT * N) {
+// Every sweep reads x, so a short row's x is kept in registers: the first sweep loads and keeps
+// each chunk, the later ones read what it kept. K chunks per lane (0: re-read, long rows).
+// CHECK: template <typename T, typename C, int RT, int K>
+// CHECK-NEXT: ABP_FN void ln_fwd_sweep0(const ln_fwd_uniforms<C> &u, const T *ABP_RESTRICT a0, abp::i64 cols, int lane, C *acc, C (&keep_a0)[K > 0 ? K : 1][8]) {
+// CHECK: const abp::i64 chunks = K > 0 ? K : (cols + (abp::i64)RT * N - 1) / ((abp::i64)RT * N);
+// CHECK-NEXT: #if ABP_GPU
+// CHECK-NEXT: #pragma unroll
+// CHECK-NEXT: #endif
+// CHECK-NEXT: for (abp::i64 it = 0; it < chunks; ++it) {
+// CHECK-NEXT: const abp::i64 j = (abp::i64)lane * N + it * ((abp::i64)RT * N);
+// CHECK-NEXT: if (j >= cols)
+// CHECK-NEXT: break;
 // CHECK: abp::loadChunk<N>(a0, j, cols, vec, e_a0);
+// CHECK-NEXT: if (K > 0)
+// CHECK-NEXT: for (int k = 0; k < N; ++k) keep_a0[K > 0 ? it : 0][k] = e_a0[k];
 // CHECK: if (!full && j + k >= cols)
 // CHECK: acc[0] += o0;
 // The second stage's element function recomputes x - mean from the input.
 // CHECK: ABP_FN void ln_fwd_elem1(const ln_fwd_uniforms<C> &u, C a0, C &o0) {
 // CHECK: const C v0 = a0 - u.u[[MEAN]];
-// CHECK: ABP_FN void ln_fwd_sweep2(const ln_fwd_uniforms<C> &u, const T *ABP_RESTRICT a0, T *ABP_RESTRICT r1, abp::i64 cols, int lane) {
+// CHECK: ABP_FN void ln_fwd_sweep1(
+// CHECK: if (K > 0)
+// CHECK-NEXT: for (int k = 0; k < N; ++k) e_a0[k] = keep_a0[K > 0 ? it : 0][k];
+// CHECK-NEXT: else
+// CHECK-NEXT: abp::loadChunk<N>(a0, j, cols, vec, e_a0);
+// CHECK: ABP_FN void ln_fwd_sweep2(const ln_fwd_uniforms<C> &u, const T *ABP_RESTRICT a0, T *ABP_RESTRICT r1, abp::i64 cols, int lane, C (&keep_a0)[K > 0 ? K : 1][8]) {
 // CHECK: abp::storeChunk<N>(r1, j, cols, vec, e_r1);
 // CHECK: #if ABP_GPU
 // CHECK: ABP_FN void ln_fwd_rows(
@@ -27,23 +43,31 @@
 // CHECK: for (abp::i64 first = (abp::i64)blockIdx.x * G + group - group % W; first < rows; first += (abp::i64)gridDim.x * G) {
 // CHECK: const bool live = row < rows;
 // CHECK: const abp::i64 cols = live ? allCols : 0;
+// CHECK: C keep_a0[K > 0 ? K : 1][8];
+// CHECK: ln_fwd_sweep0<T, C, RT, K>(u, a0 + base, cols, lane, acc, keep_a0);
 // CHECK: abp::rowAllReduce<RT, abp::kReduceSum>(acc, scratch);
 // CHECK: if (lane == 0 && live) {
 // CHECK: #if ABP_HOST
 // CHECK: static void ln_fwd_hostRows(
+// The CPU driver runs a sweep's lanes one after another: each lane keeps its own chunks.
+// CHECK: C keep_a0[K > 0 ? RT : 1][K > 0 ? K : 1][8];
 // CHECK: for (int lane = 0; lane < RT; ++lane)
+// CHECK: ln_fwd_sweep0<T, C, RT, K>(u, a0 + base, cols, lane, acc[lane], keep_a0[K > 0 ? lane : 0]);
 // CHECK: abp::hostRowAllReduce<RT, abp::kReduceSum>(acc);
 // CHECK: ABP_KERNEL void abp_ln_fwd_f32_[[H:[0-9a-f]+]](const float *ABP_RESTRICT a0, float a1, float *ABP_RESTRICT r0, float *ABP_RESTRICT r1, abp::i64 rows, abp::i64 cols) {
 // CHECK: __shared__ float scratch[32];
 // CHECK: if (cols <= 256)
-// CHECK: ln_fwd_rows<float, float, 8>(
+// Rows of <= 256 over 8 lanes and <= 1024 over 32 are 4 chunks of 8 per lane: kept (32 fp32
+// registers for x); longer rows re-read.
+// CHECK: ln_fwd_rows<float, float, 8, 4>(
 // CHECK: else if (cols <= 1024)
-// CHECK: ln_fwd_rows<float, float, 32>(
-// CHECK: ln_fwd_rows<float, float, 256>(
+// CHECK: ln_fwd_rows<float, float, 32, 4>(
+// CHECK: ln_fwd_rows<float, float, 256, 0>(
 // CHECK: extern "C" void abp_ln_fwd_f32_[[H]]__host(void **args, abp::i64 grid, abp::i64 block, abp::i64 b0, abp::i64 b1) {
 // CHECK: ABP_KERNEL void abp_ln_fwd_bf16_[[H]](const abp::bf16 *ABP_RESTRICT a0, float a1, float *ABP_RESTRICT r0, abp::bf16 *ABP_RESTRICT r1,
 // CHECK: ABP_KERNEL void abp_ln_fwd_f64_[[H]](const double *ABP_RESTRICT a0, float a1, double *ABP_RESTRICT r0, double *ABP_RESTRICT r1,
-// CHECK: ln_fwd_hostRows<double, double, 32>(
+// fp64 keeps 4 chunks of 8 doubles: 64 registers, within the budget.
+// CHECK: ln_fwd_hostRows<double, double, 32, 4>(
 
 // MANIFEST: "row_wise": true,
 // MANIFEST: "residuals": [{"kind":"shared","output":0},{"kind":"rows","bits":32}],

@@ -17,7 +17,8 @@
 // CUDA: abp::u64 u0;
 // CUDA: abp::u64 u1;
 // The range sweep draws nothing, so it takes no flat index.
-// CUDA: ABP_FN void gact_b4_fwd_sweep0(const gact_b4_fwd_uniforms<C> &u, const T *ABP_RESTRICT a0, abp::i64 cols, int lane, C *acc) {
+// The range sweep keeps a short row's x for the quantizing sweep (one read of the row).
+// CUDA: ABP_FN void gact_b4_fwd_sweep0(const gact_b4_fwd_uniforms<C> &u, const T *ABP_RESTRICT a0, abp::i64 cols, int lane, C *acc, C (&keep_a0)[K > 0 ? K : 1][8]) {
 // CUDA: acc[0] = abp::reduceCombine(abp::kReduceMin, acc[0], o0);
 // CUDA: acc[1] = abp::reduceCombine(abp::kReduceMax, acc[1], o1);
 // CUDA: ABP_FN void gact_b4_fwd_elem1(const gact_b4_fwd_uniforms<C> &u, C a0, C d0, abp::u32 &o0) {
@@ -28,7 +29,7 @@
 // CUDA: abp::uniform16Chunk<N>(u.u0, u.u1 + (abp::u64)(base + j), d0_);
 // CUDA: gact_b4_fwd_elem1<C>(u, e_a0[k], (C)d0_[k], e_r2[k]);
 // CUDA: abp::storePacked<N * 4 / 8>(r2, j * 4 / 8, full ? N * 4 / 8 : ((cols - j) * 4 + 7) / 8, abp::packCodes<4, N>(e_r2));
-// CUDA: , r2 + base * 4 / 8, cols, lane, base);
+// CUDA: , r2 + base * 4 / 8, cols, lane, base, keep_a0);
 // CUDA-LABEL: row kernel gact_b4_bwd: 0 reduction stage(s)
 // CUDA: abp::unpackCodes<4, N>(abp::loadPacked<N * 4 / 8>(a0, j * 4 / 8, full ? N * 4 / 8 : ((cols - j) * 4 + 7) / 8), e_a0);
 

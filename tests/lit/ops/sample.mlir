@@ -27,7 +27,7 @@
 // CUDA: ABP_FN void sample_rows_fwd_rows(const T *ABP_RESTRICT a0, const abp::i32 *ABP_RESTRICT a1, const C *ABP_RESTRICT a2, T *ABP_RESTRICT r0, abp::i64 rows, abp::i64 cols, C *scratch) {
 // CUDA: u.u0 = live ? a1[row] : (abp::i32)0;
 // CUDA: const T *g_a0 = (abp::i32)u.u0 >= 0 ? a0 + (abp::i64)(abp::i32)u.u0 * cols : nullptr;
-// CUDA: sample_rows_fwd_sweep0<T, C, RT>(u, g_a0, r0 + base, cols, lane);
+// CUDA: sample_rows_fwd_sweep0<T, C, RT, K>(u, g_a0, r0 + base, cols, lane);
 // CUDA: u.u0 = a1[row];
 // CUDA-LABEL: row kernel sample_rows_bwd
 // CUDA: abp::cos(
