@@ -116,7 +116,8 @@ ABP_FN float hardwareToFloat(f16 v) {
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
   return f;
 }
-ABP_FN u16 hardwareFromFloat(float f) {
+/// The bits of `f` rounded to the type of the second argument (a tag).
+ABP_FN u16 hardwareBits(float f, f16) {
   u16 h;
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
   return h;
@@ -124,7 +125,7 @@ ABP_FN u16 hardwareFromFloat(float f) {
 #if __CUDA_ARCH__ >= 800
 #define ABP_HARDWARE_BF16 1
 // bf16's round-to-nearest-even conversion exists from sm_80 on (older GPUs keep the software one).
-ABP_FN u16 hardwareFromFloatBf16(float f) {
+ABP_FN u16 hardwareBits(float f, bf16) {
   u16 h;
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
   return h;
@@ -187,7 +188,7 @@ ABP_FN void fromFloat(float f, f16 &out) {
 #if ABP_GPU
   // The hardware's round-to-nearest-even conversion gives the bits of the code below for every
   // non-NaN float; a NaN takes the host's bits through a select (PTX leaves them unspecified).
-  const u16 h = hardwareFromFloat(f);
+  const u16 h = hardwareBits(f, f16{});
   const u32 bits = floatBits(f);
   const u32 nan = ((bits >> 16) & 0x8000u) | 0x7e00u | ((bits >> 13) & 0x3ffu);
   out.bits = (bits & 0x7fffffffu) > 0x7f800000u ? (u16)nan : h;
@@ -283,34 +284,23 @@ template <int K> ABP_FN void widen(const f16 *e, float *out) {
       out[k] = toFloat(e[k]);
   }
 }
+template <int K, typename T> ABP_FN void narrowHardware(const float *in, T *e) {
+  bool nan = false;
+  ABP_UNROLL
+  for (int k = 0; k < K; ++k) {
+    e[k].bits = hardwareBits(in[k], T{});
+    nan |= in[k] != in[k];
+  }
+  if (nan) {
+    ABP_UNROLL
+    for (int k = 0; k < K; ++k)
+      fromFloat(in[k], e[k]);
+  }
+}
+template <int K> ABP_FN void narrow(const float *in, f16 *e) { narrowHardware<K>(in, e); }
 #ifdef ABP_HARDWARE_BF16
-template <int K> ABP_FN void narrow(const float *in, bf16 *e) {
-  bool nan = false;
-  ABP_UNROLL
-  for (int k = 0; k < K; ++k) {
-    e[k].bits = hardwareFromFloatBf16(in[k]);
-    nan |= in[k] != in[k];
-  }
-  if (nan) {
-    ABP_UNROLL
-    for (int k = 0; k < K; ++k)
-      fromFloat(in[k], e[k]);
-  }
-}
+template <int K> ABP_FN void narrow(const float *in, bf16 *e) { narrowHardware<K>(in, e); }
 #endif
-template <int K> ABP_FN void narrow(const float *in, f16 *e) {
-  bool nan = false;
-  ABP_UNROLL
-  for (int k = 0; k < K; ++k) {
-    e[k].bits = hardwareFromFloat(in[k]);
-    nan |= in[k] != in[k];
-  }
-  if (nan) {
-    ABP_UNROLL
-    for (int k = 0; k < K; ++k)
-      fromFloat(in[k], e[k]);
-  }
-}
 #endif
 
 /// `out` is the compute type: float for fp32/fp16/bf16 storage, double for fp64.
@@ -786,90 +776,68 @@ struct PhiloxCache {
   Philox4 words;
 };
 
-/// abp.uniform: a draw in [0, 1) for position c of the stream keyed by `seed`: word c mod 4 of
-/// Philox-4x32-10 at counter (c / 4, 0) under key (seed low, seed high), top 24 bits scaled by
-/// 2^-24 (exact in fp32).
-ABP_FN float uniformAt(PhiloxCache &cache, u64 seed, u64 c) {
-  const u64 block = c >> 2;
+/// The Philox block `block` of the stream keyed by `seed`: the cache's, or drawn into it.
+ABP_FN const Philox4 &philoxBlock(PhiloxCache &cache, u64 seed, u64 block) {
   if (block != cache.block || seed != cache.seed) {
     Philox4 ctr = {{(u32)block, (u32)(block >> 32), 0u, 0u}};
     cache.words = philox4x32_10(ctr, (u32)seed, (u32)(seed >> 32));
     cache.block = block;
     cache.seed = seed;
   }
-  // Selects, not words.v[c & 3]: a run-time index would put the words in local memory.
-  const u32 at = (u32)(c & 3u);
-  const u32 word = at == 0u   ? cache.words.v[0]
-                   : at == 1u ? cache.words.v[1]
-                   : at == 2u ? cache.words.v[2]
-                              : cache.words.v[3];
+  return cache.words;
+}
+
+/// Word `at` of a block. Selects, not words.v[at]: a run-time index would put the words in local
+/// memory.
+ABP_FN u32 philoxWord(const Philox4 &words, u32 at) {
+  return at == 0u ? words.v[0] : at == 1u ? words.v[1] : at == 2u ? words.v[2] : words.v[3];
+}
+
+/// Draw `i` of a Philox block as abp.uniform makes it, from the word that holds it: with 24-bit
+/// draws (4 a block) the top 24 bits of word i scaled by 2^-24; with 16-bit draws (8 a block) the
+/// low half of word i / 2 for even i and its high half for odd i, scaled by 2^-16. Exact in fp32.
+template <int Bits> ABP_FN float drawOf(u32 word, u32 i) {
+  if (Bits == 16)
+    return (float)((i & 1u) ? word >> 16 : word & 0xffffu) * (1.0f / 65536.0f);
   return (float)(word >> 8) * (1.0f / 16777216.0f);
 }
 
-/// abp.uniform with 16-bit draws: position c takes half-word c mod 8 of Philox-4x32-10 at counter
-/// (c / 8, 0) under key (seed low, seed high), the low half of word (c mod 8) / 2 for even c and
-/// the high half for odd c, scaled by 2^-16 (exact in fp32). Half the Philox calls of uniformAt.
-ABP_FN float uniform16At(PhiloxCache &cache, u64 seed, u64 c) {
-  const u64 block = c >> 3;
-  if (block != cache.block || seed != cache.seed) {
-    Philox4 ctr = {{(u32)block, (u32)(block >> 32), 0u, 0u}};
-    cache.words = philox4x32_10(ctr, (u32)seed, (u32)(seed >> 32));
-    cache.block = block;
-    cache.seed = seed;
-  }
-  const u32 at = (u32)((c >> 1) & 3u);
-  const u32 word = at == 0u   ? cache.words.v[0]
-                   : at == 1u ? cache.words.v[1]
-                   : at == 2u ? cache.words.v[2]
-                              : cache.words.v[3];
-  const u32 half = (c & 1u) ? word >> 16 : word & 0xffffu;
-  return (float)half * (1.0f / 65536.0f);
+/// abp.uniform at position c of the stream keyed by `seed`, `Bits` (24 or 16) bits a draw: draw
+/// c mod D of the Philox-4x32-10 block at counter (c / D, 0) under key (seed low, seed high),
+/// with D = 4 (24 bits) or 8 (16 bits). The thread's last block is cached, so that one Philox
+/// call serves D consecutive elements.
+template <int Bits> ABP_FN float uniformDraw(PhiloxCache &cache, u64 seed, u64 c) {
+  constexpr u32 kPerBlock = Bits == 16 ? 8u : 4u;
+  const u32 i = (u32)(c % kPerBlock);
+  return drawOf<Bits>(philoxWord(philoxBlock(cache, seed, c / kPerBlock), Bits == 16 ? i >> 1 : i), i);
 }
+ABP_FN float uniformAt(PhiloxCache &cache, u64 seed, u64 c) { return uniformDraw<24>(cache, seed, c); }
+ABP_FN float uniform16At(PhiloxCache &cache, u64 seed, u64 c) { return uniformDraw<16>(cache, seed, c); }
 
-/// The draws of N consecutive positions c0, c0 + 1, ... (abp.uniform, as uniformAt gives them):
-/// when c0 is a multiple of 4, one Philox call serves four positions with no per-element
-/// bookkeeping; otherwise position by position.
-template <int N> ABP_FN void uniformChunk(u64 seed, u64 c0, float *out) {
-  if (N % 4 == 0 && (c0 & 3u) == 0) {
+/// The draws of N consecutive positions c0, c0 + 1, ... (as uniformDraw gives them): when c0
+/// starts a block, one Philox call serves each block with no per-element bookkeeping; otherwise
+/// position by position.
+template <int N, int Bits> ABP_FN void uniformDraws(u64 seed, u64 c0, float *out) {
+  constexpr int kPerBlock = Bits == 16 ? 8 : 4;
+  if (N % kPerBlock == 0 && c0 % kPerBlock == 0) {
     ABP_UNROLL
-    for (int b = 0; b < N / 4; ++b) {
-      const u64 block = (c0 >> 2) + (u64)b;
+    for (int b = 0; b < N / kPerBlock; ++b) {
+      const u64 block = c0 / kPerBlock + (u64)b;
       Philox4 ctr = {{(u32)block, (u32)(block >> 32), 0u, 0u}};
       Philox4 words = philox4x32_10(ctr, (u32)seed, (u32)(seed >> 32));
       ABP_UNROLL
-      for (int i = 0; i < 4; ++i)
-        out[4 * b + i] = (float)(words.v[i] >> 8) * (1.0f / 16777216.0f);
+      for (int i = 0; i < kPerBlock; ++i)
+        out[kPerBlock * b + i] = drawOf<Bits>(words.v[Bits == 16 ? i >> 1 : i], (u32)i);
     }
     return;
   }
   PhiloxCache cache;
   ABP_UNROLL
   for (int k = 0; k < N; ++k)
-    out[k] = uniformAt(cache, seed, c0 + (u64)k);
+    out[k] = uniformDraw<Bits>(cache, seed, c0 + (u64)k);
 }
-
-/// The 16-bit draws of N consecutive positions (as uniform16At gives them): when c0 is a multiple
-/// of 8, one Philox call serves eight positions; otherwise position by position.
-template <int N> ABP_FN void uniform16Chunk(u64 seed, u64 c0, float *out) {
-  if (N % 8 == 0 && (c0 & 7u) == 0) {
-    ABP_UNROLL
-    for (int b = 0; b < N / 8; ++b) {
-      const u64 block = (c0 >> 3) + (u64)b;
-      Philox4 ctr = {{(u32)block, (u32)(block >> 32), 0u, 0u}};
-      Philox4 words = philox4x32_10(ctr, (u32)seed, (u32)(seed >> 32));
-      ABP_UNROLL
-      for (int i = 0; i < 4; ++i) {
-        out[8 * b + 2 * i] = (float)(words.v[i] & 0xffffu) * (1.0f / 65536.0f);
-        out[8 * b + 2 * i + 1] = (float)(words.v[i] >> 16) * (1.0f / 65536.0f);
-      }
-    }
-    return;
-  }
-  PhiloxCache cache;
-  ABP_UNROLL
-  for (int k = 0; k < N; ++k)
-    out[k] = uniform16At(cache, seed, c0 + (u64)k);
-}
+template <int N> ABP_FN void uniformChunk(u64 seed, u64 c0, float *out) { uniformDraws<N, 24>(seed, c0, out); }
+template <int N> ABP_FN void uniform16Chunk(u64 seed, u64 c0, float *out) { uniformDraws<N, 16>(seed, c0, out); }
 
 /// A uniform float in (0, 1] from 32 random bits (never 0, so log() is safe).
 ABP_FN float uniformFromBits(u32 bits) {
