@@ -62,7 +62,17 @@ const CompilerLibrary &compilerLibrary() {
       failure = "'" + path + "' is not the abp compiler library: it lacks " + resolve.missing();
       return;
     }
-    library.identity = Sha256::hex(readFile(path));
+    // The file dlopen loaded (a bare soname is found on the library path, not in the working
+    // directory), hashed once.
+    Dl_info info{};
+    std::string loaded = path;
+    if (dladdr(reinterpret_cast<void *>(library.compile), &info) && info.dli_fname && *info.dli_fname)
+      loaded = info.dli_fname;
+    try {
+      library.identity = Sha256::hex(readFile(loaded));
+    } catch (const std::exception &e) {
+      failure = "cannot read the abp compiler library '" + loaded + "' to key the IR cache: " + e.what();
+    }
   });
   if (!failure.empty())
     throw Error(ErrorCode::NotFound, failure);

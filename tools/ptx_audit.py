@@ -18,7 +18,9 @@ operator file the manifest names with `--compile abp-compile`, NVRTC's path) and
     way; in a row kernel it also holds the row's reductions once, so for short rows it is an upper
     bound. Per element: divided by the elements a thread handles per step (the manifest's chunk).
 
-`--check` exits with status 1 when a dense stream has no 128-bit access. The counts are static
+`--check` exits with status 1 when a dense stream has no 128-bit access, or a row kernel touches
+local memory (the chunks a short row keeps across its sweeps must be registers; elementwise
+kernels may, on a cold path such as a large-argument cosine's reduction). The counts are static
 PTX instructions (ptxas may fuse or split some); compare them across commits and dtypes, not
 against a GPU's issue rate. Usage:
 
@@ -40,6 +42,8 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 _ENTRY = re.compile(r"^\.visible \.entry (\w+)\(", re.M)
 _PARAM = re.compile(r"\.param \.\w+ (\w+_param_(\d+))")
 _REG = re.compile(r"%[a-z]+\d+")
+_PREDICATE = re.compile(r"^@!?%p\d+\s+")
+_LOCAL = re.compile(r"^(?:@!?%p\d+\s+)?(?:ld|st)\.local")
 _LABEL = re.compile(r"^(\$?\w+):$")
 _MEMORY = re.compile(r"^(?:@!?%p\d+\s+)?(ld|st)\.global(\.nc)?((?:\.v\d)?)\.(\w+)")
 _WIDTHS = {"u8": 8, "s8": 8, "b8": 8, "u16": 16, "s16": 16, "b16": 16, "f16": 16, "bf16": 16,
@@ -97,6 +101,8 @@ def parse(ptx: str) -> List[Entry]:
     for n, (start, name) in enumerate(starts):
         end = starts[n + 1][0] if n + 1 < len(starts) else len(ptx)
         text = ptx[start:end]
+        closing = re.search(r"^}", text, re.M)  # the entry's body ends here (a .func may follow)
+        text = text[: closing.end()] if closing else text
         header, _, body = text.partition(")")
         params = {int(m.group(2)): m.group(1) for m in _PARAM.finditer(header)}
         entry = Entry(name, len(params))
@@ -139,7 +145,7 @@ def _taint(entry: Entry, params: Dict[str, int]) -> None:
                 found.add(params[m.group(1)])
             for s in sources:
                 found |= origin.get(s, set())
-            if instruction.split(" ", 1)[0].startswith("ld.global"):
+            if _PREDICATE.sub("", instruction).startswith("ld.global"):
                 found = set()  # a loaded value is data, not an address derived from an argument
             for d in dests:
                 if not found <= origin.get(d, set()):
@@ -170,7 +176,8 @@ def _successors(entry: Entry) -> List[List[int]]:
         if m:
             succ.append(index[m.group(2)])
         conditional = bool(m and m.group(1))
-        if (not m or conditional) and not re.match(r"^(@!?%p\d+\s+)?ret", last) and b + 1 < len(entry.blocks):
+        returns = re.match(r"^ret\b", last) is not None  # a predicated return may fall through
+        if (not m or conditional) and not returns and b + 1 < len(entry.blocks):
             succ.append(b + 1)
         out.append(succ)
     return out
@@ -184,7 +191,7 @@ def fast_path_instructions(entry: Entry, reads: Set[int], writes: Set[int]) -> i
 
     def blocks(kind: str, streams: Set[int]) -> List[int]:
         hits = [a for a in entry.accesses if a.kind == kind and a.params & streams]
-        wide = [a for a in hits if a.bits == 128]
+        wide = [a for a in hits if a.bits >= 128]
         return sorted({a.block for a in (wide or hits)})
 
     sources, sinks = blocks("ld", reads), set(blocks("st", writes))
@@ -220,6 +227,8 @@ class Report:
     missing: List[Tuple[int, str]]  # dense streams without a 128-bit access
     total: int
     fast: int
+    local: int = 0  # local-memory loads and stores (spills, run-time indexed arrays)
+    rows: bool = False  # a row kernel: its kept chunks must be registers, never local memory
 
 
 def _element_streams(args: List[dict], role: str) -> Set[int]:
@@ -243,25 +252,27 @@ def audit_bundle(manifest: dict, ptx: str, bundle: str) -> List[Report]:
             missing = []
             for index, role in dense:
                 kind = "st" if role == "out" else "ld"
-                if not any(a.bits == 128 and index in a.params and a.kind == kind for a in entry.accesses):
+                if not any(a.bits >= 128 and index in a.params and a.kind == kind for a in entry.accesses):
                     missing.append((index, role))
             reads, writes = _element_streams(args, "in"), _element_streams(args, "out")
+            local = sum(1 for i in entry.instructions if _LOCAL.match(i))
             reports.append(Report(bundle, kernel["name"], dtype, symbol, int(kernel.get("chunk", 1)),
                                   dense, missing, len(entry.instructions),
-                                  fast_path_instructions(entry, reads, writes)))
+                                  fast_path_instructions(entry, reads, writes), local,
+                                  kernel.get("kind") == "rows"))
     return reports
 
 
 def table(reports: Iterable[Report]) -> str:
-    lines = ["| bundle | kernel | dtype | dense streams | 128-bit | instructions | fast path | per element |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| bundle | kernel | dtype | dense streams | 128-bit | instructions | fast path | per element | local |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in reports:
         wide = "all" if not r.missing else "missing " + ", ".join(f"arg{i} ({role})" for i, role in r.missing)
         if not r.dense:
             wide = "-"
         per = f"{r.fast / r.chunk:.1f}" if r.fast else "-"
         lines.append(f"| {r.bundle} | {r.kernel} | {r.dtype} | {len(r.dense)} | {wide} | {r.total} | "
-                     f"{r.fast or '-'} | {per} |")
+                     f"{r.fast or '-'} | {per} | {r.local} |")
     return "\n".join(lines) + "\n"
 
 
@@ -291,7 +302,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--source-root", type=Path, default=Path(__file__).resolve().parent.parent,
                         help="what the manifests' operator paths are relative to (the repository)")
     parser.add_argument("--arch", default="sm_90", help="the GPU architecture to compile for (default sm_90)")
-    parser.add_argument("--check", action="store_true", help="exit 1 if a dense stream has no 128-bit access")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a dense stream has no 128-bit access or a row kernel uses local memory")
     parser.add_argument("--table", type=Path, help="write the markdown table here")
     args = parser.parse_args(argv)
     if args.compile:
@@ -312,10 +323,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.table.write_text(text)
     else:
         sys.stdout.write(text)
-    bad = [r for r in reports if r.missing]
+    bad = [r for r in reports if r.missing or (r.rows and r.local)]
     for r in bad:
-        print(f"{r.bundle}: {r.symbol}: dense stream(s) without a 128-bit access: "
-              + ", ".join(f"argument {i} ({role})" for i, role in r.missing), file=sys.stderr)
+        if r.missing:
+            print(f"{r.bundle}: {r.symbol}: dense stream(s) without a 128-bit access: "
+                  + ", ".join(f"argument {i} ({role})" for i, role in r.missing), file=sys.stderr)
+        if r.rows and r.local:
+            print(f"{r.bundle}: {r.symbol}: a row kernel with {r.local} local-memory accesses (its kept "
+                  "chunks must stay in registers)", file=sys.stderr)
     return 1 if (args.check and bad) else 0
 
 

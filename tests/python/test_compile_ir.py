@@ -251,6 +251,11 @@ def test_a_rebuilt_compiler_does_not_reuse_the_cache(tmp_path: Path) -> None:
     rebuilt.write_bytes(library.read_bytes() + b"\0")  # another build: same code, other bytes
     second = Path(_compile_in_a_new_process(cache, ABP_COMPILER_LIBRARY=str(rebuilt)).splitlines()[0])
     assert second.parent == first.parent and second != first
+    # Named by its soname, the library is found on the library path: the file dlopen loaded is
+    # the one hashed (not a file of that name in the working directory).
+    by_name = _compile_in_a_new_process(cache, ABP_COMPILER_LIBRARY="libabp_compiler.so",
+                                        LD_LIBRARY_PATH=str(tmp_path))
+    assert Path(by_name.splitlines()[0]) == second
     again = Path(_compile_in_a_new_process(cache).splitlines()[0])
     assert again == first, "the original compiler finds its own entry again"
 
@@ -293,7 +298,8 @@ def test_uniform_in_an_elementwise_kernel_draws_philox_at_offset_plus_index() ->
 
 def test_16_bit_uniform_draws_half_words_of_philox() -> None:
     # abp.uniform {bits = 16}: half-word c mod 8 of the block c / 8 (the GACT quantizer's draws),
-    # position by position (odd offset) and eight at a time (aligned offset) in the same kernel.
+    # from an odd and an aligned offset. An elementwise kernel draws through uniform16At; the row
+    # sweeps' uniform16Chunk is checked against it in DeviceHeaderTest and through the quantizer.
     compiler_or_skip()
     import numpy as np
 

@@ -74,6 +74,7 @@ _SCALAR = """
 	.param .u64 s_f32_param_2
 )
 {
+	.reg .pred 	%p<2>;
 	.reg .b32 	%r<4>;
 	.reg .b64 	%rd<12>;
 
@@ -81,17 +82,25 @@ _SCALAR = """
 	ld.param.u64 	%rd2, [s_f32_param_1];
 	ld.param.u64 	%rd3, [s_f32_param_2];
 	cvta.to.global.u64 	%rd4, %rd1;
-	ld.global.nc.u64 	%rd5, [%rd4];
+	@%p1 ld.global.nc.u64 	%rd5, [%rd4];
 	ld.global.nc.f32 	%r1, [%rd5];
+	ld.local.u32 	%r2, [%rd6];
 	cvta.to.global.u64 	%rd6, %rd2;
 	st.global.f32 	[%rd6], %r1;
+	ret;
+}
+
+.func helper(
+	.param .u64 helper_param_0
+)
+{
 	ret;
 }
 """
 
 
-def _manifest(symbol: str, dense_in: bool = True) -> dict:
-    return {"kernels": [{"name": symbol, "chunk": 4, "symbols": {"f32": symbol},
+def _manifest(symbol: str, dense_in: bool = True, kind: str = "elementwise") -> dict:
+    return {"kernels": [{"name": symbol, "kind": kind, "chunk": 4, "symbols": {"f32": symbol},
                          "args": [{"role": "in", "layout": "dense" if dense_in else "gathered"},
                                   {"role": "out", "layout": "dense"}, {"role": "n"}]}]}
 
@@ -106,9 +115,26 @@ def test_streams_follow_addresses_through_the_loop():
 
 
 def test_a_loaded_value_is_not_an_argument_address():
+    # The index is loaded under a predicate; the .func after the entry is not part of it.
     (entry,) = audit.parse(_SCALAR)
     streams = [(a.kind, a.bits, frozenset(a.params)) for a in entry.accesses]
     assert streams == [("ld", 64, frozenset({0})), ("ld", 32, frozenset()), ("st", 32, frozenset({1}))]
+    assert entry.instructions[-1] == "ret"
+
+
+def test_a_predicated_return_falls_through():
+    ptx = _KERNEL.replace("	bra.uni 	$L__BB0_5;", "	@%p2 ret;")
+    (entry,) = audit.parse(ptx)
+    assert audit.fast_path_instructions(entry, {0}, {1}) == 4
+    succ = audit._successors(entry)
+    returning = next(b for b, (_, m) in enumerate(entry.blocks) if m and entry.instructions[m[-1]] == "@%p2 ret")
+    assert succ[returning] == [returning + 1]
+
+
+def test_local_memory_fails_the_check_in_row_kernels_only():
+    (elementwise,) = audit.audit_bundle(_manifest("s_f32", dense_in=False), _SCALAR, "s")
+    (rows,) = audit.audit_bundle(_manifest("s_f32", dense_in=False, kind="rows"), _SCALAR, "s")
+    assert elementwise.local == rows.local == 1 and rows.rows and not elementwise.rows
 
 
 def test_dense_streams_with_and_without_128_bit_accesses():
@@ -128,7 +154,7 @@ def test_fast_path_skips_the_rare_block():
     assert audit.fast_path_instructions(entry, {0}, {1}) == 4
     (report,) = audit.audit_bundle(_manifest("k_f32"), _KERNEL, "k")
     assert report.fast == 4 and report.total == len(entry.instructions)
-    assert "| k | k_f32 | f32 | 2 | all |" in audit.table([report])
+    assert "| k | k_f32 | f32 | 2 | all |" in audit.table([report]) and report.local == 0
 
 
 def test_missing_symbol_and_check_exit(tmp_path: Path):
@@ -139,5 +165,11 @@ def test_missing_symbol_and_check_exit(tmp_path: Path):
     assert audit.main([str(tmp_path), "--ptx-dir", str(tmp_path), "--table", str(tmp_path / "t.md")]) == 0
     assert audit.main([str(tmp_path), "--ptx-dir", str(tmp_path), "--check", "--table", str(tmp_path / "t.md")]) == 1
     assert "missing arg0 (in), arg1 (out)" in (tmp_path / "t.md").read_text()
+    # Local memory alone fails a row kernel, not an elementwise one.
+    (tmp_path / "s.json").write_text(json.dumps(_manifest("s_f32", dense_in=False, kind="rows")))
+    (tmp_path / "s.ptx").write_text(_SCALAR.replace("st.global.f32", "st.global.v4.f32"))
+    assert audit.main([str(tmp_path), "--ptx-dir", str(tmp_path), "--check", "--table", str(tmp_path / "t.md")]) == 1
+    (tmp_path / "s.json").write_text(json.dumps(_manifest("s_f32", dense_in=False)))
+    assert audit.main([str(tmp_path), "--ptx-dir", str(tmp_path), "--check", "--table", str(tmp_path / "t.md")]) == 0
     with pytest.raises(SystemExit, match="no kernel bundles"):
         audit.main([str(tmp_path / "t.md"), "--ptx-dir", str(tmp_path)])

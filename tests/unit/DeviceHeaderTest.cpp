@@ -556,3 +556,30 @@ TEST(DeviceHeader, UniformChunkGivesEachPositionItsUniformAtDraw) {
     }
   }
 }
+
+TEST(DeviceHeader, SixteenBitDrawsAreHalfWordsAndChunksMatchPositionByPosition) {
+  // abp.uniform {bits = 16}: position c is half-word c mod 8 of the Philox block c / 8 (low half
+  // of word (c mod 8) / 2 for even c), times 2^-16; a chunk starting on a multiple of 8 takes the
+  // one-call path, any other start the cached position-by-position one, with the same draws.
+  const abp::u64 seed = 0xfeedbeefcafeull;
+  for (abp::u64 block : {(abp::u64)0, (abp::u64)5, (abp::u64)1 << 33}) {
+    abp::Philox4 ctr = {{(abp::u32)block, (abp::u32)(block >> 32), 0u, 0u}};
+    abp::Philox4 words = abp::philox4x32_10(ctr, (abp::u32)seed, (abp::u32)(seed >> 32));
+    for (abp::u32 i = 0; i < 8; ++i) {
+      abp::u32 word = words.v[i / 2];
+      abp::u32 half = (i % 2) ? word >> 16 : word & 0xffffu;
+      abp::PhiloxCache cache;
+      EXPECT_EQ(abp::uniform16At(cache, seed, block * 8 + i), (float)half / 65536.0f) << block << " " << i;
+    }
+  }
+  for (abp::u64 c0 : {(abp::u64)0, (abp::u64)8, (abp::u64)4, (abp::u64)3, ((abp::u64)1 << 35) + 6}) {
+    float chunk[16];
+    abp::uniform16Chunk<16>(seed, c0, chunk);
+    for (int k = 0; k < 16; ++k) {
+      abp::PhiloxCache cache;
+      EXPECT_EQ(chunk[k], abp::uniform16At(cache, seed, c0 + (abp::u64)k)) << "c0 " << c0 << " k " << k;
+      EXPECT_GE(chunk[k], 0.0f);
+      EXPECT_LT(chunk[k], 1.0f);
+    }
+  }
+}
