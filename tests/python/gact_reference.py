@@ -115,22 +115,18 @@ def rounding_outcomes(x: torch.Tensor, bits: int, group_size: int) -> Tuple[np.n
     flat = x.detach().reshape(-1).float().numpy()
     n = flat.size
     top = np.float32((1 << bits) - 1)
+    _, mins, scales = quantize_groups(x.float(), bits, group_size, seed=0)  # the groups' headers
     u = (np.arange(65536, dtype=np.float32) * np.float32(1.0 / 65536.0))[None, :]
-    lower, upper, p_upper = np.zeros(n, np.float32), np.zeros(n, np.float32), np.zeros(n)
+    q_lo, q_hi, p_upper = np.zeros(n, np.uint8), np.zeros(n, np.uint8), np.zeros(n)
     for g in range(math.ceil(n / group_size)):
         sl = slice(g * group_size, min(n, (g + 1) * group_size))
-        v = flat[sl]
-        lo = v.min()
-        s = top / np.float32(np.float32(v.max() - lo) + np.float32(2e-6))
-        scaled = ((v - lo) * s).astype(np.float32)[:, None]
+        scaled = ((flat[sl] - mins[g]) * scales[g]).astype(np.float32)[:, None]
         q = np.minimum(np.floor((scaled + u).astype(np.float32)), top)  # (elements, 65536)
-        q_lo, q_hi = q.min(1), q.max(1)
-        assert np.all(q_hi - q_lo <= 1), "stochastic rounding reaches two adjacent codes at most"
-        step = np.float32(np.float32(1) / s)
-        lower[sl] = (q_lo.astype(np.float32) * step).astype(np.float32) + lo
-        upper[sl] = (q_hi.astype(np.float32) * step).astype(np.float32) + lo
-        p_upper[sl] = (q == q_hi[:, None]).mean(1) * (q_hi > q_lo)
-    return lower, upper, p_upper
+        q_lo[sl], q_hi[sl] = q.min(1), q.max(1)
+        p_upper[sl] = (q == q.max(1)[:, None]).mean(1) * (q.max(1) > q.min(1))
+    assert np.all(q_hi.astype(int) - q_lo <= 1), "stochastic rounding reaches two adjacent codes at most"
+    return (dequantize_groups(q_lo, mins, scales, group_size), dequantize_groups(q_hi, mins, scales, group_size),
+            p_upper)
 
 
 def binomial_two_sided(k: np.ndarray, n: int, p: np.ndarray) -> np.ndarray:

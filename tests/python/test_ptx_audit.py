@@ -19,23 +19,18 @@ audit = importlib.util.module_from_spec(_spec)
 sys.modules["ptx_audit"] = audit
 _spec.loader.exec_module(audit)
 
+
+def _entry(name: str) -> str:
+    """An entry's head as NVRTC writes it: three u64 arguments, their loads into %rd1-%rd3."""
+    params = ",\n".join(f"\t.param .u64 {name}_param_{i}" for i in range(3))
+    loads = "".join(f"\tld.param.u64 \t%rd{i + 1}, [{name}_param_{i}];\n" for i in range(3))
+    return (f"\n.visible .entry {name}(\n{params}\n)\n{{\n\t.reg .pred \t%p<4>;\n\t.reg .b32 \t%r<20>;\n"
+            f"\t.reg .b64 \t%rd<20>;\n\n{loads}")
+
+
 # A grid-stride loop over in -> out with a 128-bit path, a scalar tail and a rare patch block
 # between the wide load and the wide store. The input address is carried around the back edge.
-_KERNEL = """
-.visible .entry k_f32(
-	.param .u64 k_f32_param_0,
-	.param .u64 k_f32_param_1,
-	.param .u64 k_f32_param_2
-)
-{
-	.reg .pred 	%p<4>;
-	.reg .b32 	%r<20>;
-	.reg .b64 	%rd<20>;
-
-	ld.param.u64 	%rd1, [k_f32_param_0];
-	ld.param.u64 	%rd2, [k_f32_param_1];
-	ld.param.u64 	%rd3, [k_f32_param_2];
-	cvta.to.global.u64 	%rd4, %rd1;
+_KERNEL = _entry("k_f32") + """	cvta.to.global.u64 	%rd4, %rd1;
 	cvta.to.global.u64 	%rd5, %rd2;
 	mov.u64 	%rd6, 0;
 $L__BB0_1:
@@ -67,21 +62,7 @@ $L__BB0_5:
 
 # The same stream read only element by element, and a value loaded from memory used as an address
 # (a gather): the gathered access must not count as the index argument's stream.
-_SCALAR = """
-.visible .entry s_f32(
-	.param .u64 s_f32_param_0,
-	.param .u64 s_f32_param_1,
-	.param .u64 s_f32_param_2
-)
-{
-	.reg .pred 	%p<2>;
-	.reg .b32 	%r<4>;
-	.reg .b64 	%rd<12>;
-
-	ld.param.u64 	%rd1, [s_f32_param_0];
-	ld.param.u64 	%rd2, [s_f32_param_1];
-	ld.param.u64 	%rd3, [s_f32_param_2];
-	cvta.to.global.u64 	%rd4, %rd1;
+_SCALAR = _entry("s_f32") + """	cvta.to.global.u64 	%rd4, %rd1;
 	@%p1 ld.global.nc.u64 	%rd5, [%rd4];
 	ld.global.nc.f32 	%r1, [%rd5];
 	ld.local.u32 	%r2, [%rd6];
