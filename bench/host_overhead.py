@@ -37,11 +37,24 @@ ROWS, COLS = 4, 32  # tiny: the host path dominates
 
 def _norms() -> List[Tuple[str, Callable[[], torch.nn.Module], Callable[[], torch.nn.Module]]]:
     pairs = [("MSLayerNorm", lambda: abp.nn.MSLayerNorm(COLS),
-              lambda: torch.nn.LayerNorm(COLS, elementwise_affine=False))]
+              lambda: torch.nn.LayerNorm(COLS, elementwise_affine=False)),
+             ("MSLayerNorm (affine)", lambda: _affine(abp.nn.MSLayerNorm(COLS, elementwise_affine=True)),
+              lambda: _affine(torch.nn.LayerNorm(COLS)))]
     if hasattr(torch.nn, "RMSNorm"):  # torch >= 2.4
         pairs.append(("MSRMSNorm", lambda: abp.nn.MSRMSNorm(COLS),
                       lambda: torch.nn.RMSNorm(COLS, eps=1e-6, elementwise_affine=False)))
+        pairs.append(("MSRMSNorm (affine)", lambda: _affine(abp.nn.MSRMSNorm(COLS, elementwise_affine=True)),
+                      lambda: _affine(torch.nn.RMSNorm(COLS, eps=1e-6))))
     return pairs
+
+
+def _affine(norm: torch.nn.Module) -> torch.nn.Module:
+    """The norm with the same non-trivial gamma and beta on both sides (as a trained model has)."""
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, COLS))
+        if getattr(norm, "bias", None) is not None:
+            norm.bias.copy_(torch.linspace(-0.25, 0.25, COLS))
+    return norm
 
 
 def pairs() -> List[Tuple[str, Callable[[], torch.nn.Module], Callable[[], torch.nn.Module]]]:
@@ -194,8 +207,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = measure(args.rounds, args.calls)
+    from abp import _plan_lane
+    lane = _plan_lane.status()
     print(f"host overhead per call, forward + backward on {ROWS}x{COLS} CPU tensors "
-          f"(torch {torch.__version__}, best of {args.rounds} rounds of {args.calls} calls, thread CPU time)")
+          f"(torch {torch.__version__}, best of {args.rounds} rounds of {args.calls} calls, thread CPU time; "
+          f"abp's {lane})")
     print(f"{'op':<24} {'torch us':>9} {'abp us':>9} {'ratio':>6}")
     for r in rows:
         print(f"{r['op']:<24} {r['torch_us']:>9.1f} {r['abp_us']:>9.1f} {r['ratio']:>6.2f}")
@@ -207,7 +223,7 @@ def main() -> None:
         args.json.write_text(json.dumps({
             "commit": commit_id(str(Path(__file__).resolve().parents[1])),
             "date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
-            "torch": torch.__version__, "rounds": args.rounds, "calls": args.calls, "rows": rows}, indent=1))
+            "torch": torch.__version__, "lane": lane, "rounds": args.rounds, "calls": args.calls, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

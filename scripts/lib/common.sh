@@ -26,6 +26,7 @@ ABP_PACKAGES=(
   libfmt-dev libgtest-dev nlohmann-json3-dev
   clang-19 libclang-rt-19-dev
   python3-dev python3-numpy python3-pytest python3-sklearn python3-torch python3-venv
+  libtorch-dev pybind11-dev
 )
 
 abp_log() { printf '[abp] %s\n' "$*" >&2; }

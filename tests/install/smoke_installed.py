@@ -30,6 +30,11 @@ assert str(package / "lib" / "libabp.so") in maps
 # The compiled launcher (one stable-ABI module for every CPython 3) came with the wheel and runs.
 assert str(package / "lib" / "_abp_launch.abi3.so") in maps, "abp launches through ctypes, not its compiled launcher"
 assert "abp_compiler" not in maps, "the IR compiler was loaded before anything compiled IR"
+# The C++ per-call lane is built from the package's own source against this torch and ran the op.
+from abp import _plan_lane  # noqa: E402
+assert _plan_lane.status() == "C++ lane", _plan_lane.status()
+assert _plan_lane.SOURCE == package / "_plan_lane.cpp", _plan_lane.SOURCE
+assert "OperatorFunction" not in type(y.grad_fn).__name__, type(y.grad_fn)
 y.sum().backward()
 table = abp.inspect("gelu_b3")["operator"]["tables"][0]
 codes = torch.bucketize(x.detach(), torch.tensor(table["borders"]), right=True)

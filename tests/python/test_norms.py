@@ -225,6 +225,23 @@ def test_modules():
     torch.testing.assert_close(abp.nn.MSLayerNorm(16)(x), layer_norm_ref(x, (16,), 1e-5), rtol=0, atol=1e-10)
 
 
+def test_an_affine_norm_of_one_row_gives_torchs_gradients():
+    # A 1-d input is one row: its weight and bias gradients are that row's terms, not a scalar
+    # (a sum over no row dimension would sum everything).
+    torch.manual_seed(0)
+    mine, theirs = abp.nn.MSLayerNorm(16, elementwise_affine=True), torch.nn.LayerNorm(16)
+    with torch.no_grad():
+        for m in (mine, theirs):
+            m.weight.copy_(torch.linspace(0.5, 1.5, 16))
+            m.bias.copy_(torch.linspace(-1, 1, 16))
+    x = torch.randn(16, dtype=torch.float32)
+    g = torch.randn(16)
+    for m in (mine, theirs):
+        m(x).backward(g)
+    torch.testing.assert_close(mine.weight.grad, theirs.weight.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(mine.bias.grad, theirs.bias.grad, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
     "make,error,match",
     [

@@ -24,9 +24,13 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _custom_ops, _launch, _lib
+from . import _custom_ops, _launch, _lib, autograd
 
 __all__ = ["affine_ms_norm"]
+
+# What the C++ lane takes for weight and bias; a tensor subclass (a sharded parameter) takes the
+# Python lane, where torch's dispatch handles it.
+_PLAIN = (type(None), torch.Tensor, torch.nn.Parameter)
 
 
 def _forward_kernels(op_name: str, x: Tensor, eps: float) -> Tuple[Tensor, Tensor]:
@@ -93,8 +97,10 @@ class _AffineMSNorm(torch.autograd.Function):
             n, dn = centred, dy_c
         dx = _backward_kernels(op_name, n, r, dn).to(dtype)
         rows = tuple(range(dy.dim() - 1))
-        dweight = (dy_c * n).sum(rows).to(weight.dtype) if weight is not None and ctx.needs_input_grad[6] else None
-        dbias = dy_c.sum(rows).to(bias.dtype) if bias is not None and ctx.needs_input_grad[7] else None
+        # Summed over the rows; one row (a 1-d input) is its own sum (sum over no dimension sums all).
+        over_rows = (lambda t: t.sum(rows)) if rows else (lambda t: t)  # noqa: E731
+        dweight = over_rows(dy_c * n).to(weight.dtype) if weight is not None and ctx.needs_input_grad[6] else None
+        dbias = over_rows(dy_c).to(bias.dtype) if bias is not None and ctx.needs_input_grad[7] else None
         return None, None, None, None, None, dx, dweight, dbias
 
 
@@ -104,5 +110,14 @@ def affine_ms_norm(
 ) -> Tensor:
     """Runs the memory-sharing norm `op_name` on rows `x` (..., d) with gamma = weight + weight_offset
     and beta = bias (each (d,) or None), output in `out_dtype` (default: x's), saving it in
-    `save_dtype` (default: itself); the arguments are checked by the caller."""
+    `save_dtype` (default: itself); the arguments are checked by the caller. Plain tensors take
+    the C++ lane (abp/_plan_lane.cpp's AffineNormFunction, the same ops in C++) where it is built."""
+    if (type(x) is torch.Tensor and type(weight) in _PLAIN and type(bias) in _PLAIN
+            and not _custom_ops.compiling()):
+        lane = autograd.lane_plan(op_name, _launch.compute_dtype(x.dtype))
+        if lane is not None:
+            like = lambda dtype: None if dtype is None else torch.empty(0, dtype=dtype)  # noqa: E731
+            y = lane[0].affine_norm(lane[1], x, weight, bias, eps, weight_offset, like(out_dtype), like(save_dtype))
+            if y is not None:
+                return y
     return _AffineMSNorm.apply(op_name, eps, weight_offset, out_dtype, save_dtype, x, weight, bias)

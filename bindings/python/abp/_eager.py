@@ -24,7 +24,7 @@ from . import _lib
 from ._launch import _f32_bits, binding, compute_dtype, device_and_stream
 from ._manifest import Operator, packed_bytes, parse_ref
 
-__all__ = ["Plan", "plan"]
+__all__ = ["Plan", "plan", "native_plan"]
 
 # Where a kernel argument or a produced value comes from.
 _INPUT, _PARAM, _RESULT, _RESIDUAL, _GRAD = range(5)
@@ -41,12 +41,28 @@ def plan(op: Operator, dtype: torch.dtype) -> Optional["Plan"]:
     return found or None
 
 
+def native_plan(op: Operator, dtype: torch.dtype) -> Optional[Any]:
+    """The C++ lane's plan of `op` for launch dtype `dtype` (abp._plan_lane), or None where no
+    plan serves the operator or the C++ lane is not built. Cached on the Plan."""
+    found = plan(op, dtype)
+    if found is None:
+        return None
+    native = found.native
+    if native is _UNSET:
+        from . import _plan_lane
+        native = found.native = _plan_lane.native_plan(found)
+    return native
+
+
+_UNSET = object()
+
+
 class Plan:
     """One-input operator `op` at launch dtype `dtype`, resolved for the per-call lane."""
 
     __slots__ = ("op", "dtype", "compute", "params", "forward_kernel", "forward_args", "forward_produces", "outputs",
                  "forward_allocs", "rows_kernel", "backward_kernel", "backward_args", "backward_checks",
-                 "backward_allocs")
+                 "backward_allocs", "native")
 
     @staticmethod
     def build(op: Operator, dtype: torch.dtype) -> Optional["Plan"]:
@@ -70,6 +86,7 @@ class Plan:
         if any(kind != _RESULT or fwd.packed_bits[i] != -1 for kind, i in produces[: op.outputs]):
             return None  # an output that is not a dense result of the kernel
         self = Plan()
+        self.native = _UNSET  # the C++ lane's plan, made on first use (native_plan)
         self.op, self.dtype, self.compute = op, dtype, compute_dtype(dtype)
         self.params = len(op.params)
         self.forward_kernel = fwd.address

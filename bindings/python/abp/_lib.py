@@ -35,6 +35,7 @@ __all__ = [
     "launcher_path",
     "launch_ctypes",
     "launch",
+    "kernel_launch_entry",
     "c_float",
     "c_int64",
     "c_void_p",
@@ -347,13 +348,19 @@ def launcher() -> Callable[..., int]:
     (bindings/launcher, `_abp_launch` beside libabp.so) where it was built, else launch_ctypes."""
     global _launcher
     if _launcher is None:
-        lib = native()
+        native()
         module = _load_launcher()
         if module is None:
             _launcher = launch_ctypes
         else:
-            _launcher = functools.partial(module.launch, ctypes.cast(lib.abp_kernel_launch, c_void_p).value)
+            _launcher = functools.partial(module.launch, kernel_launch_entry())
     return _launcher
+
+
+def kernel_launch_entry() -> int:
+    """The address of abp_kernel_launch in the loaded libabp.so, for the compiled launchers (they
+    link against nothing of abp: one library serves ctypes and them)."""
+    return int(ctypes.cast(native().abp_kernel_launch, c_void_p).value or 0)
 
 
 def launcher_path() -> Optional[Path]:

@@ -652,7 +652,7 @@ class Operator:
                                  + (f"shape {got[0]}, dtype {got[1]}, on {got[2]}" if got else type(t).__name__))
 
     def __call__(self, *args: Any) -> Any:
-        from .autograd import OperatorFunction
+        from .autograd import apply_eager
 
         if len(args) != self.inputs + len(self.params):
             raise TypeError(f"{self.name}: expected {self.inputs} tensor(s) and parameters "
@@ -662,7 +662,7 @@ class Operator:
         params = self._check_params(args[self.inputs:], self.name)
         if self._library_op and _custom_ops.compiling():
             return _custom_ops.apply_custom(self.name, params, tensors)
-        return OperatorFunction.apply(self.name, params, None, *tensors)
+        return apply_eager(self.name, params, tensors)
 
     def module(self, *params: Any) -> "torch.nn.Module":
         """An nn.Module applying this operator with `params` fixed (no parameters or buffers of

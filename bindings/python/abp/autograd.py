@@ -1,14 +1,14 @@
 """The eager autograd path: one generic torch.autograd.Function that runs any manifest operator."""
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from . import _eager, _launch, _lib
 
-__all__ = ["OperatorFunction", "apply_eager"]
+__all__ = ["OperatorFunction", "apply_eager", "run_lane", "lane_plan"]
 
 
 class OperatorFunction(torch.autograd.Function):
@@ -88,7 +88,50 @@ _backward_once = once_differentiable(_backward)
 
 
 def apply_eager(
-    op_name: str, params: Sequence[float], inputs: Sequence[torch.Tensor], out_dtype: Optional[torch.dtype] = None
+    op_name: str, params: Tuple[float, ...], inputs: Sequence[torch.Tensor], out_dtype: Optional[torch.dtype] = None
 ) -> Any:
-    """Runs `op_name` through OperatorFunction: one output as a tensor, several as a tuple."""
-    return OperatorFunction.apply(op_name, tuple(params), out_dtype, *inputs)
+    """Runs `op_name` eagerly: one output as a tensor, several as a tuple. A one-input operator
+    whose outputs are not cast takes the C++ lane (run_lane) where it can; anything else runs
+    through OperatorFunction, which gives the same bytes."""
+    if out_dtype is None and len(inputs) == 1 and type(inputs[0]) is torch.Tensor:
+        out = run_lane(op_name, inputs[0], params)
+        if out is not None:
+            return out
+    return OperatorFunction.apply(op_name, params, out_dtype, *inputs)
+
+
+def run_lane(op_name: str, x: torch.Tensor, params: Tuple[float, ...]) -> Any:
+    """The outputs of one-input operator `op_name` on `x` (a plain tensor) by the C++ lane
+    (abp._plan_lane), or None where it does not serve the call: an operator no plan serves, a
+    dtype or device it was not made for, the lane not built. It raises only the runtime's own
+    errors (a failed launch); the caller's general path checks the arguments and names what is
+    wrong. `params` are floats (checked by the caller)."""
+    lane = lane_plan(op_name, x.dtype)
+    return None if lane is None else lane[0].run(lane[1], x, params)
+
+
+def lane_plan(op_name: str, dtype: torch.dtype) -> Optional[Tuple[Any, Any]]:
+    """(the C++ lane's module, its plan of `op_name` for launch dtype `dtype`), or None where no
+    plan serves the operator, the operator is unknown or the lane is not built."""
+    key = (op_name, dtype)
+    lane = _lanes.get(key, _UNSET)
+    if lane is _UNSET:
+        lane = _lanes[key] = _make_lane(op_name, dtype)
+    return lane
+
+
+def _make_lane(op_name: str, dtype: torch.dtype) -> Optional[Tuple[Any, Any]]:
+    op = _lib.kernel_library().operators.get(op_name)
+    if op is None or dtype not in _launch.torch_dtypes(op.dtypes):
+        return None  # the general path names the operator or the dtype
+    native = _eager.native_plan(op, dtype)
+    if native is None:
+        return None
+    from . import _plan_lane
+    return (_plan_lane.module(), native)
+
+
+# (operator name, dtype) -> (the lane's module, its plan), or None. Operators are never replaced in
+# a process (abp._lib.KernelLibrary refuses a second definition), so entries never go stale.
+_lanes: Dict[Tuple[str, torch.dtype], Optional[Tuple[Any, Any]]] = {}
+_UNSET = object()

@@ -146,6 +146,13 @@ def apply(
     last dimension. ``out_dtype`` casts the output (see OperatorFunction; the custom op's
     ``out_dtype`` does the same under torch.compile).
     """
+    # The common call (one plain tensor, float parameters, no cast, not tracing) goes straight to
+    # the C++ lane, which declines (None) whatever it does not serve; the checks below then run.
+    if (out_dtype is None and type(input) is torch.Tensor and type(params) is tuple
+            and all(type(p) is float for p in params) and not _custom_ops.compiling()):
+        out = autograd.run_lane(op_name, input, params)
+        if out is not None:
+            return out
     from . import _lib
 
     op = _lib.kernel_library().operator(op_name)
@@ -165,7 +172,7 @@ def apply(
         params = tuple(_launch.check_param(f"params[{i}]", p) for i, p in enumerate(params))
     if _custom_ops.compiling() and _custom_ops.registrable(op):
         return _custom_ops.apply_custom(op_name, params, inputs, out_dtype)
-    return autograd.OperatorFunction.apply(op_name, params, out_dtype, *inputs)  # apply_eager, one call less
+    return autograd.apply_eager(op_name, params, inputs, out_dtype)
 
 
 def _require_default(function: str, name: str, value: Any, default: float) -> None:
@@ -372,6 +379,21 @@ def _ms_norm(
     weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, weight_offset: float = 0.0,
     autocast_output: bool = True,
 ) -> Tensor:
+    # The common call (a module's: no affine, one trailing dimension, a plain tensor, nothing for
+    # autocast to cast, not tracing) goes straight to the C++ lane, which declines (None) what it
+    # does not serve; the checks below then run. The conditions are the checks' own, so nothing
+    # the checks would refuse gets here.
+    if (weight is None and bias is None and type(input) is torch.Tensor and type(normalized_shape) is tuple
+            and len(normalized_shape) == 1 and type(normalized_shape[0]) is int and normalized_shape[0] > 0
+            and input.dim() >= 1 and input.shape[-1] == normalized_shape[0] and type(eps) is float
+            and _F32_ROUNDS_TO_ZERO < eps < _F32_ROUNDS_TO_INF and type(weight_offset) in (float, int)
+            and weight_offset == 0
+            and type(autocast_output) is bool
+            and (input.dtype != torch.float32 or _autocast_dtype(input.device) is None)
+            and not _custom_ops.compiling()):
+        out = autograd.run_lane(op_name, input, (eps,))
+        if out is not None:
+            return out
     shape = check_normalized_shape(normalized_shape)
     _launch.check_float_tensor("input", input, _launch.ROW_DTYPES)
     k = len(shape)

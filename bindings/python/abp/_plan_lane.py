@@ -1,0 +1,198 @@
+"""The C++ per-call lane (abp/_plan_lane.cpp): built on first use against the running torch.
+
+A one-input operator's call costs, in Python, one autograd.Function forward and one backward the
+engine calls back into Python for: about twice a native torch op's host time even around one
+compiled launch (bench/host_overhead.py). The C++ lane runs the same Plan (abp._eager) as a
+torch::autograd::Function, so neither direction enters Python. torch's C++ ABI changes between
+releases, so it cannot ship prebuilt in a wheel that serves every torch: it is compiled here, once
+per torch build, with torch.utils.cpp_extension (a C++17 compiler and ninja, which `pip install`
+of abp needs anyway; on torch 1.13 from Debian, libtorch-dev for the headers), into a directory
+only this user can write (its owner and mode are checked before anything in it is loaded).
+
+Where it cannot be built or is turned off (ABP_PLAN_LANE=0), every call takes the Python lane,
+which gives the same bytes (tests/python/test_plan_lane.py); `status()` says which lane runs and
+why.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import sys
+import threading
+import warnings
+from pathlib import Path
+from typing import Any, List, Optional, Sequence
+
+import torch
+
+from . import _lib
+
+__all__ = ["module", "status", "build_directory", "general_backward"]
+
+SOURCE = Path(__file__).with_name("_plan_lane.cpp")
+_lock = threading.Lock()
+_state: dict = {}  # "module": the loaded extension or None; "why": the reason it is None
+
+
+def _flag(name: str, default: bool) -> bool:
+    """A Bool variable as runtime/EnvVars.def reads them (unset or empty: the default)."""
+    value = os.environ.get(name, "").strip().lower()
+    return default if not value else value in ("1", "true", "yes", "on")
+
+
+def _cuda_stream_support() -> bool:
+    """Whether to build the CUDA tensors' lane: a CUDA torch and the CUDA headers its c10 needs."""
+    if getattr(torch.version, "cuda", None) is None:
+        return False
+    from torch.utils import cpp_extension
+    home = cpp_extension.CUDA_HOME
+    return bool(home) and Path(home, "include", "cuda_runtime_api.h").is_file()
+
+
+def _key(cuda: bool) -> str:
+    """What the built module depends on: the source, this torch build and this Python."""
+    h = hashlib.sha256(SOURCE.read_bytes())
+    for part in (torch.__version__, getattr(torch.version, "git_version", ""), str(Path(torch.__file__).parent),
+                 sys.version, str(cuda), str(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", ""))):
+        h.update(b"\0" + str(part).encode())
+    return h.hexdigest()[:20]
+
+
+def build_directory(key: str) -> Path:
+    """$ABP_CACHE_DIR/plan-lane/<key>, else ~/.cache/abp/plan-lane/<key> (XDG_CACHE_HOME honoured)."""
+    root = os.environ.get("ABP_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "abp")
+    return Path(root, "plan-lane", key)
+
+
+def _private_directory(path: Path) -> None:
+    """Makes `path` (mode 0700) and checks that it and its parent belong to this user and that no
+    one else can write them: a module found there is loaded into this process."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for p in (path.parent, path):
+        info = p.lstat()
+        if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+            raise PermissionError(f"{p}: expected a directory, found a link or a file")
+        if info.st_uid != os.getuid():
+            raise PermissionError(f"{p}: owned by uid {info.st_uid}, not this user ({os.getuid()})")
+        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise PermissionError(f"{p}: writable by others (mode {stat.S_IMODE(info.st_mode):o})")
+
+
+def _build() -> Any:
+    from torch.utils import cpp_extension
+    cuda = _cuda_stream_support()
+    key = _key(cuda)
+    directory = build_directory(key)
+    _private_directory(directory)
+    flags = ["-O2"]  # the C++ standard is the one torch.utils.cpp_extension picks for this torch
+    extra: dict = {}
+    if cuda:
+        flags.append("-DABP_PLAN_LANE_CUDA")
+        extra["extra_include_paths"] = [str(Path(cpp_extension.CUDA_HOME, "include"))]
+        extra["extra_ldflags"] = ["-lc10_cuda"]
+    verbose = _flag("ABP_LOG", False)
+    # torch's own lock file keeps two processes (DDP ranks) from building at once.
+    return cpp_extension.load(name=f"abp_plan_lane_{key}", sources=[str(SOURCE)], build_directory=str(directory),
+                              extra_cflags=flags, verbose=verbose, **extra)
+
+
+def module() -> Optional[Any]:
+    """The C++ lane, built and loaded on the first call (None where it cannot be: see status())."""
+    if "module" in _state:
+        return _state["module"]
+    with _lock:
+        if "module" in _state:
+            return _state["module"]
+        found, why = None, ""
+        if not _flag("ABP_PLAN_LANE", True):
+            why = "turned off (ABP_PLAN_LANE=0)"
+        elif not SOURCE.is_file():
+            why = f"{SOURCE} is missing"
+        else:
+            try:
+                found = _build()
+            except Exception as e:  # no compiler, no headers, a refused directory: Python lane
+                last = (str(e).strip().splitlines() or [""])[-1]
+                why = f"could not be built ({type(e).__name__}: {last})"
+                warnings.warn(f"abp: the C++ per-call lane {why}; abp ops take the Python lane (the same "
+                              f"results, about twice the host time per call). Set ABP_PLAN_LANE=0 to "
+                              f"skip the build.", RuntimeWarning, stacklevel=3)
+        _state["why"] = why or "built"
+        _state["module"] = found
+        return found
+
+
+def status() -> str:
+    """Which lane one-input operators take in this process, and why."""
+    lane = module()
+    return "C++ lane" if lane is not None else f"Python lane: the C++ lane is {_state['why']}"
+
+
+def general_backward(op_name: str, dtype: torch.dtype, input_shape: torch.Size, saved: Sequence[Any],
+                     grads: List[Optional[torch.Tensor]], shape: Sequence[int], device: str) -> Optional[torch.Tensor]:
+    """The general path's backward for a C++ lane node (what OperatorFunction.backward runs when
+    the plan refuses): `saved` in residual order, tensors and floats."""
+    from . import autograd
+    ctx = _Context(op_name, dtype, input_shape, saved, torch.Size(shape), torch.device(device))
+    backward = autograd._backward_once if torch.is_grad_enabled() else autograd._backward
+    return backward(ctx, *grads)[3]
+
+
+class _Context:
+    """The attributes abp.autograd._backward reads from an OperatorFunction's ctx."""
+
+    def __init__(self, op_name: str, dtype: torch.dtype, input_shape: torch.Size, saved: Sequence[Any],
+                 shape: torch.Size, device: torch.device) -> None:
+        self.abp_op = op_name
+        self.abp_plan = None
+        self.abp_is_tensor = tuple(isinstance(r, torch.Tensor) for r in saved)
+        self.saved_tensors = tuple(r for r in saved if isinstance(r, torch.Tensor))
+        self.abp_scalars = tuple(float(r) for r in saved if not isinstance(r, torch.Tensor))
+        self.abp_input_shapes = (input_shape,)
+        self.abp_shape = shape
+        self.abp_dtype = dtype
+        self.abp_device = device
+
+
+def native_plan(plan: Any) -> Optional[Any]:
+    """The C++ lane's counterpart of abp._eager.Plan `plan` (cached on it), or None."""
+    lane = module()
+    if lane is None:
+        return None
+    import functools
+
+    from ._eager import _INPUT, _PARAM
+
+    def encode_arg(source: Any) -> tuple:
+        return (_INPUT, 0) if source is None else (_PARAM, 2 * source[0] + (source[1] == "i64"))
+
+    launch_entry = _lib.kernel_launch_entry()
+    op = plan.op.name
+    fallback = functools.partial(_general_backward_shape_free, op, plan.dtype)
+    return lane.make_plan(
+        op, launch_entry, plan.forward_kernel, plan.backward_kernel or 0,
+        torch.empty(0, dtype=plan.dtype), torch.empty(0, dtype=plan.compute), plan.params, bool(plan.rows_kernel),
+        [encode_arg(s) for s in plan.forward_args], list(plan.forward_produces), plan.outputs,
+        list(plan.forward_allocs), list(plan.backward_args),
+        [(_CHECKS[layout], bits or 0) for layout, bits in plan.backward_checks], list(plan.backward_allocs),
+        _norm_roles(plan.op), _lib.check, fallback)
+
+
+def _norm_roles(op: Any) -> List[int]:
+    """For a memory-sharing norm (its residuals: its shared output and one value per row), each
+    residual's role in the affine norm's backward: 0 the normalised rows, 1 the statistic; else []."""
+    kinds = [r.kind for r in op.residuals]
+    if not op.row_wise or sorted(kinds) != ["rows", "shared"] or op.backward is None:
+        return []
+    return [0 if kind == "shared" else 1 for kind in kinds]
+
+
+def _general_backward_shape_free(op_name: str, dtype: torch.dtype, saved: Sequence[Any],
+                                 grads: List[Optional[torch.Tensor]], shape: Sequence[int], device: str) -> Any:
+    # The plan lane serves one input read densely: its shape is the launch shape.
+    return general_backward(op_name, dtype, torch.Size(shape), saved, grads, shape, device)
+
+
+_CHECKS = {"dense": 0, "packed": 1, "rows": 2, "f32": 3, "i64": 4}

@@ -1,0 +1,304 @@
+"""The C++ per-call lane (abp/_plan_lane.cpp) against the Python lane (abp.autograd.OperatorFunction).
+
+The C++ lane runs the same plans as abp._eager without entering Python; these tests hold its
+outputs, gradients and saved residuals to the Python lane's bytes for every operator a plan
+serves, check that what it declines (and what its backward declines) takes the general path with
+its errors, and that the directory the lane is built in is one only this user can write."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.utils.checkpoint
+
+import abp
+from abp import _eager, _launch, _lib, _plan_lane, autograd
+from abp_reference import library_or_skip
+
+
+@pytest.fixture(autouse=True)
+def _library() -> None:
+    library_or_skip()
+
+
+def _lane():
+    lane = _plan_lane.module()
+    assert lane is not None, _plan_lane.status()  # scripts/test installs what building it needs
+    return lane
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
+
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+def _served(dtype):
+    out = []
+    for name, op in sorted(_lib.kernel_library().operators.items()):
+        if _launch.DTYPE_NAMES[dtype] in op.dtypes and _eager.plan(op, dtype) is not None:
+            out.append((name, op))
+    return out
+
+
+def _python_lane(name, params, x):
+    return autograd.OperatorFunction.apply(name, params, None, x)
+
+
+class _Saved:
+    """The tensors autograd saves, through saved_tensors_hooks."""
+
+    def __init__(self):
+        self.tensors = []
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def _pack(self, t):
+        self.tensors.append(t.detach().clone())
+        return t
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+
+def test_the_lane_is_built_and_takes_the_calls_of_abp_nn():
+    _lane()
+    assert _plan_lane.status() == "C++ lane"
+    y = abp.nn.SiLU()(torch.randn(3, 8, requires_grad=True))
+    assert "CppNode" in type(y.grad_fn).__name__ or "CppFunction" in type(y.grad_fn).__name__, type(y.grad_fn)
+    # Cast outputs (autocast into an MS-norm) and several inputs stay on the Python lane.
+    assert type(_python_lane("silu_b3", (), torch.randn(2, requires_grad=True)).grad_fn).__name__ == \
+        "OperatorFunctionBackward"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_served_operator_gives_the_python_lanes_bytes(dtype):
+    lane = _lane()
+    torch.manual_seed(0)
+    for name, op in _served(dtype):
+        native = _eager.native_plan(op, dtype)
+        assert native is not None, name
+        params = tuple(0.25 + 0.125 * i for i in range(len(op.params)))
+        shapes = [(5, 33), (2, 3, 64), (7,), (0, 4), (3, 0)] + ([()] if not op.row_wise else [])
+        for shape in shapes:
+            x = torch.randn(shape, dtype=dtype)
+            results = []
+            for run in (lambda t: lane.run(native, t, params), lambda t: _python_lane(name, params, t)):
+                leaf = x.clone().requires_grad_(op.backward is not None)
+                with _Saved() as saved:
+                    y = run(leaf)
+                ys = y if isinstance(y, tuple) else (y,)
+                grad = None
+                if op.backward is not None:
+                    g = torch.randn(ys[0].shape, dtype=dtype, generator=torch.Generator().manual_seed(1))
+                    ys[0].backward(g)
+                    grad = leaf.grad
+                results.append((ys, saved.tensors, grad))
+            (ya, sa, ga), (yb, sb, gb) = results
+            assert len(ya) == len(yb) and all(_same_bytes(a, b) for a, b in zip(ya, yb)), (name, shape)
+            assert len(sa) == len(sb) and all(_same_bytes(a, b) for a, b in zip(sa, sb)), (name, shape)
+            assert (ga is None) == (gb is None) and (ga is None or _same_bytes(ga, gb)), (name, shape)
+
+
+def test_a_non_contiguous_input_and_gradient_give_the_python_lanes_bytes():
+    lane = _lane()
+    op = _lib.kernel_library().operator("ms_layernorm")
+    native = _eager.native_plan(op, torch.float32)
+    base = torch.randn(16, 24)
+    x = base[:, ::2]
+    g = torch.randn(24, 16).t()[:, ::2]
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    lane.run(native, a.t().t(), (1e-5,)).backward(g)
+    _python_lane("ms_layernorm", (1e-5,), b.t().t()).backward(g)
+    assert _same_bytes(a.grad, b.grad)
+
+
+def test_what_the_lane_declines_takes_the_general_path_and_its_errors():
+    lane = _lane()
+    op = _lib.kernel_library().operator("silu_b3")
+    native = _eager.native_plan(op, torch.float32)
+    assert lane.run(native, torch.randn(3, dtype=torch.float64), ()) is None  # another dtype's plan
+    assert lane.run(native, torch.randn(3), (1.0,)) is None  # a parameter count it was not made for
+    assert lane.run(native, torch.randn(3).to_sparse(), ()) is None
+    # Through the public functions the general path then names the mistake.
+    with pytest.raises(TypeError, match="input: expected dtype"):
+        abp.functional.silu(torch.arange(3))
+    with pytest.raises(TypeError, match="params"):
+        abp.functional.apply("leaky_relu", torch.randn(3), ("a",))
+    # Integer parameters are converted by the general path's check and then run by the lane.
+    y = abp.functional.apply("leaky_relu", torch.randn(3, requires_grad=True), (1,))
+    assert "OperatorFunction" not in type(y.grad_fn).__name__
+
+
+def test_a_gradient_the_backward_declines_goes_to_the_general_path():
+    lane = _lane()
+    native = _eager.native_plan(_lib.kernel_library().operator("silu_b3"), torch.float32)
+    x = torch.randn(4, 6)
+    # A gradient of another dtype: the general path converts it, as the Python lane does.
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    g = torch.randn(4, 6, dtype=torch.float64)
+    torch.autograd.backward(lane.run(native, a, ()), g)
+    torch.autograd.backward(_python_lane("silu_b3", (), b), g)
+    assert _same_bytes(a.grad, b.grad)
+    # A saved residual a hook handed back changed: the general path names it, and the error keeps
+    # its type through torch's engine.
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t[:1]):
+        y = lane.run(native, x.clone().requires_grad_(), ())
+        with pytest.raises(Exception, match="residual|saved|expected") as caught:
+            y.sum().backward()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t[:1]):
+        y = _python_lane("silu_b3", (), x.clone().requires_grad_())
+        with pytest.raises(type(caught.value)):
+            y.sum().backward()
+
+
+def test_a_second_backward_through_the_lane_fails_as_the_python_lanes_does():
+    lane = _lane()
+    native = _eager.native_plan(_lib.kernel_library().operator("silu_b3"), torch.float32)
+    x = torch.randn(5, requires_grad=True)
+    # The output gradient 2y depends on x, so a second backward would have to differentiate the
+    # kernel's result: both lanes refuse it as once_differentiable does.
+    for y in (lane.run(native, x, ()), _python_lane("silu_b3", (), x)):
+        (gx,) = torch.autograd.grad((y * y).sum(), x, create_graph=True)
+        assert gx.requires_grad
+        with pytest.raises(RuntimeError, match="differentiate twice"):
+            gx.sum().backward()
+    a = lane.run(native, x, ())
+    b = _python_lane("silu_b3", (), x)
+    ga = torch.autograd.grad((a * a).sum(), x, create_graph=True)[0]
+    gb = torch.autograd.grad((b * b).sum(), x, create_graph=True)[0]
+    assert _same_bytes(ga.detach(), gb.detach())
+
+
+def test_compress_saved_and_checkpointing_see_the_lanes_residuals():
+    _lane()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), abp.nn.ReGELU2(), torch.nn.Linear(32, 4),
+                                abp.nn.MSLayerNorm(4))
+    x = torch.randn(8, 16)
+    ref = _train_step_grads(model, x)
+    with abp.compress_saved(bits=4, min_numel=0) as ctx:
+        compressed = _train_step_grads(model, x)
+    assert ctx.stats["compressed"] > 0
+    checkpointed = _train_step_grads(model, x, checkpoint=True)
+    for a, b in zip(ref, checkpointed):
+        assert _same_bytes(a, b)
+    assert all(torch.isfinite(g).all() for g in compressed)
+
+
+def _train_step_grads(model, x, checkpoint=False):
+    model.zero_grad(set_to_none=True)
+    if checkpoint:
+        y = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)
+    else:
+        y = model(x)
+    y.square().mean().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+_SCRIPT = """
+import sys, torch, abp
+from abp import _plan_lane
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), abp.nn.ReGELU2(), torch.nn.Linear(32, 4), abp.nn.MSLayerNorm(4))
+x = torch.randn(8, 16)
+model(x).square().mean().backward()
+print(_plan_lane.status())
+torch.save([p.grad for p in model.parameters()], sys.argv[1])
+"""
+
+
+def test_turned_off_the_python_lane_trains_to_the_same_bytes(tmp_path):
+    _lane()
+    out = {}
+    for lane in ("1", "0"):
+        env = dict(os.environ, ABP_PLAN_LANE=lane)
+        path = tmp_path / f"grads-{lane}.pt"
+        done = subprocess.run([sys.executable, "-c", _SCRIPT, str(path)], env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr
+        out[lane] = (done.stdout.strip().splitlines()[-1], torch.load(path))
+    assert out["1"][0] == "C++ lane"
+    assert out["0"][0] == "Python lane: the C++ lane is turned off (ABP_PLAN_LANE=0)"
+    assert all(_same_bytes(a, b) for a, b in zip(out["1"][1], out["0"][1]))
+
+
+def test_the_build_directory_must_be_this_users_alone(tmp_path):
+    good = tmp_path / "cache" / "plan-lane" / "k"
+    _plan_lane._private_directory(good)
+    assert (good.stat().st_mode & 0o777) == 0o700
+    shared = tmp_path / "shared" / "k"
+    shared.parent.mkdir()
+    shared.parent.chmod(0o777)
+    with pytest.raises(PermissionError, match="writable by others"):
+        _plan_lane._private_directory(shared)
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.mkdir(mode=0o700)
+    (link / "k").symlink_to(target)
+    with pytest.raises(PermissionError, match="link"):
+        _plan_lane._private_directory(link / "k")
+    if os.getuid() == 0:  # only root can give a directory away
+        foreign = tmp_path / "foreign" / "k"
+        foreign.mkdir(parents=True, mode=0o700)
+        os.chown(foreign, 12345, -1)
+        with pytest.raises(PermissionError, match="owned by uid 12345"):
+            _plan_lane._private_directory(foreign)
+
+
+def test_the_build_directory_follows_abp_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("ABP_CACHE_DIR", str(tmp_path))
+    assert _plan_lane.build_directory("abc") == Path(tmp_path, "plan-lane", "abc")
+
+
+def _affine_python(op_name, x, eps, weight, bias, offset, out_dtype, save_dtype):
+    from abp._affine_norm import _AffineMSNorm
+    return _AffineMSNorm.apply(op_name, eps, offset, out_dtype, save_dtype, x, weight, bias)
+
+
+@pytest.mark.parametrize("op_name", ["ms_layernorm", "ms_rmsnorm"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_affine_norm_gives_the_python_lanes_bytes(op_name, dtype):
+    from abp import _affine_norm
+    _lane()
+    assert autograd.lane_plan(op_name, _launch.compute_dtype(dtype)) is not None
+    gen = torch.Generator().manual_seed(2)
+    cases = [  # (shape, weight, bias, offset, out_dtype, save_dtype)
+        ((6, 16), True, True, 0.0, None, None),
+        ((2, 3, 16), True, False, 1.0, None, None),
+        ((5, 16), False, True, 0.0, None, None),
+        ((4, 16), True, True, 0.0, torch.bfloat16, None),
+        ((4, 16), True, True, 0.0, None, torch.float16),
+        ((16,), True, True, 0.0, None, None),
+    ]
+    for shape, has_w, has_b, offset, out_dtype, save_dtype in cases:
+        x = torch.randn(shape, dtype=dtype, generator=gen)
+        w = torch.randn(16, generator=gen).to(dtype) if has_w else None
+        if w is not None:
+            w[3] = 0  # a zero gamma: n is taken as 0 there, in both lanes
+        b = torch.randn(16, generator=gen).to(dtype) if has_b else None
+        results = []
+        for run in (_affine_norm.affine_ms_norm, lambda *a: _affine_python(*a)):
+            leaves = [t.clone().requires_grad_() if t is not None else None for t in (x, w, b)]
+            with _Saved() as saved:
+                y = run(op_name, leaves[0], 1e-5, leaves[1], leaves[2], offset, out_dtype, save_dtype)
+            g = torch.randn(y.shape, generator=torch.Generator().manual_seed(5)).to(y.dtype)
+            y.backward(g.t().contiguous().t() if g.dim() == 2 else g)  # non-contiguous where it can be
+            results.append((y, saved.tensors, [t.grad if t is not None else None for t in leaves], y.grad_fn))
+        (ya, sa, ga, fa), (yb, sb, gb, fb) = results
+        case = (shape, has_w, has_b, offset, out_dtype, save_dtype)
+        assert "AffineMSNorm" not in type(fa).__name__ and "AffineMSNorm" in type(fb).__name__, case
+        assert _same_bytes(ya, yb), case
+        assert len(sa) == len(sb) and all(_same_bytes(a, b) for a, b in zip(sa, sb)), case
+        for a, b in zip(ga, gb):
+            assert (a is None) == (b is None) and (a is None or _same_bytes(a, b)), case
