@@ -296,3 +296,21 @@ class MlpBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+
+#: The launch dtypes of the per-call lanes' tests (test_eager, test_plan_lane).
+PLAN_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and bits (NaN included)."""
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
+
+
+def plan_served(dtype: torch.dtype) -> List[str]:
+    """The operators abp._eager's per-call plans serve at launch dtype `dtype`, by name."""
+    from abp import _eager, _launch, _lib
+    library_or_skip()
+    return [name for name, op in sorted(_lib.kernel_library().operators.items())
+            if _launch.DTYPE_NAMES[dtype] in op.dtypes and _eager.plan(op, dtype) is not None]

@@ -10,7 +10,8 @@ import torch
 
 import abp
 from abp import _eager, _launch, _lib
-from abp_reference import library_or_skip
+from abp_reference import PLAN_DTYPES as DTYPES
+from abp_reference import library_or_skip, plan_served as _served, same_bytes as _same_bytes
 
 
 @pytest.fixture(autouse=True)
@@ -26,23 +27,6 @@ def _operators():
 def _params(op):
     # A value per parameter that every served operator accepts (slopes, thresholds, eps).
     return tuple(0.25 + 0.125 * i for i in range(len(op.params)))
-
-
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal dtype, shape and bits (NaN included)."""
-    return (a.dtype == b.dtype and a.shape == b.shape
-            and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
-
-
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
-
-
-def _served(dtype):
-    out = []
-    for name, op in _operators():
-        if _launch.DTYPE_NAMES[dtype] in op.dtypes and _eager.plan(op, dtype) is not None:
-            out.append(name)
-    return out
 
 
 def test_the_plan_serves_the_activations_and_norms_and_declines_the_rest():

@@ -17,7 +17,8 @@ import torch.utils.checkpoint
 
 import abp
 from abp import _eager, _launch, _lib, _plan_lane, autograd
-from abp_reference import library_or_skip
+from abp_reference import PLAN_DTYPES as DTYPES
+from abp_reference import library_or_skip, plan_served, same_bytes as _same_bytes
 
 
 @pytest.fixture(autouse=True)
@@ -29,22 +30,6 @@ def _lane():
     lane = _plan_lane.module()
     assert lane is not None, _plan_lane.status()  # scripts/test installs what building it needs
     return lane
-
-
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.dtype == b.dtype and a.shape == b.shape
-            and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
-
-
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
-
-
-def _served(dtype):
-    out = []
-    for name, op in sorted(_lib.kernel_library().operators.items()):
-        if _launch.DTYPE_NAMES[dtype] in op.dtypes and _eager.plan(op, dtype) is not None:
-            out.append((name, op))
-    return out
 
 
 def _python_lane(name, params, x):
@@ -84,7 +69,8 @@ def test_the_lane_is_built_and_takes_the_calls_of_abp_nn():
 def test_every_served_operator_gives_the_python_lanes_bytes(dtype):
     lane = _lane()
     torch.manual_seed(0)
-    for name, op in _served(dtype):
+    for name in plan_served(dtype):
+        op = _lib.kernel_library().operator(name)
         native = _eager.native_plan(op, dtype)
         assert native is not None, name
         params = tuple(0.25 + 0.125 * i for i in range(len(op.params)))

@@ -51,9 +51,11 @@ def _cuda_stream_support() -> bool:
 
 
 def _key(cuda: bool) -> str:
-    """What the built module depends on: the source, this torch build and this Python."""
+    """What the built module depends on: the source (its bytes, and its path: torch's build
+    files name it, so two checkouts or installs sharing one directory would rebuild in turn),
+    this torch build and this Python."""
     h = hashlib.sha256(SOURCE.read_bytes())
-    for part in (torch.__version__, getattr(torch.version, "git_version", ""), str(Path(torch.__file__).parent),
+    for part in (str(SOURCE), torch.__version__, getattr(torch.version, "git_version", ""), str(Path(torch.__file__).parent),
                  sys.version, str(cuda), str(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", ""))):
         h.update(b"\0" + str(part).encode())
     return h.hexdigest()[:20]
