@@ -425,7 +425,9 @@ def _ms_norm(
     if weight is None and bias is None:
         y = apply(op_name, rows_view, (eps,), out_dtype)
     else:
-        flat = lambda t: None if t is None else t.reshape(cols)  # noqa: E731
+        # One trailing dimension: gamma and beta as they are (a reshape would add a view node to
+        # every backward).
+        flat = lambda t: t if t is None or k == 1 else t.reshape(cols)  # noqa: E731
         y = _affine_norm.affine_ms_norm(op_name, rows_view, eps, flat(weight), flat(bias), offset, out_dtype, save_dtype)
     return y if k == 1 else y.view(input.shape)
 
