@@ -258,20 +258,30 @@ torch::Tensor runBackward(const Plan &plan, const std::vector<Residual> &residua
   throw python_error();
 }
 
-std::vector<Residual> residualsOf(AutogradContext *ctx) {
+// What a PlanFunction node keeps besides its saved tensors, in one capsule (one entry of the
+// context's map instead of one per field: this is every call's path).
+struct NodeState : torch::CustomClassHolder {
+  const Plan *plan = nullptr;  // plans live as long as the process (makePlan)
+  std::vector<char> is_tensor;
+  std::vector<double> scalars;
+  std::vector<int64_t> shape;
+  c10::Device device = c10::Device(c10::DeviceType::CPU);
+};
+
+const NodeState &stateOf(AutogradContext *ctx) {
+  return *static_cast<const NodeState *>(ctx->saved_data.at("abp").toCapsule().get());
+}
+
+std::vector<Residual> residualsOf(AutogradContext *ctx, const NodeState &state) {
   variable_list tensors = ctx->get_saved_variables();
-  std::vector<double> scalars = ctx->saved_data["scalars"].toDoubleVector();
-  std::vector<int64_t> flags = ctx->saved_data["is_tensor"].toIntVector();
-  std::vector<Residual> residuals;
+  std::vector<Residual> residuals(state.is_tensor.size());
   size_t t = 0, s = 0;
-  for (int64_t is_tensor : flags) {
-    Residual r;
-    r.is_tensor = is_tensor != 0;
-    if (is_tensor)
-      r.tensor = tensors[t++];
+  for (size_t i = 0; i < residuals.size(); ++i) {
+    residuals[i].is_tensor = state.is_tensor[i] != 0;
+    if (residuals[i].is_tensor)
+      residuals[i].tensor = tensors[t++];
     else
-      r.scalar = scalars[s++];
-    residuals.push_back(std::move(r));
+      residuals[i].scalar = state.scalars[s++];
   }
   return residuals;
 }
@@ -285,34 +295,30 @@ struct PlanFunction : public torch::autograd::Function<PlanFunction> {
     deviceAndStream(input, &device, &stream);  // run() took only devices it serves
     // C++14: torch 1.13's extensions build with -std=c++14 (no structured bindings).
     auto done = runForward(*plan, input.contiguous(), params, device, stream);
-    std::vector<torch::Tensor> &outputs = done.first;
-    std::vector<Residual> &residuals = done.second;
+    auto state = c10::make_intrusive<NodeState>();
+    state->plan = plan.get();
     std::vector<torch::Tensor> tensors;
-    std::vector<int64_t> is_tensor;
-    std::vector<double> scalars;
-    for (const auto &r : residuals) {
-      is_tensor.push_back(r.is_tensor);
+    for (const auto &r : done.second) {
+      state->is_tensor.push_back(r.is_tensor);
       if (r.is_tensor)
         tensors.push_back(r.tensor);
       else
-        scalars.push_back(r.scalar);
+        state->scalars.push_back(r.scalar);
     }
+    state->shape = input.sizes().vec();
+    state->device = input.device();
     ctx->save_for_backward(tensors);
-    // The plan outlives the node: plans are cached for the process (abp._eager.plan).
-    ctx->saved_data["plan"] = reinterpret_cast<int64_t>(plan.get());
-    ctx->saved_data["scalars"] = scalars;
-    ctx->saved_data["is_tensor"] = is_tensor;
-    ctx->saved_data["shape"] = input.sizes().vec();
-    ctx->saved_data["device"] = input.device();
+    ctx->saved_data["abp"] = c10::IValue::make_capsule(std::move(state));
     ctx->set_materialize_grads(false);
-    return outputs;
+    return done.first;
   }
 
   static variable_list backward(AutogradContext *ctx, variable_list grads) {
-    const Plan &plan = *reinterpret_cast<const Plan *>(ctx->saved_data["plan"].toInt());
-    std::vector<Residual> residuals = residualsOf(ctx);
-    std::vector<int64_t> shape = ctx->saved_data["shape"].toIntVector();
-    c10::Device device = ctx->saved_data["device"].toDevice();
+    const NodeState &state = stateOf(ctx);
+    const Plan &plan = *state.plan;
+    std::vector<Residual> residuals = residualsOf(ctx, state);
+    const std::vector<int64_t> &shape = state.shape;
+    const c10::Device device = state.device;
     // Under backward(create_graph=True) the general path makes a second backward fail loudly
     // (once_differentiable); so do several output gradients and anything runBackward refuses.
     torch::Tensor dx;
@@ -410,6 +416,14 @@ std::shared_ptr<Plan> makePlan(std::string op, uint64_t launch_entry, uint64_t f
 // y = n * (weight + offset) + bias, saving y, the per-row statistic, weight and bias; backward
 // recovers n = (y - bias) / gamma and hands dn = dy * gamma to the plan's backward kernel.
 // `roles` says which of the plan's residuals is n (0) and which the statistic (1).
+// What an AffineNormFunction node keeps besides its saved tensors.
+struct AffineState : torch::CustomClassHolder {
+  const Plan *plan = nullptr;
+  double offset = 0.0;
+  at::ScalarType dtype = at::ScalarType::Float;
+  bool has_weight = false, has_bias = false;
+};
+
 struct AffineNormFunction : public torch::autograd::Function<AffineNormFunction> {
   // `inputs`: x, then weight and bias where given (an autograd Function takes no undefined tensor).
   static variable_list forward(AutogradContext *ctx, at::TensorList inputs, bool has_weight, bool has_bias,
@@ -442,19 +456,22 @@ struct AffineNormFunction : public torch::autograd::Function<AffineNormFunction>
     if (has_bias)
       to_save.push_back(bias);
     ctx->save_for_backward(to_save);
-    ctx->saved_data["has_weight"] = has_weight;
-    ctx->saved_data["has_bias"] = has_bias;
-    ctx->saved_data["plan"] = reinterpret_cast<int64_t>(plan.get());
-    ctx->saved_data["offset"] = offset;
-    ctx->saved_data["dtype"] = x.scalar_type();
+    auto state = c10::make_intrusive<AffineState>();
+    state->plan = plan.get();
+    state->offset = offset;
+    state->dtype = x.scalar_type();
+    state->has_weight = has_weight;
+    state->has_bias = has_bias;
+    ctx->saved_data["abp"] = c10::IValue::make_capsule(std::move(state));
     return {y};
   }
 
   static variable_list backward(AutogradContext *ctx, variable_list grads) {
-    const Plan &plan = *reinterpret_cast<const Plan *>(ctx->saved_data["plan"].toInt());
-    const double offset = ctx->saved_data["offset"].toDouble();
-    const at::ScalarType dtype = ctx->saved_data["dtype"].toScalarType();
-    const bool has_weight = ctx->saved_data["has_weight"].toBool(), has_bias = ctx->saved_data["has_bias"].toBool();
+    const auto &state = *static_cast<const AffineState *>(ctx->saved_data.at("abp").toCapsule().get());
+    const Plan &plan = *state.plan;
+    const double offset = state.offset;
+    const at::ScalarType dtype = state.dtype;
+    const bool has_weight = state.has_weight, has_bias = state.has_bias;
     variable_list saved = ctx->get_saved_variables();
     const torch::Tensor &y = saved[0], &r = saved[1];
     const torch::Tensor weight = has_weight ? saved[2] : torch::Tensor();
