@@ -66,6 +66,9 @@ def test_every_served_operator_gives_the_general_paths_bytes(dtype):
             for i, r in enumerate(op.residuals):
                 if r.kind == "shared":
                     residuals[i] = fast[0][r.output]
+            if op.outputs != 1:  # several gradients (an operator another test authored): the plan declines
+                assert plan.backward(residuals, (g,) * op.outputs, x.shape, x.device) is None, name
+                continue
             dx = plan.backward(residuals, (g,), x.shape, x.device)
             assert dx is not None, (name, shape)
             want = _launch.backward(op, residuals, (g,), x.shape, dtype, x.device)

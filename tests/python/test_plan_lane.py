@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -220,8 +221,23 @@ def test_turned_off_the_python_lane_trains_to_the_same_bytes(tmp_path):
 
 def test_the_build_directory_must_be_this_users_alone(tmp_path):
     good = tmp_path / "cache" / "plan-lane" / "k"
-    _plan_lane._private_directory(good)
-    assert (good.stat().st_mode & 0o777) == 0o700
+    old_mask = os.umask(0o002)  # a group-writable default (Debian and Ubuntu users' umask)
+    try:
+        _plan_lane._private_directory(good)
+    finally:
+        os.umask(old_mask)
+    for made in (good, good.parent, good.parent.parent):
+        assert (made.stat().st_mode & 0o777) == 0o700, made
+    # A directory above that others can write (and is not sticky) could have the lane's moved.
+    open_above = tmp_path / "open"
+    open_above.mkdir()
+    open_above.chmod(0o777)
+    with pytest.raises(PermissionError, match="writable by everyone .* and not sticky"):
+        _plan_lane._private_directory(open_above / "cache" / "plan-lane" / "k")
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    _plan_lane._private_directory(sticky / "cache" / "plan-lane" / "k")
     shared = tmp_path / "shared" / "k"
     shared.parent.mkdir()
     shared.parent.chmod(0o777)
@@ -288,3 +304,56 @@ def test_the_affine_norm_gives_the_python_lanes_bytes(op_name, dtype):
         assert len(sa) == len(sb) and all(_same_bytes(a, b) for a, b in zip(sa, sb)), case
         for a, b in zip(ga, gb):
             assert (a is None) == (b is None) and (a is None or _same_bytes(a, b)), case
+
+
+def test_integer_parameters_are_exact_and_several_outputs_are_a_tuple():
+    # A 63-bit seed reaches the kernel as the Python lane passes it (a double would round it),
+    # and an operator with two outputs returns a tuple in both lanes.
+    import numpy as np
+
+    import gact_reference as ref
+    from abp.author import operator, uniform, where
+    from abp_reference import compiler_or_skip
+    compiler_or_skip()
+    _lane()
+
+    @operator(name="test_plan_lane_dropout2", params={"seed": int, "offset": int})
+    def dropout2(x, seed, offset):
+        keep = uniform(seed, offset) < 0.5
+        def backward(dy, dz):
+            return where(keep, dy + dz, 0.0)
+        return (where(keep, x, 0.0), where(keep, 0.0, x)), backward
+
+    seed, offset = (1 << 60) + 1, 3
+    x = torch.randn(5, 40)
+    lanes = []
+    for run in (lambda t: dropout2(t, seed, offset),
+                lambda t: autograd.OperatorFunction.apply(dropout2.name, (seed, offset), None, t)):
+        leaf = x.clone().requires_grad_()
+        y, z = out = run(leaf)
+        torch.autograd.backward([y, z], [torch.ones_like(y), torch.ones_like(z)])
+        lanes.append((out, leaf.grad))
+    (out_a, grad_a), (out_b, grad_b) = lanes
+    assert type(out_a) is tuple and type(out_b) is tuple
+    assert "OperatorFunction" not in type(out_a[0].grad_fn).__name__  # the C++ lane ran
+    assert all(_same_bytes(a, b) for a, b in zip(out_a, out_b)) and _same_bytes(grad_a, grad_b)
+    keep = torch.from_numpy(ref.uniform_at(seed, np.arange(x.numel(), dtype=np.uint64) + np.uint64(offset)) < 0.5)
+    assert torch.equal(out_a[0], torch.where(keep.reshape(x.shape), x, torch.zeros(())))
+
+
+def test_the_lane_declines_while_torch_jit_traces():
+    # A trace records Python autograd.Functions (as opaque ops) but not this lane's launches: its
+    # graph would hold the allocations and not the kernels, and return uninitialised memory.
+    lane = _lane()
+    native = _eager.native_plan(_lib.kernel_library().operator("silu_b3"), torch.float32)
+    x = torch.randn(4, 8)
+    seen = []
+
+    def f(t):
+        seen.append(lane.run(native, t, ()))
+        return t * 2
+    with warnings.catch_warnings():  # torch >= 2.9 calls jit.trace deprecated
+        warnings.simplefilter("ignore", FutureWarning)
+        torch.jit.trace(f, x, check_trace=False)  # (a check would run f again, untraced)
+    assert seen == [None]
+    assert lane.run(native, x, ()) is not None  # and takes the call again once the trace is done

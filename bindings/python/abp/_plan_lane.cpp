@@ -10,8 +10,10 @@
 // the call back to Python (run returns None; the backward calls the general path), which handles
 // it or raises the error that names it. tests/python/test_plan_lane.py holds both lanes to the
 // same bytes.
+#include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/extension.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -39,6 +41,49 @@ enum Source : int64_t { kInput = 0, kParam = 1, kResult = 2, kResidual = 3, kGra
 enum Check : int64_t { kDense = 0, kPacked = 1, kRows = 2, kF32 = 3, kI64 = 4 };
 
 using Pairs = std::vector<std::pair<int64_t, int64_t>>;
+
+// A parameter in both launch forms, as the Python lane converts it: `f` is float(value) (an f32
+// argument takes its bits, a scalar residual keeps it), `i` is int(value) modulo 2^64 (an i64
+// argument). A form marked not ok is one the Python lane would refuse or this lane cannot give
+// exactly; a call that needs it takes the Python lane.
+struct Param {
+  double f = 0.0;
+  uint64_t i = 0;
+  bool f_ok = false, i_ok = false;
+};
+
+Param paramOf(double value) {
+  Param p;
+  p.f = value;
+  p.f_ok = true;
+  // int(value): truncation, for finite values within int64 (beyond it Python's int is exact and
+  // this one is not).
+  if (std::isfinite(value) && std::fabs(value) < 9223372036854775808.0) {
+    p.i = static_cast<uint64_t>(static_cast<int64_t>(value));
+    p.i_ok = true;
+  }
+  return p;
+}
+
+// Python ints and floats only (a numpy or 0-d tensor number takes the Python lane, which converts it).
+bool paramOf(const py::handle &value, Param *out) {
+  PyObject *o = value.ptr();
+  if (PyFloat_CheckExact(o)) {
+    *out = paramOf(PyFloat_AS_DOUBLE(o));
+    return true;
+  }
+  if (!PyLong_CheckExact(o))
+    return false;
+  Param p;
+  p.i = PyLong_AsUnsignedLongLongMask(o);  // as the launcher takes an int: modulo 2^64
+  p.i_ok = !PyErr_Occurred();
+  PyErr_Clear();
+  p.f = PyLong_AsDouble(o);  // float(value): correctly rounded; OverflowError beyond the doubles
+  p.f_ok = !PyErr_Occurred();
+  PyErr_Clear();
+  *out = p;
+  return true;
+}
 
 // A residual as backward reads it: a tensor, or a scalar parameter.
 struct Residual {
@@ -99,20 +144,37 @@ bool deviceAndStream(const torch::Tensor &t, int *device, void **stream) {
 }
 
 // Launches and, on a failed status, raises the runtime's error (its AbpError) through Python.
-void launch(const Plan &plan, void *kernel, int device, int64_t n, void *stream, std::vector<uint64_t> &words) {
+// Re-raises a Python error from backward so that torch's engine hands it to the caller as it is
+// (its type included), as it does for a Python autograd.Function.
+[[noreturn]] void rethrow(py::error_already_set &e) {
+  e.restore();
+  throw python_error();
+}
+
+// Launches and, on a failed status, raises the runtime's error (its AbpError). Forward runs from
+// Python, holding the GIL: it is released around the launch (as around torch's ops) and the
+// error goes back through pybind11. Backward runs on the engine's thread without the GIL.
+void launch(const Plan &plan, void *kernel, int device, int64_t n, void *stream, std::vector<uint64_t> &words,
+            bool from_python) {
   std::vector<void *> pointers(words.size());
   for (size_t i = 0; i < words.size(); ++i)
     pointers[i] = &words[i];
   int status;
-  if (PyGILState_Check()) {  // forward, from Python: other threads run meanwhile, as around torch's ops
+  if (from_python) {
     py::gil_scoped_release release;
     status = plan.launch(kernel, device, pointers.data(), static_cast<int>(words.size()), n, stream);
-  } else {  // backward, on the engine's thread
+  } else {
     status = plan.launch(kernel, device, pointers.data(), static_cast<int>(words.size()), n, stream);
   }
   if (status != 0) {
     py::gil_scoped_acquire gil;
-    plan.check_status(status);  // raises (error_already_set)
+    try {
+      plan.check_status(status);  // raises
+    } catch (py::error_already_set &e) {
+      if (from_python)
+        throw;
+      rethrow(e);
+    }
     throw std::runtime_error(plan.op + ": abp_kernel_launch failed with status " + std::to_string(status));
   }
 }
@@ -145,7 +207,7 @@ int64_t rowsOf(c10::IntArrayRef shape) {
 
 // The forward kernel on a contiguous x: (outputs, residuals).
 std::pair<std::vector<torch::Tensor>, std::vector<Residual>> runForward(const Plan &plan, const torch::Tensor &x,
-                                                                      const std::vector<double> &params, int device,
+                                                                      const std::vector<Param> &params, int device,
                                                                       void *stream) {
   const int64_t n = x.numel();
   std::vector<uint64_t> words;
@@ -155,8 +217,8 @@ std::pair<std::vector<torch::Tensor>, std::vector<Residual>> runForward(const Pl
     if (source.first == kInput) {
       words.push_back(address(x));
     } else {
-      double value = params[source.second];
-      words.push_back(plan.forward_i64[i] ? static_cast<uint64_t>(static_cast<int64_t>(value)) : f32Bits(value));
+      const Param &value = params[source.second];  // run() checked the form this argument takes
+      words.push_back(plan.forward_i64[i] ? value.i : f32Bits(value.f));
     }
   }
   std::vector<torch::Tensor> results = allocate(plan, plan.forward_allocs, x);
@@ -172,7 +234,7 @@ std::pair<std::vector<torch::Tensor>, std::vector<Residual>> runForward(const Pl
     } else {
       words.push_back(static_cast<uint64_t>(n));
     }
-    launch(plan, plan.forward_kernel, device, n, stream, words);
+    launch(plan, plan.forward_kernel, device, n, stream, words, /*from_python=*/true);
   }
   std::vector<torch::Tensor> outputs;
   std::vector<Residual> residuals;
@@ -180,7 +242,7 @@ std::pair<std::vector<torch::Tensor>, std::vector<Residual>> runForward(const Pl
     const auto &source = plan.produces[i];
     Residual value;
     if (source.first == kParam) {
-      value.scalar = params[source.second];
+      value.scalar = params[source.second].f;
     } else {
       value.is_tensor = true;
       value.tensor = source.first == kResult ? results[source.second] : x;
@@ -212,6 +274,8 @@ torch::Tensor runBackward(const Plan &plan, const std::vector<Residual> &residua
   for (size_t i = 0; i < plan.backward_args.size(); ++i) {
     const auto &source = plan.backward_args[i];
     const int64_t layout = plan.backward_checks[i].first, bits = plan.backward_checks[i].second;
+    if (source.first == kGrad && source.second != 0)
+      return {};  // the gradient of another output: one gradient is all this path takes
     const Residual *residual = source.first == kGrad ? nullptr : &residuals[source.second];
     if (layout == kF32 || layout == kI64) {  // a saved scalar (a parameter)
       if (residual == nullptr || residual->is_tensor)
@@ -246,16 +310,9 @@ torch::Tensor runBackward(const Plan &plan, const std::vector<Residual> &residua
     } else {
       words.push_back(static_cast<uint64_t>(n));
     }
-    launch(plan, plan.backward_kernel, device, n, stream, words);
+    launch(plan, plan.backward_kernel, device, n, stream, words, /*from_python=*/false);
   }
   return results.at(0);
-}
-
-// Re-raises a Python error from backward so that torch's engine hands it to the caller as it is
-// (its type included), as it does for a Python autograd.Function.
-[[noreturn]] void rethrow(py::error_already_set &e) {
-  e.restore();
-  throw python_error();
 }
 
 // What a PlanFunction node keeps besides its saved tensors, in one capsule (one entry of the
@@ -286,10 +343,28 @@ std::vector<Residual> residualsOf(AutogradContext *ctx, const NodeState &state) 
   return residuals;
 }
 
+// The input's gradient by the general path (abp._plan_lane.general_backward, in Python), which
+// converts what it can and raises the error that names what it cannot.
+torch::Tensor generalBackward(const Plan &plan, const std::vector<Residual> &residuals, const variable_list &grads,
+                              c10::IntArrayRef shape, c10::Device device) {
+  py::gil_scoped_acquire gil;
+  try {
+    py::list saved, grad_list;
+    for (const auto &r : residuals)
+      saved.append(r.is_tensor ? py::cast(r.tensor) : py::cast(r.scalar));
+    for (const auto &g : grads)
+      grad_list.append(g.defined() ? py::cast(g) : py::none());
+    py::object out = plan.general_backward(saved, grad_list, py::cast(shape.vec()), device.str());
+    return out.is_none() ? torch::Tensor() : out.cast<torch::Tensor>();
+  } catch (py::error_already_set &e) {
+    rethrow(e);
+  }
+}
+
 struct PlanFunction : public torch::autograd::Function<PlanFunction> {
   // Runs with grad mode off (Function::apply), as a Python Function's forward does.
   static variable_list forward(AutogradContext *ctx, const torch::Tensor &input, const std::shared_ptr<Plan> &plan,
-                               const std::vector<double> &params) {
+                               const std::vector<Param> &params) {
     int device;
     void *stream;
     deviceAndStream(input, &device, &stream);  // run() took only devices it serves
@@ -324,20 +399,8 @@ struct PlanFunction : public torch::autograd::Function<PlanFunction> {
     torch::Tensor dx;
     if (grads.size() == 1 && !torch::GradMode::is_enabled())
       dx = runBackward(plan, residuals, grads[0], shape, device);
-    if (!dx.defined()) {
-      py::gil_scoped_acquire gil;
-      try {
-        py::list saved, grad_list;
-        for (const auto &r : residuals)
-          saved.append(r.is_tensor ? py::cast(r.tensor) : py::cast(r.scalar));
-        for (const auto &g : grads)
-          grad_list.append(g.defined() ? py::cast(g) : py::none());
-        py::object out = plan.general_backward(saved, grad_list, py::cast(shape), device.str());
-        dx = out.is_none() ? torch::Tensor() : out.cast<torch::Tensor>();
-      } catch (py::error_already_set &e) {
-        rethrow(e);
-      }
-    }
+    if (!dx.defined())
+      dx = generalBackward(plan, residuals, grads, shape, device);
     // One gradient per forward argument: the input's, none for the plan and the parameters.
     return {dx, torch::Tensor(), torch::Tensor()};
   }
@@ -365,6 +428,8 @@ std::shared_ptr<Plan> makePlan(std::string op, uint64_t launch_entry, uint64_t f
   plan->params = params;
   plan->rows = rows;
   for (const auto &a : forward_args) {
+    if (a.first != kInput && a.first != kParam)
+      throw std::invalid_argument("plan: a forward argument is the input or a parameter");
     if (a.first == kParam && (a.second < 0 || a.second >= 2 * params))
       throw std::invalid_argument("plan: forward parameter index out of range");
     plan->forward_i64.push_back(a.first == kParam && (a.second & 1));
@@ -391,7 +456,7 @@ std::shared_ptr<Plan> makePlan(std::string op, uint64_t launch_entry, uint64_t f
       throw std::invalid_argument("plan: produced value out of range");
   }
   for (const auto &a : plan->backward_args) {
-    const int64_t bound = a.first == kResidual ? produced - plan->outputs : a.first == kGrad ? 1 : 0;
+    const int64_t bound = a.first == kResidual ? produced - plan->outputs : a.first == kGrad ? plan->outputs : 0;
     if (a.second < 0 || a.second >= bound)
       throw std::invalid_argument("plan: backward argument out of range");
   }
@@ -436,7 +501,7 @@ struct AffineNormFunction : public torch::autograd::Function<AffineNormFunction>
     int device;
     void *stream;
     deviceAndStream(xc, &device, &stream);
-    auto done = runForward(*plan, xc, {eps}, device, stream);
+    auto done = runForward(*plan, xc, {paramOf(eps)}, device, stream);
     torch::Tensor n = done.first.at(0), r;
     for (size_t i = 0; i < done.second.size(); ++i)
       if (plan->norm_roles.at(i) == 1)
@@ -497,9 +562,10 @@ struct AffineNormFunction : public torch::autograd::Function<AffineNormFunction>
       residuals[i].is_tensor = true;
       residuals[i].tensor = plan.norm_roles[i] == 0 ? n : r;
     }
-    torch::Tensor dx = runBackward(plan, residuals, dn.contiguous(), n.sizes(), n.device());
-    if (!dx.defined())
-      throw std::runtime_error(plan.op + ": the affine norm's backward kernel refused its own arguments");
+    dn = dn.contiguous();
+    torch::Tensor dx = runBackward(plan, residuals, dn, n.sizes(), n.device());
+    if (!dx.defined())  // a statistic a saved-tensor hook changed: the general path names it
+      dx = generalBackward(plan, residuals, {dn}, n.sizes(), n.device());
     dx = dx.to(dtype);
     std::vector<int64_t> rows;
     for (int64_t d = 0; d + 1 < dy.dim(); ++d)
@@ -531,7 +597,7 @@ py::object affineNorm(const std::shared_ptr<Plan> &plan, const torch::Tensor &x,
   int device;
   void *stream;
   if (plan->norm_roles.empty() || plan->params != 1 || x.layout() != torch::kStrided || !x.has_storage() ||
-      x.dim() == 0 || !deviceAndStream(x, &device, &stream))
+      x.dim() == 0 || torch::jit::tracer::isTracing() || !deviceAndStream(x, &device, &stream))
     return py::none();
   const at::ScalarType compute = x.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
   if (compute != plan->dtype)
@@ -549,18 +615,35 @@ py::object affineNorm(const std::shared_ptr<Plan> &plan, const torch::Tensor &x,
 }
 
 // Plan.forward and OperatorFunction.forward in one: the outputs (one tensor, or a tuple), or None
-// where abp._eager.Plan.forward would return None (the caller then takes the general path).
-py::object run(const std::shared_ptr<Plan> &plan, const torch::Tensor &input, const std::vector<double> &params) {
+// where abp._eager.Plan.forward would return None or where the Python lane must decide (a
+// parameter this lane cannot convert exactly, torch.jit tracing, which records Python functions
+// but not this lane's launches). The caller then takes the Python lane.
+py::object run(const std::shared_ptr<Plan> &plan, const torch::Tensor &input, const py::tuple &params) {
   int device;
   void *stream;
   if (input.scalar_type() != plan->dtype || static_cast<int64_t>(params.size()) != plan->params ||
       input.layout() != torch::kStrided || !input.has_storage() || (plan->rows && input.dim() == 0) ||
-      !deviceAndStream(input, &device, &stream))
+      torch::jit::tracer::isTracing() || !deviceAndStream(input, &device, &stream))
     return py::none();
-  variable_list outputs = PlanFunction::apply(input, plan, params);
+  std::vector<Param> values(params.size());
+  for (size_t i = 0; i < values.size(); ++i)
+    if (!paramOf(params[i], &values[i]))
+      return py::none();
+  for (size_t i = 0; i < plan->forward_args.size(); ++i) {
+    const auto &a = plan->forward_args[i];
+    if (a.first == kParam && !(plan->forward_i64[i] ? values[a.second].i_ok : values[a.second].f_ok))
+      return py::none();
+  }
+  for (const auto &p : plan->produces)
+    if (p.first == kParam && !values[p.second].f_ok)
+      return py::none();
+  variable_list outputs = PlanFunction::apply(input, plan, values);
   if (outputs.size() == 1)
     return py::cast(outputs[0]);
-  return py::cast(outputs);
+  py::tuple out(outputs.size());  // several outputs: a tuple, as OperatorFunction returns them
+  for (size_t i = 0; i < outputs.size(); ++i)
+    out[i] = py::cast(outputs[i]);
+  return out;
 }
 
 }  // namespace

@@ -69,17 +69,36 @@ def build_directory(key: str) -> Path:
 
 
 def _private_directory(path: Path) -> None:
-    """Makes `path` (mode 0700) and checks that it and its parent belong to this user and that no
-    one else can write them: a module found there is loaded into this process."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    """Makes `path` (every missing component with mode 0700, as the runtime makes its cache
+    directories) and checks that no one else can change what is found there: a module built there
+    is loaded into this process. `path` and its parent must be this user's own, not links, and
+    writable by no one else; every directory above them (links resolved) must belong to this user
+    or root and not be writable by everyone unless sticky (as /tmp is: others cannot move what is
+    not theirs). A group-writable directory above is allowed: with a umask of 002 a user's own
+    directories are writable by their own group."""
+    path = Path(os.path.abspath(path))
+    missing = [p for p in [path, *path.parents] if not os.path.lexists(p)]
+    for p in reversed(missing):
+        try:
+            p.mkdir(mode=0o700)  # the umask can only take bits away from 0700
+        except FileExistsError:  # made meanwhile by another process (checked below)
+            pass
+    uid = os.getuid()
     for p in (path.parent, path):
         info = p.lstat()
         if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
             raise PermissionError(f"{p}: expected a directory, found a link or a file")
-        if info.st_uid != os.getuid():
-            raise PermissionError(f"{p}: owned by uid {info.st_uid}, not this user ({os.getuid()})")
+        if info.st_uid != uid:
+            raise PermissionError(f"{p}: owned by uid {info.st_uid}, not this user ({uid})")
         if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
             raise PermissionError(f"{p}: writable by others (mode {stat.S_IMODE(info.st_mode):o})")
+    ancestor = Path(os.path.realpath(path.parent.parent))
+    for p in [ancestor, *ancestor.parents]:
+        info = p.stat()
+        if info.st_uid not in (uid, 0):
+            raise PermissionError(f"{p}: owned by uid {info.st_uid}, neither this user ({uid}) nor root")
+        if info.st_mode & stat.S_IWOTH and not info.st_mode & stat.S_ISVTX:
+            raise PermissionError(f"{p}: writable by everyone (mode {stat.S_IMODE(info.st_mode):o}) and not sticky")
 
 
 def _build() -> Any:

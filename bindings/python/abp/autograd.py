@@ -1,6 +1,7 @@
 """The eager autograd path: one generic torch.autograd.Function that runs any manifest operator."""
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
@@ -116,19 +117,24 @@ def lane_plan(op_name: str, dtype: torch.dtype) -> Optional[Tuple[Any, Any]]:
     key = (op_name, dtype)
     lane = _lanes.get(key, _UNSET)
     if lane is _UNSET:
-        lane = _lanes[key] = _make_lane(op_name, dtype)
+        op = _lib.kernel_library().operators.get(op_name)
+        if op is None:
+            return None  # not cached: an operator of that name may be defined later
+        lane = _lanes[key] = _make_lane(op, dtype)
     return lane
 
 
-def _make_lane(op_name: str, dtype: torch.dtype) -> Optional[Tuple[Any, Any]]:
-    op = _lib.kernel_library().operators.get(op_name)
-    if op is None or dtype not in _launch.torch_dtypes(op.dtypes):
-        return None  # the general path names the operator or the dtype
-    native = _eager.native_plan(op, dtype)
-    if native is None:
-        return None
+def _make_lane(op: Any, dtype: torch.dtype) -> Optional[Tuple[Any, Any]]:
+    if dtype not in _launch.torch_dtypes(op.dtypes):
+        return None  # the general path names the dtype
     from . import _plan_lane
-    return (_plan_lane.module(), native)
+    try:
+        native = _eager.native_plan(op, dtype)
+    except Exception as e:  # a plan the C++ lane refuses: the Python lane runs it, as without the lane
+        warnings.warn(f"abp: operator {op.name} ({dtype}) takes the Python lane: the C++ lane refused its plan "
+                      f"({type(e).__name__}: {e})", RuntimeWarning, stacklevel=3)
+        return None
+    return None if native is None else (_plan_lane.module(), native)
 
 
 # (operator name, dtype) -> (the lane's module, its plan), or None. Operators are never replaced in

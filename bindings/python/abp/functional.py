@@ -139,7 +139,8 @@ def apply(
     dtype, one value per row in the compute dtype (fp32, fp64 for fp64), row indices in int32.
     One output is returned as a tensor, several as a tuple.
 
-    Eagerly this runs the autograd.Function abp.autograd.OperatorFunction; while torch.compile traces
+    Eagerly this runs the C++ lane (abp/_plan_lane.cpp) for a one-input operator it serves, else the
+    autograd.Function abp.autograd.OperatorFunction (the same bytes); while torch.compile traces
     (torch >= 2.4) it calls the ``torch.ops.abp.<op>_fwd`` custom op instead, which the compiled graph
     keeps (operators whose outputs are not shaped like their inputs run eagerly). Both launch the
     same kernels and save the same residuals. A row-wise operator (a norm) works on rows along the
