@@ -6,7 +6,7 @@ compiled launch (bench/host_overhead.py). The C++ lane runs the same Plan (abp._
 torch::autograd::Function, so neither direction enters Python. torch's C++ ABI changes between
 releases, so it cannot ship prebuilt in a wheel that serves every torch: it is compiled here, once
 per torch build, with torch.utils.cpp_extension (a C++17 compiler and ninja, which `pip install`
-of abp needs anyway; on torch 1.13 from Debian, libtorch-dev for the headers), into a directory
+of abp needs anyway; on torch 1.13 from Debian, libtorch-dev and pybind11-dev), into a directory
 only this user can write (its owner and mode are checked before anything in it is loaded).
 
 Where it cannot be built or is turned off (ABP_PLAN_LANE=0), every call takes the Python lane,
@@ -15,7 +15,10 @@ why.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
+import logging
 import os
 import stat
 import sys
@@ -41,11 +44,26 @@ def _flag(name: str, default: bool) -> bool:
     return default if not value else value in ("1", "true", "yes", "on")
 
 
+def _cpp_extension() -> Any:
+    """torch.utils.cpp_extension, imported without its note that a CUDA toolkit but no CUDA
+    runtime was found (every CPU machine with the toolkit; a log record on torch 2, a print on
+    1.13): it concerns CUDA extensions, not this one."""
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            from torch.utils import cpp_extension
+    finally:
+        logger.setLevel(level)
+    return cpp_extension
+
+
 def _cuda_stream_support() -> bool:
     """Whether to build the CUDA tensors' lane: a CUDA torch and the CUDA headers its c10 needs."""
     if getattr(torch.version, "cuda", None) is None:
         return False
-    from torch.utils import cpp_extension
+    cpp_extension = _cpp_extension()
     home = cpp_extension.CUDA_HOME
     return bool(home) and Path(home, "include", "cuda_runtime_api.h").is_file()
 
@@ -102,7 +120,7 @@ def _private_directory(path: Path) -> None:
 
 
 def _build() -> Any:
-    from torch.utils import cpp_extension
+    cpp_extension = _cpp_extension()
     cuda = _cuda_stream_support()
     key = _key(cuda)
     directory = build_directory(key)
