@@ -357,3 +357,90 @@ def test_the_lane_declines_while_torch_jit_traces():
         torch.jit.trace(f, x, check_trace=False)  # (a check would run f again, untraced)
     assert seen == [None]
     assert lane.run(native, x, ()) is not None  # and takes the call again once the trace is done
+
+
+def _neg_view(values):
+    """A negative-bit view: memory holds -values, the tensor reads values (torch's lazy negation)."""
+    t = torch.complex(torch.zeros(len(values)), -torch.tensor(values, dtype=torch.float32)).conj().imag
+    assert t.is_neg() and torch.equal(t, torch.tensor(values, dtype=torch.float32))
+    return t
+
+
+@pytest.mark.parametrize("lane", ["1", "0"])
+def test_negative_bit_views_are_read_as_their_values(lane, monkeypatch):
+    # A kernel reads memory: a negative-bit input or gradient must be resolved first (it read the
+    # un-negated values: relu(-2) gave 2).
+    _lane()
+    x = _neg_view([-2.0, 0.5, -0.25, 3.0])
+    g = _neg_view([1.0, -1.0, 2.0, -2.0])
+    if lane == "0":
+        run = lambda t: autograd.OperatorFunction.apply("leaky_relu", (0.1,), None, t)  # noqa: E731
+    else:
+        run = lambda t: abp.functional.leaky_relu(t, 0.1)  # noqa: E731
+    leaf = x.clone().requires_grad_()
+    y = run(x)
+    assert torch.equal(y, torch.nn.functional.leaky_relu(x.clone(), 0.1))
+    run(leaf).backward(g)
+    assert torch.equal(leaf.grad, torch.where(leaf > 0, g.clone(), 0.1 * g.clone()))
+    ln = abp.nn.MSLayerNorm(4, elementwise_affine=True)
+    torch.testing.assert_close(ln(x.reshape(1, 4)), torch.nn.functional.layer_norm(x.clone().reshape(1, 4), (4,)))
+
+
+def test_every_gradient_of_an_abp_backward_refuses_a_second_differentiation():
+    # backward(create_graph=True) through abp: the gradients it gives are marked, so a gradient
+    # penalty built on them raises instead of being silently constant (torch's
+    # once_differentiable marks them only when an incoming gradient requires grad).
+    _lane()
+    x = torch.randn(3, 8, requires_grad=True)
+    w = torch.randn(8, requires_grad=True)
+    cases = {
+        "activation, C++ lane": lambda t: abp.nn.SiLU()(t),
+        "activation, Python lane": lambda t: autograd.OperatorFunction.apply("silu_b3", (), None, t),
+        "affine norm, C++ lane": lambda t: abp.functional.ms_layer_norm(t, (8,), weight=w),
+        "affine norm, Python lane": lambda t: _affine_python("ms_layernorm", t, 1e-5, w, None, 0.0, None, None),
+    }
+    for name, f in cases.items():
+        (gx,) = torch.autograd.grad(f(x).sum(), x, create_graph=True)  # a constant upstream gradient
+        assert gx.requires_grad, name
+        with pytest.raises(RuntimeError, match="differentiate twice"):
+            gx.pow(2).sum().backward()
+        # Without create_graph nothing changes: plain gradients.
+        (plain,) = torch.autograd.grad(f(x).sum(), x)
+        assert not plain.requires_grad and torch.equal(plain, gx.detach()), name
+
+
+def test_torch_jit_trace_of_an_abp_module_says_what_to_use_instead():
+    _lane()
+    for module in (abp.nn.GELU(), abp.nn.MSLayerNorm(8), abp.nn.MSLayerNorm(8, elementwise_affine=True)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with pytest.raises(RuntimeError, match="torch.jit.trace cannot record abp operators.*torch.compile"):
+                torch.jit.trace(module, torch.randn(4, 8))
+
+
+_STALE_LOCK = """
+import time, torch
+from abp import _plan_lane
+t0 = time.time()
+_plan_lane._build()
+print("built in", round(time.time() - t0, 1))
+"""
+
+
+def test_a_lock_file_left_by_a_killed_build_does_not_hang_the_next(tmp_path):
+    # torch 1.13 waits while its lock file exists; a build killed midway leaves one behind.
+    _lane()
+    directory = _plan_lane.build_directory(_plan_lane._key(_plan_lane._cuda_stream_support()))
+    (directory / "lock").write_text("")
+    # Without the fix torch 1.13 waits forever (the timeout fails the test); torch 2 locks with the
+    # system's file locks, and keeps the file.
+    done = subprocess.run([sys.executable, "-c", _STALE_LOCK], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+
+
+def test_an_unrecognised_abp_plan_lane_value_warns_and_keeps_the_default(monkeypatch):
+    monkeypatch.setenv("ABP_PLAN_LANE", "enable")
+    with pytest.warns(RuntimeWarning, match="ABP_PLAN_LANE='enable' is not one of"):
+        assert _plan_lane._flag("ABP_PLAN_LANE", True) is True
+    monkeypatch.setenv("ABP_PLAN_LANE", "off")
+    assert _plan_lane._flag("ABP_PLAN_LANE", True) is False

@@ -60,6 +60,7 @@ class _AffineMSNorm(torch.autograd.Function):
         ctx: Any, op_name: str, eps: float, offset: float, out_dtype: Optional[torch.dtype],
         save_dtype: Optional[torch.dtype], x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
     ) -> Tensor:
+        autograd.refuse_jit_trace(op_name)
         # Half-precision rows run the kernels in fp32 so that y is rounded once, as torch's norms do.
         compute = _launch.compute_dtype(x.dtype)
         n, r = _forward_kernels(op_name, x.to(compute), eps)
@@ -81,27 +82,53 @@ class _AffineMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
-        op_name, offset, dtype = ctx.abp
-        y, r, weight, bias = ctx.saved_tensors
-        compute = _launch.compute_dtype(dtype)
-        centred = y.to(compute)
-        if bias is not None:
-            centred = centred - bias.to(compute)
-        dy_c = dy.to(compute)
-        if weight is not None:
-            gamma = weight.to(compute) + offset if offset else weight.to(compute)
-            # A zero gamma makes n unrecoverable there (module docstring); other features stay exact.
-            n = centred / torch.where(gamma == 0, torch.ones_like(gamma), gamma)
-            dn = dy_c * gamma
-        else:
-            n, dn = centred, dy_c
-        dx = _backward_kernels(op_name, n, r, dn).to(dtype)
-        rows = tuple(range(dy.dim() - 1))
-        # Summed over the rows; one row (a 1-d input) is its own sum (sum over no dimension sums all).
-        over_rows = (lambda t: t.sum(rows)) if rows else (lambda t: t)  # noqa: E731
-        dweight = over_rows(dy_c * n).to(weight.dtype) if weight is not None and ctx.needs_input_grad[6] else None
-        dbias = over_rows(dy_c).to(bias.dtype) if bias is not None and ctx.needs_input_grad[7] else None
-        return None, None, None, None, None, dx, dweight, dbias
+        # Under backward(create_graph=True) the gradients are marked not differentiable (the
+        # norm kernels' backward is not), as every abp operator's are (abp.autograd.once_only).
+        return (_backward_once if torch.is_grad_enabled() else _backward)(ctx, dy)
+
+
+def _backward(ctx: Any, dy: Tensor) -> Tuple[Optional[Tensor], ...]:
+    op_name, offset, dtype = ctx.abp
+    y, r, weight, bias = ctx.saved_tensors
+    compute = _launch.compute_dtype(dtype)
+    centred = y.to(compute)
+    if bias is not None:
+        centred = centred - bias.to(compute)
+    dy_c = dy.to(compute)
+    if weight is not None:
+        gamma = weight.to(compute) + offset if offset else weight.to(compute)
+        # A zero gamma makes n unrecoverable there (module docstring); other features stay exact.
+        n = centred / torch.where(gamma == 0, torch.ones_like(gamma), gamma)
+        dn = dy_c * gamma
+    else:
+        n, dn = centred, dy_c
+    dx = _backward_kernels(op_name, n, r, dn).to(dtype)
+    rows = tuple(range(dy.dim() - 1))
+    # Summed over the rows; one row (a 1-d input) is its own sum (sum over no dimension sums all).
+    over_rows = (lambda t: t.sum(rows)) if rows else (lambda t: t)  # noqa: E731
+    dweight = over_rows(dy_c * n).to(weight.dtype) if weight is not None and ctx.needs_input_grad[6] else None
+    dbias = over_rows(dy_c).to(bias.dtype) if bias is not None and ctx.needs_input_grad[7] else None
+    return None, None, None, None, None, dx, dweight, dbias
+
+
+_backward_once = autograd.once_only(_backward)
+
+
+def backward_under_create_graph(op_name: str, offset: float, like: Tensor, y: Tensor, r: Tensor,
+                                weight: Optional[Tensor], bias: Optional[Tensor], dy: Tensor,
+                                needs_weight: bool, needs_bias: bool) -> Tuple[Optional[Tensor], ...]:
+    """The C++ lane's affine norm under backward(create_graph=True) (abp/_plan_lane.cpp): this
+    module's backward, marked: (dx, dweight, dbias). `like` has the input's dtype."""
+    ctx = _SavedContext((y, r, weight, bias), (op_name, offset, like.dtype), (False,) * 6 + (needs_weight, needs_bias))
+    out = _backward_once(ctx, dy)
+    return out[5], out[6], out[7]
+
+
+class _SavedContext:
+    """What _backward reads from an _AffineMSNorm's ctx."""
+
+    def __init__(self, saved: Tuple[Any, ...], abp: Tuple[Any, ...], needs: Tuple[bool, ...]) -> None:
+        self.saved_tensors, self.abp, self.needs_input_grad = saved, abp, needs
 
 
 def affine_ms_norm(

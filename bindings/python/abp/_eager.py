@@ -126,8 +126,8 @@ class Plan:
         tensor), or None for the general path."""
         if x.dtype != self.dtype or len(params) != self.params or (self.rows_kernel and x.dim() == 0):
             return None
-        if not x.is_contiguous():
-            x = x.contiguous()
+        if not x.is_contiguous() or x.is_neg():  # a negative-bit view: see _launch.forward
+            x = x.resolve_neg().contiguous()
         shape = x.shape
         n = x.numel()
         device = x.device
@@ -164,8 +164,8 @@ class Plan:
         if (not self.backward_kernel or len(grads) != 1 or g is None or g.layout != torch.strided
                 or g.dtype != self.dtype or g.shape != shape or g.device != device):
             return None
-        if not g.is_contiguous():
-            g = g.contiguous()
+        if not g.is_contiguous() or g.is_neg():
+            g = g.resolve_neg().contiguous()
         n = g.numel()
         device_index, stream = device_and_stream(device)
         cols = shape[-1] if shape else 1

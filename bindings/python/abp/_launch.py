@@ -490,7 +490,9 @@ def forward(
     first = launch_input(op, inputs)
     if op.row_wise and first.dim() == 0:
         raise ValueError(f"{op.name}: input0 must have at least one dimension (its rows run along the last), got a 0-d tensor")
-    values: Dict[str, Any] = dict(zip(_INPUT_REFS, [x.contiguous() for x in inputs]))
+    # resolve_neg: a negative-bit view (torch._neg_view, a conjugate's imaginary part) holds the
+    # un-negated values in memory, which is what a kernel reads.
+    values: Dict[str, Any] = dict(zip(_INPUT_REFS, [x.resolve_neg().contiguous() for x in inputs]))
     values.update(zip(_PARAM_REFS, params))
     produced = _run(op, False, values, first.dtype, first.device, first.shape)
     return produced[: op.outputs], produced[op.outputs :]
@@ -532,6 +534,6 @@ def backward(
             raise ValueError(f"{name}: expected a tensor on {device} (the output's device), got {g.device}")
         if g.dtype != want_dtype:
             g = g.to(want_dtype)
-        values[_GRAD_REFS[i]] = g.contiguous()
+        values[_GRAD_REFS[i]] = g.resolve_neg().contiguous()
     produced = iter(_run(op, True, values, dtype, device, shape))
     return [None if i in op.no_grad else next(produced) for i in range(op.inputs)]

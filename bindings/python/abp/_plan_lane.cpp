@@ -261,7 +261,8 @@ torch::Tensor runBackward(const Plan &plan, const std::vector<Residual> &residua
   if (!plan.backward_kernel || !g.defined() || g.layout() != torch::kStrided || g.scalar_type() != plan.dtype ||
       g.sizes() != shape || g.device() != device_)
     return {};
-  torch::Tensor grad = g.contiguous();
+  // resolve_neg: a negative-bit view holds the un-negated values in memory, which a kernel reads.
+  torch::Tensor grad = g.resolve_neg().contiguous();
   int device;
   void *stream;
   if (!deviceAndStream(grad, &device, &stream))
@@ -280,8 +281,14 @@ torch::Tensor runBackward(const Plan &plan, const std::vector<Residual> &residua
     if (layout == kF32 || layout == kI64) {  // a saved scalar (a parameter)
       if (residual == nullptr || residual->is_tensor)
         return {};
-      words.push_back(layout == kF32 ? f32Bits(residual->scalar)
-                                     : static_cast<uint64_t>(static_cast<int64_t>(residual->scalar)));
+      if (layout == kI64) {
+        const Param p = paramOf(residual->scalar);
+        if (!p.i_ok)
+          return {};  // int() of it fails or is beyond int64 in Python: the general path decides
+        words.push_back(p.i);
+      } else {
+        words.push_back(f32Bits(residual->scalar));
+      }
       continue;
     }
     if (residual != nullptr && !residual->is_tensor)
@@ -369,7 +376,7 @@ struct PlanFunction : public torch::autograd::Function<PlanFunction> {
     void *stream;
     deviceAndStream(input, &device, &stream);  // run() took only devices it serves
     // C++14: torch 1.13's extensions build with -std=c++14 (no structured bindings).
-    auto done = runForward(*plan, input.contiguous(), params, device, stream);
+    auto done = runForward(*plan, input.resolve_neg().contiguous(), params, device, stream);
     auto state = c10::make_intrusive<NodeState>();
     state->plan = plan.get();
     std::vector<torch::Tensor> tensors;
@@ -489,6 +496,42 @@ struct AffineState : torch::CustomClassHolder {
   bool has_weight = false, has_bias = false;
 };
 
+// abp._affine_norm.backward_under_create_graph, set once when the module loads; never released
+// (a Python object must not be released after the interpreter finalizes).
+py::object *affineCreateGraph = nullptr;
+
+py::object tensorOrNone(const torch::Tensor &t) { return t.defined() ? py::cast(t) : py::none(); }
+
+// The affine norm's backward under backward(create_graph=True), by the Python lane, whose
+// gradients are marked not differentiable (abp.autograd.once_only): the kernels' backward is not.
+variable_list createGraphBackward(AutogradContext *ctx, const AffineState &state, const variable_list &grads) {
+  variable_list saved = ctx->get_saved_variables();
+  torch::Tensor weight = state.has_weight ? saved[2] : torch::Tensor();
+  torch::Tensor bias = state.has_bias ? saved[state.has_weight ? 3 : 2] : torch::Tensor();
+  variable_list out;
+  {
+    py::gil_scoped_acquire gil;
+    try {
+      if (affineCreateGraph == nullptr)
+        throw std::runtime_error("abp plan lane: the create_graph backward of the affine norms is not set");
+      py::tuple result = (*affineCreateGraph)(state.plan->op, state.offset,
+                                              torch::empty({0}, torch::dtype(state.dtype)), saved[0], saved[1],
+                                              tensorOrNone(weight), tensorOrNone(bias), grads[0],
+                                              state.has_weight && ctx->needs_input_grad(1),
+                                              state.has_bias && ctx->needs_input_grad(state.has_weight ? 2 : 1));
+      out.push_back(result[0].is_none() ? torch::Tensor() : result[0].cast<torch::Tensor>());
+      if (state.has_weight)
+        out.push_back(result[1].is_none() ? torch::Tensor() : result[1].cast<torch::Tensor>());
+      if (state.has_bias)
+        out.push_back(result[2].is_none() ? torch::Tensor() : result[2].cast<torch::Tensor>());
+    } catch (py::error_already_set &e) {
+      rethrow(e);
+    }
+  }
+  out.resize(out.size() + 7);
+  return out;
+}
+
 struct AffineNormFunction : public torch::autograd::Function<AffineNormFunction> {
   // `inputs`: x, then weight and bias where given (an autograd Function takes no undefined tensor).
   static variable_list forward(AutogradContext *ctx, at::TensorList inputs, bool has_weight, bool has_bias,
@@ -497,7 +540,7 @@ struct AffineNormFunction : public torch::autograd::Function<AffineNormFunction>
     const torch::Tensor &x = inputs[0];
     const torch::Tensor weight = has_weight ? inputs[1] : torch::Tensor();
     const torch::Tensor bias = has_bias ? inputs[has_weight ? 2 : 1] : torch::Tensor();
-    torch::Tensor xc = x.to(plan->dtype).contiguous();  // half-precision rows run in fp32: y rounds once
+    torch::Tensor xc = x.to(plan->dtype).resolve_neg().contiguous();  // half-precision rows run in fp32: y rounds once
     int device;
     void *stream;
     deviceAndStream(xc, &device, &stream);
@@ -533,6 +576,8 @@ struct AffineNormFunction : public torch::autograd::Function<AffineNormFunction>
 
   static variable_list backward(AutogradContext *ctx, variable_list grads) {
     const auto &state = *static_cast<const AffineState *>(ctx->saved_data.at("abp").toCapsule().get());
+    if (torch::GradMode::is_enabled())  // backward(create_graph=True): the Python lane's, marked
+      return createGraphBackward(ctx, state, grads);
     const Plan &plan = *state.plan;
     const double offset = state.offset;
     const at::ScalarType dtype = state.dtype;
@@ -653,6 +698,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Plan, std::shared_ptr<Plan>>(m, "Plan").def_readonly("op", &Plan::op);
   m.def("make_plan", &makePlan);
   m.def("run", &run, py::arg("plan"), py::arg("input"), py::arg("params"));
+  m.def("set_affine_create_graph", [](py::object fn) {
+    if (affineCreateGraph == nullptr)
+      affineCreateGraph = new py::object(std::move(fn));
+  });
   m.def("affine_norm", &affineNorm, py::arg("plan"), py::arg("input"), py::arg("weight"), py::arg("bias"),
         py::arg("eps"), py::arg("offset"), py::arg("out_like"), py::arg("save_like"));
 }

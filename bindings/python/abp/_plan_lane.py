@@ -16,6 +16,7 @@ why.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import io
 import logging
@@ -39,9 +40,17 @@ _state: dict = {}  # "module": the loaded extension or None; "why": the reason i
 
 
 def _flag(name: str, default: bool) -> bool:
-    """A Bool variable as runtime/EnvVars.def reads them (unset or empty: the default)."""
+    """A Bool variable as runtime/EnvVars.def spells them (1/0/true/false/yes/no/on/off; unset or
+    empty: the default; anything else: the default, with a warning)."""
     value = os.environ.get(name, "").strip().lower()
-    return default if not value else value in ("1", "true", "yes", "on")
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    if value:
+        warnings.warn(f"abp: {name}={os.environ[name]!r} is not one of 1/0/true/false/yes/no/on/off; "
+                      f"using the default ({int(default)})", RuntimeWarning, stacklevel=3)
+    return default
 
 
 def _cpp_extension() -> Any:
@@ -95,14 +104,25 @@ def _private_directory(path: Path) -> None:
     not theirs). A group-writable directory above is allowed: with a umask of 002 a user's own
     directories are writable by their own group."""
     path = Path(os.path.abspath(path))
+    uid = os.getuid()
+    # Above the two directories: checked first, so that nothing is made under a refused one.
+    above = path.parent.parent
+    while not os.path.lexists(above):
+        above = above.parent
+    ancestor = Path(os.path.realpath(above))
+    for p in [ancestor, *ancestor.parents]:
+        info = p.stat()
+        if info.st_uid not in (uid, 0):
+            raise PermissionError(f"{p}: owned by uid {info.st_uid}, neither this user ({uid}) nor root")
+        if info.st_mode & stat.S_IWOTH and not info.st_mode & stat.S_ISVTX:
+            raise PermissionError(f"{p}: writable by everyone (mode {stat.S_IMODE(info.st_mode):o}) and not sticky")
     missing = [p for p in [path, *path.parents] if not os.path.lexists(p)]
     for p in reversed(missing):
         try:
             p.mkdir(mode=0o700)  # the umask can only take bits away from 0700
         except FileExistsError:  # made meanwhile by another process (checked below)
             pass
-    uid = os.getuid()
-    for p in (path.parent, path):
+    for p in (path.parent, path):  # (what was made between them and the checked ones is 0700)
         info = p.lstat()
         if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
             raise PermissionError(f"{p}: expected a directory, found a link or a file")
@@ -110,13 +130,6 @@ def _private_directory(path: Path) -> None:
             raise PermissionError(f"{p}: owned by uid {info.st_uid}, not this user ({uid})")
         if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
             raise PermissionError(f"{p}: writable by others (mode {stat.S_IMODE(info.st_mode):o})")
-    ancestor = Path(os.path.realpath(path.parent.parent))
-    for p in [ancestor, *ancestor.parents]:
-        info = p.stat()
-        if info.st_uid not in (uid, 0):
-            raise PermissionError(f"{p}: owned by uid {info.st_uid}, neither this user ({uid}) nor root")
-        if info.st_mode & stat.S_IWOTH and not info.st_mode & stat.S_ISVTX:
-            raise PermissionError(f"{p}: writable by everyone (mode {stat.S_IMODE(info.st_mode):o}) and not sticky")
 
 
 def _build() -> Any:
@@ -132,9 +145,21 @@ def _build() -> Any:
         extra["extra_include_paths"] = [str(Path(cpp_extension.CUDA_HOME, "include"))]
         extra["extra_ldflags"] = ["-lc10_cuda"]
     verbose = _flag("ABP_LOG", False)
-    # torch's own lock file keeps two processes (DDP ranks) from building at once.
-    return cpp_extension.load(name=f"abp_plan_lane_{key}", sources=[str(SOURCE)], build_directory=str(directory),
-                              extra_cflags=flags, verbose=verbose, **extra)
+    name = f"abp_plan_lane_{key}"
+    # One build at a time (DDP ranks start together), under a lock the system releases however its
+    # holder ends. torch's own lock is a file that torch 1.13 makes and deletes: a build killed
+    # midway leaves it, and every later process would wait on it forever; no abp process builds
+    # here but this one now, so a lock file found is stale.
+    with open(directory / ".abp-build-lock", "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        stale = directory / "lock"
+        if stale.exists():
+            stale.unlink()
+        if not (directory / f"{name}.so").exists() and not verbose:
+            print(f"abp: building its C++ per-call lane for torch {torch.__version__} in {directory} "
+                  f"(about a minute, once)", file=sys.stderr, flush=True)
+        return cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(directory),
+                                  extra_cflags=flags, verbose=verbose, **extra)
 
 
 def module() -> Optional[Any]:
@@ -146,16 +171,19 @@ def module() -> Optional[Any]:
             return _state["module"]
         found, why = None, ""
         if not _flag("ABP_PLAN_LANE", True):
-            why = "turned off (ABP_PLAN_LANE=0)"
+            why = f"the C++ lane is turned off (ABP_PLAN_LANE={os.environ.get('ABP_PLAN_LANE', '')})"
         elif not SOURCE.is_file():
-            why = f"{SOURCE} is missing"
+            why = f"the C++ lane's source {SOURCE} is missing"
         else:
             try:
                 found = _build()
+                from . import _affine_norm
+                found.set_affine_create_graph(_affine_norm.backward_under_create_graph)
             except Exception as e:  # no compiler, no headers, a refused directory: Python lane
                 last = (str(e).strip().splitlines() or [""])[-1]
-                why = f"could not be built ({type(e).__name__}: {last})"
-                warnings.warn(f"abp: the C++ per-call lane {why}; abp ops take the Python lane (the same "
+                what = "refused its build directory" if isinstance(e, PermissionError) else "could not be built"
+                why = f"the C++ lane {what} ({type(e).__name__}: {last})"
+                warnings.warn(f"abp: {why}; abp ops take the Python lane (the same "
                               f"results, about twice the host time per call). Set ABP_PLAN_LANE=0 to "
                               f"skip the build.", RuntimeWarning, stacklevel=3)
         _state["why"] = why or "built"
@@ -166,7 +194,7 @@ def module() -> Optional[Any]:
 def status() -> str:
     """Which lane one-input operators take in this process, and why."""
     lane = module()
-    return "C++ lane" if lane is not None else f"Python lane: the C++ lane is {_state['why']}"
+    return "C++ lane" if lane is not None else f"Python lane: {_state['why']}"
 
 
 def general_backward(op_name: str, dtype: torch.dtype, input_shape: torch.Size, saved: Sequence[Any],

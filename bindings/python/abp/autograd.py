@@ -1,15 +1,15 @@
 """The eager autograd path: one generic torch.autograd.Function that runs any manifest operator."""
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import _eager, _launch, _lib
 
-__all__ = ["OperatorFunction", "apply_eager", "run_lane", "lane_plan"]
+__all__ = ["OperatorFunction", "apply_eager", "run_lane", "lane_plan", "once_only", "refuse_jit_trace"]
 
 
 class OperatorFunction(torch.autograd.Function):
@@ -29,6 +29,7 @@ class OperatorFunction(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, op_name: str, params: Tuple[float, ...], out_dtype: Optional[torch.dtype], *inputs: torch.Tensor
     ) -> Any:
+        refuse_jit_trace(op_name)
         op = _lib.kernel_library().operator(op_name)
         # One-input operators take the per-call lane (abp._eager) unless the outputs are cast.
         one = len(inputs) == 1 == op.inputs and out_dtype is None and isinstance(inputs[0], torch.Tensor)
@@ -61,11 +62,19 @@ class OperatorFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
         # Grad mode is on only under backward(create_graph=True): the kernels are not
-        # differentiable, so once_differentiable makes a second backward fail loudly. It is
-        # applied only then: its no_grad context costs more than the launch itself.
+        # differentiable, so once_only makes a second backward fail loudly. It is applied only
+        # then: its no_grad context costs more than the launch itself.
         if torch.is_grad_enabled():
             return _backward_once(ctx, *grads)
         return _backward(ctx, *grads)
+
+
+def refuse_jit_trace(op_name: str) -> None:
+    """Raises while torch.jit.trace records: a trace keeps torch's ops, not abp's launches (its
+    graph would replay without them, or fail on the sizes it turned into values)."""
+    if torch._C._get_tracing_state() is not None:
+        raise RuntimeError(f"{op_name}: torch.jit.trace cannot record abp operators (their kernels are launched "
+                           "outside torch's dispatcher); use torch.compile or torch.export, which keep them")
 
 
 def _backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:
@@ -85,7 +94,40 @@ def _backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Tuple[Optional[torch.
     return (None, None, None) + shaped
 
 
-_backward_once = once_differentiable(_backward)
+def once_only(backward: Any) -> Any:
+    """`backward` (ctx, *grads) -> gradients, for backward(create_graph=True): run without
+    recording, its gradients marked so that differentiating them raises. torch's
+    once_differentiable marks them only when an incoming gradient requires grad; otherwise it
+    returns plain tensors, and a gradient penalty built on them is silently a constant. abp's
+    kernels are not differentiable, so every gradient they give is marked."""
+    @functools.wraps(backward)
+    def wrapper(ctx: Any, *grads: Any) -> Any:
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        if not torch.is_grad_enabled():
+            return outputs
+        single = not isinstance(outputs, tuple)
+        outs = (outputs,) if single else outputs
+        if not any(isinstance(o, torch.Tensor) for o in outs):
+            return outputs
+        error = torch._C._functions.DelayedError(
+            b"trying to differentiate twice an abp operator: its backward kernels are not differentiable", len(outs))
+
+        def marked(value: Any) -> Any:
+            if not isinstance(value, torch.Tensor):
+                return None
+            value = value.detach()
+            value.requires_grad = value.is_floating_point()
+            return value
+        wrapped = error(*[marked(o) for o in outs])
+        wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
+        # DelayedError returns a tensor per input; a None given keeps its place as None.
+        result = tuple(w if isinstance(o, torch.Tensor) else o for w, o in zip(wrapped, outs))
+        return result[0] if single else result
+    return wrapper
+
+
+_backward_once = once_only(_backward)
 
 
 def apply_eager(

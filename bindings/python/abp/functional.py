@@ -389,7 +389,7 @@ def _ms_norm(
             and input.dim() >= 1 and input.shape[-1] == normalized_shape[0] and type(eps) is float
             and _F32_ROUNDS_TO_ZERO < eps < _F32_ROUNDS_TO_INF and type(weight_offset) in (float, int)
             and weight_offset == 0
-            and type(autocast_output) is bool
+            and type(autocast_output) is bool and (input.is_cpu or input.is_cuda)
             and (input.dtype != torch.float32 or _autocast_dtype(input.device) is None)
             and not _custom_ops.compiling()):
         out = autograd.run_lane(op_name, input, (eps,))
