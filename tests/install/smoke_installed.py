@@ -25,10 +25,14 @@ x = torch.linspace(-3, 3, 1001, requires_grad=True)
 y = abp.functional.apply("gelu_b3", x)
 exact = 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
 assert torch.allclose(y, exact, atol=1e-6), (y - exact).abs().max()
+# The compiled launcher (one stable-ABI module for every CPython 3) came with the wheel and is what
+# the general path launches through (the op above ran in the C++ lane, which does not need it).
+from abp import _lib  # noqa: E402
+assert _lib.launcher_path() == package / "lib" / "_abp_launch.abi3.so", _lib.launcher_path()
+assert _lib.launcher() is not _lib.launch_ctypes, "abp launches through ctypes, not its compiled launcher"
 maps = Path("/proc/self/maps").read_text()
 assert str(package / "lib" / "libabp.so") in maps
-# The compiled launcher (one stable-ABI module for every CPython 3) came with the wheel and runs.
-assert str(package / "lib" / "_abp_launch.abi3.so") in maps, "abp launches through ctypes, not its compiled launcher"
+assert str(package / "lib" / "_abp_launch.abi3.so") in maps, "the compiled launcher is not loaded"
 assert "abp_compiler" not in maps, "the IR compiler was loaded before anything compiled IR"
 # The C++ per-call lane is built from the package's own source against this torch and ran the op.
 from abp import _plan_lane  # noqa: E402
