@@ -197,12 +197,14 @@ def status() -> str:
     return "C++ lane" if lane is not None else f"Python lane: {_state['why']}"
 
 
-def general_backward(op_name: str, dtype: torch.dtype, input_shape: torch.Size, saved: Sequence[Any],
-                     grads: List[Optional[torch.Tensor]], shape: Sequence[int], device: str) -> Optional[torch.Tensor]:
+def general_backward(op_name: str, dtype: torch.dtype, saved: Sequence[Any], grads: List[Optional[torch.Tensor]],
+                     shape: Sequence[int], device: str) -> Optional[torch.Tensor]:
     """The general path's backward for a C++ lane node (what OperatorFunction.backward runs when
-    the plan refuses): `saved` in residual order, tensors and floats."""
+    the plan refuses): `saved` in residual order, tensors and floats. The lane serves one input
+    read densely, so the input's shape is the launch shape."""
     from . import autograd
-    ctx = _Context(op_name, dtype, input_shape, saved, torch.Size(shape), torch.device(device))
+    size = torch.Size(shape)
+    ctx = _Context(op_name, dtype, size, saved, size, torch.device(device))
     backward = autograd._backward_once if torch.is_grad_enabled() else autograd._backward
     return backward(ctx, *grads)[3]
 
@@ -237,7 +239,7 @@ def native_plan(plan: Any) -> Optional[Any]:
 
     launch_entry = _lib.kernel_launch_entry()
     op = plan.op.name
-    fallback = functools.partial(_general_backward_shape_free, op, plan.dtype)
+    fallback = functools.partial(general_backward, op, plan.dtype)
     return lane.make_plan(
         op, launch_entry, plan.forward_kernel, plan.backward_kernel or 0,
         torch.empty(0, dtype=plan.dtype), torch.empty(0, dtype=plan.compute), plan.params, bool(plan.rows_kernel),
@@ -254,12 +256,6 @@ def _norm_roles(op: Any) -> List[int]:
     if not op.row_wise or sorted(kinds) != ["rows", "shared"] or op.backward is None:
         return []
     return [0 if kind == "shared" else 1 for kind in kinds]
-
-
-def _general_backward_shape_free(op_name: str, dtype: torch.dtype, saved: Sequence[Any],
-                                 grads: List[Optional[torch.Tensor]], shape: Sequence[int], device: str) -> Any:
-    # The plan lane serves one input read densely: its shape is the launch shape.
-    return general_backward(op_name, dtype, torch.Size(shape), saved, grads, shape, device)
 
 
 _CHECKS = {"dense": 0, "packed": 1, "rows": 2, "f32": 3, "i64": 4}
