@@ -93,6 +93,14 @@ def test_lowmembp_keeps_the_function_and_removes_90_percent_of_norm_and_activati
     assert removed >= 0.9 * ceiling, f"{name}: removed {removed} of the {ceiling} bytes the norms and activations saved"
 
 
+def _assert_same_up_to_rounding(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """fp32 rounding of two orders of the same sums: elementwise within 1e-4 relative, or within
+    1e-4 of the tensor's largest magnitude (a small element of a gradient summed over a batch
+    differs by the rounding of its large terms, measured up to 1.4e-5 on T5's q.weight)."""
+    scale = float(want.abs().max())
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=max(1e-5, 1e-4 * scale), msg=lambda m: f"{what}: {m}")
+
+
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_norms_alone_give_the_exact_gradients(name: str) -> None:
     model, x = _model(name)
@@ -101,7 +109,7 @@ def test_norms_alone_give_the_exact_gradients(name: str) -> None:
     want, got = _grads(model, x), _grads(converted, x)
     assert want.keys() == got.keys()
     for key in want:
-        torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} {key}: {m}")
+        _assert_same_up_to_rounding(got[key], want[key], f"{name} {key}")
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
@@ -114,7 +122,7 @@ def test_activations_give_their_defined_derivative(name: str) -> None:
     full, _ = abp.convert(model, "lowmembp")
     want, got = _grads(acts_only, x), _grads(full, x)
     for key in want:
-        torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} {key}: {m}")
+        _assert_same_up_to_rounding(got[key], want[key], f"{name} {key}")
 
 
 @pytest.mark.parametrize("name", ["bert", "llama", "gpt2"])
