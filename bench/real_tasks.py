@@ -199,10 +199,12 @@ class TinyLlama(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # Settings: how a model trains (what happens to the saved activations and the backward pass).
 
-#: compress_saved and the controller, by name: exact, compress_saved at a width (op rules on, or
-#: off to show what they prevent), or the adaptive controller at an average width.
-SETTINGS = ("exact", "compress-8", "compress-4", "compress-2", "compress-2-no-rules",
-            "controller-4", "controller-3", "controller-2")
+#: compress_saved and the controller, by name: exact, compress_saved at a width, or the adaptive
+#: controller at an average width. A suffix turns a mechanism off to show what it prevents:
+#: "-no-rules" (compress_saved's op rules), "-no-recompute" (recomputing what cheap ops derive
+#: from stored tensors, fused attention's output and logsumexp included).
+SETTINGS = ("exact", "compress-8", "compress-4", "compress-2", "compress-4-no-recompute", "compress-2-no-recompute",
+            "controller-4", "controller-2", "controller-2-no-recompute")
 
 
 @dataclasses.dataclass
@@ -262,12 +264,13 @@ def _vcas(model: nn.Module, task: Task) -> Callable[[], Any]:
     return step
 
 
-def _controller(avg: float) -> Callable[[nn.Module, Task], Callable[[], Any]]:
+def _controller(avg: float, recompute: bool) -> Callable[[nn.Module, Task], Callable[[], Any]]:
     def context(model: nn.Module, task: Task) -> Callable[[], Any]:
-        # Below 4 bits the controller needs allow_low_bits; a 2-bit budget is only met with 1-bit
-        # codes (fused attention's query and key take 8).
-        controller = abp.CompressionController(model, avg_bits=avg, interval=100, allow_low_bits=avg < 4,
-                                               min_bits=1 if avg < 3 else 2)
+        # Without recompute a 2-bit budget is met only with 1-bit codes (fused attention's query
+        # and key take 8 bits); allow_low_bits is what CompressionController asks below 2 bits.
+        low = avg < 2 or (avg < 4 and not recompute)
+        controller = abp.CompressionController(model, avg_bits=avg, interval=100, allow_low_bits=low,
+                                               min_bits=1 if low else 2, recompute=recompute)
 
         def step() -> Any:
             return controller
@@ -281,8 +284,9 @@ def _controller(avg: float) -> Callable[[nn.Module, Task], Callable[[], Any]]:
     return context
 
 
-def _compress(bits: int, rules: bool) -> Callable[[nn.Module, Task], Callable[[], Any]]:
-    return lambda model, task: lambda: abp.compress_saved(bits=bits, op_rules=rules, allow_low_bits=True)
+def _compress(bits: int, rules: bool, recompute: bool) -> Callable[[nn.Module, Task], Callable[[], Any]]:
+    return lambda model, task: lambda: abp.compress_saved(bits=bits, op_rules=rules, allow_low_bits=True,
+                                                          recompute=recompute)
 
 
 #: abp's recipes beside SETTINGS, by name.
@@ -306,15 +310,21 @@ def recipe(setting: Union[str, Recipe]) -> Recipe:
         kind, _, rest = setting.partition("-")
         if setting == "exact":
             return Recipe("exact", "exact")
-        if kind == "controller":
-            avg = float(rest)
-            return Recipe(setting, f"CompressionController(avg_bits={avg:g})", context=_controller(avg))
+        number, _, flags = rest.partition("-")
+        off = {flag for flag in ("no-rules", "no-recompute") if f"-{flag}" in f"-{flags}"}
+        if flags and f"-{flags}" != "".join(f"-{flag}" for flag in ("no-rules", "no-recompute") if flag in off):
+            raise ValueError(flags)
+        options = "".join(f", {name}=False" for name, flag in (("op_rules", "no-rules"), ("recompute", "no-recompute"))
+                          if flag in off)
+        if kind == "controller" and "no-rules" not in off:
+            avg = float(number)
+            return Recipe(setting, f"CompressionController(avg_bits={avg:g}{options})",
+                          context=_controller(avg, "no-recompute" not in off))
         if kind == "compress":
-            bits, rules = int(rest.split("-")[0]), not setting.endswith("no-rules")
-            if rest not in (str(bits), f"{bits}-no-rules"):
-                raise ValueError(rest)
-            label = f"compress_saved(bits={bits}{'' if rules else ', op_rules=False'})"
-            return Recipe(setting, label + (" [allow_low_bits]" if bits < 4 else ""), context=_compress(bits, rules))
+            bits = int(number)
+            label = f"compress_saved(bits={bits}{options})"
+            return Recipe(setting, label + (" [allow_low_bits]" if bits < 4 else ""),
+                          context=_compress(bits, "no-rules" not in off, "no-recompute" not in off))
         if kind == "sampled":
             return Recipe(setting, f"WTA-CRS keep {float(rest):g} (convert sampled)", {"recipe": "sampled", "keep": float(rest)})
     except ValueError:

@@ -158,8 +158,10 @@ def test_bad_arguments_raise_naming_the_argument(args, error, pattern):
 
 
 #: Most tests here exercise the mechanism at GACT's own settings: budgets below 4 bits (refused
-#: by default) and the full ladder down to 1 bit (off by default: min_bits=2).
-GACT_LADDER: Dict[str, Any] = {"allow_low_bits": True, "min_bits": 1}
+#: by default), the full ladder down to 1 bit (off by default: min_bits=2), and every saved tensor
+#: stored (abp recomputes what cheap ops derive from stored tensors by default, and these small
+#: models are mostly such ops: test_recompute_* below).
+GACT_LADDER: Dict[str, Any] = {"allow_low_bits": True, "min_bits": 1, "recompute": False}
 
 @pytest.fixture
 def kernels() -> None:
@@ -286,7 +288,8 @@ def test_min_bits_keeps_the_allocation_off_narrower_codes(kernels):
         torch.manual_seed(0)
         model = Planted()
         x, y = batch(0)
-        controller = CompressionController(model, 2.0, allow_low_bits=True, min_bits=min_bits, interval=100)
+        controller = CompressionController(model, 2.0, allow_low_bits=True, min_bits=min_bits, interval=100,
+                                           recompute=False)
         train_step(controller, model, x, y)
         widths[min_bits] = controller.bits
         assert controller.average_bits() <= 2.0
@@ -338,7 +341,7 @@ def test_iteration_0_saves_at_the_target_width(kernels, avg_bits, width):
     # And the whole step stored what a fixed-width compress_saved stores.
     for bits in (1, 2, 4, 8):
         model.zero_grad()
-        with C.compress_saved(bits=bits, allow_low_bits=True, exact_relu=False) as fixed:
+        with C.compress_saved(bits=bits, allow_low_bits=True, exact_relu=False, recompute=False) as fixed:
             F.mse_loss(model(x), y).backward()
         assert (fixed.stats["bytes_stored"] == stats["bytes_stored"]) == (bits == width)
 
@@ -426,7 +429,8 @@ def test_probe_steps_leave_grad_rng_and_buffers_as_the_users_step_left_them(kern
                 inside = [p.grad.clone() for p in model.parameters()]
             assert controller.estimates == 1
         else:
-            with C.compress_saved(bits=2, allow_low_bits=True, min_numel=512, generator=g, exact_relu=False):
+            with C.compress_saved(bits=2, allow_low_bits=True, min_numel=512, generator=g, exact_relu=False,
+                                  recompute=False):
                 F.mse_loss(model(x), y).backward()
         grads = [p.grad.clone() for p in model.parameters()]
         return grads, inside, torch.get_rng_state(), {k: v.clone() for k, v in model.state_dict().items()}

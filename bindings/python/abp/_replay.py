@@ -232,20 +232,27 @@ def _subtract(call: Call, i: int, k: int, grad_inputs: Tuple[Optional[torch.Tens
 def _replay_inputs(call: Call, leaves: List[torch.Tensor]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
     """Fresh copies of the call's inputs (the model may modify its inputs in place)."""
     replacement: Dict[int, torch.Tensor] = {}
-    for t, req, leaf in zip(tensors((call.args, call.kwargs)), call.requires_grad, call.was_leaf):
-        copy = t.clone()
-        # Inputs that required grad are replayed requiring grad: some ops save different
-        # tensors depending on it, and the keys must match the user's step.
-        if req:
-            copy.requires_grad_(True)
-            leaves.append(copy)
-            # An input that was not a leaf must not look like a parameter to compress_saved,
-            # or it would be skipped and the keys after it would shift.
-            if not leaf:
-                copy = copy.clone()
-        replacement[id(t)] = copy
+    # Outside any torch function mode: compress_saved's recorder must not take these copies for
+    # the model's own work (the user's step made its inputs before the block).
+    with torch._C.DisableTorchFunction():
+        for t, req, leaf in zip(tensors((call.args, call.kwargs)), call.requires_grad, call.was_leaf):
+            replacement[id(t)] = _input_copy(t, req, leaf, leaves)
     args, kwargs = map_tensors((call.args, call.kwargs), lambda t: replacement[id(t)])
     return args, kwargs
+
+
+def _input_copy(t: torch.Tensor, req: bool, leaf: bool, leaves: List[torch.Tensor]) -> torch.Tensor:
+    copy = t.clone()
+    # Inputs that required grad are replayed requiring grad: some ops save different
+    # tensors depending on it, and the keys must match the user's step.
+    if req:
+        copy.requires_grad_(True)
+        leaves.append(copy)
+        # An input that was not a leaf must not look like a parameter to compress_saved,
+        # or it would be skipped and the keys after it would shift.
+        if not leaf:
+            copy = copy.clone()
+    return copy
 
 
 def replay(

@@ -19,7 +19,7 @@ saved output whose grad_fn is the node reveals it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
@@ -51,15 +51,54 @@ _FUSED_ATTENTION = Floors(inputs=(FUSED_ATTENTION_MIN_BITS, FUSED_ATTENTION_MIN_
 _LOG_SOFTMAX = Floors(inputs=(), outputs=LOG_SOFTMAX_MIN_BITS, other=None)
 
 
+#: No floors: what an op whose saves are made consistent another way uses.
+NO_FLOORS = Floors(inputs=(), outputs=None, other=None)
+
+
 def rule_for(node: Any) -> Optional[Floors]:
     """The floors of the op whose autograd node is `node`, or None if it has none."""
     name = type(node).__name__
     # ScaledDotProduct{Flash,FlashAttentionForCpu,Efficient,Cudnn,FusedAttentionOverrideable}...Backward0
     if name.startswith("ScaledDotProduct") and "Attention" in name:
         return _FUSED_ATTENTION
-    if name == "LogSoftmaxBackward0":
-        return _LOG_SOFTMAX
     return None
+
+
+_aten = torch.ops.aten
+
+#: Fused attention kernels by their backward node: a call (query, key, value, mask, dropout_p,
+#: is_causal, scale) -> (output, logsumexp) running the kernel the forward ran, and the node's
+#: attribute names of its saved query, key, value, mask (None: the kernel takes none), output and
+#: logsumexp. The signatures are ATen's (native_functions.yaml).
+_ATTENTION_KERNELS = {
+    "ScaledDotProductFlashAttentionForCpuBackward0": (
+        lambda q, k, v, m, p, c, s: _aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, p, c, attn_mask=m, scale=s)[:2],
+        ("_saved_query", "_saved_key", "_saved_value", "_saved_attn_mask", "_saved_output", "_saved_logsumexp")),
+    "ScaledDotProductFlashAttentionBackward0": (
+        lambda q, k, v, m, p, c, s: _aten._scaled_dot_product_flash_attention(q, k, v, p, c, False, scale=s)[:2],
+        ("_saved_query", "_saved_key", "_saved_value", None, "_saved_output", "_saved_logsumexp")),
+    "ScaledDotProductEfficientAttentionBackward0": (
+        lambda q, k, v, m, p, c, s: _aten._scaled_dot_product_efficient_attention(q, k, v, m, True, p, c, scale=s)[:2],
+        ("_saved_query", "_saved_key", "_saved_value", "_saved_attn_bias", "_saved_output", "_saved_log_sumexp")),
+    "ScaledDotProductCudnnAttentionBackward0": (
+        lambda q, k, v, m, p, c, s: _aten._scaled_dot_product_cudnn_attention(
+            q, k, v, m, True, p, c, False, scale=s)[:2],
+        ("_saved_query", "_saved_key", "_saved_value", "_saved_attn_bias", "_saved_output", "_saved_logsumexp")),
+}
+
+
+def attention_kernel(node: Any) -> Tuple[Callable[..., Any], Tuple[Optional[str], ...]]:
+    """The kernel call and saved-attribute names of fused attention node `node` (see
+    `recomputable_attention`)."""
+    return _ATTENTION_KERNELS[type(node).__name__]
+
+
+def recomputable_attention(node: Any) -> bool:
+    """True if `node` is a fused attention whose output and logsumexp can be recomputed from its
+    saved query, key and value: a kernel abp knows, run without dropout (its mask could not be
+    drawn again)."""
+    return type(node).__name__ in _ATTENTION_KERNELS and getattr(node, "_saved_dropout_p", 1.0) == 0
 
 
 def _is_input(t: torch.Tensor, edge: Tuple[Any, int]) -> bool:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 
-from . import _guard, _launch, _lib, _save_rules, memory
+from . import _derived, _guard, _launch, _lib, _save_rules, memory
 from ._manifest import packed_bytes
 
 __all__ = [
@@ -41,6 +41,10 @@ _FLOAT_DTYPES = _launch.ROW_DTYPES
 # where its saved output is > 0, and stochastic rounding would flip small positives to the group
 # minimum 0. Their outputs keep that support exactly, at one more bit per element.
 _SUPPORT_PRODUCERS = frozenset({"ReluBackward0"})
+# Producers of log-probabilities, whose backward reads exp(y) (log_softmax: dx = dy - exp(y)·Σdy).
+# Their outputs are stored as the probabilities exp(y), so that the rounding stays unbiased where
+# backward uses them, and decoded to log(p).
+_LOG_PROBABILITY_PRODUCERS = frozenset({"LogSoftmaxBackward0"})
 # grad_fn names of a view or cast of a parameter: autocast's fp16 copy of a weight, a Linear's
 # transposed weight. Such tensors are the parameter (or a copy the caster caches), not activations.
 _PARAMETER_VIEWS = frozenset(
@@ -70,7 +74,7 @@ class CompressedTensor:
     tail group), (numel, group_size, byte offset of its minima, of its scales, of its codes).
     """
 
-    __slots__ = ("kind", "bits", "group_size", "shape", "dtype", "device", "buffer", "layout", "support")
+    __slots__ = ("kind", "bits", "group_size", "shape", "dtype", "device", "buffer", "layout", "support", "logs")
 
     def __init__(self, kind: str, bits: int, group_size: int, shape: Tuple[int, ...], dtype: torch.dtype,
                  device: torch.device, buffer: torch.Tensor, layout: Tuple[Tuple[int, int, int, int, int], ...] = ()):
@@ -79,6 +83,8 @@ class CompressedTensor:
         self.buffer, self.layout = buffer, layout
         # Optionally the exact support (x > 0) as a 1-bit mask: see compress_saved (ReLU outputs).
         self.support: Optional["CompressedTensor"] = None
+        # True if the codes hold exp(x) and x is their log (log-probabilities: see compress_saved).
+        self.logs = False
 
     @property
     def numel(self) -> int:
@@ -295,6 +301,8 @@ def dequantize(c: CompressedTensor) -> torch.Tensor:
         positive = dequantize(c.support)
         tiny = torch.finfo(c.dtype).tiny
         out = torch.where(positive, out.clamp_min(tiny), torch.zeros((), dtype=c.dtype, device=c.device))
+    if c.logs:
+        out = out.log_()
     return out
 
 
@@ -355,7 +363,13 @@ def _is_parameter(t: torch.Tensor) -> bool:
     return _parameter_of(t) is not None
 
 
-def _compressible(t: torch.Tensor, min_numel: int) -> bool:
+#: Whether compress_saved(recompute=True) recomputes per-row statistics (a norm's 1/rms) from the
+#: decoded rows too. Off: measured, the bias it brings costs more than the consistency it buys
+#: (bench/consistency_ablation.py).
+DERIVE_ROW_STATISTICS = False
+
+
+def _compressible(t: torch.Tensor, min_numel: int, row_statistics: bool = False) -> bool:
     """`eligible` without the parameter test (which compress_saved makes first, once)."""
     if t.layout != torch.strided or t.device.type not in ("cpu", "cuda") or t.numel() < max(min_numel, 1):
         return False
@@ -369,7 +383,7 @@ def _compressible(t: torch.Tensor, min_numel: int) -> bool:
         return False
     # A per-row statistic (a reduction kept with its dimension: a norm's mean or 1/std) scales a
     # whole row in backward, and costs 1/width of that row: kept as it is.
-    return t.dtype in _FLOAT_DTYPES and not (t.dim() >= 2 and t.shape[-1] == 1)
+    return t.dtype in _FLOAT_DTYPES and (row_statistics or not (t.dim() >= 2 and t.shape[-1] == 1))
 
 
 def eligible(t: torch.Tensor, min_numel: int) -> bool:
@@ -436,10 +450,27 @@ class _Deferred:
         self.modified = False
 
 
+#: What unpack returns to `_peek` (which wants the packed object, not a tensor).
+_NOTHING = torch.empty(0)
+
+
+def _uses(derived: _derived.Derived) -> List[_derived.Use]:
+    """Every Use of `derived` and of the Derived values it refers to."""
+    found, todo = [], [derived]
+    while todo:
+        for use in todo.pop().uses():
+            found.append(use)
+            if isinstance(use.value, _derived.Derived):
+                todo.append(use.value)
+    return found
+
+
 def _kept_tensors(kept: Any) -> List[torch.Tensor]:
     """The tensors that hold what is stored for a saved tensor."""
     if isinstance(kept, _Deferred):
         kept = kept.value
+    if isinstance(kept, _derived.Derived):
+        return []  # what it refers to is counted where it is stored
     return kept.tensors() if isinstance(kept, CompressedTensor) else [kept]
 
 
@@ -502,8 +533,10 @@ class compress_saved:
         op_rules: bool = True,
         guard: Union[bool, str] = "warn",
         allow_low_bits: bool = False,
+        recompute: bool = True,
     ) -> None:
-        for flag, value in (("exact_relu", exact_relu), ("op_rules", op_rules), ("allow_low_bits", allow_low_bits)):
+        for flag, value in (("exact_relu", exact_relu), ("op_rules", op_rules), ("allow_low_bits", allow_low_bits),
+                            ("recompute", recompute)):
             if not isinstance(value, bool):
                 raise TypeError(f"{flag}: expected True or False, got {value!r}")
         self.bits = _check_bits(bits)
@@ -524,6 +557,7 @@ class compress_saved:
         self.generator = generator
         self.exact_relu = exact_relu
         self.op_rules = op_rules
+        self.recompute = recompute
         if guard is True:
             guard = "warn"
         if guard not in (False, None, "warn", "raise"):
@@ -535,6 +569,8 @@ class compress_saved:
         self.stats: Dict[str, int] = {}
         #: The last block's bits_for call index → the width an op's rule raised that tensor to.
         self.floors: Dict[int, int] = {}
+        #: The last block's bits_for call indices whose tensor was recomputed instead (no width).
+        self.derived_choices: Set[int] = set()
         self._hooks: Optional[Any] = None
         self._reset()
 
@@ -555,8 +591,14 @@ class compress_saved:
         self._group: List[_Deferred] = []
         self._group_sequence: Optional[int] = None
         self._group_rule: Optional[Tuple[Any, _save_rules.Floors]] = None
+        # True if the op saving now is fused attention whose output and logsumexp are recomputed.
+        self._group_attention = False
+        # Set while the block reads an autograd node's saves (_peek): unpack hands back what it gets.
+        self._peeking: Optional[List[Any]] = None
         # bits_for calls in this block (their indices key `floors`).
         self._choices = 0
+        # What cheap functions made in this block's forward (recompute=True; abp._derived).
+        self._recorder: Optional[_derived.Recorder] = None
 
     def _choose(self, t: torch.Tensor) -> int:
         if self.bits_for is None:
@@ -581,12 +623,17 @@ class compress_saved:
         """The saved_tensors_hooks pack hook: a `_Deferred` for a tensor to compress, `t` itself
         for one kept as it is, or a CompressedTensor (a mask, or where ops are not told apart)."""
         sequence = _save_rules.sequence_number() if self.op_rules else None
-        if self._group and sequence != self._group_sequence:
+        if sequence != self._group_sequence:
             self._flush()  # the previous op has saved all it saves
         self._group_sequence = sequence
         if sequence is not None and t.grad_fn is not None and self._group_rule is None:
             rule = _save_rules.rule_for(t.grad_fn)
             if rule is not None and t.grad_fn._sequence_nr() == sequence - 1:  # the op saving now
+                if self._recorder is not None and _save_rules.recomputable_attention(t.grad_fn):
+                    # Its output and logsumexp will be recomputed from the stored query, key and
+                    # value (_flush): no floors, unless that turns out impossible there.
+                    self._group_attention = True
+                    rule = _save_rules.NO_FLOORS
                 self._group_rule = (t.grad_fn, rule)
                 for box in self._group:
                     self._raise_to_floor(box)
@@ -600,13 +647,77 @@ class compress_saved:
                 if kept.pending:
                     return kept  # its bytes are noted when it is stored
             memory.note_saved(_kept_tensors(kept) if kept is not None else [t])
+            _derived.claim(kept)
             return kept if kept is not None else t
-        result = self._pack_new(t, sequence is not None)
+        result = self._derive(t)
+        if result is None:
+            result = self._pack_new(t, sequence is not None)
+        else:
+            _derived.claim(result)
         if not (isinstance(result, _Deferred) and result.pending):
             memory.note_saved(_kept_tensors(result) if result is not t else [t])
         # Only what replaces the tensor is kept here; a tensor kept as is is remembered by identity.
         self._packed[key] = (weakref.ref(self._owner(t)), result if result is not t else None)
         return result
+
+    def _derive(self, t: torch.Tensor) -> Optional[_derived.Derived]:
+        """`_derivation(t)`, counted as a new saved tensor."""
+        derived = self._derivation(t)
+        if derived is not None:
+            self.stats["tensors"] += 1
+            self.stats["bytes_in"] += t.numel() * t.element_size()
+            self._count_derived(t, derived, None)
+        return derived
+
+    def _derivation(self, t: torch.Tensor) -> Optional[_derived.Derived]:
+        """A Derived for `t` if a cheap function made it (or a view of what one made, or of a
+        packed tensor) from what this block can give back; None otherwise."""
+        recorder = self._recorder
+        # What would be compressed. Not a per-row statistic (DERIVE_ROW_STATISTICS): recomputed
+        # from a decoded row, a norm's 1/rms would carry the codes' variance as a bias (E[x̃²] =
+        # x² + σ²; docs/compressed-training.md); kept as it is, it is exact.
+        if recorder is None or t.dtype == torch.bool or not _compressible(t, self.min_numel, DERIVE_ROW_STATISTICS):
+            return None
+        if self.filter is not None and not self.filter(t):
+            return None
+        derived = recorder.derivation(t)
+        base = t._base
+        if derived is None and base is not None and _derived.dense(base):
+            whole = recorder.derivation(base)
+            if whole is None:
+                seen = self._packed.get(self._identity(base))
+                if seen is not None and seen[0]() is self._owner(base) and seen[1] is not None:
+                    whole = seen[1]
+            if whole is not None:
+                derived = _derived.view_of(whole, base, t)
+        return derived
+
+    def _count_derived(self, t: torch.Tensor, derived: _derived.Derived, tags: Optional[memory.Tags]) -> None:
+        self.stats["derived"] += 1
+        self.stats["numel_derived"] += t.numel()
+        # The constants it holds (the tensors it refers to are stored for their own saves).
+        for use in _uses(derived):
+            value = use.value
+            if use.version is not None and isinstance(value, torch.Tensor) and not value.requires_grad:
+                self._store(value, 32)
+                memory.note_saved([value], tags)
+
+    def _resolve(self, a: torch.Tensor, budget: int) -> Optional[_derived.Use]:
+        """What a recomputed function's tensor argument `a` becomes (abp._derived.Recorder): a
+        parameter, what this block packed for it, its own derivation, or (a constant of at most a
+        quarter of the `budget` bytes the function makes) itself; None if none of these."""
+        if _parameter_of(a) is not None:
+            return _derived.Use(a, None)
+        seen = self._packed.get(self._identity(a))
+        if seen is not None and seen[0]() is self._owner(a):
+            return _derived.Use(a, a._version) if seen[1] is None else _derived.Use(seen[1], None)
+        assert self._recorder is not None
+        derived = self._recorder.derivation(a)
+        if derived is not None:
+            return _derived.Use(derived, None)
+        if not a.requires_grad and 4 * memory.storage_key(a)[2] <= budget:
+            return _derived.Use(a, a._version)
+        return None
 
     def _pack_new(self, t: torch.Tensor, defer: bool) -> Any:
         parameter = _parameter_of(t)
@@ -621,8 +732,12 @@ class compress_saved:
             self._constant_bytes += t.numel() * t.element_size()
         if wanted and t.dtype == torch.bool:
             return self._count_compressed(_pack_mask(t))
+        if self._group_attention and t.grad_fn is self._group_rule[0]:  # type: ignore[index]
+            wanted = False  # fused attention's output, to be recomputed (_derive_attention): no width
         bits = self._choose(t) if wanted else 32
-        if bits == 32:
+        # Recomputing, a floating tensor kept as it is waits for its op too: fused attention's
+        # output and logsumexp are recomputed whatever their width (_derive_attention).
+        if bits == 32 and not (defer and self._recorder is not None and t.dtype in _FLOAT_DTYPES):
             return self._store(t, bits)
         box = _Deferred(t, bits, self._choices - 1 if self.bits_for is not None else -1, memory.current_tags())
         if not defer:  # ops are not told apart (torch 1.13): stored at once
@@ -633,6 +748,46 @@ class compress_saved:
         self._group.append(box)
         self._raise_to_floor(box)
         return box
+
+    def _peek(self, node: Any, name: Optional[str]) -> Any:
+        """What this block packed for the save `name` of autograd node `node` (None if the node
+        holds None there or `name` is None)."""
+        if name is None:
+            return None
+        self._peeking = []
+        try:
+            getattr(node, name)
+        finally:
+            peeked, self._peeking = self._peeking, None
+        return peeked[0] if peeked else None
+
+    def _derive_attention(self, node: Any, group: List[_Deferred]) -> bool:
+        """Makes the output and logsumexp that fused attention (`node`) saved, pending in `group`,
+        Derived: the same kernel run again on the decoded query, key and value (and its mask), so
+        that backward reads an output and a logsumexp consistent with them. False if they cannot
+        be (then nothing changed)."""
+        kernel, names = _save_rules.attention_kernel(node)
+        q, k, v, mask, out, lse = (self._peek(node, name) for name in names)
+        if any(x is None for x in (q, k, v, out, lse)) or not all(any(x is box for box in group) for x in (out, lse)):
+            return False
+        uses = []
+        for x in (q, k, v, mask):
+            if x is None or isinstance(x, torch.Tensor) and _parameter_of(x) is not None:
+                uses.append(None if x is None else _derived.Use(x, None))
+            else:
+                uses.append(_derived.Use(x, x._version if isinstance(x, torch.Tensor) else None))
+        q_use, k_use, v_use, mask_use = uses
+        leaves, spec = _derived.flatten((q_use, k_use, v_use, mask_use, float(node._saved_dropout_p),
+                                         bool(node._saved_is_causal), node._saved_scale))
+        shared = _derived.Shared(2)
+        for index, box in enumerate((out, lse)):
+            t = box.value
+            box.value = _derived.Derived(kernel, spec, leaves, index, None, tuple(t.shape), t.dtype, shared)
+            box.pending = False
+            if index == 0:
+                self.stats["derived"] += 1
+                self.stats["numel_derived"] += t.numel()
+        return True
 
     def _raise_to_floor(self, box: "_Deferred") -> None:
         """Raises a pending tensor's width to the floor of the op saving it, if that op is known."""
@@ -656,7 +811,9 @@ class compress_saved:
             return t
         if self._seed is None:
             self._seed = draw_seed(self.generator)
-        c = quantize_unchecked(t, bits, self.group_size, self._seed, self._offset)
+        logs = t.grad_fn is not None and type(t.grad_fn).__name__ in _LOG_PROBABILITY_PRODUCERS
+        c = quantize_unchecked(t.detach().exp() if logs else t, bits, self.group_size, self._seed, self._offset)
+        c.logs = logs
         if self.exact_relu and t.grad_fn is not None and type(t.grad_fn).__name__ in _SUPPORT_PRODUCERS:
             c.support = _pack_mask(t > 0)
         # Stretches start on multiples of 8, where the kernels draw four elements per Philox call.
@@ -671,8 +828,27 @@ class compress_saved:
 
     def _flush(self) -> None:
         """Stores the pending tensors of the last op, in the order it saved them."""
-        group, self._group, self._group_rule = self._group, [], None
+        group, rule, attention = self._group, self._group_rule, self._group_attention
+        self._group, self._group_attention = [], False
+        if attention and rule is not None and not self._derive_attention(rule[0], group):
+            # Recomputing was planned and turned out impossible: the floors after all.
+            self._group_rule = (rule[0], _save_rules.rule_for(rule[0]))
+            for box in group:
+                self._raise_to_floor(box)
+        self._group_rule = None
         for box in group:
+            if not box.pending:  # made Derived above
+                continue
+            # An op's own output (rsqrt's, a norm's) is saved before its function returns, and
+            # only now can its derivation be known.
+            derived = self._derivation(box.value) if self._recorder is not None else None
+            if derived is not None:
+                self._count_derived(box.value, derived, box.tags)
+                _derived.claim(derived)  # its op's read (a later save of it claims its own)
+                if box.choice >= 0:
+                    self.derived_choices.add(box.choice)
+                box.value, box.pending = derived, False
+                continue
             box.modified = box.value._version != box.version
             box.value = self._store(box.value, box.bits)
             box.pending = False
@@ -680,6 +856,12 @@ class compress_saved:
 
     def unpack(self, saved: Any) -> torch.Tensor:
         """The saved_tensors_hooks unpack hook."""
+        if self._peeking is not None:
+            self._peeking.append(saved)
+            return _NOTHING
+        if self._recorder is not None and self._recorder.recording:
+            self._recorder.recording = False  # backward has begun: nothing more will be saved
+            self._recorder.clear()
         if self._guarded:
             # Backward has begun: check the gradients of the parameters the block saw when it ends.
             parameters, self._guarded = list(self._guarded.values()), None
@@ -693,6 +875,8 @@ class compress_saved:
                     f"in-place operation after it was saved (version {saved.version}); torch raises the same "
                     "error without compress_saved. Use the out-of-place op, or clone the tensor before changing it")
             saved = saved.value
+        if isinstance(saved, _derived.Derived):
+            return saved.materialize(self.unpack)
         return dequantize(saved) if isinstance(saved, CompressedTensor) else saved
 
     def _check_gradients(self, parameters: List[torch.Tensor]) -> None:
@@ -715,9 +899,11 @@ class compress_saved:
                 f"{self.label}: opened inside {outer.label}, whose block is still open; the inner block would take "
                 "every saved tensor and the outer one see none. Use one block (abp.convert's compress and all "
                 "recipes open one in the model's forward: do not wrap such a model in another)")
-        self.stats = {"tensors": 0, "compressed": 0, "bytes_in": 0, "bytes_stored": 0, "bytes_compressed": 0}
+        self.stats = {"tensors": 0, "compressed": 0, "bytes_in": 0, "bytes_stored": 0, "bytes_compressed": 0,
+                      "derived": 0, "numel_derived": 0}
         self._reset()
         self.floors = {}
+        self.derived_choices = set()
         self._guarded = {} if self.guard else None  # id → parameter, until backward reads the first save
         if _compiling():
             _warn_once("traced", f"{self.label} is entered inside code torch.compile traces: the compiled graph "
@@ -732,6 +918,10 @@ class compress_saved:
         else:
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._hooks.__enter__()
+        if self.recompute and _derived.AVAILABLE and not _compiling():
+            recorder = _derived.Recorder(self._resolve)
+            recorder.__enter__()
+            self._recorder = recorder
         _OPEN.block = self
         return self
 
@@ -748,6 +938,10 @@ class compress_saved:
         hooks, self._hooks = self._hooks, None
         assert hooks is not None
         _OPEN.block = None
+        recorder, self._recorder = self._recorder, None
+        if recorder is not None:
+            recorder.clear()
+            recorder.__exit__(*exc)
         hooks.__exit__(*exc)
         self._flush()
         if not self.stats["compressed"] and self._constant_bytes and self._constant_bytes * 2 >= self.stats["bytes_in"]:

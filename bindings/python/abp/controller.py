@@ -298,6 +298,7 @@ class CompressionController:
         guard: Union[bool, str] = "warn",
         min_bits: int = 2,
         allow_low_bits: bool = False,
+        recompute: bool = True,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -326,19 +327,19 @@ class CompressionController:
         # support would spend a bit per element outside the budget, so the controller stores
         # ReLU outputs as plain codes; the probes measure the bias that costs like any other error.
         self._saver = compress_saved(self._initial, group_size, min_numel=min_numel, filter=filter,
-                                     bits_for=self._bits_for, generator=generator, exact_relu=False, guard=guard)
+                                     bits_for=self._bits_for, generator=generator, exact_relu=False, guard=guard,
+                                     recompute=recompute)
         self._saver.label = f"abp.CompressionController(avg_bits={avg:g})"
         # Replays draw their quantisation seeds here, never from torch's default generator: a draw
         # there would shift the dropout masks of the layers after the probed tensor.
         self._replay_generator = torch.Generator()
-        # Without op rules: each probe stores its key at exactly the width _probe_bits asks, its
-        # floor, and scales what it measures by (2^b − 1)². Measuring a key an op rule keeps at 8
-        # bits (fused attention's query and key, read through exp) at 1 bit would see a nonlinear
-        # blow-up it never meets and spend the budget on keeping it raw; measuring it at 8 bits
-        # without the scale made it look 255² times safer than it is.
+        # With the op rules training has: a probe stores its key at _probe_bits (its op's floor
+        # at least, where the rules would raise it anyway) and scales what it measures by
+        # (2^b − 1)²; fused attention recomputes its output and logsumexp from the probed query
+        # and key as in training, so the probe sees the damage training would.
         self._replay_saver = compress_saved(self._initial, group_size, min_numel=min_numel, filter=filter,
                                             bits_for=self._bits_for, generator=self._replay_generator,
-                                            exact_relu=False, guard=False, op_rules=False)
+                                            exact_relu=False, guard=False, recompute=recompute)
 
         self._bits: Dict[TensorKey, int] = {}
         self._numels: Dict[TensorKey, int] = {}
@@ -350,6 +351,7 @@ class CompressionController:
         self._last_seen: Dict[TensorKey, int] = {}
         # Keys an op rule of compress_saved stores at more bits than asked: key → fewest bits.
         self._floors: Dict[TensorKey, int] = {}
+        self._numel_derived = 0
         self._order: List[TensorKey] = []
         self._warned_over = False
 
@@ -428,8 +430,9 @@ class CompressionController:
         return dict(self._last_seen)
 
     def average_bits(self) -> float:
-        """Σ b·D / Σ D over the current allocation (the initial width before any estimate)."""
-        total = sum(self._numels[k] for k in self._bits)
+        """Σ b·D / Σ D over the current allocation and the tensors recomputed in backward (0 bits
+        each; the initial width before any estimate)."""
+        total = sum(self._numels[k] for k in self._bits) + self._numel_derived
         if total == 0:
             return float(self._initial)
         return sum(b * self._numels[k] for k, b in self._bits.items()) / total
@@ -524,6 +527,10 @@ class CompressionController:
             for index, floor in self._saver.floors.items():
                 key = self._order[self._order_base + index]
                 self._floors[key] = max(self._floors.get(key, 1), floor)
+            # Tensors recomputed instead of stored have no width: their elements count as
+            # compress_saved's numel_derived.
+            for index in self._saver.derived_choices:
+                self._seen.pop(self._order[self._order_base + index], None)
 
     def _end_step(self, failed: bool) -> None:
         """Ends the step: publishes its counts and, unless it failed, estimates (at a probe step)
@@ -690,7 +697,10 @@ class CompressionController:
                 m.training = mode
 
         fixed = [k for k in step_keys if k not in replayed]
-        total = sum(step_keys.values())
+        # Tensors recomputed in backward (compress_saved's recompute) are saved elements stored
+        # at 0 bits: they count in the budget's elements.
+        self._numel_derived = self._stats.get("numel_derived", 0)
+        total = sum(step_keys.values()) + self._numel_derived
 
         def least(k: TensorKey) -> int:  # the fewest bits min_bits and an op rule allow for k
             return max(self._floors.get(k, 1), self._min_bits)

@@ -1,0 +1,327 @@
+"""Saved tensors that cheap ops made from other saved tensors: recomputed in backward, not stored.
+
+`compress_saved(recompute=True)` records, while its block's forward runs, what each *cheap* torch
+function made (a pointwise op, a view, reshape, copy or cast, a normalisation, softmax, sum or
+concatenation: memory-bound work of the order of a decode) and from what. When autograd then
+saves a tensor that such a function made from tensors the block has already packed (or from
+parameters and small constants), the pack hook stores a `Derived` instead: the function and the
+packs of its arguments. Backward's unpack calls the function again on their decoded values.
+
+Two reasons (docs/compressed-training.md has the measurements):
+
+* **Consistency.** Backward formulas rely on relations between the tensors they read: a norm's
+  output is its input times the 1/rms it saved; SwiGLU's product is the product of its saved
+  factors; the input of an attention's output projection is the attention output it saved.
+  Independent codes of both sides break the relations, and the gradient with them. Recomputed
+  from the decoded inputs, the relations hold exactly: the gradient is the exact gradient at a
+  perturbed point.
+* **Memory.** A tensor derived so costs nothing, and a model's saved tensors are often such
+  tensors (a transformer block saves its norm outputs, activation outputs and SwiGLU products
+  beside their inputs): about half the elements of a LLaMA-style block.
+
+What is recorded is decided per torch function (`kind_of`): pointwise functions by the
+``pointwise`` tag of their ATen op (never one with the ``nondeterministic_seeded`` tag, so no
+dropout or random op is ever replayed, and never an in-place one); views, copies and casts and a
+few row functions by name. Matrix products and attention are never recomputed: that would be
+activation checkpointing, a different trade.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+__all__ = ["AVAILABLE", "Derived", "Recorder", "kind_of"]
+
+#: Recording needs ATen's op tags (torch >= 2): on torch 1.13 nothing is recomputed.
+AVAILABLE = hasattr(torch.Tag, "pointwise") and hasattr(torch.Tag, "nondeterministic_seeded")
+
+#: Functions that view, reshape, copy or cast (their output is their input's data rearranged).
+_LAYOUT = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "transpose", "swapaxes", "swapdims", "permute",
+    "flatten", "unflatten", "unsqueeze", "squeeze", "expand", "expand_as", "contiguous", "t",
+    "narrow", "select", "movedim", "moveaxis", "getitem", "split", "chunk", "unbind", "clone",
+    "to", "float", "half", "bfloat16", "double", "type_as", "repeat", "repeat_interleave",
+})
+#: Row functions as cheap as a decode: normalisations, softmax, reductions, concatenation.
+_ROWS = frozenset({
+    "layer_norm", "rms_norm", "group_norm", "softmax", "log_softmax", "mean", "sum", "cat", "concat",
+    "concatenate", "stack", "logsumexp", "amax", "amin",
+})
+#: Python-level names whose ATen op has another name.
+_ATEN_NAME = {"truediv": "div", "floordiv": "floor_divide", "matmul": "", "and": "", "or": "", "xor": ""}
+
+_KINDS: Dict[Any, Optional[str]] = {}
+
+
+def _aten_pointwise(name: str) -> bool:
+    packet = getattr(torch.ops.aten, name, None) if name else None
+    if packet is None:
+        return False
+    tags = set()
+    for overload in packet.overloads():
+        tags.update(getattr(packet, overload).tags)
+    return torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags
+
+
+def kind_of(func: Any) -> Optional[str]:
+    """"pointwise", "layout" or "rows" for a torch function whose outputs may be recomputed, else
+    None (cached per function)."""
+    try:
+        return _KINDS[func]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable callable
+        return None
+    name = getattr(func, "__name__", "") or ""
+    kind: Optional[str] = None
+    dunder = name.startswith("__") and name.endswith("__") and len(name) > 4
+    if dunder:
+        name = name[2:-2]
+        if name.startswith("i") and _aten_pointwise(_ATEN_NAME.get(name[1:], name[1:])):
+            name = name + "_"  # __imul__ and the like work in place
+        elif name.startswith("r") and _aten_pointwise(_ATEN_NAME.get(name[1:], name[1:])):
+            name = name[1:]  # __rmul__: the same op, called with its operands as they were
+    if name.endswith("_"):
+        kind = None  # in place: it changes a tensor instead of making one
+    elif name in _LAYOUT:
+        kind = "layout"
+    elif name in _ROWS:
+        kind = "rows"
+    elif _aten_pointwise(_ATEN_NAME.get(name, name)):
+        kind = "pointwise"
+    _KINDS[func] = kind
+    return kind
+
+
+class Use:
+    """One tensor argument of a Derived: `value` is what the block packed for it (a compressed
+    tensor, a pending one, another Derived, or the tensor itself where it is kept as it is: a
+    parameter, a constant, a tensor stored raw). `version`, for a tensor kept as it is, is its
+    version when recorded: an in-place change after that fails as torch's own check does."""
+
+    __slots__ = ("value", "version")
+
+    def __init__(self, value: Any, version: Optional[int]) -> None:
+        self.value = value
+        self.version = version
+
+
+class Shared:
+    """The outputs of one call that several Derived read: computed by the first read, held until
+    the `reads` expected have been made (the saver counts one for each save that will read it:
+    `claim`); a read beyond them computes again."""
+
+    __slots__ = ("reads", "value")
+
+    def __init__(self, reads: int) -> None:
+        self.reads, self.value = reads, None
+
+
+def claim(value: Any) -> None:
+    """Counts one more read of every Shared call that materializing `value` (what a pack hook
+    returns) will read."""
+    todo = [value]
+    while todo:
+        value = todo.pop()
+        value = getattr(value, "value", value) if not isinstance(value, (Derived, torch.Tensor)) else value
+        if isinstance(value, Derived):
+            if value.shared is not None:
+                value.shared.reads += 1
+            todo.extend(use.value for use in value.uses())
+
+
+class Derived:
+    """A saved tensor recomputed in backward: ``func(*args, **kwargs)`` (its `index`-th output)
+    with every `Use` replaced by its decoded value, under the autocast state of the forward.
+    Derived with the same `shared` call `func` once between them."""
+
+    __slots__ = ("func", "spec", "leaves", "index", "autocast", "shape", "dtype", "shared")
+
+    def __init__(self, func: Callable[..., Any], spec: Any, leaves: List[Any], index: Optional[int],
+                 autocast: Optional[Tuple[str, bool, torch.dtype]], shape: Tuple[int, ...], dtype: torch.dtype,
+                 shared: Optional[Shared] = None) -> None:
+        self.func, self.spec, self.leaves, self.index = func, spec, leaves, index
+        self.autocast = autocast
+        self.shape, self.dtype = shape, dtype
+        self.shared = shared
+
+    def uses(self) -> List[Use]:
+        return [leaf for leaf in self.leaves if isinstance(leaf, Use)]
+
+    def materialize(self, decode: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+        """The tensor, recomputed; `decode(value)` gives the tensor a Use's value stands for."""
+        shared = self.shared
+        if shared is None:
+            out = self._call(decode)
+        else:
+            if shared.value is None:
+                shared.value = self._call(decode)
+            out = shared.value
+            shared.reads -= 1
+            if shared.reads <= 0:
+                shared.value = None
+        if self.index is not None:
+            out = out[self.index]
+        if tuple(out.shape) != self.shape or out.dtype != self.dtype:
+            raise RuntimeError(f"compress_saved(recompute=True): recomputing {getattr(self.func, '__name__', self.func)} "
+                               f"gave {tuple(out.shape)} {out.dtype}, not the saved {self.shape} {self.dtype}; "
+                               "pass recompute=False and report this")
+        return out
+
+    def _call(self, decode: Callable[[Any], torch.Tensor]) -> Any:
+        leaves = []
+        for leaf in self.leaves:
+            if isinstance(leaf, Use):
+                value = leaf.value
+                if isinstance(value, torch.Tensor):
+                    if leaf.version is not None and value._version != leaf.version:
+                        raise RuntimeError(
+                            "compress_saved: one of the tensors needed for gradient computation was modified by an "
+                            f"in-place operation after it was saved (version {leaf.version}, now {value._version}); "
+                            "torch raises the same error without compress_saved. Use the out-of-place op, or clone "
+                            "the tensor before changing it")
+                    leaf = value
+                else:
+                    leaf = value.materialize(decode) if isinstance(value, Derived) else decode(value)
+            leaves.append(leaf)
+        args, kwargs = tree_unflatten(leaves, self.spec)
+        with torch.no_grad(), _autocast(self.autocast):
+            return self.func(*args, **kwargs)
+
+
+def flatten(args: Tuple[Any, ...]) -> Tuple[List[Any], Any]:
+    """(leaves, spec) of positional `args` as Derived holds them."""
+    return tree_flatten((args, {}))
+
+
+def _autocast_state(device: torch.device) -> Optional[Tuple[str, bool, torch.dtype]]:
+    kind = device.type
+    if kind not in ("cpu", "cuda"):
+        return None
+    try:
+        return (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+    except TypeError:  # torch < 2.4: per-device functions
+        if kind == "cpu":
+            return (kind, torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype())
+        return (kind, torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype())
+
+
+class _NoAutocast:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _autocast(state: Optional[Tuple[str, bool, torch.dtype]]) -> Any:
+    if state is None:
+        return _NoAutocast()
+    kind, enabled, dtype = state
+    return torch.autocast(kind, dtype=dtype, enabled=enabled)
+
+
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
+
+
+class Recorder(TorchFunctionMode):
+    """The torch function mode of a recomputing block: records what cheap functions make.
+
+    `resolve(tensor)` is the block's: the Use a tensor argument becomes, or None if it is none of
+    a parameter, a small constant, a packed tensor or a recorded output (then the function's
+    outputs are not recorded). Records are dropped when their output is freed.
+    """
+
+    def __init__(self, resolve: Callable[[torch.Tensor, int], Optional[Use]]) -> None:
+        super().__init__()
+        self._resolve = resolve
+        self._records: Dict[int, Tuple[Any, Derived, int]] = {}
+        #: False while the block packs or unpacks (its own torch calls are not the model's) and
+        #: once backward has begun.
+        self.recording = True
+
+    def __torch_function__(self, func: Any, types: Any, args: Tuple[Any, ...] = (), kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # torch.compile traces this handler when a compiled model runs in the block: its graph
+        # recomputes on its own (the partitioner), and sees a plain call.
+        if self.recording and not _compiling() and kind_of(func) is not None and torch.is_grad_enabled():
+            self._record(func, args, kwargs, out)
+        return out
+
+    def _record(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any) -> None:
+        if isinstance(out, torch.Tensor):
+            outputs: List[Tuple[Optional[int], torch.Tensor]] = [(None, out)]
+        elif isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in out):
+            outputs = list(enumerate(out))
+        else:
+            return
+        outputs = [(i, o) for i, o in outputs if o.requires_grad]  # only those autograd may save
+        if not outputs:
+            return
+        leaves, spec = tree_flatten((args, kwargs))
+        budget = max(o.numel() * o.element_size() for _, o in outputs)
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor):
+                use = self._resolve(leaf, budget)
+                if use is None:
+                    return
+                leaves[i] = use
+        state = _autocast_state(outputs[0][1].device)
+        for index, o in outputs:
+            derived = Derived(func, spec, leaves, index, state, tuple(o.shape), o.dtype)
+            key = id(o)
+            self._records[key] = (weakref.ref(o, lambda _, key=key: self._records.pop(key, None)), derived, o._version)
+
+    def derivation(self, t: torch.Tensor) -> Optional[Derived]:
+        """The Derived recorded for `t` itself (not a view of it), if unchanged since."""
+        entry = self._records.get(id(t))
+        if entry is None or entry[0]() is not t or entry[2] != t._version:
+            return None
+        return entry[1]
+
+    def clear(self) -> None:
+        self._records.clear()
+
+
+#: A leaf to fill in (pytree treats None as an empty node, not a leaf).
+_SLOT = object()
+
+
+def _strided(base: torch.Tensor, base_stride: Tuple[int, ...], size: Tuple[int, ...], stride: Tuple[int, ...],
+             offset: int) -> torch.Tensor:
+    """The view (size, stride, offset elements from base's first) of `base` laid out as base_stride."""
+    if tuple(base.stride()) != base_stride:
+        laid = torch.empty_strided(base.shape, base_stride, dtype=base.dtype, device=base.device)
+        laid.copy_(base)
+        base = laid
+    return base.as_strided(size, stride, base.storage_offset() + offset)
+
+
+def dense(t: torch.Tensor) -> bool:
+    """True if `t`'s elements fill the stretch of memory from its first without gaps or overlap (a
+    contiguous tensor or a permutation of one), so a view of it can be rebuilt from its values."""
+    if t.is_contiguous():
+        return True
+    pairs = sorted((st, n) for st, n in zip(t.stride(), t.shape) if n != 1)
+    expected = 1
+    for st, n in pairs:
+        if st != expected:
+            return False
+        expected *= n
+    return True
+
+
+def view_of(base: Any, base_tensor: torch.Tensor, t: torch.Tensor) -> Derived:
+    """`t`, a view of the dense tensor `base_tensor` that `base` (a Use's value) stands for, as a
+    Derived."""
+    offset = t.storage_offset() - base_tensor.storage_offset()
+    leaves, spec = tree_flatten(((_SLOT, tuple(base_tensor.stride()), tuple(t.shape), tuple(t.stride()), offset), {}))
+    leaves[0] = Use(base, None)
+    return Derived(_strided, spec, leaves, None, None, tuple(t.shape), t.dtype)

@@ -1,0 +1,239 @@
+"""compress_saved(recompute=True): saved tensors that cheap functions made from stored tensors are
+recomputed in backward (abp._derived), fused attention's output and logsumexp with them.
+
+Kept raw, recomputing changes no gradient bit and stores less; compressed, the gradient is the
+exact gradient at the decoded tensors (the relations backward relies on hold). Needs torch >= 2
+(ATen's op tags); on torch 1.13 nothing is recomputed and these tests are skipped.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Tuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import abp
+import abp.compress as C
+from abp import _derived
+from abp_reference import library_or_skip
+
+pytestmark = pytest.mark.skipif(not _derived.AVAILABLE, reason="recompute needs torch >= 2 (ATen op tags)")
+
+
+@pytest.fixture(autouse=True)
+def kernels() -> None:
+    library_or_skip()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class Block(nn.Module):
+    """Pre-norm attention (rotary-free, causal fused attention) and a SwiGLU MLP: the norms'
+    outputs, SiLU's output, the SwiGLU product and the attention output's reshaped copy are what
+    cheap functions make from tensors other ops store."""
+
+    def __init__(self, d: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.n1, self.n2 = RMSNorm(d), RMSNorm(d)
+        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.gate, self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        q, k, v = self.qkv(self.n1(x)).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, n, d))
+        h = self.n2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+def _step(model: nn.Module, x: torch.Tensor, **kw: Any) -> Tuple[Dict[str, torch.Tensor], Dict[str, int]]:
+    model.zero_grad()
+    torch.manual_seed(7)
+    with C.compress_saved(min_numel=1, allow_low_bits=True, **kw) as block:
+        model(x).pow(2).mean().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, dict(block.stats)
+
+
+def _model_and_input(seed: int = 0) -> Tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(seed)
+    return nn.Sequential(Block(), Block()), torch.randn(4, 16, 32).requires_grad_().clone()
+
+
+def test_kinds_of_functions_recorded() -> None:
+    kind = _derived.kind_of
+    for f in (torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.add, F.silu, F.gelu, torch.rsqrt,
+              torch.Tensor.pow, torch.where, torch.exp):
+        assert kind(f) == "pointwise", f
+    for f in (torch.Tensor.view, torch.Tensor.transpose, torch.Tensor.reshape, torch.Tensor.__getitem__,
+              torch.Tensor.to, torch.Tensor.contiguous, torch.Tensor.clone):
+        assert kind(f) == "layout", f
+    for f in (F.layer_norm, F.softmax, F.log_softmax, torch.Tensor.mean, torch.cat):
+        assert kind(f) == "rows", f
+    # In place, random, or not cheap: never recomputed.
+    for f in (torch.Tensor.mul_, torch.Tensor.__imul__, torch.Tensor.add_, F.dropout, torch.rand_like, torch.bernoulli,
+              F.linear, torch.matmul, F.scaled_dot_product_attention, torch.Tensor.__matmul__):
+        assert kind(f) is None, f
+
+
+def test_raw_storage_gives_the_same_gradients_and_stores_less() -> None:
+    model, x = _model_and_input()
+    want, kept = _step(model, x, bits_for=lambda t: 32, recompute=False)
+    got, derived = _step(model, x, bits_for=lambda t: 32, recompute=True)
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    assert kept["derived"] == 0 and derived["derived"] >= 2 * 6  # per block: 2 norms, SiLU, product, o's input, Linear views
+    assert derived["bytes_stored"] < 0.7 * kept["bytes_stored"]
+    assert derived["tensors"] == kept["tensors"] and derived["bytes_in"] == kept["bytes_in"]
+
+
+def test_compressed_recompute_stores_less_and_stays_close() -> None:
+    model, x = _model_and_input(1)
+    exact, _ = _step(model, x, bits_for=lambda t: 32, recompute=False)
+    for bits in (8, 4):
+        stored, s_stats = _step(model, x, bits=bits, recompute=False)
+        derived, d_stats = _step(model, x, bits=bits, recompute=True)
+        assert d_stats["bytes_stored"] < 0.7 * s_stats["bytes_stored"]
+
+        def err(g: Dict[str, torch.Tensor]) -> float:
+            return float(sum((g[n] - exact[n]).pow(2).sum() for n in g) / sum(exact[n].pow(2).sum() for n in g))
+
+        # Fewer independent codes and consistent relations: no worse than storing everything.
+        assert err(derived) <= 1.5 * err(stored), (bits, err(derived), err(stored))
+
+
+def test_a_norm_output_is_recomputed_from_the_decoded_input_and_the_exact_statistic() -> None:
+    """RMSNorm's w·x and output h = (w·x)·r are recomputed from x's 2-bit codes x̃ and r, the
+    1/rms kept as it is (a per-row statistic: recomputed from x̃ it would be biased, E[x̃²] =
+    x² + σ²): the Linear reading h gets exactly d_yᵀ·(w·x̃·r) as its weight gradient."""
+    torch.manual_seed(3)
+    norm, lin = RMSNorm(64), nn.Linear(64, 16)
+    x = torch.randn(8, 64).requires_grad_().clone()
+    d_y = torch.randn(8, 16)
+    with C.compress_saved(bits=2, allow_low_bits=True, min_numel=1) as block:
+        squares = x.pow(2)  # pow saves x: the codes the products are recomputed from
+        r = torch.rsqrt(squares.mean(-1, keepdim=True) + 1e-6)
+        y = lin(norm.weight * x * r)
+    assert block.stats["compressed"] == 1 and block.stats["derived"] == 2  # w·x and h
+    x_decoded = squares.grad_fn._saved_self.detach()
+    assert not torch.equal(x_decoded, x)
+    got = torch.autograd.grad(y, lin.weight, d_y)[0]
+    assert torch.equal(got, d_y.t() @ (norm.weight * x_decoded * r).detach())
+
+
+def test_recomputed_attention_calls_its_kernel_once_per_backward(monkeypatch) -> None:
+    from abp import _save_rules
+
+    name = "ScaledDotProductFlashAttentionForCpuBackward0"
+    kernel, names = _save_rules._ATTENTION_KERNELS[name]
+    calls: List[int] = []
+    monkeypatch.setitem(_save_rules._ATTENTION_KERNELS, name, (lambda *a: calls.append(1) or kernel(*a), names))
+    model, x = _model_and_input(2)
+    _, stats = _step(model, x, bits=4)
+    assert len(calls) == 2  # one per block, for output and logsumexp together
+    assert stats["derived"] >= 2
+
+
+def test_a_view_of_a_non_contiguous_base_is_rebuilt_in_its_layout() -> None:
+    base = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4).permute(2, 0, 1)  # dense, not contiguous
+    assert _derived.dense(base) and not base.is_contiguous()
+    assert not _derived.dense(torch.zeros(4, 4)[:, :2])  # a gap
+    assert not _derived.dense(torch.zeros(1, 4).expand(3, 4))  # overlap
+    view = base[1:3, :, 1]
+    derived = _derived.view_of(base.contiguous(), base, view)  # the base's values, laid out anew
+    assert torch.equal(derived.materialize(lambda value: value), view)
+
+
+def test_random_ops_are_stored_never_recomputed() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 64)
+    x = torch.randn(32, 64).requires_grad_().clone()
+    with C.compress_saved(bits=8, min_numel=1) as block:
+        dropped = F.dropout(x * 2.0, 0.5)  # saves its mask; Linear saves its output
+        lin(dropped).sum().backward()
+    assert block.stats["derived"] == 0 and block.stats["compressed"] >= 1  # dropout's output is stored
+
+
+def test_an_input_changed_in_place_after_it_was_recorded_fails_as_torch_does() -> None:
+    """A recomputed tensor's input kept as it is (not a snapshot) and changed in place after the
+    recording would give a wrong recomputation: it fails as torch's own version check does."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 64)
+    x = torch.randn(32, 64).requires_grad_().clone()
+    with pytest.raises(RuntimeError, match="modified by an in-place operation"):
+        with C.compress_saved(bits=8, min_numel=1, bits_for=lambda t: 32, op_rules=False):
+            s = torch.sigmoid(x)  # saves its output, kept as it is
+            y = lin(s * 3.0)  # saves s·3: recomputed from s
+            s.mul_(2.0)  # changes s after s·3 was made from it
+            y.sum().backward()
+
+
+def test_large_constants_are_not_held_small_ones_are() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 64)
+    x = torch.randn(32, 64).requires_grad_().clone()
+    small = torch.randn(64)
+    large = torch.randn(32, 64)
+    for constant, derived in ((small, True), (large, False)):
+        with C.compress_saved(bits=8, min_numel=1) as block:
+            y = lin(torch.tanh(x) + constant)  # tanh saves its output; the sum saves nothing
+            y.sum().backward()
+        # tanh(x) + c is derived if c is small (a quarter of the sum at most), else stored.
+        assert (block.stats["derived"] >= 1) == derived, (constant.shape, block.stats)
+
+
+def test_autocast_state_is_replayed() -> None:
+    """Under bf16 autocast layer_norm runs in fp32 and returns fp32: recomputed outside autocast
+    (backward) it must run under the forward's autocast again."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 64))
+    x = torch.randn(32, 64)
+
+    def grads(recompute: bool) -> List[torch.Tensor]:
+        model.zero_grad()
+        with C.compress_saved(bits_for=lambda t: 32, min_numel=1, recompute=recompute) as block:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = model(x)
+            y.float().sum().backward()
+        assert (block.stats["derived"] > 0) == recompute
+        return [p.grad.clone() for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(grads(True), grads(False)))
+
+
+def test_nothing_is_left_behind_after_the_block() -> None:
+    from torch.overrides import _get_current_function_mode_stack
+
+    model, x = _model_and_input(3)
+    before = len(_get_current_function_mode_stack())
+    with pytest.raises(ValueError, match="boom"):
+        with C.compress_saved(bits=4, min_numel=1) as block:
+            model(x).sum()
+            raise ValueError("boom")
+    assert len(_get_current_function_mode_stack()) == before
+    assert block._recorder is None
+
+
+def test_controller_counts_recomputed_elements_in_its_budget() -> None:
+    model, x = _model_and_input(4)
+    controller = abp.CompressionController(model, avg_bits=2, interval=100, min_numel=1, allow_low_bits=True)
+    for _ in range(2):
+        with controller:
+            model(x).pow(2).mean().backward()
+    derived = controller.stats["numel_derived"]
+    keys = controller.last_step_keys
+    assert derived > 0 and controller.average_bits() <= 2.0
+    spent = sum(b * keys[k] for k, b in controller.bits.items())
+    assert spent <= 2.0 * (sum(keys.values()) + derived)
+    assert spent > 2.0 * sum(keys.values())  # the recomputed elements' share went to the stored ones
+    assert min(controller.bits.values()) >= 2  # min_bits, the default
