@@ -267,7 +267,7 @@ def _vcas(model: nn.Module, task: Task) -> Callable[[], Any]:
 def _controller(avg: float, recompute: bool) -> Callable[[nn.Module, Task], Callable[[], Any]]:
     def context(model: nn.Module, task: Task) -> Callable[[], Any]:
         # Without recompute a 2-bit budget is met only with 1-bit codes (fused attention's query
-        # and key take 8 bits); allow_low_bits is what CompressionController asks below 2 bits.
+        # and key take 8 bits): what CompressionController refuses without allow_low_bits.
         low = avg < 2 or (avg < 4 and not recompute)
         controller = abp.CompressionController(model, avg_bits=avg, interval=100, allow_low_bits=low,
                                                min_bits=1 if low else 2, recompute=recompute)

@@ -157,7 +157,7 @@ def test_bad_arguments_raise_naming_the_argument(args, error, pattern):
 
 
 
-#: Most tests here exercise the mechanism at GACT's own settings: budgets below 4 bits (refused
+#: Most tests here exercise the mechanism at GACT's own settings: budgets below 2 bits (refused
 #: by default), the full ladder down to 1 bit (off by default: min_bits=2), and every saved tensor
 #: stored (abp recomputes what cheap ops derive from stored tensors by default, and these small
 #: models are mostly such ops: test_recompute_* below).
@@ -587,8 +587,12 @@ def test_training_with_the_controller_reduces_the_loss(kernels):
         (dict(min_numel=-1), ValueError, r"^min_numel"),
         (dict(filter=3), TypeError, r"^filter"),
         (dict(generator=0), TypeError, r"^generator: expected a torch.Generator or None, got int"),
-        (dict(avg_bits=2), ValueError, r"^avg_bits=2: budgets below 4 bits did not train .* allow_low_bits=True"),
-        (dict(avg_bits=3.5), ValueError, r"^avg_bits=3.5: budgets below 4 bits"),
+        (dict(avg_bits=1.5, min_bits=1), ValueError, r"^avg_bits=1.5: budgets below 2 bits did not train .* "
+                                                     r"allow_low_bits=True"),
+        (dict(avg_bits=2, recompute=False), ValueError, r"^avg_bits=2: budgets below 4 bits did not train .* without "
+                                                        r"recompute .* allow_low_bits=True"),
+        (dict(avg_bits=3.5, recompute=False), ValueError, r"^avg_bits=3.5: budgets below 4 bits"),
+        (dict(recompute=1), TypeError, r"^recompute: expected True or False, got 1"),
         (dict(min_bits=3), ValueError, r"^min_bits: expected one of 8, 4, 2, 1, got 3"),
         (dict(min_bits=True), ValueError, r"^min_bits: expected one of"),
         (dict(avg_bits=3, min_bits=4, allow_low_bits=True), ValueError, r"^avg_bits: 3 is below min_bits=4"),

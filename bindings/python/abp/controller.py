@@ -190,15 +190,22 @@ def _as_list(values: Any, name: str) -> List[Any]:
 # The controller.
 
 
-def check_average_bits(avg_bits: float, allow_low_bits: bool) -> None:
-    """Refuses a budget below 4 bits per element, unless `allow_low_bits`."""
-    if avg_bits < MIN_UNIFORM_BITS and not allow_low_bits:
+#: The smallest budget the controller accepts unless told otherwise: with recompute (the default)
+#: 2 bits trained both real tasks to exact training's accuracy; without it, 4.
+MIN_AVERAGE_BITS = 2.0
+
+
+def check_average_bits(avg_bits: float, allow_low_bits: bool, recompute: bool = True) -> None:
+    """Refuses a budget below 2 bits per element (4 without recompute), unless `allow_low_bits`."""
+    floor = MIN_AVERAGE_BITS if recompute else float(MIN_UNIFORM_BITS)
+    if avg_bits < floor and not allow_low_bits:
+        how = ("" if recompute else
+               " without recompute (fused attention's query and key then need 8 bits and the rest gets 1-2); "
+               "recompute=True reached exact training at avg_bits=2")
         raise ValueError(
-            f"avg_bits={avg_bits:g}: budgets below {MIN_UNIFORM_BITS} bits did not train a language model as exact "
-            "training does (docs/compressed-training.md: 2.36 at avg_bits=2 and 1.87 at avg_bits=3 against 1.63 "
-            "nats per byte; at 2 bits digits also fell to 80 % from 93 %). Use avg_bits=4 or "
-            "abp.compress_saved(bits=4), or pass allow_low_bits=True to accept the risk (the divergence guard "
-            "still watches)")
+            f"avg_bits={avg_bits:g}: budgets below {floor:g} bits did not train a language model as exact training "
+            f"does{how} (docs/compressed-training.md). Use avg_bits={floor:g}, or pass allow_low_bits=True to accept "
+            "the risk (the divergence guard still watches)")
 
 
 @dataclass(frozen=True)
@@ -311,7 +318,7 @@ class CompressionController:
             raise ValueError(f"avg_bits: expected a number in [1, 32], got {avg_bits!r}")
         if avg < min_bits:
             raise ValueError(f"avg_bits: {avg_bits!r} is below min_bits={min_bits}, which no allocation meets")
-        check_average_bits(avg, allow_low_bits)
+        check_average_bits(avg, allow_low_bits, recompute)
         if isinstance(interval, bool) or not isinstance(interval, int):
             raise TypeError(f"interval: expected an int >= 1, got {type(interval).__name__}")
         if interval < 1:
