@@ -4,13 +4,23 @@ Stochastic rounding is unbiased, so a gradient stays unbiased where backward use
 tensor linearly: a matmul's inputs, a product's factors, a mask. Fused scaled-dot-product
 attention (torch >= 2: the flash, memory-efficient, cuDNN and CPU flash kernels) does not: its
 backward recomputes the attention probabilities P = exp(q kᵀ · scale − lse) from the saved query,
-key and row logsumexp. An error in any of the three enters through exp(), so it biases P
-multiplicatively and P's rows no longer sum to one; on a real task 2-bit codes for them make
-training diverge (docs/compressed-training.md has the measurements). The value and the output
-enter linearly (dV = Pᵀ dO, and D = rowsum(dO ∘ O)), and stay at the bits asked for. Likewise
-log_softmax (cross-entropy's first half) saves its output y, the log-probabilities, and its
-backward reads exp(y): 2-bit codes of a language model's log-probabilities cost it most of
-what it learns.
+key and row logsumexp, and D = rowsum(dO ∘ O) from its saved output. Codes of q and k that do not
+match the stored logsumexp bias P multiplicatively (its rows no longer sum to one), and an output
+that does not match P and v breaks D; on real tasks 2-bit codes of them made training diverge
+(docs/compressed-training.md has the measurements).
+
+Two remedies, by what the block can do:
+
+* **Recomputed** (compress_saved's recompute, a kernel abp knows, no dropout): the output and
+  logsumexp are recomputed from the decoded q, k and v (`attention_kernel`), so backward is exact
+  at those values and nothing diverges. One width for every tensor still keeps q and k at 8 bits
+  (measured, they cost the most per bit); per-tensor widths (the controller's) need no floor:
+  the controller measures what each costs.
+* **Stored**: q, k and the logsumexp at 8 bits at least, whatever the widths.
+
+log_softmax (cross-entropy's first half) saves its output y, and its backward reads exp(y):
+compress_saved stores it as the probabilities exp(y) (unbiased where backward reads them), at 8
+bits under one width for every tensor (per bit, the most sensitive tensor of a language model).
 
 A rule is found from the op's autograd node. An op saves its inputs before it runs and its
 outputs after, so `compress_saved` holds one op's saves until the op is known (see there): a
@@ -51,16 +61,30 @@ _FUSED_ATTENTION = Floors(inputs=(FUSED_ATTENTION_MIN_BITS, FUSED_ATTENTION_MIN_
 _LOG_SOFTMAX = Floors(inputs=(), outputs=LOG_SOFTMAX_MIN_BITS, other=None)
 
 
-#: No floors: what an op whose saves are made consistent another way uses.
+#: No floors.
 NO_FLOORS = Floors(inputs=(), outputs=None, other=None)
+#: Recomputed fused attention under one width for every tensor: q and k at 8 bits (not for
+#: stability: per bit they cost the most).
+_CONSISTENT_ATTENTION = Floors(inputs=(FUSED_ATTENTION_MIN_BITS, FUSED_ATTENTION_MIN_BITS, None),
+                               outputs=None, other=None)
 
 
-def rule_for(node: Any) -> Optional[Floors]:
-    """The floors of the op whose autograd node is `node`, or None if it has none."""
+def is_fused_attention(node: Any) -> bool:
+    """ScaledDotProduct{Flash,FlashAttentionForCpu,Efficient,Cudnn,FusedAttentionOverrideable}...Backward0."""
     name = type(node).__name__
-    # ScaledDotProduct{Flash,FlashAttentionForCpu,Efficient,Cudnn,FusedAttentionOverrideable}...Backward0
-    if name.startswith("ScaledDotProduct") and "Attention" in name:
-        return _FUSED_ATTENTION
+    return name.startswith("ScaledDotProduct") and "Attention" in name
+
+
+def rule_for(node: Any, *, recomputed: bool = False, uniform: bool = False) -> Optional[Floors]:
+    """The floors of the op whose autograd node is `node`, or None if it has none. `recomputed`:
+    fused attention's output and logsumexp are recomputed from its query, key and value;
+    `uniform`: the block stores every tensor at one width (no per-tensor widths)."""
+    if is_fused_attention(node):
+        if not recomputed:
+            return _FUSED_ATTENTION
+        return _CONSISTENT_ATTENTION if uniform else None
+    if uniform and type(node).__name__ == "LogSoftmaxBackward0":
+        return _LOG_SOFTMAX
     return None
 
 

@@ -626,15 +626,15 @@ class compress_saved:
         if sequence != self._group_sequence:
             self._flush()  # the previous op has saved all it saves
         self._group_sequence = sequence
-        if sequence is not None and t.grad_fn is not None and self._group_rule is None:
-            rule = _save_rules.rule_for(t.grad_fn)
-            if rule is not None and t.grad_fn._sequence_nr() == sequence - 1:  # the op saving now
-                if self._recorder is not None and _save_rules.recomputable_attention(t.grad_fn):
-                    # Its output and logsumexp will be recomputed from the stored query, key and
-                    # value (_flush): no floors, unless that turns out impossible there.
-                    self._group_attention = True
-                    rule = _save_rules.NO_FLOORS
-                self._group_rule = (t.grad_fn, rule)
+        if sequence is not None and t.grad_fn is not None and self._group_rule is None \
+                and t.grad_fn._sequence_nr() == sequence - 1:  # a save of the op saving now, by its node
+            node = t.grad_fn
+            # Fused attention's output and logsumexp will be recomputed from the stored query,
+            # key and value (_flush), unless that turns out impossible there.
+            self._group_attention = self._recorder is not None and _save_rules.recomputable_attention(node)
+            rule = _save_rules.rule_for(node, recomputed=self._group_attention, uniform=self.bits_for is None)
+            if rule is not None or self._group_attention:
+                self._group_rule = (node, rule or _save_rules.NO_FLOORS)
                 for box in self._group:
                     self._raise_to_floor(box)
         key = self._identity(t)
@@ -831,8 +831,8 @@ class compress_saved:
         group, rule, attention = self._group, self._group_rule, self._group_attention
         self._group, self._group_attention = [], False
         if attention and rule is not None and not self._derive_attention(rule[0], group):
-            # Recomputing was planned and turned out impossible: the floors after all.
-            self._group_rule = (rule[0], _save_rules.rule_for(rule[0]))
+            # Recomputing was planned and turned out impossible: the stored rule's floors.
+            self._group_rule = (rule[0], _save_rules.rule_for(rule[0], uniform=self.bits_for is None))
             for box in group:
                 self._raise_to_floor(box)
         self._group_rule = None
