@@ -15,6 +15,7 @@ weights and batches as exact training:
   compress-4    abp.compress_saved(bits=4) around each step
   compress-2    abp.compress_saved(bits=2, allow_low_bits=True): refused by default, shown anyway
   controller-4  abp.CompressionController(model, avg_bits=4)
+  controller-2  abp.CompressionController(model, avg_bits=2)
   sampled-0.3   abp.convert(recipe="sampled", keep=0.3): WTA-CRS on the FFN (and attention output)
   vcas          abp.vcas.Controller, calibrated every 20 steps
   all           abp.convert(recipe="all"): lowmembp + sampled 0.3 + compress_saved(bits=8)
@@ -51,7 +52,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 import real_tasks  # noqa: E402
 
-RECIPES = ("exact", "lowmembp", "fewbit-3", "compress-4", "compress-2", "controller-4", "sampled-0.3", "vcas", "all")
+RECIPES = ("exact", "lowmembp", "fewbit-3", "compress-4", "compress-2", "controller-4", "controller-2", "sampled-0.3",
+           "vcas", "all")
 #: task -> (metric, +1 if higher is better, fixed tolerance, the combined recipe's, relative?)
 METRICS = {"digits": ("test_accuracy", +1, 0.003, 0.005, False), "charlm": ("val_loss", -1, 0.01, 0.01, True)}
 COMBINED = "all"

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import abp
+from abp import _derived
 from abp_reference import library_or_skip
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,11 +66,15 @@ def test_gact_demo_trains_compressed_runs_and_saves_less():
 def test_real_data_demo_prints_accuracy_and_saved_bytes_per_setting():
     out = run_example("real_data_demo.py", ["--steps", "3"])
     rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
-    assert set(rows) == {"exact", "compress-8", "compress-4", "compress-2", "controller-4"}, out
+    assert set(rows) == {"exact", "compress-8", "compress-4", "compress-4-no-recompute", "compress-2", "controller-4",
+                         "controller-2"}, out
     accuracy = {name: float(row.split("accuracy")[1].split("%")[0]) for name, row in rows.items()}
     assert all(0 <= a <= 100 for a in accuracy.values()), out
     less = {name: float(row.split("(")[1].split("x less")[0]) for name, row in rows.items()}
     assert less["exact"] == 1.0 and less["compress-2"] > less["compress-4"] > less["compress-8"] > 1.5, out
+    assert "CompressionController(avg_bits=2)" in rows["controller-2"], out
+    if _derived.AVAILABLE:  # torch >= 2: what cheap ops derive is recomputed, not stored
+        assert less["compress-4"] > less["compress-4-no-recompute"], out
 
 
 def test_sampled_demo_trains_wtacrs_and_vcas_runs():
@@ -83,7 +88,8 @@ def test_sampled_demo_trains_wtacrs_and_vcas_runs():
     assert "GEMM FLOPs x" in rows["vcas"], out  # calibrated at steps 0 and 10
 
 
-PARITY_RECIPES = {"exact", "lowmembp", "fewbit-3", "compress-4", "compress-2", "controller-4", "sampled-0.3", "vcas", "all"}
+PARITY_RECIPES = {"exact", "lowmembp", "fewbit-3", "compress-4", "compress-2", "controller-4", "controller-2",
+                  "sampled-0.3", "vcas", "all"}
 
 
 def parity_rows(out: str, task: str) -> dict:

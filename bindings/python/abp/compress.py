@@ -426,10 +426,11 @@ def check_uniform_bits(bits: int, allow_low_bits: bool, name: str = "bits") -> N
     if bits < MIN_UNIFORM_BITS and not allow_low_bits:
         raise ValueError(
             f"{name}={bits}: one width of 2 bits or fewer for every saved tensor did not train a language model to "
-            "exact training's loss (docs/compressed-training.md: 1.96 at 2 bits against 1.63 nats per byte) although "
-            "they do on small image classifiers. Use bits=4 (within 1 % there); abp.CompressionController, which "
-            "picks a width per tensor by its measured sensitivity, did not do better below 4 bits on average "
-            "either. Or pass allow_low_bits=True to accept the risk (the divergence guard still watches)")
+            "exact training's loss (docs/compressed-training.md: 1.72 at 2 bits against 1.63 nats per byte) although "
+            "it does on small image classifiers. Use bits=4 (as exact there), or abp.CompressionController("
+            "model, avg_bits=2), which picks a width per tensor by its measured sensitivity and reached exact "
+            "training at 2 bits on average. Or pass allow_low_bits=True to accept the risk (the divergence guard "
+            "still watches)")
 
 
 class _Deferred:
