@@ -78,3 +78,32 @@ def test_cuda_compress_saved_bytes_and_gradients():
     assert saved.stats["bytes_compressed"] == sum(n + math.ceil(n / 256) * 8 for n in sizes)
     for p, g in zip(model.parameters(), exact):
         assert (p.grad - g).norm() <= 0.05 * g.norm()
+
+
+@pytest.mark.parametrize("backend", ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_cuda_fused_attention_is_recomputed_from_its_decoded_inputs(backend, dtype):
+    """Under compress_saved, each CUDA fused-attention kernel's output and logsumexp are recomputed
+    by the same kernel from the decoded q, k and v (abp._save_rules.attention_kernel): the
+    gradients are exactly those of that kernel at the decoded values."""
+    attention = pytest.importorskip("torch.nn.attention")
+    kind = getattr(attention.SDPBackend, backend, None)
+    if kind is None:
+        pytest.skip(f"torch has no {backend}")
+    g = torch.Generator().manual_seed(3)
+    leaves = [torch.randn(2, 4, 128, 64, generator=g).to(CUDA, dtype).requires_grad_() for _ in range(3)]
+    q, k, v = (t * 1.0 for t in leaves)  # activations (a leaf that requires grad counts as a parameter)
+    d_out = torch.randn(2, 4, 128, 64, generator=g).to(CUDA, dtype)
+    try:
+        with attention.sdpa_kernel(kind), C.compress_saved(bits=4, min_numel=1) as block:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    except RuntimeError as e:  # this GPU or build has no such kernel for these inputs
+        pytest.skip(f"{backend}: {e}")
+    assert block.stats["derived"] == 1, (backend, type(out.grad_fn).__name__, block.stats)
+    node = out.grad_fn
+    decoded = [getattr(node, name).detach().requires_grad_() for name in ("_saved_query", "_saved_key", "_saved_value")]
+    got = torch.autograd.grad(out, (q, k, v), d_out)
+    with attention.sdpa_kernel(kind):
+        reference = torch.nn.functional.scaled_dot_product_attention(*decoded, is_causal=True)
+    want = torch.autograd.grad(reference, decoded, d_out)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), backend

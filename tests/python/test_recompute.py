@@ -144,6 +144,22 @@ def test_recomputed_attention_calls_its_kernel_once_per_backward(monkeypatch) ->
     assert stats["derived"] >= 2
 
 
+@pytest.mark.parametrize("name", ["ScaledDotProductFlashAttentionForCpuBackward0", "ScaledDotProductFlashAttentionBackward0",
+                                  "ScaledDotProductEfficientAttentionBackward0", "ScaledDotProductCudnnAttentionBackward0"])
+def test_every_attention_kernel_call_binds_its_arguments(name: str) -> None:
+    """The calls that recompute each fused kernel's output and logsumexp, run on meta tensors (the
+    CUDA kernels cannot run here): ATen accepts their arguments and returns (output, logsumexp)."""
+    from abp import _save_rules
+
+    kernel, names = _save_rules._ATTENTION_KERNELS[name]
+    assert len(names) == 6 and all(n is None or n.startswith("_saved_") for n in names)
+    assert all(n is None or n in dir(getattr(torch._C._functions, name)) for n in names)
+    q = torch.empty(2, 4, 16, 8, device="meta", dtype=torch.float16)
+    out, lse = kernel(q, q, q, None, 0.0, True, None)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.dtype == torch.float32 and lse.shape[:3] in (
+        (2, 4, 16), (2, 4, 32))
+
+
 def test_a_view_of_a_non_contiguous_base_is_rebuilt_in_its_layout() -> None:
     base = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4).permute(2, 0, 1)  # dense, not contiguous
     assert _derived.dense(base) and not base.is_contiguous()

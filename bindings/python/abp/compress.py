@@ -679,8 +679,8 @@ class compress_saved:
         # x² + σ²; docs/compressed-training.md); kept as it is, it is exact.
         if recorder is None or t.dtype == torch.bool or not _compressible(t, self.min_numel, DERIVE_ROW_STATISTICS):
             return None
-        if self.filter is not None and not self.filter(t):
-            return None
+        if (self.filter is not None and not self.filter(t)) or _parameter_of(t) is not None:
+            return None  # a parameter's view or cast (w.t()) is kept by its module anyway
         derived = recorder.derivation(t)
         base = t._base
         if derived is None and base is not None and _derived.dense(base):
