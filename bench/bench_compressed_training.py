@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--settings", default=",".join(real_tasks.SETTINGS))
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default: each task's own)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda: where the model and data live")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     try:  # the code this run loads: HEAD now, not when it ends
@@ -72,7 +73,7 @@ def main() -> None:
         runs: Dict[str, List[Dict[str, Any]]] = {}
         for setting in args.settings.split(","):
             for seed in range(args.seeds):
-                r = real_tasks.train(task, setting, seed, steps=args.steps)
+                r = real_tasks.train(task, setting, seed, steps=args.steps, device=args.device)
                 runs.setdefault(setting, []).append(r)
                 metric = METRIC[task][0]
                 print(f"{task:>7} {setting:>20} seed {seed}: {metric} {r[metric]:.4f}  saved {r['saved_bytes'] / 2**20:.2f} MiB"
@@ -90,7 +91,8 @@ def main() -> None:
         "commit": commit,
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "machine": f"{platform.machine()} cpu, {os.cpu_count()} cores, {torch.get_num_threads()} threads",
+        "machine": (torch.cuda.get_device_name() if args.device.startswith("cuda") else
+                    f"{platform.machine()} cpu, {os.cpu_count()} cores, {torch.get_num_threads()} threads"),
         "seeds": args.seeds,
         "results": results,
     }

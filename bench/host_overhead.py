@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import commit_id  # noqa: E402
 
 ROWS, COLS = 4, 32  # tiny: the host path dominates
+DEVICE = torch.device("cpu")  # --device cuda: the same rows on GPU tensors (host time of async launches)
 
 
 def _norms() -> List[Tuple[str, Callable[[], torch.nn.Module], Callable[[], torch.nn.Module]]]:
@@ -83,14 +84,14 @@ def _step(module: torch.nn.Module, x: torch.Tensor, g: torch.Tensor) -> Callable
 def _recipe_block() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.LayerNorm(COLS), torch.nn.Linear(COLS, 4 * COLS), torch.nn.GELU(),
-                               torch.nn.Linear(4 * COLS, COLS))
+                               torch.nn.Linear(4 * COLS, COLS)).to(DEVICE)
 
 
 def recipes() -> List[Tuple[str, Callable[[], Callable[[], None]], Callable[[], Callable[[], None]]]]:
     """(name, abp step factory, exact step factory): one forward and backward of a small
     LayerNorm-Linear-GELU-Linear block, converted by a recipe (or under compress_saved) against
     the original."""
-    x = torch.randn(ROWS, COLS)
+    x = torch.randn(ROWS, COLS, device=DEVICE)
 
     # Gradients are dropped before each step, as an optimizer step would: accumulated without
     # end, they would grow like a diverging run's (and compress_saved's guard would say so).
@@ -184,14 +185,15 @@ def measure(rounds: int, calls: int) -> List[Dict[str, object]]:
     rows = []
     torch.manual_seed(0)
     for name, mine, theirs in pairs():
+        x = torch.randn(ROWS, COLS, device=DEVICE, requires_grad=True)
+        g = torch.randn(ROWS, COLS, device=DEVICE)
+        a, b = side_by_side(_step(mine().to(DEVICE), x, g), _step(theirs().to(DEVICE), x, g), rounds, calls)
+        rows.append({"op": name, "abp_us": a * 1e6, "torch_us": b * 1e6, "ratio": a / b})
+    if DEVICE.type == "cpu":  # the floor launches on the CPU path
         x = torch.randn(ROWS, COLS, requires_grad=True)
         g = torch.randn(ROWS, COLS)
-        a, b = side_by_side(_step(mine(), x, g), _step(theirs(), x, g), rounds, calls)
-        rows.append({"op": name, "abp_us": a * 1e6, "torch_us": b * 1e6, "ratio": a / b})
-    x = torch.randn(ROWS, COLS, requires_grad=True)
-    g = torch.randn(ROWS, COLS)
-    a, b = side_by_side(_step(floor()(), x, g), _step(torch.nn.SiLU(), x, g), rounds, calls)
-    rows.append({"op": "launch floor (SiLU)", "abp_us": a * 1e6, "torch_us": b * 1e6, "ratio": a / b})
+        a, b = side_by_side(_step(floor()(), x, g), _step(torch.nn.SiLU(), x, g), rounds, calls)
+        rows.append({"op": "launch floor (SiLU)", "abp_us": a * 1e6, "torch_us": b * 1e6, "ratio": a / b})
     for name, mine_step, theirs_step in recipes():
         a, b = side_by_side(mine_step(), theirs_step(), rounds, calls)
         rows.append({"op": name, "abp_us": a * 1e6, "torch_us": b * 1e6, "ratio": a / b})
@@ -203,13 +205,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--calls", type=int, default=100)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: host time, not kernel parallelism)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: host time of the same calls on GPU tensors")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
     torch.set_num_threads(args.threads)
     rows = measure(args.rounds, args.calls)
     from abp import _plan_lane
     lane = _plan_lane.status()
-    print(f"host overhead per call, forward + backward on {ROWS}x{COLS} CPU tensors "
+    print(f"host overhead per call, forward + backward on {ROWS}x{COLS} {DEVICE.type.upper()} tensors "
           f"(torch {torch.__version__}, best of {args.rounds} rounds of {args.calls} calls, thread CPU time; "
           f"abp's {lane})")
     print(f"{'op':<24} {'torch us':>9} {'abp us':>9} {'ratio':>6}")
@@ -223,7 +228,7 @@ def main() -> None:
         args.json.write_text(json.dumps({
             "commit": commit_id(str(Path(__file__).resolve().parents[1])),
             "date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
-            "torch": torch.__version__, "lane": lane, "rounds": args.rounds, "calls": args.calls, "rows": rows}, indent=1))
+            "torch": torch.__version__, "lane": lane, "device": DEVICE.type, "rounds": args.rounds, "calls": args.calls, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

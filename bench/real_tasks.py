@@ -356,7 +356,7 @@ def _grad_norm(model: nn.Module) -> float:
 
 
 def train(task: str, setting: Setting, seed: int, *, steps: Optional[int] = None, log_every: int = 10,
-          eval_every: Optional[int] = None) -> Dict[str, Any]:
+          eval_every: Optional[int] = None, device: Union[str, torch.device] = "cpu") -> Dict[str, Any]:
     """Trains `task` ("digits" or "charlm") under `setting` (a name of SETTINGS or RECIPES, a
     Recipe, or a callable giving the model a context factory for each step) from `seed`; returns
     its metrics. With `eval_every`, result["curve"] holds [steps done, metric] at 0, every
@@ -365,24 +365,27 @@ def train(task: str, setting: Setting, seed: int, *, steps: Optional[int] = None
     digits: AdamW lr 1e-3, batch 64, `steps` (default 12 epochs = 276 steps); metric test accuracy.
     charlm: AdamW lr 3e-3, batch 32 of 64 bytes, `steps` (default 600); metric validation loss
     (nats per byte) over 64 fixed windows.
+
+    `device` holds the model and the data; batches are drawn on the CPU (the same batches on any
+    device), and a CUDA step's time is taken after the device has finished it.
     """
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(1000 + seed)  # batches
     extra = torch.Generator().manual_seed(2000 + seed)  # batches a setting draws (Task.draw)
     if task == "digits":
-        xtr, ytr, xte, yte = digits()
-        model: nn.Module = PatchTransformer()
+        xtr, ytr, xte, yte = (t.to(device) for t in digits())
+        model: nn.Module = PatchTransformer().to(device)
         lr, batch, total = 1e-3, 64, steps if steps is not None else 276
 
         def batches() -> Any:
             while True:
                 order = torch.randperm(len(ytr), generator=gen)
                 for i in range(0, len(ytr) - batch + 1, batch):
-                    idx = order[i:i + batch]
+                    idx = order[i:i + batch].to(device)
                     yield xtr[idx], ytr[idx]
 
         def draw() -> Any:
-            idx = torch.randperm(len(ytr), generator=extra)[:batch]
+            idx = torch.randperm(len(ytr), generator=extra)[:batch].to(device)
             return xtr[idx], ytr[idx]
 
         def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -392,9 +395,9 @@ def train(task: str, setting: Setting, seed: int, *, steps: Optional[int] = None
             with torch.no_grad():
                 return {"test_accuracy": float((model(xte).argmax(1) == yte).float().mean())}
     elif task == "charlm":
-        train_text, val_text = python_source()
+        train_text, val_text = (t.to(device) for t in python_source())
         context, batch = 64, 32
-        model = TinyLlama(context=context)
+        model = TinyLlama(context=context).to(device)
         lr, total = 3e-3, steps if steps is not None else 600
 
         def windows(g: torch.Generator) -> Any:
@@ -482,6 +485,8 @@ def _loop(model: nn.Module, opt: torch.optim.Optimizer, data: Any, loss_of: Call
             loss = loss_of(model(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
+        if loss.is_cuda:
+            torch.cuda.synchronize()
         seconds += time.perf_counter() - start
         if step % log_every == 0 or last:
             trace.append([step, _grad_norm(model)])

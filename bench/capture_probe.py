@@ -1,0 +1,146 @@
+"""Which abp ops and recipes are capture-safe on a GPU (#16 item 3): for each, one forward and
+backward step (1) under torch.cuda.set_sync_debug_mode("error"), which raises at the first
+host-device synchronisation torch makes (the runtime's own calls are not seen), and (2) captured
+in a CUDA graph and replayed, the replay's output and input gradient compared with an eager step
+where the step is deterministic. Prints a table; --json writes the rows. Needs torch with CUDA.
+
+    python bench/capture_probe.py [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+import abp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import host_overhead  # noqa: E402
+from timing import commit_id  # noqa: E402
+
+CUDA = torch.device("cuda")
+ROWS, COLS = 64, host_overhead.COLS  # the norms of host_overhead.pairs() are that wide
+
+Step = Callable[[torch.Tensor], torch.Tensor]  # x -> output (backward done inside)
+
+
+def _module_step(module: torch.nn.Module, context: Callable[[], object] = None) -> Step:
+    def run(x: torch.Tensor) -> torch.Tensor:
+        for p in module.parameters():
+            p.grad = None
+        if context is None:
+            y = module(x)
+        else:
+            with context():  # type: ignore[misc]
+                y = module(x)
+        y.float().square().sum().backward()
+        return y.detach()
+    return run
+
+
+def cases() -> List[Tuple[str, Callable[[], Step], bool]]:
+    """(name, step factory, deterministic)."""
+    out: List[Tuple[str, Callable[[], Step], bool]] = []
+    for name, mine, _ in host_overhead.pairs():
+        out.append((name, lambda m=mine: _module_step(m().to(CUDA)), True))
+    out.append(("SampledLinear (wtacrs 0.3)",
+                lambda: _module_step(abp.nn.SampledLinear(COLS, COLS, device=CUDA)), False))
+
+    def block() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.LayerNorm(COLS), torch.nn.Linear(COLS, 4 * COLS), torch.nn.GELU(),
+                                   torch.nn.Linear(4 * COLS, COLS)).to(CUDA)
+
+    example = (torch.randn(ROWS, COLS, device=CUDA),)
+    for recipe, det in (("lowmembp", True), ("sampled", False), ("all", False)):
+        out.append((f"recipe {recipe}",
+                    lambda r=recipe: _module_step(abp.convert(block(), recipe=r, example_inputs=example)[0]), det))
+    out.append(("compress_saved(bits=4)", lambda: _module_step(block(), lambda: abp.compress_saved(bits=4)), False))
+
+    def controlled() -> Step:
+        model = block()
+        controller = abp.CompressionController(model, avg_bits=2, interval=100, min_numel=1)
+        return _module_step(model, lambda: controller)
+    out.append(("CompressionController(avg_bits=2)", controlled, False))
+    return out
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}" if str(e).strip() else type(e).__name__
+
+
+def probe(name: str, make: Callable[[], Step], deterministic: bool) -> Dict[str, object]:
+    row: Dict[str, object] = {"op": name}
+    torch.manual_seed(0)
+    x = torch.randn(ROWS, COLS, device=CUDA, requires_grad=True)
+    try:
+        step = make()
+        for _ in range(3):  # compiles, warms the caches and any lazily made state
+            x.grad = None
+            step(x)
+        torch.cuda.synchronize()
+        x.grad = None
+        eager_y = step(x).clone()
+        eager_dx = x.grad.clone()
+    except Exception as e:  # noqa: BLE001 - a probe reports every failure
+        row.update(sync_free=None, captured=None, error=_first_line(e))
+        return row
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        x.grad = None
+        step(x)
+        row["sync_free"] = True
+    except Exception as e:  # noqa: BLE001
+        row["sync_free"] = False
+        row["sync"] = _first_line(e)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                x.grad = None
+                step(x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        x.grad = None
+        with torch.cuda.graph(graph):
+            y = step(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        row["captured"] = True
+        if deterministic:
+            row["replay_equals_eager"] = bool(torch.equal(y, eager_y) and torch.equal(x.grad, eager_dx))
+    except Exception as e:  # noqa: BLE001
+        row["captured"] = False
+        row["capture_error"] = _first_line(e)
+        torch.cuda.synchronize()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("capture_probe: needs torch with CUDA and a GPU")
+    rows = [probe(*c) for c in cases()]
+    for r in rows:
+        print(f"{r['op']:<36} sync-free {str(r.get('sync_free')):<5} captured {str(r.get('captured')):<5} "
+              f"replay=eager {str(r.get('replay_equals_eager', '-')):<5} "
+              f"{r.get('error') or r.get('sync') or ''} {r.get('capture_error', '')}")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "commit": commit_id(str(Path(__file__).resolve().parents[1])), "date": time.strftime("%Y-%m-%d"),
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
