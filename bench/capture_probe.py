@@ -9,6 +9,7 @@ where the step is deterministic. Prints a table; --json writes the rows. Needs t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -29,16 +30,13 @@ ROWS, COLS = 64, host_overhead.COLS  # the norms of host_overhead.pairs() are th
 Step = Callable[[torch.Tensor], torch.Tensor]  # x -> output (backward done inside)
 
 
-def _module_step(module: torch.nn.Module, context: Callable[[], object] = None) -> Step:
+def _module_step(module: torch.nn.Module, context: Optional[Callable[[], object]] = None) -> Step:
     def run(x: torch.Tensor) -> torch.Tensor:
         for p in module.parameters():
             p.grad = None
-        if context is None:
+        with context() if context is not None else contextlib.nullcontext():  # type: ignore[attr-defined]
             y = module(x)
-        else:
-            with context():  # type: ignore[misc]
-                y = module(x)
-        y.float().square().sum().backward()
+            y.float().square().sum().backward()  # inside: a controller's step ends with its backward
         return y.detach()
     return run
 

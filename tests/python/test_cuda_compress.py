@@ -63,19 +63,24 @@ def test_cuda_dequantize_is_unbiased():
     assert t <= 1 + 2 * math.sqrt(10 * (lam**2).sum()) + 20 * lam.max()
 
 
-def test_cuda_compress_saved_bytes_and_gradients():
+@pytest.mark.parametrize("recompute", [False, True])
+def test_cuda_compress_saved_bytes_and_gradients(recompute):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).to(CUDA)
     x = torch.randn(64, 1024, device=CUDA)
     model(x).square().mean().backward()
     exact = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    with C.compress_saved(bits=8) as saved:
+    with C.compress_saved(bits=8, recompute=recompute) as saved:
         model(x).square().mean().backward()
-    # x (for dW1), the GELU's input, its output (for dW2) and the output (for the square).
-    sizes = [64 * 1024, 64 * 1024, 64 * 1024, 64 * 256]
-    assert saved.stats["compressed"] == 4
+    # x (for dW1) is off the gradient path (a constant of backward): kept as it is. Compressed: the
+    # GELU's input, its output (for dW2; recomputed from the input instead, with recompute) and the
+    # output (for the square).
+    sizes = [64 * 1024, 64 * 256] if recompute else [64 * 1024, 64 * 1024, 64 * 256]
+    assert saved.stats["compressed"] == len(sizes)
+    assert saved.stats["derived"] == int(recompute)
     assert saved.stats["bytes_compressed"] == sum(n + math.ceil(n / 256) * 8 for n in sizes)
+    assert saved.stats["bytes_stored"] == saved.stats["bytes_compressed"] + 64 * 1024 * 4
     for p, g in zip(model.parameters(), exact):
         assert (p.grad - g).norm() <= 0.05 * g.norm()
 
