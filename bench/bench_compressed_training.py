@@ -19,7 +19,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Dict, List
@@ -28,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import real_tasks  # noqa: E402
+from timing import commit_id  # noqa: E402
 
 METRIC = {"digits": ("test_accuracy", +1), "charlm": ("val_loss", -1)}
 
@@ -62,18 +62,17 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default: each task's own)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda: where the model and data live")
+    ap.add_argument("--stdlib", default=None, help="charlm's corpus: this directory's *.py (default: this Python's stdlib)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    try:  # the code this run loads: HEAD now, not when it ends
-        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+    commit = commit_id(str(Path(__file__).resolve().parents[1]))  # the code this run loads: HEAD now
     results: Dict[str, Any] = {}
     for task in args.tasks.split(","):
         runs: Dict[str, List[Dict[str, Any]]] = {}
         for setting in args.settings.split(","):
             for seed in range(args.seeds):
-                r = real_tasks.train(task, setting, seed, steps=args.steps, device=args.device)
+                r = real_tasks.train(task, setting, seed, steps=args.steps, device=args.device,
+                                     stdlib=args.stdlib)
                 runs.setdefault(setting, []).append(r)
                 metric = METRIC[task][0]
                 print(f"{task:>7} {setting:>20} seed {seed}: {metric} {r[metric]:.4f}  saved {r['saved_bytes'] / 2**20:.2f} MiB"

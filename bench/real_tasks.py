@@ -23,8 +23,10 @@ import collections
 import contextlib
 import dataclasses
 import gzip
+import hashlib
 import importlib.util
 import math
+import platform
 import statistics
 import sysconfig
 import time
@@ -66,9 +68,13 @@ def digits() -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return x[train], y[train], x[test], y[test]
 
 
-def python_source(train_bytes: int = 600_000, val_bytes: int = 60_000) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The standard library's source as bytes: (train, validation), uint8 → int64 tensors."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
+def python_source(train_bytes: int = 600_000, val_bytes: int = 60_000,
+                  stdlib: Optional[Path] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The standard library's source as bytes: (train, validation), uint8 → int64 tensors: its
+    *.py files in name order. The text is the running Python's unless `stdlib` names another
+    directory (to train on the same text on another machine): another version gives another
+    corpus (other loss levels), so `corpus_id()` names it in every result."""
+    stdlib = Path(stdlib) if stdlib is not None else Path(sysconfig.get_paths()["stdlib"])
     chunks, total = [], 0
     for path in sorted(stdlib.glob("*.py")):
         data = path.read_bytes()
@@ -81,6 +87,13 @@ def python_source(train_bytes: int = 600_000, val_bytes: int = 60_000) -> Tuple[
         raise RuntimeError(f"{stdlib}: fewer than {train_bytes + val_bytes} bytes of Python source")
     data = torch.from_numpy(text.astype(np.int64))
     return data[:train_bytes], data[train_bytes:]
+
+
+def corpus_id(stdlib: Optional[Path] = None) -> str:
+    """Which text python_source(stdlib=stdlib) gives: whose it is and its SHA-256 prefix."""
+    train, val = python_source(stdlib=stdlib)
+    digest = hashlib.sha256(torch.cat((train, val)).to(torch.uint8).numpy().tobytes()).hexdigest()
+    return f"{stdlib or f'python {platform.python_version()} stdlib'}, sha256 {digest[:12]}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,7 +369,8 @@ def _grad_norm(model: nn.Module) -> float:
 
 
 def train(task: str, setting: Setting, seed: int, *, steps: Optional[int] = None, log_every: int = 10,
-          eval_every: Optional[int] = None, device: Union[str, torch.device] = "cpu") -> Dict[str, Any]:
+          eval_every: Optional[int] = None, device: Union[str, torch.device] = "cpu",
+          stdlib: Optional[Path] = None) -> Dict[str, Any]:
     """Trains `task` ("digits" or "charlm") under `setting` (a name of SETTINGS or RECIPES, a
     Recipe, or a callable giving the model a context factory for each step) from `seed`; returns
     its metrics. With `eval_every`, result["curve"] holds [steps done, metric] at 0, every
@@ -366,7 +380,7 @@ def train(task: str, setting: Setting, seed: int, *, steps: Optional[int] = None
     charlm: AdamW lr 3e-3, batch 32 of 64 bytes, `steps` (default 600); metric validation loss
     (nats per byte) over 64 fixed windows.
 
-    `device` holds the model and the data; batches are drawn on the CPU (the same batches on any
+    `stdlib`: charlm's corpus directory (python_source). `device` holds the model and the data; batches are drawn on the CPU (the same batches on any
     device), and a CUDA step's time is taken after the device has finished it.
     """
     torch.manual_seed(seed)
@@ -395,7 +409,7 @@ def train(task: str, setting: Setting, seed: int, *, steps: Optional[int] = None
             with torch.no_grad():
                 return {"test_accuracy": float((model(xte).argmax(1) == yte).float().mean())}
     elif task == "charlm":
-        train_text, val_text = (t.to(device) for t in python_source())
+        train_text, val_text = (t.to(device) for t in python_source(stdlib=stdlib))
         context, batch = 64, 32
         model = TinyLlama(context=context).to(device)
         lr, total = 3e-3, steps if steps is not None else 600
@@ -444,6 +458,8 @@ def train(task: str, setting: Setting, seed: int, *, steps: Optional[int] = None
     alarms = [str(w.message) for w in caught if issubclass(w.category, abp.DivergenceWarning)]
     model.eval()
     result: Dict[str, Any] = {"task": task, "setting": name, "seed": seed, "steps": total}
+    if task == "charlm":
+        result["corpus"] = corpus_id(stdlib)
     result.update(evaluate())
     tail = losses[-max(1, total // 10):]
     result["train_loss_tail"] = sum(tail) / len(tail)
