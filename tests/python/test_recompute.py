@@ -112,6 +112,72 @@ def test_compressed_recompute_stores_less_and_stays_close() -> None:
         assert err(derived) <= 1.5 * err(stored), (bits, err(derived), err(stored))
 
 
+def test_a_chain_that_reads_each_tensor_twice_is_recomputed_once_per_read(monkeypatch) -> None:
+    """`y * sigmoid(y)` reads y twice: a chain of them has 2^depth paths through what is
+    recomputed. Each unpack computes each recomputed tensor once (a depth of 20 took minutes when
+    every path was walked), and kept raw the gradients are exact."""
+    torch.manual_seed(0)
+    linear = nn.Linear(16, 16)
+    x = torch.randn(8, 16)
+    depth = 16
+
+    calls = []
+    call = _derived.Derived._call
+    monkeypatch.setattr(_derived.Derived, "_call", lambda self, *a: calls.append(self) or call(self, *a))
+
+    def run(**kw: Any) -> Tuple[Dict[str, torch.Tensor], Dict[str, int]]:
+        linear.zero_grad()
+        with C.compress_saved(min_numel=1, **kw) as block:
+            y = linear(x)
+            for _ in range(depth):
+                y = y * torch.sigmoid(y)
+            loss = y.pow(2).sum()
+        loss.backward()
+        return {n: p.grad.clone() for n, p in linear.named_parameters()}, dict(block.stats)
+
+    want, _ = run(bits_for=lambda t: 32, recompute=False)
+    assert not calls
+    got, stats = run(bits_for=lambda t: 32)
+    assert stats["derived"] >= 2 * depth - 1  # every sigmoid and every product but the last
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    # Backward reads 2 tensors per level, each recomputing at most the levels below it once
+    # (walking every path: 2^16 calls for the last level alone).
+    assert 0 < len(calls) <= 2 * depth * 2 * depth
+    compressed, _ = run(bits=8)
+    assert all(torch.isfinite(g).all() for g in compressed.values())
+
+
+@pytest.mark.parametrize("same", [lambda t: t.to(t.dtype), lambda t: t.contiguous(), lambda t: t.float(),
+                                  lambda t: t.type_as(t)], ids=["to", "contiguous", "float", "type_as"])
+def test_a_function_that_returns_its_argument_is_not_recorded_as_made_from_it(same) -> None:
+    """`x.to(x.dtype)` returns x itself: recorded, x would be derived from itself (an eager
+    LLaMA's attention casts its softmax so, and backward recursed without end)."""
+    torch.manual_seed(0)
+    linear = nn.Linear(16, 16)
+    x = torch.randn(8, 16)
+
+    def run(**kw: Any) -> Dict[str, torch.Tensor]:
+        linear.zero_grad()
+        with C.compress_saved(min_numel=1, **kw):
+            h = torch.softmax(linear(x), -1)
+            h = same(h)
+            loss = (h * torch.sigmoid(h)).sum()
+        loss.backward()
+        return {n: p.grad.clone() for n, p in linear.named_parameters()}
+
+    want = run(bits_for=lambda t: 32, recompute=False)
+    got = run(bits_for=lambda t: 32)
+    assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_a_recomputation_that_needs_its_own_result_fails_clearly() -> None:
+    leaves, spec = _derived.flatten((None,))
+    derived = _derived.Derived(torch.neg, spec, [None], None, None, (2,), torch.float32)
+    derived.leaves[0] = _derived.Use(derived, None)
+    with pytest.raises(RuntimeError, match="needs its own result; pass recompute=False"):
+        derived.materialize(lambda value, memo: torch.zeros(2))
+
+
 def test_a_norm_output_is_recomputed_from_the_decoded_input_and_the_exact_statistic() -> None:
     """RMSNorm's w·x and output h = (w·x)·r are recomputed from x's 2-bit codes x̃ and r, the
     1/rms kept as it is (a per-row statistic: recomputed from x̃ it would be biased, E[x̃²] =

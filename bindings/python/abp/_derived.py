@@ -123,15 +123,34 @@ class Shared:
 
 def claim(value: Any) -> None:
     """Counts one more read of every Shared call that materializing `value` (what a pack hook
-    returns) will read."""
-    todo = [value]
+    returns) will read: once each, as one materialization computes each Derived once."""
+    todo, seen = [value], set()
     while todo:
         value = todo.pop()
         value = getattr(value, "value", value) if not isinstance(value, (Derived, torch.Tensor)) else value
-        if isinstance(value, Derived):
+        if isinstance(value, Derived) and id(value) not in seen:
+            seen.add(id(value))
             if value.shared is not None:
                 value.shared.reads += 1
             todo.extend(use.value for use in value.uses())
+
+
+def reachable(derived: "Derived") -> List["Derived"]:
+    """`derived` and every Derived its Uses lead to, each once (the graph shares: `y * sigmoid(y)`
+    reads y twice, and a chain of such ops has exponentially many paths)."""
+    found, todo, seen = [], [derived], {id(derived)}
+    while todo:
+        d = todo.pop()
+        found.append(d)
+        for use in d.uses():
+            if isinstance(use.value, Derived) and id(use.value) not in seen:
+                seen.add(id(use.value))
+                todo.append(use.value)
+    return found
+
+
+#: What a memo holds for a Derived being computed (a cycle would find it).
+_COMPUTING: Any = object()
 
 
 class Derived:
@@ -152,14 +171,26 @@ class Derived:
     def uses(self) -> List[Use]:
         return [leaf for leaf in self.leaves if isinstance(leaf, Use)]
 
-    def materialize(self, decode: Callable[[Any], torch.Tensor]) -> torch.Tensor:
-        """The tensor, recomputed; `decode(value)` gives the tensor a Use's value stands for."""
+    def materialize(self, decode: Callable[[Any, Dict[int, torch.Tensor]], torch.Tensor],
+                    memo: Optional[Dict[int, torch.Tensor]] = None) -> torch.Tensor:
+        """The tensor, recomputed; `decode(value, memo)` gives the tensor a Use's value stands for.
+        `memo` (by id: what one unpack has computed) makes each Derived and each stored value
+        reached through several paths computed and decoded once."""
+        if memo is None:
+            memo = {}
+        done = memo.get(id(self))
+        if done is _COMPUTING:
+            raise RuntimeError(f"compress_saved(recompute=True): recomputing {getattr(self.func, '__name__', self.func)} "
+                               "needs its own result; pass recompute=False and report this")
+        if done is not None:
+            return done
+        memo[id(self)] = _COMPUTING
         shared = self.shared
         if shared is None:
-            out = self._call(decode)
+            out = self._call(decode, memo)
         else:
             if shared.value is None:
-                shared.value = self._call(decode)
+                shared.value = self._call(decode, memo)
             out = shared.value
             shared.reads -= 1
             if shared.reads <= 0:
@@ -170,9 +201,10 @@ class Derived:
             raise RuntimeError(f"compress_saved(recompute=True): recomputing {getattr(self.func, '__name__', self.func)} "
                                f"gave {tuple(out.shape)} {out.dtype}, not the saved {self.shape} {self.dtype}; "
                                "pass recompute=False and report this")
+        memo[id(self)] = out
         return out
 
-    def _call(self, decode: Callable[[Any], torch.Tensor]) -> Any:
+    def _call(self, decode: Callable[[Any, Dict[int, torch.Tensor]], torch.Tensor], memo: Dict[int, torch.Tensor]) -> Any:
         leaves = []
         for leaf in self.leaves:
             if isinstance(leaf, Use):
@@ -186,7 +218,11 @@ class Derived:
                             "the tensor before changing it")
                     leaf = value
                 else:
-                    leaf = value.materialize(decode) if isinstance(value, Derived) else decode(value)
+                    done = memo.get(id(value))
+                    if done is None or done is _COMPUTING:  # a cycle: materialize says so
+                        done = value.materialize(decode, memo) if isinstance(value, Derived) else decode(value, memo)
+                        memo[id(value)] = done
+                    leaf = done
             leaves.append(leaf)
         args, kwargs = tree_unflatten(leaves, self.spec)
         with torch.no_grad(), _autocast(self.autocast):
@@ -262,10 +298,13 @@ class Recorder(TorchFunctionMode):
             outputs = list(enumerate(out))
         else:
             return
-        outputs = [(i, o) for i, o in outputs if o.requires_grad]  # only those autograd may save
+        leaves, spec = tree_flatten((args, kwargs))
+        # Only those autograd may save, and never an argument handed back as it is (`x.to(x.dtype)`,
+        # a contiguous tensor's contiguous()): it would be recorded as made from itself.
+        inputs = {id(leaf) for leaf in leaves if isinstance(leaf, torch.Tensor)}
+        outputs = [(i, o) for i, o in outputs if o.requires_grad and id(o) not in inputs]
         if not outputs:
             return
-        leaves, spec = tree_flatten((args, kwargs))
         budget = max(o.numel() * o.element_size() for _, o in outputs)
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):

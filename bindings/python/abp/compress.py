@@ -457,13 +457,7 @@ _NOTHING = torch.empty(0)
 
 def _uses(derived: _derived.Derived) -> List[_derived.Use]:
     """Every Use of `derived` and of the Derived values it refers to."""
-    found, todo = [], [derived]
-    while todo:
-        for use in todo.pop().uses():
-            found.append(use)
-            if isinstance(use.value, _derived.Derived):
-                todo.append(use.value)
-    return found
+    return [use for d in _derived.reachable(derived) for use in d.uses()]
 
 
 def _kept_tensors(kept: Any) -> List[torch.Tensor]:
@@ -855,8 +849,9 @@ class compress_saved:
             box.pending = False
             memory.note_saved(_kept_tensors(box.value), box.tags)
 
-    def unpack(self, saved: Any) -> torch.Tensor:
-        """The saved_tensors_hooks unpack hook."""
+    def unpack(self, saved: Any, memo: Optional[Dict[int, torch.Tensor]] = None) -> torch.Tensor:
+        """The saved_tensors_hooks unpack hook; `memo`: what this unpack has recomputed so far
+        (Derived.materialize), when it decodes the stored values a recomputation reads."""
         if self._peeking is not None:
             self._peeking.append(saved)
             return _NOTHING
@@ -877,7 +872,7 @@ class compress_saved:
                     "error without compress_saved. Use the out-of-place op, or clone the tensor before changing it")
             saved = saved.value
         if isinstance(saved, _derived.Derived):
-            return saved.materialize(self.unpack)
+            return saved.materialize(self.unpack, memo)
         return dequantize(saved) if isinstance(saved, CompressedTensor) else saved
 
     def _check_gradients(self, parameters: List[torch.Tensor]) -> None:
