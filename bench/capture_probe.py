@@ -41,8 +41,13 @@ def _module_step(module: torch.nn.Module, context: Optional[Callable[[], object]
     return run
 
 
+#: What is not capture-safe yet: the sampled layers' plans are made on the host, and a controller's
+#: estimation step replays the model (bench/README.md). tests/python/test_cuda_capture.py holds the rest.
+NOT_YET = frozenset({"SampledLinear (wtacrs 0.3)", "recipe sampled", "recipe all", "CompressionController(avg_bits=2)"})
+
+
 def cases() -> List[Tuple[str, Callable[[], Step], bool]]:
-    """(name, step factory, deterministic)."""
+    """(name, step factory, deterministic); nothing touches the GPU until a factory is called."""
     out: List[Tuple[str, Callable[[], Step], bool]] = []
     for name, mine, _ in host_overhead.pairs():
         out.append((name, lambda m=mine: _module_step(m().to(CUDA)), True))
@@ -54,10 +59,12 @@ def cases() -> List[Tuple[str, Callable[[], Step], bool]]:
         return torch.nn.Sequential(torch.nn.LayerNorm(COLS), torch.nn.Linear(COLS, 4 * COLS), torch.nn.GELU(),
                                    torch.nn.Linear(4 * COLS, COLS)).to(CUDA)
 
-    example = (torch.randn(ROWS, COLS, device=CUDA),)
+    def converted(recipe: str) -> Step:
+        example = (torch.randn(ROWS, COLS, device=CUDA),)
+        return _module_step(abp.convert(block(), recipe=recipe, example_inputs=example)[0])
+
     for recipe, det in (("lowmembp", True), ("sampled", False), ("all", False)):
-        out.append((f"recipe {recipe}",
-                    lambda r=recipe: _module_step(abp.convert(block(), recipe=r, example_inputs=example)[0]), det))
+        out.append((f"recipe {recipe}", lambda r=recipe: converted(r), det))
     out.append(("compress_saved(bits=4)", lambda: _module_step(block(), lambda: abp.compress_saved(bits=4)), False))
 
     def controlled() -> Step:

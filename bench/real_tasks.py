@@ -89,9 +89,8 @@ def python_source(train_bytes: int = 600_000, val_bytes: int = 60_000,
     return data[:train_bytes], data[train_bytes:]
 
 
-def corpus_id(stdlib: Optional[Path] = None) -> str:
-    """Which text python_source(stdlib=stdlib) gives: whose it is and its SHA-256 prefix."""
-    train, val = python_source(stdlib=stdlib)
+def corpus_id(train: torch.Tensor, val: torch.Tensor, stdlib: Optional[Path] = None) -> str:
+    """Which text python_source(stdlib=stdlib) gave (`train`, `val`): whose it is and its SHA-256 prefix."""
     digest = hashlib.sha256(torch.cat((train, val)).to(torch.uint8).numpy().tobytes()).hexdigest()
     return f"{stdlib or f'python {platform.python_version()} stdlib'}, sha256 {digest[:12]}"
 
@@ -380,8 +379,9 @@ def train(task: str, setting: Setting, seed: int, *, steps: Optional[int] = None
     charlm: AdamW lr 3e-3, batch 32 of 64 bytes, `steps` (default 600); metric validation loss
     (nats per byte) over 64 fixed windows.
 
-    `stdlib`: charlm's corpus directory (python_source). `device` holds the model and the data; batches are drawn on the CPU (the same batches on any
-    device), and a CUDA step's time is taken after the device has finished it.
+    `stdlib`: charlm's corpus directory (python_source). `device` holds the model and the data;
+    batches are drawn on the CPU (the same batches on any device), and a CUDA step's time is
+    taken after the device has finished it.
     """
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(1000 + seed)  # batches
@@ -409,7 +409,9 @@ def train(task: str, setting: Setting, seed: int, *, steps: Optional[int] = None
             with torch.no_grad():
                 return {"test_accuracy": float((model(xte).argmax(1) == yte).float().mean())}
     elif task == "charlm":
-        train_text, val_text = (t.to(device) for t in python_source(stdlib=stdlib))
+        text = python_source(stdlib=stdlib)
+        corpus = corpus_id(*text, stdlib)
+        train_text, val_text = (t.to(device) for t in text)
         context, batch = 64, 32
         model = TinyLlama(context=context).to(device)
         lr, total = 3e-3, steps if steps is not None else 600
@@ -459,7 +461,7 @@ def train(task: str, setting: Setting, seed: int, *, steps: Optional[int] = None
     model.eval()
     result: Dict[str, Any] = {"task": task, "setting": name, "seed": seed, "steps": total}
     if task == "charlm":
-        result["corpus"] = corpus_id(stdlib)
+        result["corpus"] = corpus
     result.update(evaluate())
     tail = losses[-max(1, total // 10):]
     result["train_loss_tail"] = sum(tail) / len(tail)

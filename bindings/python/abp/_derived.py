@@ -217,12 +217,12 @@ class Derived:
                             "torch raises the same error without compress_saved. Use the out-of-place op, or clone "
                             "the tensor before changing it")
                     leaf = value
+                elif isinstance(value, Derived):
+                    leaf = value.materialize(decode, memo)  # memoized there (a cycle raises there)
                 else:
-                    done = memo.get(id(value))
-                    if done is None or done is _COMPUTING:  # a cycle: materialize says so
-                        done = value.materialize(decode, memo) if isinstance(value, Derived) else decode(value, memo)
-                        memo[id(value)] = done
-                    leaf = done
+                    leaf = memo.get(id(value))
+                    if leaf is None:
+                        leaf = memo[id(value)] = decode(value, memo)
             leaves.append(leaf)
         args, kwargs = tree_unflatten(leaves, self.spec)
         with torch.no_grad(), _autocast(self.autocast):
