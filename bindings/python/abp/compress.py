@@ -45,6 +45,12 @@ _SUPPORT_PRODUCERS = frozenset({"ReluBackward0"})
 # Their outputs are stored as the probabilities exp(y), so that the rounding stays unbiased where
 # backward uses them, and decoded to log(p).
 _LOG_PROBABILITY_PRODUCERS = frozenset({"LogSoftmaxBackward0"})
+# The fewest bits of the stored tensors a matrix product is recomputed from (the loss's logits from
+# the output projection's input). Recomputed from coarser codes, the logits carry their rounding,
+# amplified by the projection, into a softmax, whose mean over the rounding is not the softmax of
+# the mean: measured on the language model (docs/compressed-training.md), recomputing from 4-bit
+# codes trained worse than storing the probabilities at 8 bits, and from 2-bit codes diverged.
+PRODUCT_INPUT_MIN_BITS = 8
 # grad_fn names of a view or cast of a parameter: autocast's fp16 copy of a weight, a Linear's
 # transposed weight. Such tensors are the parameter (or a copy the caster caches), not activations.
 _PARAMETER_VIEWS = frozenset(
@@ -327,6 +333,10 @@ def _check_consistent(c: CompressedTensor) -> None:
                          f"({want} bytes, layout {layout}): it was edited")
 
 
+def _log_probabilities(t: torch.Tensor) -> bool:
+    return t.grad_fn is not None and type(t.grad_fn).__name__ in _LOG_PROBABILITY_PRODUCERS
+
+
 def _pack_mask(m: torch.Tensor) -> CompressedTensor:
     """A bool tensor as a 1-bit LSB-first stream (docs/algorithms.md §2.6), ceil(n / 8) bytes."""
     flat = m.reshape(-1)
@@ -458,6 +468,27 @@ _NOTHING = torch.empty(0)
 def _uses(derived: _derived.Derived) -> List[_derived.Use]:
     """Every Use of `derived` and of the Derived values it refers to."""
     return [use for d in _derived.reachable(derived) for use in d.uses()]
+
+
+def _fewest_stored_bits(derived: _derived.Derived) -> int:
+    """The narrowest width of the stored tensors recomputing `derived` decodes (32: all raw),
+    through the Derived and the held-back tensors on the way."""
+    fewest, todo, seen = 32, [derived], set()
+    while todo:
+        value = todo.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, _Deferred):
+            if value.pending:
+                fewest = min(fewest, value.bits)
+            else:
+                todo.append(value.value)
+        elif isinstance(value, _derived.Derived):
+            todo.extend(use.value for use in value.uses())
+        elif isinstance(value, CompressedTensor):
+            fewest = min(fewest, value.bits)
+    return fewest
 
 
 def _kept_tensors(kept: Any) -> List[torch.Tensor]:
@@ -685,6 +716,11 @@ class compress_saved:
                     whole = seen[1]
             if whole is not None:
                 derived = _derived.view_of(whole, base, t)
+        # A matrix product is recomputed for the loss's log-probabilities only (_derived's docstring),
+        # and only from codes of PRODUCT_INPUT_MIN_BITS or more.
+        if derived is not None and _derived.has_product(derived):
+            if not _log_probabilities(t) or _fewest_stored_bits(derived) < PRODUCT_INPUT_MIN_BITS:
+                return None
         return derived
 
     def _count_derived(self, t: torch.Tensor, derived: _derived.Derived, tags: Optional[memory.Tags]) -> None:
@@ -806,7 +842,7 @@ class compress_saved:
             return t
         if self._seed is None:
             self._seed = draw_seed(self.generator)
-        logs = t.grad_fn is not None and type(t.grad_fn).__name__ in _LOG_PROBABILITY_PRODUCERS
+        logs = _log_probabilities(t)
         c = quantize_unchecked(t.detach().exp() if logs else t, bits, self.group_size, self._seed, self._offset)
         c.logs = logs
         if self.exact_relu and t.grad_fn is not None and type(t.grad_fn).__name__ in _SUPPORT_PRODUCERS:
