@@ -169,3 +169,58 @@ def test_random_recipes_draw_distinct_reproducible_streams_per_rank() -> None:
         assert rank["controller"]["stats"]["compressed"] > 0
         assert rank["controller"]["average_bits"] <= 4.0 + 1e-9
         assert all(torch.isfinite(v).all() for v in rank["all"].values())
+
+
+def _recomputing_lm() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(Block(), Block(), nn.LayerNorm(32), nn.Linear(32, 96, bias=False))
+
+
+def _lm_batch() -> Tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(4, 16, 32, generator=g), torch.randint(0, 96, (4, 16), generator=g)
+
+
+def _fsdp_recompute(rank: int, rendezvous: str, out: str, reshard: bool) -> None:
+    """One FSDP2 step under compress_saved(recompute=True) with raw widths: backward recomputes
+    norms, activations and the loss's log-probabilities through the head from parameters that
+    FSDP gathered for the forward, and (resharding after it) gathers again for backward."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
+    try:
+        model = _recomputing_lm()
+        for module in (model[0], model[1], model[3], model):
+            fully_shard(module, reshard_after_forward=reshard)
+        x, y = _lm_batch()
+        part = slice(rank * 2, rank * 2 + 2)
+        with abp.compress_saved(bits_for=lambda t: 32, min_numel=1) as block:
+            nn.functional.cross_entropy(model(x[part]).reshape(-1, 96), y[part].reshape(-1)).backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        if rank == 0:
+            torch.save((grads, dict(block.stats)), out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not _fsdp2_available(), reason="FSDP2 (fully_shard) needs torch >= 2.6")
+@pytest.mark.parametrize("reshard", [True, False])
+def test_compress_saved_recomputes_under_fsdp_as_in_one_process(reshard: bool) -> None:
+    library_or_skip()
+    from abp import _derived
+
+    if not _derived.AVAILABLE:
+        pytest.skip("recompute needs torch >= 2")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rank0.pt")
+        mp.spawn(_fsdp_recompute, args=(os.path.join(tmp, "rendezvous"), out, reshard), nprocs=WORLD)
+        grads, stats = torch.load(out)
+    model = _recomputing_lm()
+    x, y = _lm_batch()
+    loss = sum(nn.functional.cross_entropy(model(x[r * 2:r * 2 + 2]).reshape(-1, 96), y[r * 2:r * 2 + 2].reshape(-1))
+               for r in range(WORLD)) / WORLD
+    loss.backward()
+    assert stats["numel_derived"] >= 2 * 16 * 96  # the log-probabilities at least were recomputed
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=0, atol=1e-6, msg=name)
