@@ -472,3 +472,47 @@ def test_log_probabilities_are_recomputed_only_from_8_bit_codes(bits: int, monke
     *_, left = _loss_step(model, x, loss, bits=bits, recompute=True)
     recomputed = stats["numel_derived"] - left["numel_derived"]
     assert recomputed == (64 * 96 if bits >= C.PRODUCT_INPUT_MIN_BITS else 0)
+
+
+@pytest.mark.parametrize("vocab,floored", [(96, True), (8, False)])
+def test_per_tensor_widths_learn_to_floor_what_the_log_probabilities_need(vocab: int, floored: bool) -> None:
+    # At 4 bits the head's input is too coarse to recompute from: the log-probabilities are stored
+    # this step, and `floors` asks 8 bits of the tensors they would be recomputed from, where that
+    # costs less than storing them (96 classes from 32 features: yes; 8 classes: no).
+    torch.manual_seed(12)
+    model, x = LanguageModel(vocab=vocab), torch.randn(4, 16, 32)
+    y = _targets(64, vocab)
+    widths: List[int] = []
+
+    def bits_for(t: torch.Tensor) -> int:
+        widths.append(t.numel())
+        return 4
+
+    with C.compress_saved(bits_for=bits_for, min_numel=1, recompute=True) as block:
+        F.cross_entropy(model(x).reshape(-1, vocab), y).backward()
+    raised = {i: b for i, b in block.floors.items() if b == C.PRODUCT_INPUT_MIN_BITS and widths[i] == 4 * 16 * 32}
+    assert bool(raised) == floored
+    if floored:  # asked of those calls, the next step recomputes them
+        floors = dict(block.floors)
+        calls = iter(range(10 ** 6))
+
+        def next_bits_for(t: torch.Tensor) -> int:
+            return max(4, floors.get(next(calls), 4))
+
+        with C.compress_saved(bits_for=next_bits_for, min_numel=1, recompute=True) as again:
+            F.cross_entropy(model(x).reshape(-1, vocab), y).backward()
+        assert again.stats["numel_derived"] >= block.stats["numel_derived"] + 64 * vocab
+
+
+def test_the_controller_keeps_the_log_probabilities_recomputed() -> None:
+    # Its probes do not reach the loss, so nothing but the floor would keep the head's input at 8
+    # bits: across re-estimates the log-probabilities stay recomputed.
+    torch.manual_seed(13)
+    model, x = LanguageModel(), torch.randn(4, 16, 32)
+    y = _targets(64, 96)
+    controller = abp.CompressionController(model, avg_bits=2, interval=1, min_numel=1)
+    for step in range(4):
+        with controller:
+            F.cross_entropy(model(x).reshape(-1, 96), y).backward()
+        outside = [k for k in controller.last_step_keys if k.module == "<outside>"]
+        assert bool(outside) == (step == 0), step  # stored at step 0 only, at the initial width

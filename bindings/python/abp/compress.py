@@ -470,25 +470,33 @@ def _uses(derived: _derived.Derived) -> List[_derived.Use]:
     return [use for d in _derived.reachable(derived) for use in d.uses()]
 
 
-def _fewest_stored_bits(derived: _derived.Derived) -> int:
-    """The narrowest width of the stored tensors recomputing `derived` decodes (32: all raw),
-    through the Derived and the held-back tensors on the way."""
-    fewest, todo, seen = 32, [derived], set()
+def _stored_codes(derived: _derived.Derived) -> List[Tuple[Optional[_Deferred], int, int]]:
+    """(held-back tensor or None, width, elements) of each stored tensor recomputing `derived`
+    decodes (32: kept raw), through the Derived and the held-back tensors on the way."""
+    found: List[Tuple[Optional[_Deferred], int, int]] = []
+    todo: List[Any] = [derived]
+    seen: Set[int] = set()
     while todo:
         value = todo.pop()
         if id(value) in seen:
             continue
         seen.add(id(value))
-        if isinstance(value, _Deferred):
-            if value.pending:
-                fewest = min(fewest, value.bits)
-            else:
-                todo.append(value.value)
-        elif isinstance(value, _derived.Derived):
+        box = value if isinstance(value, _Deferred) else None
+        if box is not None:
+            if box.pending:
+                found.append((box, box.bits, box.value.numel()))
+                continue
+            value = box.value
+        if isinstance(value, _derived.Derived):
             todo.extend(use.value for use in value.uses())
         elif isinstance(value, CompressedTensor):
-            fewest = min(fewest, value.bits)
-    return fewest
+            found.append((box, value.bits, value.numel))
+    return found
+
+
+def _fewest_stored_bits(derived: _derived.Derived) -> int:
+    """The narrowest width among `_stored_codes(derived)` (32: all raw)."""
+    return min((bits for _, bits, _ in _stored_codes(derived)), default=32)
 
 
 def _kept_tensors(kept: Any) -> List[torch.Tensor]:
@@ -695,9 +703,10 @@ class compress_saved:
             self._count_derived(t, derived, None)
         return derived
 
-    def _derivation(self, t: torch.Tensor) -> Optional[_derived.Derived]:
+    def _derivation(self, t: torch.Tensor, coarse: bool = False) -> Optional[_derived.Derived]:
         """A Derived for `t` if a cheap function made it (or a view of what one made, or of a
-        packed tensor) from what this block can give back; None otherwise."""
+        packed tensor) from what this block can give back; None otherwise. `coarse`: also the
+        log-probabilities' through a product from codes under PRODUCT_INPUT_MIN_BITS."""
         recorder = self._recorder
         # What would be compressed. Not a per-row statistic (DERIVE_ROW_STATISTICS): recomputed
         # from a decoded row, a norm's 1/rms would carry the codes' variance as a bias (E[x̃²] =
@@ -719,7 +728,7 @@ class compress_saved:
         # A matrix product is recomputed for the loss's log-probabilities only (_derived's docstring),
         # and only from codes of PRODUCT_INPUT_MIN_BITS or more.
         if derived is not None and _derived.has_product(derived):
-            if not _log_probabilities(t) or _fewest_stored_bits(derived) < PRODUCT_INPUT_MIN_BITS:
+            if not _log_probabilities(t) or (not coarse and _fewest_stored_bits(derived) < PRODUCT_INPUT_MIN_BITS):
                 return None
         return derived
 
@@ -820,6 +829,23 @@ class compress_saved:
                 self.stats["numel_derived"] += t.numel()
         return True
 
+    def _floor_product_inputs(self, box: "_Deferred") -> None:
+        """Log-probabilities about to be stored because what they would be recomputed from is
+        stored under PRODUCT_INPUT_MIN_BITS: where raising those tensors to it costs fewer bits
+        than storing the log-probabilities does, `floors` asks it of their bits_for calls, so
+        that per-tensor widths (the controller's next allocation) can recompute them. Too late for
+        this step: those tensors are stored."""
+        derived = self._derivation(box.value, coarse=True)
+        if derived is None:
+            return
+        coarse = [(b, bits, n) for b, bits, n in _stored_codes(derived) if bits < PRODUCT_INPUT_MIN_BITS]
+        if any(b is None or b.choice < 0 for b, _, _ in coarse):
+            return  # stored where no width was asked: nothing to raise
+        cost = sum(n * (PRODUCT_INPUT_MIN_BITS - bits) for _, bits, n in coarse)
+        if cost < box.value.numel() * box.bits:
+            for b, _, _ in coarse:
+                self.floors[b.choice] = max(self.floors.get(b.choice, 1), PRODUCT_INPUT_MIN_BITS)  # type: ignore[union-attr]
+
     def _raise_to_floor(self, box: "_Deferred") -> None:
         """Raises a pending tensor's width to the floor of the op saving it, if that op is known."""
         if self._group_rule is None or not box.pending:  # pending: in the current op's group
@@ -880,6 +906,8 @@ class compress_saved:
                     self.derived_choices.add(box.choice)
                 box.value, box.pending = derived, False
                 continue
+            if self.bits_for is not None and self._recorder is not None and _log_probabilities(box.value):
+                self._floor_product_inputs(box)
             box.modified = box.value._version != box.version
             box.value = self._store(box.value, box.bits)
             box.pending = False
