@@ -28,10 +28,13 @@ if not dist.is_available() or not dist.is_gloo_available():
 WORLD = 2
 
 
-def converted() -> nn.Module:
+def plain() -> nn.Module:
     torch.manual_seed(0)
-    model = nn.Sequential(Block(), Block(), nn.LayerNorm(32), nn.Linear(32, 4))
-    model, changes = abp.convert(model, "lowmembp")
+    return nn.Sequential(Block(), Block(), nn.LayerNorm(32), nn.Linear(32, 4))
+
+
+def converted() -> nn.Module:
+    model, changes = abp.convert(plain(), "lowmembp")
     assert sum(c.action == "replaced" for c in changes) == 5  # 3 norms, 2 GELUs
     return model
 
@@ -41,8 +44,12 @@ def batches() -> Tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(5, 16, 8, 32, generator=g), torch.randint(0, 4, (5, 16, 8), generator=g)
 
 
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(x).reshape(-1, 4), y.reshape(-1))
+
+
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
-    loss = nn.functional.cross_entropy(model(x).reshape(-1, 4), y.reshape(-1))
+    loss = loss_of(model, x, y)
     opt.zero_grad()
     loss.backward()
     opt.step()
@@ -171,16 +178,6 @@ def test_random_recipes_draw_distinct_reproducible_streams_per_rank() -> None:
         assert all(torch.isfinite(v).all() for v in rank["all"].values())
 
 
-def _recomputing_lm() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(Block(), Block(), nn.LayerNorm(32), nn.Linear(32, 96, bias=False))
-
-
-def _lm_batch() -> Tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(4, 16, 32, generator=g), torch.randint(0, 96, (4, 16), generator=g)
-
-
 def _fsdp_recompute(rank: int, rendezvous: str, out: str, reshard: bool) -> None:
     """One FSDP2 step under compress_saved(recompute=True) with raw widths: backward recomputes
     norm and activation outputs with parameters that FSDP gathered for the forward and (resharding
@@ -190,13 +187,14 @@ def _fsdp_recompute(rank: int, rendezvous: str, out: str, reshard: bool) -> None
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
     try:
-        model = _recomputing_lm()
+        model = plain()
         for module in (model[0], model[1], model[3], model):
             fully_shard(module, reshard_after_forward=reshard)
-        x, y = _lm_batch()
-        part = slice(rank * 2, rank * 2 + 2)
+        x, y = (b[0] for b in batches())
+        half = x.shape[0] // WORLD
+        part = slice(rank * half, (rank + 1) * half)
         with abp.compress_saved(bits_for=lambda t: 32, min_numel=1) as block:
-            nn.functional.cross_entropy(model(x[part]).reshape(-1, 96), y[part].reshape(-1)).backward()
+            loss_of(model, x[part], y[part]).backward()
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
         if rank == 0:
             torch.save((grads, dict(block.stats)), out)
@@ -216,11 +214,10 @@ def test_compress_saved_recomputes_under_fsdp_as_in_one_process(reshard: bool) -
         out = os.path.join(tmp, "rank0.pt")
         mp.spawn(_fsdp_recompute, args=(os.path.join(tmp, "rendezvous"), out, reshard), nprocs=WORLD)
         grads, stats = torch.load(out)
-    model = _recomputing_lm()
-    x, y = _lm_batch()
-    loss = sum(nn.functional.cross_entropy(model(x[r * 2:r * 2 + 2]).reshape(-1, 96), y[r * 2:r * 2 + 2].reshape(-1))
-               for r in range(WORLD)) / WORLD
-    loss.backward()
+    model = plain()
+    x, y = (b[0] for b in batches())
+    half = x.shape[0] // WORLD
+    (sum(loss_of(model, x[r * half:(r + 1) * half], y[r * half:(r + 1) * half]) for r in range(WORLD)) / WORLD).backward()
     assert stats["derived"] > 0
     for name, p in model.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=0, atol=1e-6, msg=name)
