@@ -595,7 +595,10 @@ def test_training_with_the_controller_reduces_the_loss(kernels):
         (dict(recompute=1), TypeError, r"^recompute: expected True or False, got 1"),
         (dict(min_bits=3), ValueError, r"^min_bits: expected one of 8, 4, 2, 1, got 3"),
         (dict(min_bits=True), ValueError, r"^min_bits: expected one of"),
-        (dict(avg_bits=3, min_bits=4, allow_low_bits=True), ValueError, r"^avg_bits: 3 is below min_bits=4"),
+        (dict(avg_bits=3, min_bits=4, allow_low_bits=True), ValueError,
+         r"^avg_bits: 3 is below min_bits=4, which no allocation meets; pass min_bits=2 \(or fewer\)"),
+        # The default min_bits=2 with a 1-bit budget: the message names the min_bits that fits.
+        (dict(avg_bits=1, allow_low_bits=True), ValueError, r"^avg_bits: 1 is below min_bits=2.*pass min_bits=1 "),
         (dict(allow_low_bits=1), TypeError, r"^allow_low_bits: expected True or False, got 1"),
     ],
 )

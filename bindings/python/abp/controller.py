@@ -191,7 +191,8 @@ def _as_list(values: Any, name: str) -> List[Any]:
 
 
 #: The smallest budget the controller accepts unless told otherwise: with recompute (the default)
-#: 2 bits trained both real tasks to exact training's accuracy; without it, 4.
+#: 2 bits trained digits to exact training's accuracy and the language model to within about
+#: 0.7 % of its loss (docs/compressed-training.md); without it, 4 bits are needed to stay stable.
 MIN_AVERAGE_BITS = 2.0
 
 
@@ -201,7 +202,7 @@ def check_average_bits(avg_bits: float, allow_low_bits: bool, recompute: bool = 
     if avg_bits < floor and not allow_low_bits:
         how = ("" if recompute else
                " without recompute (fused attention's query and key then need 8 bits and the rest gets 1-2); "
-               "recompute=True reached exact training at avg_bits=2")
+               "recompute=True came within about 0.7 % of exact training's loss at avg_bits=2")
         raise ValueError(
             f"avg_bits={avg_bits:g}: budgets below {floor:g} bits did not train a language model as exact training "
             f"does{how} (docs/compressed-training.md). Use avg_bits={floor:g}, or pass allow_low_bits=True to accept "
@@ -317,7 +318,9 @@ class CompressionController:
         if avg > 32:
             raise ValueError(f"avg_bits: expected a number in [1, 32], got {avg_bits!r}")
         if avg < min_bits:
-            raise ValueError(f"avg_bits: {avg_bits!r} is below min_bits={min_bits}, which no allocation meets")
+            fits = max(b for b in RUNGS[1:] if b <= avg)  # avg >= 1, the narrowest rung
+            raise ValueError(f"avg_bits: {avg_bits!r} is below min_bits={min_bits}, which no allocation meets; "
+                             f"pass min_bits={fits} (or fewer) to allow narrower widths")
         check_average_bits(avg, allow_low_bits, recompute)
         if isinstance(interval, bool) or not isinstance(interval, int):
             raise TypeError(f"interval: expected an int >= 1, got {type(interval).__name__}")
