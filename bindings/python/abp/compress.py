@@ -676,19 +676,28 @@ class compress_saved:
         if (self.filter is not None and not self.filter(t)) or _parameter_of(t) is not None:
             return None  # a parameter's view or cast (w.t()) is kept by its module anyway
         derived = recorder.derivation(t)
-        base = t._base
-        # A view with its base's very geometry (what a custom autograd Function that returns its
-        # input gives, FSDP2's hooks among them) is the base's memory under the same identity:
-        # what was packed "for the base" is then this tensor itself.
-        if derived is None and base is not None and _derived.dense(base) and self._identity(base) != self._identity(t):
-            whole = recorder.derivation(base)
-            if whole is None:
-                seen = self._packed.get(self._identity(base))
-                if seen is not None and seen[0]() is self._owner(base) and seen[1] is not None:
-                    whole = seen[1]
-            if whole is not None:
-                derived = _derived.view_of(whole, base, t)
+        if derived is None:
+            # A view with its base's very geometry (what a custom autograd Function that returns
+            # its input gives, FSDP2's hooks among them) is the base's memory under the same
+            # identity: what was packed "for the base" is then this tensor itself.
+            derived = self._view_derivation(t, packed=self._identity(t._base) != self._identity(t)
+                                            if t._base is not None else False)
         return derived
+
+    def _view_derivation(self, t: torch.Tensor, packed: bool) -> Optional[_derived.Derived]:
+        """`t` as a view of its dense base, if a cheap function made the base (or, with `packed`, the
+        block stored it): how a view no recorded function made is recomputed (torch's own views
+        are recorded; a custom autograd Function that returns its input makes one unseen)."""
+        base = t._base
+        if base is None or not _derived.dense(base):
+            return None
+        assert self._recorder is not None
+        whole = self._recorder.derivation(base)
+        if whole is None and packed:
+            seen = self._packed.get(self._identity(base))
+            if seen is not None and seen[0]() is self._owner(base) and seen[1] is not None:
+                whole = seen[1]
+        return None if whole is None else _derived.view_of(whole, base, t)
 
     def _count_derived(self, t: torch.Tensor, derived: _derived.Derived, tags: Optional[memory.Tags]) -> None:
         self.stats["derived"] += 1
@@ -710,7 +719,11 @@ class compress_saved:
         if seen is not None and seen[0]() is self._owner(a):
             return _derived.Use(a, a._version) if seen[1] is None else _derived.Use(seen[1], None)
         assert self._recorder is not None
+        # An argument no recorded function made may be an unseen view of what one made (a custom
+        # autograd Function returning its input): recomputing goes on through it.
         derived = self._recorder.derivation(a)
+        if derived is None and a.requires_grad:
+            derived = self._view_derivation(a, packed=False)
         if derived is not None:
             return _derived.Use(derived, None)
         if not a.requires_grad and 4 * memory.storage_key(a)[2] <= budget:
