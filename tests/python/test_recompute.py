@@ -374,3 +374,34 @@ def test_recomputing_goes_on_through_a_function_returning_its_input(shape: Tuple
     assert stats["derived"] == plain_stats["derived"] and stats["bytes_stored"] == plain_stats["bytes_stored"]
     assert all(torch.equal(a, b) for a, b in zip(through, plain))
     assert all(torch.equal(a, b) for a, b in zip(through, step(True, recompute=False)[0]))
+
+
+def test_a_parameter_changed_between_forward_and_backward_is_refused() -> None:
+    """h + bias is recomputed in backward with the bias as it is then: torch, which saved the sum,
+    would use the forward's; a bias changed in place in between (an optimizer step before
+    backward) would silently give another gradient, so it raises, naming recompute=False."""
+    torch.manual_seed(16)
+    pre, head = nn.Linear(32, 32), nn.Linear(32, 16)
+    bias = nn.Parameter(torch.randn(32))
+    x = torch.randn(8, 32)
+
+    def loss() -> torch.Tensor:
+        h = pre(x)
+        return head(F.gelu(h) * (h + bias)).pow(2).sum()
+
+    with C.compress_saved(bits_for=lambda t: 32, min_numel=1) as block:
+        loss().backward()
+    assert block.stats["derived"] > 0  # unchanged, it goes through, recomputing
+    with C.compress_saved(bits_for=lambda t: 32, min_numel=1):
+        value = loss()
+        with torch.no_grad():
+            bias.add_(1.0)
+        with pytest.raises(RuntimeError, match=r"a parameter of shape \(32,\) that recomputing .* was modified in place "
+                                               r"between forward and backward .* recompute=False"):
+            value.backward()
+    # With recompute=False the sum is stored, and the changed bias is never read.
+    with C.compress_saved(bits_for=lambda t: 32, min_numel=1, recompute=False):
+        value = loss()
+        with torch.no_grad():
+            bias.add_(1.0)
+        value.backward()

@@ -101,13 +101,15 @@ class Use:
     """One tensor argument of a Derived: `value` is what the block packed for it (a compressed
     tensor, a pending one, another Derived, or the tensor itself where it is kept as it is: a
     parameter, a constant, a tensor stored raw). `version`, for a tensor kept as it is, is its
-    version when recorded: an in-place change after that fails as torch's own check does."""
+    version when recorded: an in-place change after that fails as torch's own check does.
+    `parameter`: the value is a parameter (or its view or cast), which the module keeps anyway."""
 
-    __slots__ = ("value", "version")
+    __slots__ = ("value", "version", "parameter")
 
-    def __init__(self, value: Any, version: Optional[int]) -> None:
+    def __init__(self, value: Any, version: Optional[int], parameter: bool = False) -> None:
         self.value = value
         self.version = version
+        self.parameter = parameter
 
 
 class Shared:
@@ -210,6 +212,15 @@ class Derived:
             if isinstance(leaf, Use):
                 value = leaf.value
                 if isinstance(value, torch.Tensor):
+                    if leaf.version is not None and value._version != leaf.version and leaf.parameter:
+                        # Torch would compute with the forward's values where no op saved the
+                        # parameter (a bias added): recomputing with the new ones would differ.
+                        raise RuntimeError(
+                            f"compress_saved(recompute=True): a parameter of shape {tuple(value.shape)} that "
+                            f"recomputing {getattr(self.func, '__name__', self.func)} reads was modified in place "
+                            f"between forward and backward (version {leaf.version}, now {value._version}; an "
+                            "optimizer step before backward?), so the recomputed tensor would not be the one forward "
+                            "made. Run backward before changing parameters, or pass recompute=False")
                     if leaf.version is not None and value._version != leaf.version:
                         raise RuntimeError(
                             "compress_saved: one of the tensors needed for gradient computation was modified by an "

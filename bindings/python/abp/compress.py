@@ -705,7 +705,7 @@ class compress_saved:
         # The constants it holds (the tensors it refers to are stored for their own saves).
         for use in _uses(derived):
             value = use.value
-            if use.version is not None and isinstance(value, torch.Tensor) and not value.requires_grad:
+            if use.version is not None and not use.parameter and isinstance(value, torch.Tensor) and not value.requires_grad:
                 self._store(value, 32)
                 memory.note_saved([value], tags)
 
@@ -714,7 +714,7 @@ class compress_saved:
         parameter, what this block packed for it, its own derivation, or (a constant of at most a
         quarter of the `budget` bytes the function makes) itself; None if none of these."""
         if _parameter_of(a) is not None:
-            return _derived.Use(a, None)
+            return _derived.Use(a, a._version, parameter=True)
         seen = self._packed.get(self._identity(a))
         if seen is not None and seen[0]() is self._owner(a):
             return _derived.Use(a, a._version) if seen[1] is None else _derived.Use(seen[1], None)
@@ -784,7 +784,7 @@ class compress_saved:
         uses = []
         for x in (q, k, v, mask):
             if x is None or isinstance(x, torch.Tensor) and _parameter_of(x) is not None:
-                uses.append(None if x is None else _derived.Use(x, None))
+                uses.append(None if x is None else _derived.Use(x, x._version, parameter=True))
             else:
                 uses.append(_derived.Use(x, x._version if isinstance(x, torch.Tensor) else None))
         q_use, k_use, v_use, mask_use = uses
