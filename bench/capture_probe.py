@@ -41,26 +41,64 @@ def _module_step(module: torch.nn.Module, context: Optional[Callable[[], object]
     return run
 
 
-#: What is not capture-safe yet: the sampled layers' plans are made on the host, and a controller's
-#: estimation step replays the model (bench/README.md). tests/python/test_cuda_capture.py holds the rest.
-NOT_YET = frozenset({"SampledLinear (wtacrs 0.3)", "recipe sampled", "recipe all", "CompressionController(avg_bits=2)"})
+#: What is not capture-safe: a controller's estimation step replays the model (bench/README.md).
+#: tests/python/test_cuda_capture.py holds the rest, and tests/python/test_sync_free.py their host reads.
+NOT_YET = frozenset({"CompressionController(avg_bits=2)"})
+
+#: Tensor functions that read a tensor's values on the host: on a GPU each waits for the device
+#: (a synchronisation, which also ends a CUDA graph capture with an error).
+HOST_READS = frozenset({
+    "__bool__", "__int__", "__float__", "__index__", "__complex__", "item", "tolist", "numpy", "cpu",
+    "nonzero", "argwhere", "unique", "unique_consecutive", "masked_select", "bincount", "equal", "allclose",
+})
 
 
-def cases() -> List[Tuple[str, Callable[[], Step], bool]]:
-    """(name, step factory, deterministic); nothing touches the GPU until a factory is called."""
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Records each call that reads tensor values on the host (HOST_READS, `.cpu()` whatever the
+    tensor's device, `.to` the CPU from another device, repeat_interleave without output_size): what set_sync_debug_mode("error") would stop at on a
+    GPU, seen on any device, so a CPU test can hold a step to it. A key drawn from a host generator
+    (torch.randint on the CPU, as abp draws its Philox keys) is host data: reading it is no sync."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: List[str] = []
+        self._host_keys: set = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        target = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        out = func(*args, **kwargs)
+        if name == "randint" and isinstance(out, torch.Tensor) and out.device.type == "cpu":
+            self._host_keys.add(id(out))
+        elif target is not None and id(target) in self._host_keys:
+            pass
+        elif name in HOST_READS or (name == "repeat_interleave" and "output_size" not in kwargs) or (
+                name == "to" and target is not None and target.device.type != "cpu"
+                and any(_is_cpu(a) for a in (*args[1:], kwargs.get("device")))):
+            self.reads.append(name)
+        return out
+
+
+def _is_cpu(a: object) -> bool:
+    return (isinstance(a, torch.device) and a.type == "cpu") or (isinstance(a, str) and a.startswith("cpu"))
+
+
+def cases(device: torch.device = CUDA) -> List[Tuple[str, Callable[[], Step], bool]]:
+    """(name, step factory, deterministic) on `device`; nothing touches it until a factory is called."""
     out: List[Tuple[str, Callable[[], Step], bool]] = []
     for name, mine, _ in host_overhead.pairs():
-        out.append((name, lambda m=mine: _module_step(m().to(CUDA)), True))
+        out.append((name, lambda m=mine: _module_step(m().to(device)), True))
     out.append(("SampledLinear (wtacrs 0.3)",
-                lambda: _module_step(abp.nn.SampledLinear(COLS, COLS, device=CUDA)), False))
+                lambda: _module_step(abp.nn.SampledLinear(COLS, COLS, device=device)), False))
 
     def block() -> torch.nn.Module:
         torch.manual_seed(0)
         return torch.nn.Sequential(torch.nn.LayerNorm(COLS), torch.nn.Linear(COLS, 4 * COLS), torch.nn.GELU(),
-                                   torch.nn.Linear(4 * COLS, COLS)).to(CUDA)
+                                   torch.nn.Linear(4 * COLS, COLS)).to(device)
 
     def converted(recipe: str) -> Step:
-        example = (torch.randn(ROWS, COLS, device=CUDA),)
+        example = (torch.randn(ROWS, COLS, device=device),)
         return _module_step(abp.convert(block(), recipe=recipe, example_inputs=example)[0])
 
     for recipe, det in (("lowmembp", True), ("sampled", False), ("all", False)):
@@ -98,8 +136,10 @@ def probe(name: str, make: Callable[[], Step], deterministic: bool) -> Dict[str,
     torch.cuda.set_sync_debug_mode("error")
     try:
         x.grad = None
-        step(x)
+        with HostReads() as reads:
+            step(x)
         row["sync_free"] = True
+        row["host_reads"] = reads.reads
     except Exception as e:  # noqa: BLE001
         row["sync_free"] = False
         row["sync"] = _first_line(e)

@@ -1,9 +1,9 @@
 """CUDA-graph capture of abp's ops (issue #16 item 3); skipped without a CUDA build of torch and a GPU.
 
-Every case of bench/capture_probe.py but those it lists as NOT_YET (the sampled layers, whose
-plans are made on the host, and a controller's estimation step): every activation, both
-memory-sharing norms with and without affine, a lowmembp-converted block and a compress_saved
-block run a forward and backward step with no host synchronisation torch can see
+Every case of bench/capture_probe.py but those it lists as NOT_YET (a controller's estimation
+step): every activation, both memory-sharing norms with and without affine, the sampled layer,
+blocks converted by the lowmembp, sampled and all recipes, and a compress_saved block run a
+forward and backward step with no host synchronisation torch can see
 (set_sync_debug_mode("error")) and capture in a CUDA graph whose replay gives the eager step's
 bytes where the step is deterministic.
 """

@@ -56,7 +56,8 @@ def test_plans_are_the_same_choices_on_both_devices() -> None:
     for method in ("wtacrs", "crs"):
         cpu = sampling.plan_rows(x, 1228, method, seed=11)
         gpu = sampling.plan_rows(x.to(CUDA), 1228, method, seed=11)
-        # The plan is made on the host from the kernels' norms (the same bits on both paths).
+        # Made on each device from the kernels' norms and draws (the same bits on both), with exact
+        # sums (selection.integer_masses): the same slots.
         assert torch.equal(cpu.index, gpu.index.cpu()) and torch.equal(cpu.weight, gpu.weight.cpu()), method
 
 

@@ -644,3 +644,69 @@ def test_keep_count() -> None:
             S.keep_count(100, keep)
     with pytest.raises(ValueError, match="n: expected an int >= 0"):
         S.keep_count(-1, 0.3)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The device plans (plan_slots): fixed shapes, exact sums, no host reads.
+
+
+@pytest.mark.parametrize("n", [1, 7, 1000, 100_000])
+def test_integer_masses_have_exact_sums(n: int) -> None:
+    """Whole numbers whose sum stays below 2^53: a float64 cumulative sum is then exact in any
+    order (what makes the plans the same on every device), and equal to the int64 one."""
+    gen = torch.Generator().manual_seed(n)
+    scores = torch.rand(n, generator=gen, dtype=torch.float64) ** 8 * 1e30  # a wide range
+    scores[1::3] = 0.0
+    masses, usable = S.integer_masses(scores)
+    assert bool(usable) and bool((masses == masses.floor()).all())
+    assert float(masses.sum()) < 2.0 ** 53
+    assert torch.equal(torch.cumsum(masses, 0).long(), torch.cumsum(masses.long(), 0))
+    assert torch.equal(torch.cumsum(masses.flip(0), 0)[-1], masses.sum())
+    assert torch.equal(masses > 0, scores > 0)  # every positive score drawable, a zero score never
+    # Proportional up to the ceiling: at most one unit over s/max(s)·2^K.
+    scale = 2.0 ** (53 - n.bit_length())
+    assert bool((masses - scores / scores.max() * scale).abs().max() <= 1.0)
+
+
+def test_integer_masses_edges() -> None:
+    assert torch.equal(S.integer_masses(torch.zeros(4))[0], torch.ones(4, dtype=torch.float64))  # uniform
+    for bad in ([1.0, float("inf")], [1.0, float("nan")], [1.0, -1.0]):
+        assert not bool(S.integer_masses(torch.tensor(bad))[1])
+    x = torch.tensor([1.0, 2.0, 0.0, 3.0])
+    # γ without information (not finite, or all zero): ‖x‖ alone.
+    for gamma in (torch.tensor([1.0, float("nan"), 1.0, 1.0]), torch.zeros(4)):
+        assert torch.equal(S.integer_masses(x, gamma)[0], S.integer_masses(x)[0])
+    # With γ: the mix of norm_probabilities, to 2^-K.
+    gamma = torch.tensor([2.0, 0.0, 5.0, 1.0])
+    masses = S.integer_masses(x, gamma)[0]
+    torch.testing.assert_close(masses / masses.sum(), S.norm_probabilities(x, gamma), rtol=1e-9, atol=1e-12)
+    with pytest.raises(ValueError, match="other: expected 4 entries"):
+        S.integer_masses(x, gamma[:3])
+
+
+@pytest.mark.parametrize("method", ["wtacrs", "crs", "uniform"])
+def test_slots_have_fixed_shapes_and_merge_to_the_plans(method: str) -> None:
+    """k slots whatever is drawn; merged, they are the plan_* plan of the same uniforms."""
+    gen = torch.Generator().manual_seed(3)
+    p = torch.rand(N, generator=gen, dtype=torch.float64) ** 3
+    masses, usable = S.integer_masses(p if method != "uniform" else torch.ones(N))
+    for r in range(50):
+        u = torch.rand(K, generator=gen)
+        slots = S.plan_slots(masses, usable, K, u, method)
+        assert slots.index.shape == (K,) and slots.weight.shape == (K,) and slots.index.dtype == torch.int32
+        winners = int(slots.winners)
+        assert torch.equal(slots.weight[:winners], torch.ones(winners, dtype=torch.float64))
+        plan = (S.plan_wtacrs(p, K, u) if method == "wtacrs" else S.plan_crs(p, K, u) if method == "crs"
+                else S.plan_uniform(N, K, u, torch.device("cpu")))
+        dense_slots = torch.zeros(N, dtype=torch.float64).index_add_(0, slots.index.long(), slots.weight)
+        torch.testing.assert_close(dense_slots.float().double(), dense(plan, N), rtol=1e-6, atol=0)
+
+
+def test_slots_of_unusable_scores_are_nan() -> None:
+    masses, usable = S.integer_masses(torch.tensor([1.0, float("inf"), 2.0, 3.0]))
+    for method in ("wtacrs", "crs"):
+        assert torch.isnan(S.plan_slots(masses, usable, 3, torch.rand(3), method).weight).all()
+    with pytest.raises(ValueError, match="method: expected 'wtacrs', 'crs' or 'uniform'"):
+        S.plan_slots(masses, usable, 3, torch.rand(3), "bernoulli")
+    with pytest.raises(ValueError, match="u: expected at least 3 uniform draws"):
+        S.plan_slots(masses, usable, 3, torch.rand(2), "crs")

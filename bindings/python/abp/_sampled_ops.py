@@ -2,17 +2,13 @@
 torch.library custom ops, so that dynamo keeps a sampled layer in its graph.
 
 Eager calls run abp.sampling's autograd.Function directly. Its forward draws a Philox key with
-`.item()`, plans on the host (data-dependent row counts) and launches kernels through ctypes —
-three graph breaks per layer for dynamo. Here the key stays a tensor (torch.randint in the graph)
+`.item()` and launches kernels through ctypes: graph breaks for dynamo. Here the key stays a tensor (torch.randint in the graph)
 and the planning, gathering and launching live inside two opaque ops:
 
 - abp::sampled_linear_save(x2, key, method, keep) -> (rows, index): what dW needs of the 2-d
   input — the k kept rows, weighted, and their int32 indices ("rows"); or S·x2/k with an empty
   index ("sketch"); or a copy of x2 with an empty index ("exact", k = n). The shapes depend on n
-  and keep only, as dynamo needs: where the eager path merges duplicate draws into fewer rows, the
-  rest are zero rows (k rows are stored instead of the eager path's k' <= k), and where it falls
-  back to saving x2 whole (all-zero or non-finite scores) the k rows are zero (dW = 0, as exactly)
-  or NaN (a non-finite dW, as exactly: AMP's scaler skips the step either way).
+  and keep only, as dynamo needs, and as the eager path's plans have them (abp.sampling.plan_rows).
 - abp::sampled_linear_dw(g2, rows, index, key, method) -> dW: tells the three apart by the shapes
   (an index means rows; n rows without one, exact; fewer, a sketch — a sketch always has k < n).
 
@@ -57,19 +53,7 @@ def _residual_rows(x2: torch.Tensor, key: torch.Tensor, method: str, keep: float
     mode, saved = sampling.sampled_residuals(x2, method, keep, _seed(key), None)
     if mode == "sketch":
         return saved[0], no_index
-    rows = x2.new_zeros((k, d))
-    index = torch.zeros(k, dtype=torch.int32, device=x2.device)
-    if mode == "rows":
-        # Duplicate draws were merged into fewer rows; the rest stay zero rows at index 0, which
-        # add nothing to dW, so that the shapes depend on n and keep only.
-        kept, kept_index = saved
-        rows[: kept.shape[0]] = kept
-        index[: kept_index.shape[0]] = kept_index
-    elif bool(torch.isfinite(x2).all()):
-        pass  # all-zero scores: the exact dW is zero, as zero rows give
-    else:
-        rows.fill_(float("nan"))  # non-finite input: dW is non-finite, as exactly (AMP skips the step)
-    return rows, index
+    return saved[0], saved[1]  # the plan's k slots: shapes that depend on n and keep only
 
 
 @_save.register_fake

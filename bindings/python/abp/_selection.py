@@ -3,9 +3,12 @@
 The samplers of abp (VCAS, WTA-CRS, uniform and norm-proportional column-row sampling) all reduce to
 the same question: given one score or probability per row (a token or a sample), which rows are kept
 and by how much is each kept row multiplied so that the kept sum stays an unbiased estimate of the
-full sum Σ_i A_i? This module answers it in plain PyTorch (CPU or CUDA tensors, torch >= 1.13) and
-returns a `Plan`: the sorted, unique kept row indices (int32) and their Horvitz–Thompson weights
-(float32), so that
+full sum Σ_i A_i? This module answers it in plain PyTorch (CPU or CUDA tensors, torch >= 1.13). The
+sampled linear layers use `plan_slots`: k slots (row, weight) made on the device without a host
+synchronisation, from whole-number masses whose sums are exact on every device. `plan_crs`,
+`plan_wtacrs` and `plan_uniform` give the same draws as a `Plan`, merged on the host (tests and
+tools); VCAS uses `water_fill` and `plan_bernoulli`. A `Plan` holds the sorted, unique kept row
+indices (int32) and their Horvitz–Thompson weights (float32), so that
 
     Σ_r plan.weight[r] · A[plan.index[r]]   is unbiased for   Σ_i A[i].
 
@@ -15,7 +18,8 @@ deterministic function of its inputs: the CPU and GPU paths, and forward and bac
 they are handed the same draws.
 
 Probabilities are handled in float64 throughout: a cumulative sum over many rows in float32 loses
-the small probabilities that the 1/p rescale divides by.
+the small probabilities that the 1/p rescale divides by. The draws of `plan_slots` use whole-number
+masses (`integer_masses`) for the same reason and one more: their sums are exact.
 
 Also here: water-filling (§7.1), the WTA winner count (§8.1), the WTA-CRS probabilities with a floor
 (§8.2), the keep count (§8.2) and the closed-form variances of every estimator (§3, §7, §8.1) that
@@ -32,6 +36,9 @@ from torch import Tensor
 
 __all__ = [
     "Plan",
+    "Slots",
+    "integer_masses",
+    "plan_slots",
     "keep_count",
     "norm_probabilities",
     "plan_bernoulli",
@@ -208,33 +215,21 @@ def water_fill(scores: Tensor, k: float) -> Tensor:
 
 
 def winners_count(p_sorted_desc: Tensor, k: int) -> int:
-    """The WTA-CRS winner count |C| of docs/algorithms.md §8.1.
+    """The WTA-CRS winner count |C| of docs/algorithms.md §8.1, over the distribution
+    `p_sorted_desc` (sorted descending, not necessarily normalised), as `plan_slots` chooses it.
 
-    With Q_c the prefix sums of the probabilities sorted in descending order (Q_0 = 0), returns the
-    first minimiser over c ∈ [0, k) of (1 − Q_c)/(k − c) (ties within a relative 1e-12 go to the
-    smaller c, see below). That is the minimiser of the upper bound
-    Var_WTA(c) ≤ (1 − P_C)/(k − c) · Σ_i ‖A_i‖²‖B_i‖²/p_i. It is not always the minimiser of the
-    exact variance (§8.1 says it matched in a check; it does not in general), but c = 0 (plain CRS)
-    is a candidate, so the chosen bound never exceeds its value for CRS.
-
-    `p_sorted_desc` must be sorted descending and be (a prefix of) a distribution that sums to 1;
-    only its first min(k, N) entries are read. When k > N, c = N (every row a winner) is also a
-    candidate, with objective 1 − Q_N ≈ 0.
+    With Q_c the sum of the c largest probabilities (Q_0 = 0), returns the first minimiser over
+    c ∈ [0, k) of (1 − Q_c)/(k − c), ties within a relative 1e-12 going to the smaller c. That is the
+    minimiser of the upper bound Var_WTA(c) ≤ (1 − P_C)/(k − c) · Σ_i ‖A_i‖²‖B_i‖²/p_i. It is not
+    always the minimiser of the exact variance (§8.1 says it matched in a check; it does not in
+    general), but c = 0 (plain CRS) is a candidate, so the chosen bound never exceeds its value for
+    CRS. Computed on `integer_masses` (exact sums: equal probabilities tie exactly, on every
+    device). When k > N, c = N (every row a winner) is also a candidate, with objective 0.
     """
     _check_vector("p_sorted_desc", p_sorted_desc)
     _check_count("k", k, lowest=1)
-    top = p_sorted_desc[: min(k, p_sorted_desc.numel())].to(torch.float64)
-    q = torch.cat([top.new_zeros(1), torch.cumsum(top, 0)])[:k]  # Q_0 .. Q_{min(k-1, N)}
-    c = torch.arange(q.numel(), dtype=torch.float64, device=q.device)
-    # 1 − Q_c can come out a few ulp below 0 when the winners hold all the mass; that is 0.
-    objective = torch.clamp(1.0 - q, min=0.0) / (k - c)
-    # Ties go to the smaller |C| (fewer deterministic rows). Equal probabilities make exact ties
-    # common (e.g. (1 − Q_9)/6 = (1 − Q_12)/3), and rounding, which differs between the CPU's and
-    # CUDA's cumsum, would break them either way; so take the first c within a relative 1e-12 (or
-    # 1e-15 absolute, for a rest whose mass rounds to ~0) of the minimum instead of torch.argmin.
-    best = objective.min()
-    near = objective <= best * (1.0 + 1e-12) + 1e-15
-    return int(torch.nonzero(near)[0, 0])
+    masses, _ = integer_masses(p_sorted_desc)
+    return int(_winners(masses, masses.sum(), k))
 
 
 def norm_probabilities(row_norms: Tensor, other: Optional[Tensor] = None, floor: float = 0.1) -> Tensor:
@@ -295,68 +290,171 @@ def keep_count(n: int, keep: float, minimum: int = 10) -> int:
 # Plans.
 
 
-def _inverse_cdf(q: Tensor, u: Tensor) -> Tensor:
-    """Row indices j with P(j) = q_j/Σq for uniforms u (int64), never a row with q_j = 0.
+@dataclass(frozen=True)
+class Slots:
+    """A plan of fixed size: k slots, slot r keeping row index[r] with weight weight[r], so that
+    Σ_r weight[r]·A[index[r]] is unbiased for Σ_i A[i]. Its shapes depend on k alone and it is made
+    on the device of the scores without a host synchronisation (what a CUDA graph can capture):
+    a row drawn twice fills two slots, a slot with nothing to draw has weight 0, and scores that
+    are not finite give NaN weights (the estimate is then not finite, as the exact sum would be).
 
-    searchsorted(right=True) returns the first j with cdf[j] > u·Σq: a zero-probability row has
-    cdf[j] = cdf[j−1] and so is never the first to exceed. Rounding can only push u·Σq up to
-    cdf[−1] itself (u < 1); that falls past the end and is clamped to the last row with q > 0.
+    Attributes:
+        index: int32, k entries in [0, N).
+        weight: float64, k entries, each >= 0 (or NaN).
+        winners: int64 0-d tensor, the slots kept deterministically (the first ones; 0 for CRS).
     """
-    cdf = torch.cumsum(q, 0)
-    j = torch.searchsorted(cdf, u * cdf[-1], right=True)
-    last_positive = torch.nonzero(q > 0)[-1, 0]
-    return torch.minimum(j, last_positive)
+
+    index: Tensor
+    weight: Tensor
+    winners: Tensor
 
 
-def _merge(draws: Tensor, q: Tensor, mass: Tensor, count: int) -> Tuple[Tensor, Tensor]:
-    """Unique sorted rows of `draws` and their weights n_j·mass/(count·q_j), in float64.
+def integer_masses(scores: Tensor, other: Optional[Tensor] = None, floor: float = 0.1) -> Tuple[Tensor, Tensor]:
+    """(masses, usable): the sampling distribution of the row scores as whole numbers (float64),
+    and a 0-d bool that is False when a score is not finite or is negative. Made without a host
+    synchronisation, and bit for bit the same on every device.
 
-    Each of the `count` i.i.d. draws contributes mass/(count·q_j)·A_j; merging the n_j copies of row
-    j into one row of weight n_j times that leaves the estimate unchanged (and hence its mean and
-    variance), while saving each row once.
+    Row t is drawn with probability m_t/Σm. m_t = ceil(s_t/max(s)·2^K), with K such that
+    Σm < 2^53: every sum of masses is then exact in float64 whatever the order a device adds in,
+    so the CPU and the GPU draw the same rows from the same uniforms (the one reduction, max, is
+    exact anyway). Given `other` (γ, one value per row), the distribution is `norm_probabilities`'
+    mix, (1 − f)·s·γ/Σs·γ + f·s/Σs with f = max(floor, 1e-8), taken to masses the same way (s·γ
+    without information, all zero or not finite: s alone). The ceiling keeps every row with a
+    positive score drawable, with the mass the weights divide by, so the estimators stay exactly
+    unbiased (what they draw from differs from s/Σs by at most 2^-K of the largest score); a zero
+    score gets mass 0 (its row's term is 0). All scores zero: every row mass 1 (uniform).
     """
-    index, counts = torch.unique(draws, sorted=True, return_counts=True)
-    weight = counts.to(torch.float64) * mass / (count * q[index])
-    return index, weight
+    _check_vector("scores", scores)
+    if not 0.0 <= floor <= 1.0:
+        raise ValueError(f"floor: expected a weight in [0, 1], got {floor!r}")
+    x = scores.to(torch.float64)
+    n = x.numel()
+    if n == 0:
+        raise ValueError("scores: expected at least one row, got none")
+    scale = float(2 ** (53 - n.bit_length()))
+    usable = torch.isfinite(x).all() & (x >= 0).all()
+
+    def masses(v: Tensor) -> Tensor:
+        top = v.max()
+        return torch.where(top > 0, torch.ceil(v / torch.where(top > 0, top, 1.0) * scale), torch.ones_like(v))
+
+    a = masses(x)
+    if other is None:
+        return a, usable
+    _check_vector("other", other)
+    if other.numel() != n:
+        raise ValueError(f"other: expected {n} entries (one per row), got {other.numel()}")
+    xg = x * other.to(device=x.device, dtype=torch.float64)
+    informative = torch.isfinite(xg).all() & (xg.max() > 0)
+    b = masses(torch.where(informative, xg, x))
+    f = max(float(floor), SMOOTHING)
+    mixed = torch.ceil(((1.0 - f) * (b / b.sum()) + f * (a / a.sum())) * scale)
+    return torch.where(informative, mixed, a), usable
+
+
+def _draw(masses: Tensor, u: Tensor) -> Tensor:
+    """Rows drawn with probability masses_j/Σmasses for uniforms u (int64); never a row of mass 0
+    while any has mass (then every draw is row 0). The masses are whole numbers with Σ < 2^53,
+    so the cumulative sum is exact and floor(u·Σ) < Σ: searchsorted gives the first j whose
+    cumulative mass exceeds it."""
+    cdf = torch.cumsum(masses, 0)
+    j = torch.searchsorted(cdf, torch.floor(u.to(torch.float64) * cdf[-1]), right=True)
+    rows = torch.arange(masses.numel(), device=masses.device)
+    return torch.minimum(j, (rows * (masses > 0)).max())  # a sum of 0: row 0, weight 0 at the caller
+
+
+def _winners(sorted_masses: Tensor, total: Tensor, k: int) -> Tensor:
+    """The WTA-CRS winner count (`winners_count`) over masses sorted descending, as a 0-d int64
+    tensor: the first c in [0, k) minimising (Σm − Q_c)/(k − c), ties within a relative 1e-12 to
+    the smaller c (Q_c: the c largest masses; both exact)."""
+    top = sorted_masses[: min(k, sorted_masses.numel())]
+    q = torch.cat([top.new_zeros(1), torch.cumsum(top, 0)])[:k]
+    c = torch.arange(q.numel(), dtype=torch.float64, device=q.device)
+    objective = (total - q) / (k - c)
+    near = objective <= objective.min() * (1.0 + 1e-12)
+    return torch.argmax(near.to(torch.uint8))  # the first True
+
+
+def plan_slots(masses: Tensor, usable: Tensor, k: int, u: Tensor, method: str,
+               winners: Optional[int] = None) -> Slots:
+    """The k slots of `method` over the rows' `masses` (`integer_masses`), from uniforms u[:k]:
+
+    - "crs" (and "uniform", with masses of 1): k i.i.d. draws j ~ m_j/Σm, weight Σm/(k·m_j);
+    - "wtacrs": the |C| rows of largest mass (ties: lower index first) in the first slots with
+      weight 1, |C| = `winners` or `_winners`' choice; the other s = k − |C| slots draw i.i.d. from
+      the rest, j ~ m_j/M (M: the rest's mass), with u[0], u[1], ... in slot order, weight
+      M/(s·m_j); with M = 0 they hold weight 0.
+
+    Unbiased for any |C| (C is fixed before the draws, and every rest row of positive mass can be
+    drawn). No host synchronisation: every count stays on the device.
+    """
+    _check_count("k", k, lowest=1)
+    n = masses.numel()
+    device = masses.device
+    draws = _uniforms(u, k, device)
+    slots = torch.arange(k, device=device)
+    total = masses.sum()
+    if method == "wtacrs":
+        order = torch.sort(masses, descending=True, stable=True).indices
+        if winners is None:
+            count = _winners(masses[order], total, k)
+        else:
+            count = torch.tensor(winners, dtype=torch.int64, device=device)
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(n, device=device)
+        rest = torch.where(rank < count, torch.zeros_like(masses), masses)
+        mass = rest.sum()
+        j = _draw(rest, draws[(slots - count).clamp(min=0)])
+        drawn = torch.where(mass > 0, mass / ((k - count) * rest[j]), torch.zeros_like(mass))
+        won = slots < count
+        index = torch.where(won, order[slots.clamp(max=n - 1)], j)
+        weight = torch.where(won, torch.ones_like(drawn), drawn)
+    elif method in ("crs", "uniform"):
+        count = torch.zeros((), dtype=torch.int64, device=device)
+        index = _draw(masses, draws)
+        weight = torch.where(total > 0, total / (k * masses[index]), torch.zeros_like(total))
+    else:
+        raise ValueError(f"method: expected 'wtacrs', 'crs' or 'uniform', got {method!r}")
+    weight = torch.where(usable, weight, torch.full_like(weight, float("nan")))
+    return Slots(index.to(torch.int32), weight, count)
+
+
+def _merged(slots: Slots, draws: int, winners: int) -> Plan:
+    """`slots` as a Plan: each row once, its slots' weights summed, slots of weight 0 left out."""
+    kept = slots.weight > 0
+    index, inverse = torch.unique(slots.index[kept].to(torch.int64), sorted=True, return_inverse=True)
+    weight = torch.zeros(index.numel(), dtype=torch.float64, device=index.device)
+    weight.index_add_(0, inverse, slots.weight[kept])
+    return Plan(index.to(torch.int32), weight.to(torch.float32), draws=draws, winners=winners)
 
 
 def plan_crs(p: Tensor, k: int, u: Tensor) -> Plan:
     """Column-row sampling: k i.i.d. draws j_t ~ p, each weighted 1/(k·p_j) (docs/algorithms.md §8.1).
 
-    Duplicates are merged into one kept row of weight count/(k·p_j), so `index` is unique and
-    len(plan) <= k. `p` is normalised here (only its proportions matter; this absorbs rounding in
-    its sum). Uses u[:k]. k = 0 gives an empty plan, which estimates 0: callers take the exact path
-    for k = 0.
+    `plan_slots` over `integer_masses(p)` (so p's proportions to 2^-K of its largest), with
+    duplicates merged into one kept row of weight count/(k·p_j): `index` is unique and len(plan)
+    <= k. Uses u[:k]. k = 0 gives an empty plan, which estimates 0: callers take the exact path
+    for k = 0. A host-side view of the slots (it synchronises), for tests and tools.
     """
     p = _check_probabilities(p)
     _check_count("k", k)
-    draws = _uniforms(u, k, p.device)
     if k == 0:
+        _uniforms(u, 0, p.device)
         return _empty_plan(p.device)
-    j = _inverse_cdf(p, draws)
-    # weight = count/(k·p_j/Σp) = count·Σp/(k·p_j): the normalisation folds into the mass term.
-    index, weight = _merge(j, p, p.sum(), k)
-    return Plan(index.to(torch.int32), weight.to(torch.float32), draws=k, winners=0)
-
-
-def _winner_order(p: Tensor) -> Tensor:
-    """Row indices by descending p, ties by ascending index (a stable sort), so the winners of
-    `plan_wtacrs` and `variance_wtacrs` are the same rows on every device."""
-    return torch.sort(p, descending=True, stable=True).indices
+    masses, usable = integer_masses(p)
+    return _merged(plan_slots(masses, usable, k, u, "crs"), draws=k, winners=0)
 
 
 def plan_wtacrs(p: Tensor, k: int, u: Tensor, winners: Optional[int] = None) -> Plan:
-    """Winner-take-all column-row sampling (docs/algorithms.md §8.1).
+    """Winner-take-all column-row sampling (docs/algorithms.md §8.1): `plan_slots` over
+    `integer_masses(p)`, duplicates merged as in `plan_crs`.
 
     The winners C are the |C| rows of largest p (ties: lower index first), kept with weight 1.
     The other s = k − |C| draws are i.i.d. from p restricted to the rest, j ~ p_j/(1 − P_C), each
-    weighted (1 − P_C)/(s·p_j); duplicates merge as in `plan_crs`. This is unbiased for every |C|,
-    because C is fixed before the draws and every rest row with p_j > 0 can be drawn.
-
-    `winners` defaults to `winners_count`; an explicit value must lie in [0, min(k, N)]. |C| = k
-    (no draws left) is accepted only when the rest holds probability mass exactly 0, because
-    dropping positive mass would bias the estimate (the "winners hold > 1 − 1e−3" shortcut of §8.3).
-    For the same reason a rest with tiny but positive mass is still sampled. Uses u[:s].
+    weighted (1 − P_C)/(s·p_j). `winners` defaults to `winners_count`; an explicit value must lie in
+    [0, min(k, N)]. |C| = k (no draws left) is accepted only when the rest holds probability mass
+    exactly 0, because dropping positive mass would bias the estimate (the "winners hold > 1 − 1e−3"
+    shortcut of §8.3). A rest with tiny but positive mass is still sampled. Uses u[:s].
     """
     p = _check_probabilities(p)
     _check_count("k", k)
@@ -364,36 +462,22 @@ def plan_wtacrs(p: Tensor, k: int, u: Tensor, winners: Optional[int] = None) -> 
     if k == 0:
         _uniforms(u, 0, p.device)
         return _empty_plan(p.device)
-    p = p / p.sum()
-    order = _winner_order(p)
-    if winners is None:
-        winners = winners_count(p[order], k)
-    elif isinstance(winners, bool) or not isinstance(winners, int) or not 0 <= winners <= min(k, n):
+    if winners is not None and (isinstance(winners, bool) or not isinstance(winners, int) or not 0 <= winners <= min(k, n)):
         raise ValueError(f"winners: expected an int in [0, {min(k, n)}], got {winners!r}")
-
-    win = order[:winners]
-    rest = p.clone()
-    rest[win] = 0.0
-    # The rest's mass summed from its own entries, not 1 − P_C: that difference of nearly equal
-    # numbers could come out 0 (dropping real mass) or positive when the rest is all zeros.
-    mass = rest.sum()
-    s = k - winners
-    if not bool(mass > 0):
-        _uniforms(u, 0, p.device)
-        index, weight, s = win, torch.ones(winners, dtype=torch.float64, device=p.device), 0
-    elif s == 0:
-        raise ValueError(
-            f"winners: {winners} winners leave no draws (k = {k}) for a rest with probability mass "
-            f"{float(mass):.3g} > 0; dropping it would bias the estimate"
-        )
-    else:
-        j = _inverse_cdf(rest, _uniforms(u, s, p.device))
-        sampled, sampled_weight = _merge(j, rest, mass, s)
-        # Winners have rest[j] = 0, so the draws never hit them: the union is disjoint.
-        index = torch.cat([win, sampled])
-        weight = torch.cat([torch.ones(winners, dtype=torch.float64, device=p.device), sampled_weight])
-    index, perm = torch.sort(index)
-    return Plan(index.to(torch.int32), weight[perm].to(torch.float32), draws=s, winners=winners)
+    masses, usable = integer_masses(p)
+    # The slots read a uniform per slot; the winners' slots draw nothing (padded here, checked below).
+    padded = torch.cat([u.reshape(-1)[:k].to(torch.float32), torch.zeros(max(0, k - u.numel()))]) if u.dim() == 1 else u
+    slots = plan_slots(masses, usable, k, padded, "wtacrs", winners)
+    count = int(slots.winners)
+    _uniforms(u, k - count, p.device)
+    rest = slots.weight[count:]
+    if count == k:
+        others = masses.clone()
+        others[slots.index.to(torch.int64)] = 0
+        if bool(others.sum() > 0):
+            raise ValueError(f"winners: {count} winners leave no draws (k = {k}) for a rest with probability "
+                             "mass > 0; dropping it would bias the estimate")
+    return _merged(slots, draws=(k - count) if bool((rest > 0).any()) else 0, winners=count)
 
 
 def plan_bernoulli(p: Tensor, u: Tensor) -> Plan:
@@ -494,7 +578,8 @@ def variance_wtacrs(G: Tensor, X: Tensor, p: Tensor, k: int, winners: int) -> fl
     if isinstance(winners, bool) or not isinstance(winners, int) or not 0 <= winners <= min(k, n):
         raise ValueError(f"winners: expected an int in [0, {min(k, n)}], got {winners!r}")
     p = p / p.sum()
-    rest = _winner_order(p)[winners:]
+    # The winners as plan_slots picks them: by integer mass, ties to the lower index.
+    rest = torch.sort(integer_masses(p)[0], descending=True, stable=True).indices[winners:]
     mass = p[rest].sum()
     s = k - winners
     if not bool(mass > 0):

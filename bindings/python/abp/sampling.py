@@ -7,11 +7,13 @@ saves about `keep` of the input instead of all of it (docs/algorithms.md §3, §
 - dX = dY·W and db = Σ dY are exact; only dW is estimated.
 - "wtacrs": the winners (highest p ∝ ‖x_t‖) are kept whole, the rest sampled i.i.d. with the
   1/p rescale; "crs": i.i.d. draws only; "uniform": i.i.d. draws with p = 1/N. Both save the kept rows, already weighted, and their
-  int32 indices: k·d_in elements + 4k bytes, k = min(max(⌊N·keep⌋, 10), N). Duplicate draws are
-  merged into one row (same estimator, fewer rows).
+  int32 indices: k·d_in elements + 4k bytes, k = min(max(⌊N·keep⌋, 10), N), whatever was drawn
+  (a row drawn twice fills two of the k slots): the plan is made on the device without a host
+  synchronisation, so a CUDA graph can capture the layer (`plan_rows`).
 - "gaussian" / "rademacher": X̃ = S·X/k with S regenerated in backward from its Philox key;
   saves X̃ (k × d_in), k = min(max(⌊N·keep⌋, 3), N).
-- With k = N (or a non-finite or all-zero score vector) X is saved whole: the exact gradient.
+- With k = N, X is saved whole: the exact gradient. A non-finite input row makes dW non-finite,
+  as it would the exact product.
 
 Randomness: one Philox key per call, drawn from `generator` (torch's default generator if
 None) unless `seed` is given, so torch.manual_seed(s) reproduces a run and every call and layer
@@ -34,8 +36,6 @@ from .compress import draw_seed
 
 __all__ = ["METHODS", "sampled_linear", "plan_rows", "sketch_product", "GradNormCache"]
 
-CPU = torch.device("cpu")
-
 #: The dW estimators of sampled_linear.
 METHODS: Tuple[str, ...] = ("wtacrs", "crs", "uniform", "gaussian", "rademacher")
 _ROW_METHODS = ("wtacrs", "crs", "uniform")
@@ -56,36 +56,34 @@ def check_keep(keep: Any) -> float:
 
 
 def plan_rows(x: torch.Tensor, k: int, method: str, seed: int, offset: int = 0,
-              gamma: Optional[torch.Tensor] = None) -> Optional[selection.Plan]:
-    """The rows of the 2-d `x` that `method` ("wtacrs", "crs" or "uniform") keeps, with their weights; None
-    when the scores cannot drive a sample (a non-finite or all-zero row norm vector), in which
-    case the caller keeps every row. p ∝ ‖x_t‖, or ‖x_t‖·γ_t (mixed with 0.1 of the ‖x‖-only
-    distribution) given γ, one value per row (§8.2). Draws come from Philox at (seed, offset + t)."""
-    # The N scores go to the host and the plan is made there, from the CPU path's draws: the
-    # kernels give the same norms and draws on both devices, so the choices are the same by
-    # construction (a device cumsum may round differently). One small copy; the plan syncs anyway.
-    norms = kernels.row_norms(x).cpu()  # also for "uniform": a non-finite row disables sampling
-    if not selection.scores_usable(norms):
-        return None
-    u = kernels.uniform(k, seed, offset, CPU)
+              gamma: Optional[torch.Tensor] = None) -> selection.Slots:
+    """The k slots (row, weight) that `method` ("wtacrs", "crs" or "uniform") keeps of the 2-d
+    `x`: p ∝ ‖x_t‖, or ‖x_t‖·γ_t (mixed with 0.1 of the ‖x‖-only distribution) given γ, one value
+    per row (§8.2), as `selection.integer_masses`; draws from Philox at (seed, offset + slot).
+
+    Made on x's device with no host synchronisation (a CUDA graph captures it), and the same
+    rows and weights on every device: the kernels give the same norms and draws on the CPU and
+    the GPU, and the plan's sums are exact. Scores that are not finite give NaN weights (dW is
+    then not finite, as the exact product would be); all-zero scores, uniform draws of zero rows."""
+    norms = kernels.row_norms(x)  # also for "uniform": a non-finite row makes dW non-finite
+    masses, usable = selection.integer_masses(norms, gamma)
     if method == "uniform":
-        plan = selection.plan_uniform(x.shape[0], k, u, CPU)
-    else:
-        p = selection.norm_probabilities(norms, gamma.cpu() if gamma is not None else None)
-        plan = selection.plan_wtacrs(p, k, u) if method == "wtacrs" else selection.plan_crs(p, k, u)
-    return plan.to(x.device)
+        masses = torch.ones_like(masses)
+    u = kernels.uniform(k, seed, offset, x.device)
+    return selection.plan_slots(masses, usable, k, u, method)
 
 
 def sampled_residuals(x2: torch.Tensor, method: str, keep: float, seed: int,
-               gamma: Optional[torch.Tensor]) -> Tuple[str, List[torch.Tensor]]:
-    """What backward's dW needs of the 2-d input x2: ("exact", [x2]), ("rows", [kept rows
-    weighted, their indices]) or ("sketch", [S·x2 / k])."""
+                      gamma: Optional[torch.Tensor]) -> Tuple[str, List[torch.Tensor]]:
+    """What backward's dW needs of the 2-d input x2: ("exact", [x2]) when k = N, ("rows", [the k
+    slots' rows weighted, their indices]) or ("sketch", [S·x2 / k]). The shapes depend on N and
+    keep alone."""
     n = x2.shape[0]
     k = selection.keep_count(n, keep, minimum=MINIMUM_KEPT[method])
-    plan = plan_rows(x2, k, method, seed, gamma=gamma) if method in _ROW_METHODS and k < n else None
-    if k >= n or (method in _ROW_METHODS and plan is None):
+    if k >= n:
         return "exact", [x2.contiguous()]
-    if plan is not None:
+    if method in _ROW_METHODS:
+        plan = plan_rows(x2, k, method, seed, gamma=gamma)
         weight_rows = plan.weight.to(compute_dtype(x2.dtype))
         return "rows", [kernels.sample_rows(x2, plan.index, weight_rows, trusted=True), plan.index]
     return "sketch", [sketch_product(method, k, seed, x2) / k]
@@ -285,8 +283,8 @@ class GradNormCache:
         return table
 
     def lookup(self, slot: int, rows: int, device: torch.device) -> Tuple[Optional[torch.Tensor], Optional[Callable[[torch.Tensor], None]]]:
-        """(γ for the current batch's rows or None, the function storing ‖dY_t‖ after backward);
-        (None, None) outside `batch()`."""
+        """(γ for the current batch's rows, NaN for examples not visited yet, and the function
+        storing ‖dY_t‖ after backward); (None, None) outside `batch()`."""
         ids = self._ids
         if ids is None:
             return None, None
@@ -295,10 +293,11 @@ class GradNormCache:
                              f"len(ids) x tokens = {ids.numel()} x {self.tokens} (batch-first)")
         table = self._table(slot, device)
         ids = ids.to(table.device)
+        # NaN where an example was not visited yet: the plan then uses ‖x_t‖ alone
+        # (selection.integer_masses), decided on the device.
         gamma = table[ids].reshape(-1)
-        known = bool(torch.isfinite(gamma).all())
 
         def record(norms: torch.Tensor) -> None:
             table[ids] = norms.reshape(ids.numel(), self.tokens).to(table.dtype)
 
-        return (gamma if known else None), record
+        return gamma, record
