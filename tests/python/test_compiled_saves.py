@@ -206,3 +206,24 @@ def test_import_abp_leaves_dynamo_unloaded_until_something_compiles() -> None:
     result = subprocess.run([sys.executable, "-c", code], env=dict(os.environ), capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_a_relu_output_stays_exact_when_its_backward_is_decomposed() -> None:
+    """Inductor decomposes ReLU's backward into a comparison and a where, no threshold_backward:
+    the output of a forward relu is kept exact whatever backward reads it with (as eager
+    compress_saved keeps its support); another op's output read the same way is compressed."""
+    def forward(x):  # type: ignore[no-untyped-def]
+        return torch.relu(x), torch.sin(x)
+
+    def backward(relu, sin, grad):  # type: ignore[no-untyped-def]
+        return (torch.where(torch.le(relu, 0), 0.0, grad) + torch.where(torch.le(sin, 0), 0.0, grad),)
+
+    fw, bw = torch.fx.symbolic_trace(forward).graph, torch.fx.symbolic_trace(backward).graph
+    nodes = {n.name: n for n in fw.nodes}
+    x = torch.randn(2048)
+    decide = lambda name: _compiled_saves._decide(  # noqa: E731
+        x, {"_node": nodes[name], "_fw_graph": fw, "_bw_graph": bw}, 4, 1024, True, True)
+    assert decide("relu") == (32, "read by a ReLU's backward (kept exact)")
+    assert decide("sin") == (4, "compressed")
+    assert _compiled_saves._decide(x, {"_node": nodes["relu"], "_fw_graph": fw, "_bw_graph": bw},
+                                   4, 1024, True, False) == (4, "compressed")  # exact_relu=False

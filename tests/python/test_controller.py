@@ -11,6 +11,7 @@ import itertools
 import math
 import random
 import re
+import warnings
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -652,3 +653,81 @@ def test_probes_measure_each_key_at_its_fewest_bits_and_scale_to_the_one_bit_coe
     assert estimates[1].keys() == estimates[2].keys() and len(estimates[1]) == 2  # the two Tanh outputs
     ratios = sorted(estimates[2][k] / estimates[1][k] for k in estimates[1])
     assert all(1 / 3 < r < 3 for r in ratios), ratios
+
+
+# ---------------------------------------------------------------------------------------------------
+# Mistakes and compiled models (a new user's trial).
+
+
+class _LossAndLogits(nn.Module):
+    """Returns (loss, logits), the loss computed from the logits: two outputs needing gradients,
+    as a transformers model called with labels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        logits = self.b(torch.relu(self.a(x)))
+        return F.cross_entropy(logits, y), logits
+
+
+@pytest.mark.skipif(not hasattr(torch, "compile"), reason="torch.compile needs torch >= 2")
+def test_a_compiled_model_with_two_outputs_trains_under_the_controller() -> None:
+    """Dynamo traces the controller's module hooks with a compiled model: they stand aside there
+    (a compiled graph's saves get no per-tensor width; the block says so), and the step trains."""
+    library_or_skip()
+    torch.manual_seed(0)
+    model = _LossAndLogits()
+    compiled = torch.compile(model, backend="aot_eager")
+    controller = CompressionController(model, avg_bits=2, min_numel=1)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    for _ in range(2):
+        model.zero_grad()
+        with warnings.catch_warnings(), controller:
+            warnings.simplefilter("ignore")  # the compiled graph's saves: "compressed none", once
+            loss, _ = compiled(x, y)
+            loss.backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    F.cross_entropy(model.b(torch.relu(model.a(x))), y).backward()
+    assert all(torch.allclose(a, p.grad) for a, p in zip(expected, model.parameters()))
+    controller.remove()
+
+
+def test_a_controller_of_a_model_that_never_runs_says_so() -> None:
+    """Built on one model object, trained with another (abp.convert returns a copy): the first
+    step raises instead of allocating from nothing, and convert names the controller's hooks."""
+    library_or_skip()
+    import abp
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))
+    controller = CompressionController(model, avg_bits=2)
+    _, changes = abp.convert(model, recipe="lowmembp")
+    assert any("abp.CompressionController's: build it on the model abp.convert returns" in c.detail
+               for c in changes if c.action == "refused")
+    other = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))
+    with pytest.raises(RuntimeError, match=r"the model this controller was built on never ran .* abp.convert "
+                                           r"returns a converted copy"):
+        with controller:
+            other(torch.randn(32, 16)).square().mean().backward()
+    # An evaluation block (nothing saved) is no mistake, and the model itself trains.
+    with controller, torch.no_grad():
+        other(torch.randn(32, 16))
+    with controller:
+        model(torch.randn(32, 16)).square().mean().backward()
+    assert controller.estimates == 1
+    controller.remove()
+
+
+def test_a_failing_block_does_not_also_warn_about_compiled_models(recwarn: Any) -> None:
+    library_or_skip()
+    C._WARNED.discard("constants")  # said once per process
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 10))
+    controller = CompressionController(model, avg_bits=2)
+    with pytest.raises(RuntimeError, match="dtype"):
+        with controller:
+            model(torch.randn(32, 64, dtype=torch.float64)).sum().backward()
+    assert not [w for w in recwarn if "compressed none" in str(w.message)]
+    controller.remove()

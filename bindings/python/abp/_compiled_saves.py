@@ -170,6 +170,12 @@ def _readers(name: str, bw: torch.fx.Graph) -> List[Tuple[str, int]]:
     return found
 
 
+#: Forward ops whose output is a ReLU's (its backward reads where it is positive), and backward
+#: ops that read a saved value that way.
+_RELU_FORWARD = frozenset({"relu", "relu_"})
+_RELU_BACKWARD = frozenset({"threshold_backward"})
+
+
 def _decide(x: torch.Tensor, context: Dict[str, Any], bits: int, min_numel: int, op_rules: bool,
             exact_relu: bool) -> Tuple[int, str]:
     """(bits to store the saved value at, 32 = as it is; why) from the graphs AOTAutograd traces."""
@@ -181,7 +187,9 @@ def _decide(x: torch.Tensor, context: Dict[str, Any], bits: int, min_numel: int,
     if not _on_gradient_path(fw, bw).get(node.name, True):
         return 32, "off the gradient path (a constant of backward: a mask, a table)"
     readers = _readers(node.name, bw)
-    if exact_relu and any(op == "threshold_backward" for op, _ in readers):
+    # A ReLU's output, which its backward reads for the sign (threshold_backward, or a comparison
+    # and a where once decomposed): kept exact, as eager compress_saved keeps its support.
+    if exact_relu and (_op_name(node.target) in _RELU_FORWARD or any(op in _RELU_BACKWARD for op, _ in readers)):
         return 32, "read by a ReLU's backward (kept exact)"
     if not op_rules:
         return bits, "compressed"

@@ -188,8 +188,9 @@ def watch_outputs(call: Call, out: Any) -> bool:
     return bool(call.handles)
 
 
-def _capture(call: Call, i: int, grad: torch.Tensor) -> None:
-    if call.closed:
+def _capture(call: Call, i: int, grad: Optional[torch.Tensor]) -> None:
+    # None: no gradient reached this output (a compiled graph's hook may be called so); zero.
+    if call.closed or grad is None:
         return
     prev = call.grads[i]
     call.grads[i] = grad.detach() if prev is None else prev + grad.detach()

@@ -956,7 +956,9 @@ class compress_saved:
             recorder.__exit__(*exc)
         hooks.__exit__(*exc)
         self._flush()
-        if not self.stats["compressed"] and self._constant_bytes and self._constant_bytes * 2 >= self.stats["bytes_in"]:
+        failed = bool(exc) and exc[0] is not None  # the block's own error says what went wrong
+        if not failed and not self.stats["compressed"] and self._constant_bytes and \
+                self._constant_bytes * 2 >= self.stats["bytes_in"]:
             _warn_once("constants", f"{self.label} saw {self.stats['tensors']} saved tensors and compressed none: most "
                        "were floating tensors that do not require grad, which it keeps as they are (constants of "
                        "backward, such as masks). A torch.compile'd model saves its activations so, detached from "

@@ -42,7 +42,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 from . import _replay
-from .compress import MIN_UNIFORM_BITS, compress_saved
+from .compress import MIN_UNIFORM_BITS, _compiling, compress_saved
 
 __all__ = ["CompressionController", "TensorKey", "allocate_bits", "RUNGS", "trainer_callback"]
 
@@ -388,8 +388,10 @@ class CompressionController:
 
         self._handles: List[Any] = []
         for name, module in model.named_modules():
-            self._handles.append(module.register_forward_pre_hook(partial(self._enter_module, name)))
-            self._handles.append(module.register_forward_hook(partial(self._leave_module, name)))
+            enter, leave = partial(self._enter_module, name), partial(self._leave_module, name)
+            enter.abp_owner = leave.abp_owner = "abp.CompressionController"  # type: ignore[attr-defined]
+            self._handles.append(module.register_forward_pre_hook(enter))
+            self._handles.append(module.register_forward_hook(leave))
         self._removed = False
 
     # -- inspection --------------------------------------------------------------------------------
@@ -453,10 +455,18 @@ class CompressionController:
 
     # -- hooks -------------------------------------------------------------------------------------
 
+    # Under torch.compile, dynamo traces these hooks with the model: their list edits would be
+    # replayed out of order, and what they attribute (eager saves) does not happen in a compiled
+    # graph, whose saves no per-tensor width reaches (docs/python.md). They do nothing there.
+
     def _enter_module(self, name: str, module: torch.nn.Module, args: Any) -> None:
+        if _compiling():
+            return
         self._stack.append(name)
 
     def _leave_module(self, name: str, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if _compiling():
+            return
         # Normally the top; if a forward raised earlier, its entry was never popped: drop it too.
         for i in range(len(self._stack) - 1, -1, -1):
             if self._stack[i] == name:
@@ -561,11 +571,25 @@ class CompressionController:
                         f"of step {self._step}, a sensitivity-estimation step: call loss.backward() inside it")
                 self._estimate(calls, self._last_seen)
                 self._next_probe = self._step + self._interval
+            elif probing and self._stats.get("tensors", 0) and self._never_ran():
+                raise RuntimeError(
+                    f"CompressionController: the block of step {self._step} saved {self._stats['tensors']} tensors "
+                    "for backward, but the model this controller was built on never ran (no call of it or of "
+                    "a submodule, none of its parameters has a gradient): was it built on another model object? "
+                    "abp.convert returns a converted copy; build the controller on the model you train")
             # A probe step without a differentiable model call (an evaluation block): estimate at
             # the next step instead.
         finally:
             self._finish_probe()
             self._step += 1
+
+    def _never_ran(self) -> bool:
+        """True if nothing of the model ran in the step: no saves inside a submodule and no
+        parameter with a gradient (a compiled model runs without the hooks, but its parameters
+        get gradients)."""
+        if any(key.module != OUTSIDE for key in self._last_seen):
+            return False
+        return all(p.grad is None for p in self._model.parameters() if p.requires_grad)
 
     def _abort_step(self) -> None:
         """Drops a begun step: nothing is estimated, published or counted."""
@@ -596,6 +620,8 @@ class CompressionController:
         # Wrapping forward, not a forward pre-hook: hooks see keyword arguments only on torch >= 2.0
         # (with_kwargs), and torch 1.13 must work too.
         def recording_forward(*args: Any, **kwargs: Any) -> Any:
+            if _compiling():  # a compiled call is not replayed (the hooks above)
+                return original(*args, **kwargs)
             call = _replay.record(model, args, kwargs)
             out = original(*args, **kwargs)
             self._watch(call, out)
@@ -636,7 +662,7 @@ class CompressionController:
         self._step_hooks = True
 
     def _forward_begins(self, module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-        if not (self._active and self._hooked) or self._replaying:
+        if not (self._active and self._hooked) or self._replaying or _compiling():
             return None
         call = None
         if self._probing:
@@ -656,7 +682,7 @@ class CompressionController:
         return None
 
     def _forward_ends(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if not self._depth:  # not a hooked step's call, or its pre-hook raised
+        if not self._depth or _compiling():  # not a hooked step's call, or its pre-hook raised
             return None
         self._depth -= 1
         call = self._pending.pop()

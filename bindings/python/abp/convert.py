@@ -179,6 +179,16 @@ def _hooks_of(module: nn.Module) -> List[str]:
     return [label for label, attr in kinds if getattr(module, attr, None)]
 
 
+def _hooks_phrase(module: nn.Module) -> str:
+    """"<kinds of hooks>, which the replacement would not carry", naming abp's own hooks' owner
+    (an `abp_owner` attribute on the hook): a CompressionController hooks every submodule."""
+    owners = {getattr(hook, "abp_owner", None) for attr in ("_forward_pre_hooks", "_forward_hooks")
+              for hook in getattr(module, attr, {}).values()} - {None}
+    note = "".join(f"; they are an {owner}'s: build it on the model abp.convert returns, after converting"
+                   for owner in sorted(owners))
+    return f"{' and '.join(_hooks_of(module))}, which the replacement would not carry{note}"
+
+
 def _replacement_refusal(module: nn.Module) -> Optional[str]:
     """Why `module` must not be replaced or folded into (None if it may).
 
@@ -186,9 +196,8 @@ def _replacement_refusal(module: nn.Module) -> Optional[str]:
     """
     if parametrize.is_parametrized(module):
         return "its parameters are parametrized (torch.nn.utils.parametrize); the replacement has none"
-    hooks = _hooks_of(module)
-    if hooks:
-        return f"it has {' and '.join(hooks)}, which the replacement would not carry"
+    if _hooks_of(module):
+        return f"it has {_hooks_phrase(module)}"
     return None
 
 
@@ -460,9 +469,8 @@ def _convert_activation(model: nn.Module, name: str, module: nn.Module, spec: An
         approximate = "tanh" if spec.kind == "gelu_tanh" else "none"
         replacement = _activation_module(family, choice, approximate)
         what = f"{choice}" + (", tanh form" if approximate == "tanh" else "")
-    hooks = _hooks_of(module)
-    if hooks:
-        return [Change(name, "refused", f"{kind} not replaced: it has {' and '.join(hooks)}, which the replacement would not carry")]
+    if _hooks_of(module):
+        return [Change(name, "refused", f"{kind} not replaced: it has {_hooks_phrase(module)}")]
     replacement.train(module.training)
     _replace(model, paths, replacement)
     return [Change(name, "replaced", f"{kind} ({spec.kind}) -> {type(replacement).__name__} ({what}){_also_at(paths)}")]
@@ -479,7 +487,7 @@ def _sample_one(model: nn.Module, name: str, module: nn.Module, spec: LinearMap,
     why = next((f"`{name}`.{p} is not a Parameter of its own (a computed or registered-elsewhere tensor)"
                 for p in (spec.weight, spec.bias) if p is not None and p not in module._parameters), None)
     if why is None and _hooks_of(module):
-        why = f"`{name}` has {' and '.join(_hooks_of(module))}, which the replacement would not carry"
+        why = f"`{name}` has {_hooks_phrase(module)}"
     if why is None and parametrize.is_parametrized(module):
         why = f"`{name}` has parametrized weights"
     if why is None and (spec.weight != "weight" or spec.bias not in (None, "bias")):
