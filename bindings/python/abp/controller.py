@@ -449,6 +449,12 @@ class CompressionController:
             return float(self._initial)
         return sum(b * self._numels[k] for k, b in self._bits.items()) / total
 
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "CompressionController":
+        """The controller itself: copying a model copies the hooks this controller put on it, and
+        they go on reporting to it (abp.convert copies a model; a controller holds a generator,
+        which torch 1.13 cannot copy)."""
+        return self
+
     def __repr__(self) -> str:
         return (f"CompressionController(avg_bits={self._avg_bits:g}, step={self._step}, "
                 f"tensors={len(self._bits)}, average_bits={self.average_bits():.3f})")
