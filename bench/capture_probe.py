@@ -13,6 +13,7 @@ import contextlib
 import json
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -48,40 +49,73 @@ NOT_YET = frozenset({"CompressionController(avg_bits=2)"})
 #: Tensor functions that read a tensor's values on the host: on a GPU each waits for the device
 #: (a synchronisation, which also ends a CUDA graph capture with an error).
 HOST_READS = frozenset({
-    "__bool__", "__int__", "__float__", "__index__", "__complex__", "item", "tolist", "numpy", "cpu",
+    "__bool__", "__int__", "__float__", "__index__", "__complex__", "__format__", "item", "tolist", "numpy", "cpu",
     "nonzero", "argwhere", "unique", "unique_consecutive", "masked_select", "bincount", "equal", "allclose",
+    "one_hot",
 })
 
 
 class HostReads(torch.overrides.TorchFunctionMode):
-    """Records each call that reads tensor values on the host (HOST_READS, `.cpu()` whatever the
-    tensor's device, `.to` the CPU from another device, repeat_interleave without output_size): what set_sync_debug_mode("error") would stop at on a
-    GPU, seen on any device, so a CPU test can hold a step to it. A key drawn from a host generator
-    (torch.randint on the CPU, as abp draws its Philox keys) is host data: reading it is no sync."""
+    """Records each call that reads tensor values on the host: HOST_READS, `.cpu()` whatever the
+    tensor's device, `.to` the CPU from another device, indexing with a bool mask (get or set),
+    one-argument `where`, repeat_interleave without output_size. What set_sync_debug_mode("error")
+    would stop at on a GPU, seen on any device, so a CPU test can hold a step to it.
+
+    A mode is switched off while its own handler runs, and `Tensor.backward` reaches the engine
+    through it: backward is run here through the engine with this mode on, so that what backward
+    calls (a custom Function's backward, a saved-tensor hook) is seen too. A key drawn on the host
+    (torch.randint on the CPU, as abp draws its Philox keys) is host data: reading it is no sync.
+    Not seen: what C++ reads internally (linalg's info checks), and copies from a GPU into a host
+    tensor, which a CPU run cannot tell from a host copy."""
 
     def __init__(self) -> None:
         super().__init__()
         self.reads: List[str] = []
-        self._host_keys: set = set()
+        # id -> the key itself, while it lives (an id is reused once its tensor is freed).
+        self._host_keys: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func))
         target = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if name == "backward" and target is not None:
+            return self._backward(target, *args[1:], **kwargs)
         out = func(*args, **kwargs)
         if name == "randint" and isinstance(out, torch.Tensor) and out.device.type == "cpu":
-            self._host_keys.add(id(out))
-        elif target is not None and id(target) in self._host_keys:
+            self._host_keys[id(out)] = out
+        elif target is not None and self._host_keys.get(id(target)) is target:
             pass
-        elif name in HOST_READS or (name == "repeat_interleave" and "output_size" not in kwargs) or (
-                name == "to" and target is not None and target.device.type != "cpu"
-                and any(_is_cpu(a) for a in (*args[1:], kwargs.get("device")))):
+        elif name in HOST_READS or _reads_values(name, args, kwargs, target):
             self.reads.append(name)
         return out
+
+    def _backward(self, tensor: torch.Tensor, gradient: Optional[torch.Tensor] = None, retain_graph: Optional[bool] = None,
+                  create_graph: bool = False, inputs: object = None) -> None:
+        if gradient is None:
+            gradient = torch.ones_like(tensor)
+        keep = create_graph if retain_graph is None else retain_graph
+        with self:  # back on for what the engine calls
+            torch.autograd.Variable._execution_engine.run_backward(  # type: ignore[attr-defined]
+                (tensor,), (gradient,), keep, create_graph, tuple(inputs or ()), True, True)
 
 
 def _is_cpu(a: object) -> bool:
     return (isinstance(a, torch.device) and a.type == "cpu") or (isinstance(a, str) and a.startswith("cpu"))
+
+
+def _reads_values(name: str, args: tuple, kwargs: dict, target: Optional[torch.Tensor]) -> bool:
+    """The calls whose host read depends on their arguments."""
+    if name == "repeat_interleave":
+        return "output_size" not in kwargs
+    if name == "to":
+        return target is not None and target.device.type != "cpu" and any(_is_cpu(a) for a in (*args[1:], kwargs.get("device")))
+    if name in ("__getitem__", "__setitem__", "index_put_", "index"):
+        index = args[1] if len(args) > 1 else None
+        parts = index if isinstance(index, tuple) else (index,)
+        return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
+    if name == "where":
+        return len(args) + len(kwargs) == 1  # where(condition): nonzero
+    return False
 
 
 def cases(device: torch.device = CUDA) -> List[Tuple[str, Callable[[], Step], bool]]:

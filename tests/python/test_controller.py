@@ -697,7 +697,7 @@ def test_a_compiled_model_with_two_outputs_trains_under_the_controller() -> None
 
 def test_a_controller_of_a_model_that_never_runs_says_so() -> None:
     """Built on one model object, trained with another (abp.convert returns a copy): the first
-    step raises instead of allocating from nothing, and convert names the controller's hooks."""
+    step warns instead of allocating from nothing, and convert names the controller's hooks."""
     library_or_skip()
     import abp
 
@@ -708,8 +708,8 @@ def test_a_controller_of_a_model_that_never_runs_says_so() -> None:
     assert any("abp.CompressionController's: build it on the model abp.convert returns" in c.detail
                for c in changes if c.action == "refused")
     other = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))
-    with pytest.raises(RuntimeError, match=r"the model this controller was built on never ran .* abp.convert "
-                                           r"returns a converted copy"):
+    with pytest.warns(RuntimeWarning, match=r"the model this controller was built on never ran .* measures nothing "
+                                            r".* abp.convert returns a converted copy"):
         with controller:
             other(torch.randn(32, 16)).square().mean().backward()
     # An evaluation block (nothing saved) is no mistake, and the model itself trains.
@@ -731,3 +731,47 @@ def test_a_failing_block_does_not_also_warn_about_compiled_models(recwarn: Any) 
             model(torch.randn(32, 64, dtype=torch.float64)).sum().backward()
     assert not [w for w in recwarn if "compressed none" in str(w.message)]
     controller.remove()
+
+
+@pytest.mark.skipif(not hasattr(torch, "compile"), reason="torch.compile needs torch >= 2")
+@pytest.mark.parametrize("zero_grad_inside", [False, True])
+def test_a_compiled_model_that_runs_is_not_taken_for_another(zero_grad_inside: bool) -> None:
+    """The model's own hook runs eagerly around a compiled call, so a step whose optimizer clears
+    the gradients inside the block is not mistaken for a controller of a model that never ran."""
+    library_or_skip()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    compiled = torch.compile(model, backend="aot_eager")
+    controller = CompressionController(model, avg_bits=2, min_numel=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with controller:
+                compiled(torch.randn(8, 16)).square().mean().backward()
+                if zero_grad_inside:
+                    opt.step()
+                    opt.zero_grad()
+    assert not [w for w in caught if "never ran" in str(w.message)]
+    controller.remove()
+
+
+def test_remove_lets_the_model_go_though_a_copy_keeps_the_hooks() -> None:
+    """copy.deepcopy of a controlled model shares the controller (its hooks report to it); after
+    remove() the controller holds no model, so the original is freed while the copy lives."""
+    import copy
+
+    library_or_skip()
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    controller = CompressionController(model, avg_bits=2)
+    twin = copy.deepcopy(model)
+    assert twin[0]._forward_pre_hooks and copy.deepcopy(controller) is controller
+    controller.remove()
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None
+    twin(torch.randn(4, 16)).sum().backward()  # its stale hooks do no harm
+    with pytest.raises(RuntimeError, match="used after remove"):
+        with controller:
+            pass

@@ -652,29 +652,33 @@ def test_keep_count() -> None:
 
 @pytest.mark.parametrize("n", [1, 7, 1000, 100_000])
 def test_integer_masses_have_exact_sums(n: int) -> None:
-    """Whole numbers whose sum stays below 2^53: a float64 cumulative sum is then exact in any
+    """Whole numbers whose sum stays below 2^48: a float64 cumulative sum is then exact in any
     order (what makes the plans the same on every device), and equal to the int64 one."""
     gen = torch.Generator().manual_seed(n)
     scores = torch.rand(n, generator=gen, dtype=torch.float64) ** 8 * 1e30  # a wide range
     scores[1::3] = 0.0
     masses, usable = S.integer_masses(scores)
     assert bool(usable) and bool((masses == masses.floor()).all())
-    assert float(masses.sum()) < 2.0 ** 53
+    assert float(masses.sum()) < 2.0 ** 48
     assert torch.equal(torch.cumsum(masses, 0).long(), torch.cumsum(masses.long(), 0))
     assert torch.equal(torch.cumsum(masses.flip(0), 0)[-1], masses.sum())
     assert torch.equal(masses > 0, scores > 0)  # every positive score drawable, a zero score never
     # Proportional up to the ceiling: at most one unit over s/max(s)·2^K.
-    scale = 2.0 ** (53 - n.bit_length())
+    scale = 2.0 ** (48 - n.bit_length())
     assert bool((masses - scores / scores.max() * scale).abs().max() <= 1.0)
 
 
 def test_integer_masses_edges() -> None:
     assert torch.equal(S.integer_masses(torch.zeros(4))[0], torch.ones(4, dtype=torch.float64))  # uniform
-    for bad in ([1.0, float("inf")], [1.0, float("nan")], [1.0, -1.0]):
+    for bad in ([1.0, float("nan")], [1.0, -1.0]):
         assert not bool(S.integer_masses(torch.tensor(bad))[1])
+    # An infinite score (an overflowed norm of a finite row, or an infinite value): the largest
+    # finite one, so that row takes nearly all the mass, and the others stay drawable.
+    masses, usable = S.integer_masses(torch.tensor([1.0, float("inf"), 2.0]))
+    assert bool(usable) and bool((masses > 0).all()) and float(masses[1] / masses.sum()) > 1 - 1e-9
     x = torch.tensor([1.0, 2.0, 0.0, 3.0])
-    # γ without information (not finite, or all zero): ‖x‖ alone.
-    for gamma in (torch.tensor([1.0, float("nan"), 1.0, 1.0]), torch.zeros(4)):
+    # γ without information (not finite, all zero, or negative: a caller's mistake): ‖x‖ alone.
+    for gamma in (torch.tensor([1.0, float("nan"), 1.0, 1.0]), torch.zeros(4), torch.tensor([1.0, -1.0, 1.0, 1.0])):
         assert torch.equal(S.integer_masses(x, gamma)[0], S.integer_masses(x)[0])
     # With γ: the mix of norm_probabilities, to 2^-K.
     gamma = torch.tensor([2.0, 0.0, 5.0, 1.0])
@@ -702,8 +706,29 @@ def test_slots_have_fixed_shapes_and_merge_to_the_plans(method: str) -> None:
         torch.testing.assert_close(dense_slots.float().double(), dense(plan, N), rtol=1e-6, atol=0)
 
 
+def test_48_bit_uniforms_reach_every_unit_of_mass() -> None:
+    """uniforms48 joins two 24-bit draws exactly; with them the smallest row of a skewed million-row
+    distribution is drawn at its share, which 24-bit draws (2^24 levels) cannot even reach."""
+    lo, hi = torch.tensor([0.0, 1.0 - 2.0 ** -24]), torch.tensor([1.0 - 2.0 ** -24, 0.5])
+    u = S.uniforms48(torch.cat([lo, hi]))
+    assert u.dtype == torch.float64 and u.tolist() == [(1.0 - 2.0 ** -24) * 2.0 ** -24, 1.0 - 2.0 ** -24 + 2.0 ** -25]
+    n = 1 << 20
+    scores = torch.ones(n, dtype=torch.float64)
+    scores[0] = 1e12  # row 0 holds nearly all the mass; every other row one unit, a share of ~2^-27
+    masses, _ = S.integer_masses(scores)
+    assert float(masses[1]) == 1.0
+    total, start = float(masses.sum()), float(masses[0])
+    # 48-bit uniforms in the middle of each of rows 1..1000's unit of mass: each row is drawn.
+    u = torch.floor((start + torch.arange(1000, dtype=torch.float64) + 0.5) / total * 2.0 ** 48) / 2.0 ** 48
+    assert torch.equal(S._draw(masses, u), torch.arange(1, 1001))
+    # Every 24-bit uniform over the same stretch: most of those rows are never drawn.
+    first, last = math.floor(start / total * 2 ** 24), math.ceil((start + 1000) / total * 2 ** 24)
+    coarse = torch.arange(first, last + 1, dtype=torch.float64) / 2.0 ** 24
+    assert len(set(S._draw(masses, coarse).tolist()) & set(range(1, 1001))) < 200
+
+
 def test_slots_of_unusable_scores_are_nan() -> None:
-    masses, usable = S.integer_masses(torch.tensor([1.0, float("inf"), 2.0, 3.0]))
+    masses, usable = S.integer_masses(torch.tensor([1.0, float("nan"), 2.0, 3.0]))
     for method in ("wtacrs", "crs"):
         assert torch.isnan(S.plan_slots(masses, usable, 3, torch.rand(3), method).weight).all()
     with pytest.raises(ValueError, match="method: expected 'wtacrs', 'crs' or 'uniform'"):

@@ -39,6 +39,7 @@ __all__ = [
     "Slots",
     "integer_masses",
     "plan_slots",
+    "uniforms48",
     "keep_count",
     "norm_probabilities",
     "plan_bernoulli",
@@ -311,18 +312,20 @@ class Slots:
 
 def integer_masses(scores: Tensor, other: Optional[Tensor] = None, floor: float = 0.1) -> Tuple[Tensor, Tensor]:
     """(masses, usable): the sampling distribution of the row scores as whole numbers (float64),
-    and a 0-d bool that is False when a score is not finite or is negative. Made without a host
+    and a 0-d bool that is False when a score is NaN or negative. Made without a host
     synchronisation, and bit for bit the same on every device.
 
-    Row t is drawn with probability m_t/Σm. m_t = ceil(s_t/max(s)·2^K), with K such that
-    Σm < 2^53: every sum of masses is then exact in float64 whatever the order a device adds in,
-    so the CPU and the GPU draw the same rows from the same uniforms (the one reduction, max, is
-    exact anyway). Given `other` (γ, one value per row), the distribution is `norm_probabilities`'
-    mix, (1 − f)·s·γ/Σs·γ + f·s/Σs with f = max(floor, 1e-8), taken to masses the same way (s·γ
-    without information, all zero or not finite: s alone). The ceiling keeps every row with a
-    positive score drawable, with the mass the weights divide by, so the estimators stay exactly
-    unbiased (what they draw from differs from s/Σs by at most 2^-K of the largest score); a zero
-    score gets mass 0 (its row's term is 0). All scores zero: every row mass 1 (uniform).
+    Row t is drawn with probability m_t/Σm. m_t = ceil(s_t/max(s)·2^K), K = 48 − (bit length of
+    N), so Σm < 2^48: every sum of masses is exact in float64 whatever the order a device adds in
+    (the CPU and the GPU draw the same rows from the same uniforms; max is exact anyway), and
+    `plan_slots`' 48-bit uniforms reach every unit of mass. Given `other` (γ, one value per row),
+    the distribution is `norm_probabilities`' mix, (1 − f)·s·γ/Σs·γ + f·s/Σs with f = max(floor,
+    1e-8), taken to masses the same way (s·γ without information, all zero, negative or not
+    finite: s alone). The ceiling keeps every row with a positive score drawable; a zero score
+    gets mass 0 (its row's term is 0). All scores zero: every row mass 1 (uniform). An infinite
+    score (a row with an infinite value, or one whose norm overflowed) counts as the largest finite
+    value: such rows take nearly all the mass, and a drawn one carries its infinity into the
+    estimate as into the exact sum.
     """
     _check_vector("scores", scores)
     if not 0.0 <= floor <= 1.0:
@@ -331,8 +334,9 @@ def integer_masses(scores: Tensor, other: Optional[Tensor] = None, floor: float 
     n = x.numel()
     if n == 0:
         raise ValueError("scores: expected at least one row, got none")
-    scale = float(2 ** (53 - n.bit_length()))
-    usable = torch.isfinite(x).all() & (x >= 0).all()
+    scale = float(2 ** (48 - n.bit_length()))
+    usable = ~(torch.isnan(x).any() | (x < 0).any())
+    x = torch.where(torch.isinf(x), torch.full_like(x, torch.finfo(torch.float64).max), x)
 
     def masses(v: Tensor) -> Tensor:
         top = v.max()
@@ -345,18 +349,26 @@ def integer_masses(scores: Tensor, other: Optional[Tensor] = None, floor: float 
     if other.numel() != n:
         raise ValueError(f"other: expected {n} entries (one per row), got {other.numel()}")
     xg = x * other.to(device=x.device, dtype=torch.float64)
-    informative = torch.isfinite(xg).all() & (xg.max() > 0)
+    informative = torch.isfinite(xg).all() & (xg >= 0).all() & (xg.max() > 0)
     b = masses(torch.where(informative, xg, x))
     f = max(float(floor), SMOOTHING)
     mixed = torch.ceil(((1.0 - f) * (b / b.sum()) + f * (a / a.sum())) * scale)
     return torch.where(informative, mixed, a), usable
 
 
+def uniforms48(u: Tensor) -> Tensor:
+    """k uniforms of 48 bits (float64, multiples of 2^-48 in [0, 1)) from 2k float32 draws of 24
+    bits each (multiples of 2^-24, as abp's Philox kernel makes them): u[:k] + u[k:]·2^-24, exact."""
+    k = u.numel() // 2
+    return u[:k].to(torch.float64) + u[k:2 * k].to(torch.float64) * 2.0 ** -24
+
+
 def _draw(masses: Tensor, u: Tensor) -> Tensor:
     """Rows drawn with probability masses_j/Σmasses for uniforms u (int64); never a row of mass 0
-    while any has mass (then every draw is row 0). The masses are whole numbers with Σ < 2^53,
+    while any has mass (then every draw is row 0). The masses are whole numbers with Σ < 2^48,
     so the cumulative sum is exact and floor(u·Σ) < Σ: searchsorted gives the first j whose
-    cumulative mass exceeds it."""
+    cumulative mass exceeds it. With 48-bit uniforms every unit of mass is reached: row j's
+    probability is within one unit of masses_j/Σ (with coarser uniforms, within Σ·2^-bits)."""
     cdf = torch.cumsum(masses, 0)
     j = torch.searchsorted(cdf, torch.floor(u.to(torch.float64) * cdf[-1]), right=True)
     rows = torch.arange(masses.numel(), device=masses.device)
@@ -377,7 +389,8 @@ def _winners(sorted_masses: Tensor, total: Tensor, k: int) -> Tensor:
 
 def plan_slots(masses: Tensor, usable: Tensor, k: int, u: Tensor, method: str,
                winners: Optional[int] = None) -> Slots:
-    """The k slots of `method` over the rows' `masses` (`integer_masses`), from uniforms u[:k]:
+    """The k slots of `method` over the rows' `masses` (`integer_masses`), from uniforms u[:k]
+    (`uniforms48` of abp's draws: each unit of mass reachable):
 
     - "crs" (and "uniform", with masses of 1): k i.i.d. draws j ~ m_j/Σm, weight Σm/(k·m_j);
     - "wtacrs": the |C| rows of largest mass (ties: lower index first) in the first slots with
@@ -386,7 +399,9 @@ def plan_slots(masses: Tensor, usable: Tensor, k: int, u: Tensor, method: str,
       M/(s·m_j); with M = 0 they hold weight 0.
 
     Unbiased for any |C| (C is fixed before the draws, and every rest row of positive mass can be
-    drawn). No host synchronisation: every count stays on the device.
+    drawn) up to the resolution of the draws: a row's probability is within one unit of mass
+    (2^-K of the largest score's share, `integer_masses`) of m_j/M with 48-bit uniforms. No host
+    synchronisation: every count stays on the device.
     """
     _check_count("k", k, lowest=1)
     n = masses.numel()
@@ -466,7 +481,7 @@ def plan_wtacrs(p: Tensor, k: int, u: Tensor, winners: Optional[int] = None) -> 
         raise ValueError(f"winners: expected an int in [0, {min(k, n)}], got {winners!r}")
     masses, usable = integer_masses(p)
     # The slots read a uniform per slot; the winners' slots draw nothing (padded here, checked below).
-    padded = torch.cat([u.reshape(-1)[:k].to(torch.float32), torch.zeros(max(0, k - u.numel()))]) if u.dim() == 1 else u
+    padded = torch.cat([u.reshape(-1)[:k], u.new_zeros(max(0, k - u.numel()))]) if u.dim() == 1 else u
     slots = plan_slots(masses, usable, k, padded, "wtacrs", winners)
     count = int(slots.winners)
     _uniforms(u, k - count, p.device)

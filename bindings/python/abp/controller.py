@@ -46,6 +46,14 @@ from .compress import MIN_UNIFORM_BITS, _compiling, compress_saved
 
 __all__ = ["CompressionController", "TensorKey", "allocate_bits", "RUNGS", "trainer_callback"]
 
+def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` run as Python even inside code torch.compile traces (a graph break there): what the
+    controller must see of a compiled model's call, at its edge."""
+    compiler = getattr(torch, "compiler", None)
+    disable = getattr(compiler, "disable", None)
+    return disable(fn) if disable is not None else fn
+
+
 #: The ladder of widths, widest first; 32 means "store the tensor raw" (no quantisation variance).
 RUNGS: Tuple[int, ...] = (32, 8, 4, 2, 1)
 #: Sensitivities that are not finite or exceed this count as this much (docs/algorithms.md §6.3).
@@ -364,6 +372,8 @@ class CompressionController:
         self._numel_derived = 0
         self._order: List[TensorKey] = []
         self._warned_over = False
+        self._warned_idle = False
+        self._ran = False
 
         # Per-step state.
         self._active = False
@@ -390,6 +400,9 @@ class CompressionController:
         for name, module in model.named_modules():
             enter, leave = partial(self._enter_module, name), partial(self._leave_module, name)
             enter.abp_owner = leave.abp_owner = "abp.CompressionController"  # type: ignore[attr-defined]
+            if module is model:  # seen even around a compiled call: the model ran (_never_ran)
+                enter, leave = _eager(enter), _eager(leave)
+                enter.abp_owner = leave.abp_owner = "abp.CompressionController"  # type: ignore[attr-defined]
             self._handles.append(module.register_forward_pre_hook(enter))
             self._handles.append(module.register_forward_hook(leave))
         self._removed = False
@@ -468,6 +481,7 @@ class CompressionController:
     def _enter_module(self, name: str, module: torch.nn.Module, args: Any) -> None:
         if _compiling():
             return
+        self._ran = True
         self._stack.append(name)
 
     def _leave_module(self, name: str, module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -530,6 +544,7 @@ class CompressionController:
             raise RuntimeError("CompressionController: `with controller:` blocks cannot nest")
         self._stack, self._counts, self._seen, self._calls, self._order = [], {}, {}, [], []
         self._step_stats = {}
+        self._ran = False  # a module of the model ran (its pre-hook) in this step
         self._probing = self._step >= self._next_probe
         self._hooked, self._depth, self._pending = hooked, 0, []
         if self._probing and not hooked:  # a hooked step records its calls from the forward hooks
@@ -577,12 +592,14 @@ class CompressionController:
                         f"of step {self._step}, a sensitivity-estimation step: call loss.backward() inside it")
                 self._estimate(calls, self._last_seen)
                 self._next_probe = self._step + self._interval
-            elif probing and self._stats.get("tensors", 0) and self._never_ran():
-                raise RuntimeError(
+            elif probing and self._stats.get("tensors", 0) and self._never_ran() and not self._warned_idle:
+                self._warned_idle = True  # once per controller
+                warnings.warn(
                     f"CompressionController: the block of step {self._step} saved {self._stats['tensors']} tensors "
                     "for backward, but the model this controller was built on never ran (no call of it or of "
-                    "a submodule, none of its parameters has a gradient): was it built on another model object? "
-                    "abp.convert returns a converted copy; build the controller on the model you train")
+                    "a submodule, none of its parameters has a gradient): it measures nothing and stores every "
+                    f"tensor at {self._initial} bits. Was it built on another model object? abp.convert returns "
+                    "a converted copy; build the controller on the model you train", RuntimeWarning, stacklevel=3)
             # A probe step without a differentiable model call (an evaluation block): estimate at
             # the next step instead.
         finally:
@@ -590,10 +607,9 @@ class CompressionController:
             self._step += 1
 
     def _never_ran(self) -> bool:
-        """True if nothing of the model ran in the step: no saves inside a submodule and no
-        parameter with a gradient (a compiled model runs without the hooks, but its parameters
-        get gradients)."""
-        if any(key.module != OUTSIDE for key in self._last_seen):
+        """True if nothing of the model ran in the step: no module's pre-hook (the model's own
+        runs even around a compiled call), no save inside it, no parameter with a gradient."""
+        if self._ran or any(key.module != OUTSIDE for key in self._last_seen):
             return False
         return all(p.grad is None for p in self._model.parameters() if p.requires_grad)
 
@@ -658,17 +674,19 @@ class CompressionController:
         try:
             # with_kwargs: the recorder needs the call's keyword arguments; always_call: the saver
             # closes even when forward raises. Both need torch >= 2.0.
+            # Eager: around a compiled model's call too (a graph break at its edge), so that the
+            # block opens and says what it compressed.
             pre = self._model.register_forward_pre_hook(  # type: ignore[call-arg]
-                self._forward_begins, with_kwargs=True)
+                _eager(self._forward_begins), with_kwargs=True)
         except TypeError:
             raise RuntimeError("CompressionController: trainer_callback needs torch >= 2.0 (forward hooks with "
                                "with_kwargs and always_call); use `with controller:` instead") from None
-        post = self._model.register_forward_hook(self._forward_ends, always_call=True)  # type: ignore[call-arg]
+        post = self._model.register_forward_hook(_eager(self._forward_ends), always_call=True)  # type: ignore[call-arg]
         self._handles += [pre, post]
         self._step_hooks = True
 
     def _forward_begins(self, module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-        if not (self._active and self._hooked) or self._replaying or _compiling():
+        if not (self._active and self._hooked) or self._replaying:
             return None
         call = None
         if self._probing:
@@ -688,7 +706,7 @@ class CompressionController:
         return None
 
     def _forward_ends(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if not self._depth or _compiling():  # not a hooked step's call, or its pre-hook raised
+        if not self._depth:  # not a hooked step's call, or its pre-hook raised
             return None
         self._depth -= 1
         call = self._pending.pop()
@@ -806,6 +824,9 @@ class CompressionController:
         self._handles = []
         self._finish_probe()
         self._removed = True
+        # A copy of the model (copy.deepcopy) keeps hooks that report to this controller: the
+        # controller must not keep the original model alive through them.
+        self._model = None  # type: ignore[assignment]
 
 
 def trainer_callback(controller: CompressionController) -> Any:
@@ -835,6 +856,8 @@ def trainer_callback(controller: CompressionController) -> Any:
     class CompressionCallback(transformers.TrainerCallback):  # type: ignore[misc, name-defined]
         def on_train_begin(self, args: Any, state: Any, control: Any, model: Optional[torch.nn.Module] = None,
                            **kwargs: Any) -> Any:
+            if controller._removed:
+                raise RuntimeError("CompressionController: used after remove()")
             # Hooks on a model the Trainer never calls would leave every step empty, silently.
             if model is not None and not any(m is controller._model for m in model.modules()):
                 raise ValueError("abp.controller.trainer_callback: the Trainer's model is not the controller's "

@@ -59,17 +59,19 @@ def plan_rows(x: torch.Tensor, k: int, method: str, seed: int, offset: int = 0,
               gamma: Optional[torch.Tensor] = None) -> selection.Slots:
     """The k slots (row, weight) that `method` ("wtacrs", "crs" or "uniform") keeps of the 2-d
     `x`: p ∝ ‖x_t‖, or ‖x_t‖·γ_t (mixed with 0.1 of the ‖x‖-only distribution) given γ, one value
-    per row (§8.2), as `selection.integer_masses`; draws from Philox at (seed, offset + slot).
+    per row (§8.2), as `selection.integer_masses`; slot r's 48-bit uniform from Philox at
+    (seed, offset + r) and (seed, offset + k + r).
 
     Made on x's device with no host synchronisation (a CUDA graph captures it), and the same
     rows and weights on every device: the kernels give the same norms and draws on the CPU and
-    the GPU, and the plan's sums are exact. Scores that are not finite give NaN weights (dW is
-    then not finite, as the exact product would be); all-zero scores, uniform draws of zero rows."""
+    the GPU, and the plan's sums are exact. A NaN row norm gives NaN weights (dW is then not
+    finite, as the exact product would be); an infinite one takes nearly all the mass (and its
+    infinity into dW); all-zero scores, uniform draws of zero rows."""
     norms = kernels.row_norms(x)  # also for "uniform": a non-finite row makes dW non-finite
     masses, usable = selection.integer_masses(norms, gamma)
     if method == "uniform":
         masses = torch.ones_like(masses)
-    u = kernels.uniform(k, seed, offset, x.device)
+    u = selection.uniforms48(kernels.uniform(2 * k, seed, offset, x.device))
     return selection.plan_slots(masses, usable, k, u, method)
 
 
