@@ -704,14 +704,16 @@ def test_a_controller_of_a_model_that_never_runs_says_so() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))
     controller = CompressionController(model, avg_bits=2)
-    _, changes = abp.convert(model, recipe="lowmembp")
+    other, changes = abp.convert(model, recipe="lowmembp")
     assert any("abp.CompressionController's: build it on the model abp.convert returns" in c.detail
                for c in changes if c.action == "refused")
-    other = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))
+    # The copy carries the controller's hooks (they report to it), yet they do not act for it.
+    assert other[0]._forward_pre_hooks
     with pytest.warns(RuntimeWarning, match=r"the model this controller was built on never ran .* measures nothing "
                                             r".* abp.convert returns a converted copy"):
         with controller:
             other(torch.randn(32, 16)).square().mean().backward()
+    assert all(key.module == ctl.OUTSIDE for key in controller.last_step_keys)
     # An evaluation block (nothing saved) is no mistake, and the model itself trains.
     with controller, torch.no_grad():
         other(torch.randn(32, 16))

@@ -13,7 +13,8 @@ indices (int32) and their Horvitz–Thompson weights (float32), so that
     Σ_r plan.weight[r] · A[plan.index[r]]   is unbiased for   Σ_i A[i].
 
 Nothing here draws random numbers. Every function that needs randomness takes `u`, a 1-D tensor of
-U[0, 1) draws (float32, produced by the caller from the shared Philox stream), so a plan is a
+U[0, 1) draws (produced by the caller from the shared Philox stream: `uniforms48` joins two of
+its 24-bit float32 draws into one of 48 bits for `plan_slots`), so a plan is a
 deterministic function of its inputs: the CPU and GPU paths, and forward and backward, agree when
 they are handed the same draws.
 
@@ -296,8 +297,9 @@ class Slots:
     """A plan of fixed size: k slots, slot r keeping row index[r] with weight weight[r], so that
     Σ_r weight[r]·A[index[r]] is unbiased for Σ_i A[i]. Its shapes depend on k alone and it is made
     on the device of the scores without a host synchronisation (what a CUDA graph can capture):
-    a row drawn twice fills two slots, a slot with nothing to draw has weight 0, and scores that
-    are not finite give NaN weights (the estimate is then not finite, as the exact sum would be).
+    a row drawn twice fills two slots, a slot with nothing to draw has weight 0, and a NaN or
+    negative score gives NaN weights (the estimate is then not finite, as the exact sum would be;
+    an infinite score is the largest finite one, `integer_masses`).
 
     Attributes:
         index: int32, k entries in [0, N).
@@ -464,7 +466,8 @@ def plan_wtacrs(p: Tensor, k: int, u: Tensor, winners: Optional[int] = None) -> 
     """Winner-take-all column-row sampling (docs/algorithms.md §8.1): `plan_slots` over
     `integer_masses(p)`, duplicates merged as in `plan_crs`.
 
-    The winners C are the |C| rows of largest p (ties: lower index first), kept with weight 1.
+    The winners C are the |C| rows of largest p (by `integer_masses`: rows within one unit of mass
+    tie, and ties go to the lower index), kept with weight 1.
     The other s = k − |C| draws are i.i.d. from p restricted to the rest, j ~ p_j/(1 − P_C), each
     weighted (1 − P_C)/(s·p_j). `winners` defaults to `winners_count`; an explicit value must lie in
     [0, min(k, N)]. |C| = k (no draws left) is accepted only when the rest holds probability mass
@@ -583,7 +586,7 @@ def variance_wtacrs(G: Tensor, X: Tensor, p: Tensor, k: int, winners: int) -> fl
 
         (1/s)·[(1 − P_C)·Σ_{j∉C} ‖g_j‖²‖x_j‖²/p_j − ‖Σ_{j∉C} g_jᵀx_j‖_F²],   s = k − |C|,
 
-    with C the |C| rows of largest p (ties to the lower index, as in `plan_wtacrs`). 0 when the rest
+    with C the |C| rows of largest p (by integer mass, ties to the lower index, as in `plan_wtacrs`). 0 when the rest
     has no mass and no draws are made.
     """
     g, x = _pair(G, X)

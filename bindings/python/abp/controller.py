@@ -397,6 +397,9 @@ class CompressionController:
         self._pending: List[Optional[_replay.Call]] = []
 
         self._handles: List[Any] = []
+        # name -> module: the hooks act for these modules only, not for a copy's (copy.deepcopy of
+        # the model copies the hooks, which report to this controller: __deepcopy__).
+        self._modules: Dict[str, torch.nn.Module] = dict(model.named_modules())
         for name, module in model.named_modules():
             enter, leave = partial(self._enter_module, name), partial(self._leave_module, name)
             enter.abp_owner = leave.abp_owner = "abp.CompressionController"  # type: ignore[attr-defined]
@@ -463,9 +466,9 @@ class CompressionController:
         return sum(b * self._numels[k] for k, b in self._bits.items()) / total
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "CompressionController":
-        """The controller itself: copying a model copies the hooks this controller put on it, and
-        they go on reporting to it (abp.convert copies a model; a controller holds a generator,
-        which torch 1.13 cannot copy)."""
+        """The controller itself: copying a model copies the hooks this controller put on it,
+        which report to it and do nothing for the copy's modules (abp.convert copies a model; a
+        controller holds a generator, which torch 1.13 cannot copy)."""
         return self
 
     def __repr__(self) -> str:
@@ -479,13 +482,13 @@ class CompressionController:
     # graph, whose saves no per-tensor width reaches (docs/python.md). They do nothing there.
 
     def _enter_module(self, name: str, module: torch.nn.Module, args: Any) -> None:
-        if _compiling():
+        if _compiling() or self._modules.get(name) is not module:
             return
         self._ran = True
         self._stack.append(name)
 
     def _leave_module(self, name: str, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if _compiling():
+        if _compiling() or self._modules.get(name) is not module:
             return
         # Normally the top; if a forward raised earlier, its entry was never popped: drop it too.
         for i in range(len(self._stack) - 1, -1, -1):
@@ -827,6 +830,7 @@ class CompressionController:
         # A copy of the model (copy.deepcopy) keeps hooks that report to this controller: the
         # controller must not keep the original model alive through them.
         self._model = None  # type: ignore[assignment]
+        self._modules = {}
 
 
 def trainer_callback(controller: CompressionController) -> Any:

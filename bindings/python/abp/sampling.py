@@ -69,8 +69,8 @@ def plan_rows(x: torch.Tensor, k: int, method: str, seed: int, offset: int = 0,
     infinity into dW); all-zero scores, uniform draws of zero rows."""
     norms = kernels.row_norms(x)  # also for "uniform": a non-finite row makes dW non-finite
     masses, usable = selection.integer_masses(norms, gamma)
-    if method == "uniform":
-        masses = torch.ones_like(masses)
+    if method == "uniform":  # every row alike; a row with an infinite norm is drawn (its infinity reaches dW)
+        masses = torch.where(torch.isinf(norms).to(masses.device), masses, torch.ones_like(masses))
     u = selection.uniforms48(kernels.uniform(2 * k, seed, offset, x.device))
     return selection.plan_slots(masses, usable, k, u, method)
 
