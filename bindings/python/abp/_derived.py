@@ -212,17 +212,16 @@ class Derived:
             if isinstance(leaf, Use):
                 value = leaf.value
                 if isinstance(value, torch.Tensor):
-                    if leaf.version is not None and value._version != leaf.version and leaf.parameter:
-                        # Torch would compute with the forward's values where no op saved the
-                        # parameter (a bias added): recomputing with the new ones would differ.
+                    if leaf.version is not None and value._version != leaf.version:
+                        # A parameter: torch would compute with the forward's values where no op
+                        # saved it (a bias added), so recomputing with the new ones would differ.
                         raise RuntimeError(
                             f"compress_saved(recompute=True): a parameter of shape {tuple(value.shape)} that "
                             f"recomputing {getattr(self.func, '__name__', self.func)} reads was modified in place "
                             f"between forward and backward (version {leaf.version}, now {value._version}; an "
                             "optimizer step before backward?), so the recomputed tensor would not be the one forward "
-                            "made. Run backward before changing parameters, or pass recompute=False")
-                    if leaf.version is not None and value._version != leaf.version:
-                        raise RuntimeError(
+                            "made. Run backward before changing parameters, or pass recompute=False"
+                            if leaf.parameter else
                             "compress_saved: one of the tensors needed for gradient computation was modified by an "
                             f"in-place operation after it was saved (version {leaf.version}, now {value._version}); "
                             "torch raises the same error without compress_saved. Use the out-of-place op, or clone "

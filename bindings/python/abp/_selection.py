@@ -484,7 +484,7 @@ def plan_wtacrs(p: Tensor, k: int, u: Tensor, winners: Optional[int] = None) -> 
         raise ValueError(f"winners: expected an int in [0, {min(k, n)}], got {winners!r}")
     masses, usable = integer_masses(p)
     # The slots read a uniform per slot; the winners' slots draw nothing (padded here, checked below).
-    padded = torch.cat([u.reshape(-1)[:k], u.new_zeros(max(0, k - u.numel()))]) if u.dim() == 1 else u
+    padded = torch.cat([u.reshape(-1)[:k], u.new_zeros(max(0, k - u.numel()))])
     slots = plan_slots(masses, usable, k, padded, "wtacrs", winners)
     count = int(slots.winners)
     _uniforms(u, k - count, p.device)

@@ -400,12 +400,11 @@ class CompressionController:
         # name -> module: the hooks act for these modules only, not for a copy's (copy.deepcopy of
         # the model copies the hooks, which report to this controller: __deepcopy__).
         self._modules: Dict[str, torch.nn.Module] = dict(model.named_modules())
-        for name, module in model.named_modules():
+        for name, module in self._modules.items():
             enter, leave = partial(self._enter_module, name), partial(self._leave_module, name)
-            enter.abp_owner = leave.abp_owner = "abp.CompressionController"  # type: ignore[attr-defined]
             if module is model:  # seen even around a compiled call: the model ran (_never_ran)
                 enter, leave = _eager(enter), _eager(leave)
-                enter.abp_owner = leave.abp_owner = "abp.CompressionController"  # type: ignore[attr-defined]
+            enter.abp_owner = leave.abp_owner = "abp.CompressionController"  # type: ignore[attr-defined]
             self._handles.append(module.register_forward_pre_hook(enter))
             self._handles.append(module.register_forward_hook(leave))
         self._removed = False
@@ -611,10 +610,9 @@ class CompressionController:
 
     def _never_ran(self) -> bool:
         """True if nothing of the model ran in the step: no module's pre-hook (the model's own
-        runs even around a compiled call), no save inside it, no parameter with a gradient."""
-        if self._ran or any(key.module != OUTSIDE for key in self._last_seen):
-            return False
-        return all(p.grad is None for p in self._model.parameters() if p.requires_grad)
+        runs even around a compiled call; saves inside a module follow one) and no parameter with
+        a gradient (torch.compile(model.forward) runs no hook at all)."""
+        return not self._ran and all(p.grad is None for p in self._model.parameters() if p.requires_grad)
 
     def _abort_step(self) -> None:
         """Drops a begun step: nothing is estimated, published or counted."""
