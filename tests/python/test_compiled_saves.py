@@ -36,9 +36,9 @@ def test_the_ops_are_the_eager_codec() -> None:
         buffer = _compiled_saves.gact_pack(x, key, bits, 256)
         eager = compress.quantize_unchecked(x, bits, 256, compress.rank_key(12345), 0)
         assert torch.equal(buffer, eager.buffer)
-        assert torch.equal(_compiled_saves.gact_unpack(buffer, bits, 256, [5, 300], torch.float32), compress.dequantize(eager))
+        assert torch.equal(_compiled_saves.gact_unpack(buffer, bits, 256, [5, 300], [300, 1], torch.float32), compress.dequantize(eager))
         torch.library.opcheck(_compiled_saves.gact_pack, (x, key, bits, 256), test_utils=("test_schema", "test_faketensor"))
-        torch.library.opcheck(_compiled_saves.gact_unpack, (buffer, bits, 256, [5, 300], torch.float32),
+        torch.library.opcheck(_compiled_saves.gact_unpack, (buffer, bits, 256, [5, 300], [300, 1], torch.float32),
                               test_utils=("test_schema", "test_faketensor"))
 
 
@@ -227,3 +227,30 @@ def test_a_relu_output_stays_exact_when_its_backward_is_decomposed() -> None:
     assert decide("sin") == (4, "compressed")
     assert _compiled_saves._decide(x, {"_node": nodes["relu"], "_fw_graph": fw, "_bw_graph": bw},
                                    4, 1024, True, False) == (4, "compressed")  # exact_relu=False
+
+
+def test_a_transposed_save_comes_back_with_its_strides() -> None:
+    """A compiled backward may view a saved tensor by its strides (Falcon's attention saves a
+    transposed tensor and views it): unpack lays the codes out as the saved tensor was laid out."""
+    x = torch.randn(300, 5, generator=torch.Generator().manual_seed(0)).t()  # (5, 300), strides (1, 5)
+    buffer = _compiled_saves.gact_pack(x, torch.tensor([7]), 8, 256)
+    out = _compiled_saves.gact_unpack(buffer, 8, 256, [5, 300], [1, 5], torch.float32)
+    assert out.stride() == (1, 5) and torch.allclose(out, x, atol=0.05)
+    torch.library.opcheck(_compiled_saves.gact_unpack, (buffer, 8, 256, [5, 300], [1, 5], torch.float32),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+
+def test_a_compiled_falcon_trains_under_compress_saved() -> None:
+    """Falcon's compiled backward views a transposed save by its strides: it failed ("view size is
+    not compatible with input tensor's size and stride") while unpack returned contiguous codes."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.FalconConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       new_decoder_architecture=False)
+    model = transformers.FalconForCausalLM(config)
+    ids = torch.randint(0, 128, (4, 16))
+    with abp.compress_saved(bits=8):
+        loss = torch.compile(model, backend="aot_eager")(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from . import _custom_ops, _save_rules
+from . import _custom_ops, _derived, _save_rules
 from .compress import CompressedTensor, dequantize, group_layout, open_block, quantize_unchecked, rank_key
 from ._launch import ROW_DTYPES
 
@@ -92,17 +92,24 @@ if _custom_ops.enabled():  # registered at import (cheap); only compiled graphs 
         return x.new_empty((size,), dtype=torch.uint8)
 
     @torch.library.custom_op("abp::gact_unpack", mutates_args=())
-    def gact_unpack(buffer: torch.Tensor, bits: int, group_size: int, shape: List[int], dtype: torch.dtype) -> torch.Tensor:
-        """The tensor of `shape` and `dtype` that gact_pack's `buffer` stands for."""
+    def gact_unpack(buffer: torch.Tensor, bits: int, group_size: int, shape: List[int], stride: List[int],
+                    dtype: torch.dtype) -> torch.Tensor:
+        """The tensor of `shape`, `stride` and `dtype` that gact_pack's `buffer` stands for: laid out
+        as the saved tensor was, since the compiled backward may view it by its strides (a
+        transposed query)."""
         n = 1
         for s in shape:
             n *= s
         _, layout = group_layout(n, bits, group_size, dtype)
-        return dequantize(CompressedTensor("groups", bits, group_size, tuple(shape), dtype, buffer.device, buffer, layout))
+        dense = dequantize(CompressedTensor("groups", bits, group_size, tuple(shape), dtype, buffer.device, buffer, layout))
+        if list(dense.stride()) == list(stride):
+            return dense
+        return torch.empty_strided(shape, stride, dtype=dtype, device=buffer.device).copy_(dense)
 
     @gact_unpack.register_fake
-    def _(buffer: torch.Tensor, bits: int, group_size: int, shape: List[int], dtype: torch.dtype) -> torch.Tensor:
-        return buffer.new_empty(shape, dtype=dtype)
+    def _(buffer: torch.Tensor, bits: int, group_size: int, shape: List[int], stride: List[int],
+          dtype: torch.dtype) -> torch.Tensor:
+        return buffer.new_empty_strided(shape, stride, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,6 +191,8 @@ def _decide(x: torch.Tensor, context: Dict[str, Any], bits: int, min_numel: int,
         return 32, "not floating"
     if x.numel() < min_numel:
         return 32, f"under min_numel={min_numel} elements"
+    if not _derived.dense(x):  # unpack lays codes out by the saved strides: a permutation, no overlap
+        return 32, "not dense (an expanded or strided view): kept as it is"
     if not _on_gradient_path(fw, bw).get(node.name, True):
         return 32, "off the gradient path (a constant of backward: a mask, a table)"
     readers = _readers(node.name, bw)
@@ -238,7 +247,7 @@ def _pack_traced(x: torch.Tensor, context: Dict[str, Any], bits: int, group_size
     if chosen == 32:
         return x
     key = torch.randint(0, 2**63 - 1, (1,), device="cpu")
-    return (gact_pack(x, key, chosen, group_size), chosen, group_size, list(x.shape), x.dtype)
+    return (gact_pack(x, key, chosen, group_size), chosen, group_size, list(x.shape), list(x.stride()), x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,8 +271,8 @@ def unpack_saved(packed: Any) -> Any:
     if len(packed) == 2:  # (block, what its eager pack hook returned)
         block, saved = packed
         return block.unpack(saved)
-    buffer, bits, group_size, shape, dtype = packed
-    return gact_unpack(buffer, bits, group_size, shape, dtype)
+    buffer, bits, group_size, shape, stride, dtype = packed
+    return gact_unpack(buffer, bits, group_size, shape, stride, dtype)
 
 
 _PAIRS: Dict[Tuple[Any, ...], Tuple[torch.fx.GraphModule, torch.fx.GraphModule]] = {}
