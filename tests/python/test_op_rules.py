@@ -228,7 +228,9 @@ def test_log_softmax_stores_its_log_probabilities_as_probabilities() -> None:
     exact = torch.autograd.grad(F.cross_entropy(x, target), logits)[0]
     draws = []
     for seed in range(400):
-        with C.compress_saved(bits_for=lambda t: 2, min_numel=1, generator=torch.Generator().manual_seed(seed)) as block:
+        # op_rules=False: at 2 bits (per-tensor widths raise log-probabilities to 4, as tested below)
+        with C.compress_saved(bits_for=lambda t: 2, min_numel=1, op_rules=False,
+                              generator=torch.Generator().manual_seed(seed)) as block:
             loss = F.cross_entropy(logits * 1.0, target)
         assert block.floors == {} and block.stats["compressed"] == 1 and block.stats["bytes_compressed"] == 64 * (64 + 8)
         node = loss.grad_fn.next_functions[0][0]  # nll_loss <- log_softmax
@@ -243,6 +245,22 @@ def test_log_softmax_stores_its_log_probabilities_as_probabilities() -> None:
     error = (draws.mean(0) - exact).abs() * 64  # the mean over 64 rows scales the gradient by 1/64
     assert (error <= 3 * step / 20 + 1e-6).all()
     assert error.max() > 0  # the draws do differ
+
+
+@needs_rules
+def test_per_tensor_widths_keep_log_probabilities_at_four_bits_at_least() -> None:
+    """No probe of the controller reaches a loss computed outside the model: log_softmax's output
+    is raised to 4 bits (LOG_SOFTMAX_PER_TENSOR_MIN_BITS) from a narrower asked width, and kept
+    at a wider one."""
+    library_or_skip()
+    logits = torch.randn(64, 256, requires_grad=True)
+    target = torch.randint(0, 256, (64,))
+    for asked, stored in ((2, 4), (1, 4), (8, 8)):
+        with C.compress_saved(bits_for=lambda t: asked, min_numel=1, allow_low_bits=True) as block:
+            loss = F.cross_entropy(logits * 1.0, target)
+        assert block.floors == ({0: stored} if stored != asked else {})
+        assert block.stats["bytes_compressed"] == 64 * (256 * stored // 8 + 8)
+        loss.backward()
 
 
 @needs_rules

@@ -81,9 +81,12 @@ def test_kinds_of_functions_recorded() -> None:
         assert kind(f) == "layout", f
     for f in (F.layer_norm, F.softmax, F.log_softmax, torch.Tensor.mean, torch.cat):
         assert kind(f) == "rows", f
+    # Matrix products: recorded only for fused attention's inputs under per-tensor widths.
+    for f in (F.linear, torch.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.addmm, torch.mm):
+        assert kind(f) == "projection", f
     # In place, random, or not cheap: never recomputed.
     for f in (torch.Tensor.mul_, torch.Tensor.__imul__, torch.Tensor.add_, F.dropout, torch.rand_like, torch.bernoulli,
-              F.linear, torch.matmul, F.scaled_dot_product_attention, torch.Tensor.__matmul__):
+              F.scaled_dot_product_attention, torch.bmm, torch.Tensor.addmm_):
         assert kind(f) is None, f
 
 
@@ -405,3 +408,119 @@ def test_a_parameter_changed_between_forward_and_backward_is_refused() -> None:
         with torch.no_grad():
             bias.add_(1.0)
         value.backward()
+
+
+def _projection_calls_in_backward(model: nn.Module, x: torch.Tensor, **kw: Any) -> Tuple[int, C.compress_saved]:
+    """Runs a step; returns how many matrix products backward recomputed."""
+    calls: List[int] = []
+    call = _derived.Derived._call
+
+    def counting(self: _derived.Derived, *args: Any) -> Any:
+        if _derived.kind_of(self.func) == "projection":
+            calls.append(1)
+        return call(self, *args)
+
+    model.zero_grad()
+    with C.compress_saved(min_numel=1, allow_low_bits=True, **kw) as block:
+        loss = model(x).pow(2).mean()
+    _derived.Derived._call = counting  # type: ignore[method-assign]
+    try:
+        loss.backward()
+    finally:
+        _derived.Derived._call = call  # type: ignore[method-assign]
+    return len(calls), block
+
+
+def _find_node(root: Any, prefix: str) -> Any:
+    """The first autograd node whose type name starts with `prefix`, breadth first from `root`."""
+    todo, seen = [root], set()
+    while todo:
+        node = todo.pop(0)
+        if type(node).__name__.startswith(prefix):
+            return node
+        for f, _ in node.next_functions:
+            if f is not None and id(f) not in seen:
+                seen.add(id(f))
+                todo.append(f)
+    raise AssertionError(f"no {prefix} node")
+
+
+def test_per_tensor_widths_recompute_attention_inputs_through_their_projection() -> None:
+    """Under per-tensor widths, fused attention's query, key and value are recomputed from the
+    projection's decoded input (no bits of their own), once per backward for the three (the
+    Block's fused qkv projection); under one width they are stored, and nothing else a Linear
+    makes is recomputed."""
+    model, x = _model_and_input(5)
+    calls, block = _projection_calls_in_backward(model, x, bits_for=lambda t: 4)
+    uniform_calls, uniform = _projection_calls_in_backward(model, x, bits=4)
+    assert calls == 2 and uniform_calls == 0  # one qkv projection per block
+    assert block.stats["derived"] - uniform.stats["derived"] == 2 * 3
+    assert block.stats["bytes_stored"] < uniform.stats["bytes_stored"]
+
+    # What attention's backward reads is the projection of the decoded input the Linear saved.
+    with C.compress_saved(min_numel=1, bits_for=lambda t: 4):
+        y = model[0](x)
+    node = _find_node(y.grad_fn, "ScaledDotProduct")
+    linear = model[0].qkv
+    h = _find_node(node, "AddmmBackward0")._saved_mat1  # the decoded, recomputed norm output the Linear saved
+    b, n, d = x.shape
+    q_want = F.linear(h, linear.weight, linear.bias).view(b, n, 3, 4, d // 4).permute(2, 0, 3, 1, 4)[0]
+    q_got = node._saved_query
+    assert torch.equal(q_got, q_want)
+    exact_q = linear(model[0].n1(x)).view(b, n, 3, 4, d // 4).permute(2, 0, 3, 1, 4)[0]
+    assert not torch.equal(q_got, exact_q)  # decoded at 4 bits, not the forward's own
+    y.sum().backward()
+
+
+def test_gradients_through_recomputed_projections_are_exact_at_full_width() -> None:
+    model, x = _model_and_input(6)
+    want, _ = _step(model, x, bits_for=lambda t: 32, recompute=False)
+    got, stats = _step(model, x, bits_for=lambda t: 32)
+    assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def _free_after_forward(linear: nn.Linear) -> List[Any]:
+    """What FSDP does to a module sharded on its own: its weight's memory is freed after its forward
+    and gathered again before its own backward (here: kept aside and copied back, as FSDP's copy
+    does, without a version bump)."""
+    kept: Dict[str, torch.Tensor] = {}
+
+    def free(module: nn.Module, args: Any, out: Any) -> None:
+        kept["w"] = module.weight.detach().clone()
+        module.weight.untyped_storage().resize_(0)
+
+    def gather(module: nn.Module, grad_output: Any) -> None:
+        w = kept.pop("w")
+        module.weight.untyped_storage().resize_(w.numel() * w.element_size())
+        module.weight.data.copy_(w)
+
+    return [linear.register_forward_hook(free), linear.register_full_backward_pre_hook(gather)]
+
+
+def test_a_projection_whose_weight_is_freed_after_its_forward_is_stored_not_recomputed() -> None:
+    model, x = _model_and_input(7)
+    want, _ = _step(model, x, bits_for=lambda t: 32)
+    handles = [h for block in model for h in _free_after_forward(block.qkv)]
+    try:
+        calls, block = _projection_calls_in_backward(model, x, bits_for=lambda t: 32)
+    finally:
+        for h in handles:
+            h.remove()
+    assert calls == 0  # the weight had no data when attention saved its inputs: they were stored
+    got = {n: p.grad for n, p in model.named_parameters()}
+    assert all(torch.allclose(got[n], want[n], rtol=1e-5, atol=1e-7) for n in want)
+
+
+def test_a_projection_weight_freed_before_backward_fails_clearly() -> None:
+    model, x = _model_and_input(8)
+    with C.compress_saved(min_numel=1, bits_for=lambda t: 4):
+        loss = model(x).pow(2).mean()
+    weight = model[1].qkv.weight
+    kept = weight.detach().clone()
+    weight.untyped_storage().resize_(0)
+    try:
+        with pytest.raises(RuntimeError, match=r"has no data in backward.*sharded unit, or pass recompute=False"):
+            loss.backward()
+    finally:
+        weight.untyped_storage().resize_(kept.numel() * kept.element_size())
+        weight.data.copy_(kept)

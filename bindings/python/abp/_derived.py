@@ -22,8 +22,14 @@ Two reasons (docs/compressed-training.md has the measurements):
 What is recorded is decided per torch function (`kind_of`): pointwise functions by the
 ``pointwise`` tag of their ATen op (never one with the ``nondeterministic_seeded`` tag, so no
 dropout or random op is ever replayed, and never an in-place one); views, copies and casts and a
-few row functions by name. Matrix products and attention are never recomputed: that would be
-activation checkpointing, a different trade.
+few row functions by name. Matrix products are recomputed in one case only: a projection
+(``linear``, ``addmm``, ``matmul``, ``mm``) whose output fused attention reads as its query, key
+or value, under per-tensor widths (the controller), when the block recomputes that attention
+(`Recorder(projections=True)`; the saver accepts such a Derived only for those saves). Fused
+attention's backward reads query and key through exp(q kᵀ), which their codes bias; recomputed
+from the projection's stored input they cost no bits, and the input they share gets the bits
+(docs/compressed-training.md measures it). Anything else a matrix product makes stays stored:
+recomputing it would be activation checkpointing, a different trade.
 """
 from __future__ import annotations
 
@@ -51,6 +57,8 @@ _ROWS = frozenset({
     "layer_norm", "rms_norm", "group_norm", "softmax", "log_softmax", "mean", "sum", "cat", "concat",
     "concatenate", "stack", "logsumexp", "amax", "amin",
 })
+#: Matrix products: recorded only by a Recorder with `projections` (see the module's docstring).
+_PROJECTIONS = frozenset({"linear", "addmm", "matmul", "mm"})
 #: Python-level names whose ATen op has another name.
 _ATEN_NAME = {"truediv": "div", "floordiv": "floor_divide", "matmul": "", "and": "", "or": "", "xor": ""}
 
@@ -68,8 +76,8 @@ def _aten_pointwise(name: str) -> bool:
 
 
 def kind_of(func: Any) -> Optional[str]:
-    """"pointwise", "layout" or "rows" for a torch function whose outputs may be recomputed, else
-    None (cached per function)."""
+    """"pointwise", "layout", "rows" or "projection" for a torch function whose outputs may be
+    recomputed, else None (cached per function)."""
     try:
         return _KINDS[func]
     except KeyError:
@@ -83,7 +91,7 @@ def kind_of(func: Any) -> Optional[str]:
         name = name[2:-2]
         if name.startswith("i") and _aten_pointwise(_ATEN_NAME.get(name[1:], name[1:])):
             name = name + "_"  # __imul__ and the like work in place
-        elif name.startswith("r") and _aten_pointwise(_ATEN_NAME.get(name[1:], name[1:])):
+        elif name.startswith("r") and (name[1:] in _PROJECTIONS or _aten_pointwise(_ATEN_NAME.get(name[1:], name[1:]))):
             name = name[1:]  # __rmul__: the same op, called with its operands as they were
     if name.endswith("_"):
         kind = None  # in place: it changes a tensor instead of making one
@@ -91,6 +99,8 @@ def kind_of(func: Any) -> Optional[str]:
         kind = "layout"
     elif name in _ROWS:
         kind = "rows"
+    elif name in _PROJECTIONS:
+        kind = "projection"
     elif _aten_pointwise(_ATEN_NAME.get(name, name)):
         kind = "pointwise"
     _KINDS[func] = kind
@@ -123,10 +133,11 @@ class Shared:
         self.reads, self.value = reads, None
 
 
-def claim(value: Any) -> None:
-    """Counts one more read of every Shared call that materializing `value` (what a pack hook
-    returns) will read: once each, as one materialization computes each Derived once."""
-    todo, seen = [value], set()
+def claim(*values: Any) -> None:
+    """Counts one more read of every Shared call that materializing `values` together (what a pack
+    hook returns, or what one recomputed call reads) will read: once each, as one materialization
+    computes each Derived once."""
+    todo, seen = list(values), set()
     while todo:
         value = todo.pop()
         value = getattr(value, "value", value) if not isinstance(value, (Derived, torch.Tensor)) else value
@@ -151,6 +162,33 @@ def reachable(derived: "Derived") -> List["Derived"]:
     return found
 
 
+def accept_projections(derived: "Derived") -> None:
+    """Marks the matrix products `derived` recomputes as accepted by a save: what is later derived
+    from it recomputes nothing more than it does."""
+    for d in reachable(derived):
+        d.projection = False
+
+
+def parameters_present(derived: "Derived") -> bool:
+    """False if a parameter `derived` reads has no data now: a sharding wrapper (FSDP resharding a
+    module after its forward, ZeRO-3) frees it until that module's own backward, which may come
+    after the recomputation's. The parameter must then not be read in backward."""
+    for d in reachable(derived):
+        for use in d.uses():
+            if use.parameter and isinstance(use.value, torch.Tensor) and not _holds_data(use.value):
+                return False
+    return True
+
+
+def _holds_data(t: torch.Tensor) -> bool:
+    if hasattr(t, "ds_id"):  # DeepSpeed ZeRO-3 gathers a parameter for its own module's passes only
+        return False
+    if t.numel() == 0:
+        return True
+    extent = t.storage_offset() + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return t.untyped_storage().nbytes() >= extent * t.element_size()
+
+
 #: What a memo holds for a Derived being computed (a cycle would find it).
 _COMPUTING: Any = object()
 
@@ -158,9 +196,10 @@ _COMPUTING: Any = object()
 class Derived:
     """A saved tensor recomputed in backward: ``func(*args, **kwargs)`` (its `index`-th output)
     with every `Use` replaced by its decoded value, under the autocast state of the forward.
-    Derived with the same `shared` call `func` once between them."""
+    Derived with the same `shared` call `func` once between them. `projection`: a matrix product
+    is among what it recomputes that no save has accepted yet (`accept_projections`)."""
 
-    __slots__ = ("func", "spec", "leaves", "index", "autocast", "shape", "dtype", "shared")
+    __slots__ = ("func", "spec", "leaves", "index", "autocast", "shape", "dtype", "shared", "projection")
 
     def __init__(self, func: Callable[..., Any], spec: Any, leaves: List[Any], index: Optional[int],
                  autocast: Optional[Tuple[str, bool, torch.dtype]], shape: Tuple[int, ...], dtype: torch.dtype,
@@ -169,6 +208,8 @@ class Derived:
         self.autocast = autocast
         self.shape, self.dtype = shape, dtype
         self.shared = shared
+        self.projection = kind_of(func) == "projection" or any(
+            isinstance(leaf, Use) and isinstance(leaf.value, Derived) and leaf.value.projection for leaf in leaves)
 
     def uses(self) -> List[Use]:
         return [leaf for leaf in self.leaves if isinstance(leaf, Use)]
@@ -212,6 +253,13 @@ class Derived:
             if isinstance(leaf, Use):
                 value = leaf.value
                 if isinstance(value, torch.Tensor):
+                    if leaf.parameter and not _holds_data(value):
+                        raise RuntimeError(
+                            f"compress_saved(recompute=True): a parameter of shape {tuple(value.shape)} that "
+                            f"recomputing {getattr(self.func, '__name__', self.func)} reads has no data in backward: "
+                            "something freed it after forward (a sharding wrapper such as FSDP or ZeRO-3 that "
+                            "gathers it again only for its own module's backward). Wrap the module that reads it "
+                            "and the module that made it in one sharded unit, or pass recompute=False")
                     if leaf.version is not None and value._version != leaf.version:
                         # A parameter: torch would compute with the forward's values where no op
                         # saved it (a bias added), so recomputing with the new ones would differ.
@@ -284,9 +332,11 @@ class Recorder(TorchFunctionMode):
     outputs are not recorded). Records are dropped when their output is freed.
     """
 
-    def __init__(self, resolve: Callable[[torch.Tensor, int], Optional[Use]]) -> None:
+    def __init__(self, resolve: Callable[[torch.Tensor, int], Optional[Use]], projections: bool = False) -> None:
         super().__init__()
         self._resolve = resolve
+        #: Record matrix products too (kind "projection"; see the module's docstring).
+        self.projections = projections
         self._records: Dict[int, Tuple[Any, Derived, int]] = {}
         #: False while the block packs or unpacks (its own torch calls are not the model's) and
         #: once backward has begun.
@@ -297,8 +347,10 @@ class Recorder(TorchFunctionMode):
         out = func(*args, **kwargs)
         # torch.compile traces this handler when a compiled model runs in the block: its graph
         # recomputes on its own (the partitioner), and sees a plain call.
-        if self.recording and not _compiling() and kind_of(func) is not None and torch.is_grad_enabled():
-            self._record(func, args, kwargs, out)
+        if self.recording and not _compiling() and torch.is_grad_enabled():
+            kind = kind_of(func)
+            if kind is not None and (kind != "projection" or self.projections):
+                self._record(func, args, kwargs, out)
         return out
 
     def _record(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any) -> None:
@@ -323,8 +375,10 @@ class Recorder(TorchFunctionMode):
                     return
                 leaves[i] = use
         state = _autocast_state(outputs[0][1].device)
+        # A matrix product is computed once for all the saves that read it (claim counts them).
+        shared = Shared(0) if kind_of(func) == "projection" else None
         for index, o in outputs:
-            derived = Derived(func, spec, leaves, index, state, tuple(o.shape), o.dtype)
+            derived = Derived(func, spec, leaves, index, state, tuple(o.shape), o.dtype, shared)
             key = id(o)
             self._records[key] = (weakref.ref(o, lambda _, key=key: self._records.pop(key, None)), derived, o._version)
 

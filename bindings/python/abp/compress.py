@@ -664,9 +664,11 @@ class compress_saved:
             self._count_derived(t, derived, None)
         return derived
 
-    def _derivation(self, t: torch.Tensor) -> Optional[_derived.Derived]:
+    def _derivation(self, t: torch.Tensor, projections: bool = False) -> Optional[_derived.Derived]:
         """A Derived for `t` if a cheap function made it (or a view of what one made, or of a
-        packed tensor) from what this block can give back; None otherwise."""
+        packed tensor) from what this block can give back; None otherwise. `projections`: `t` is
+        what recomputed fused attention reads as its query, key or value, which may be recomputed
+        through a matrix product (abp._derived) if every parameter it reads is present."""
         recorder = self._recorder
         # What would be compressed. Not a per-row statistic (DERIVE_ROW_STATISTICS): recomputed
         # from a decoded row, a norm's 1/rms would carry the codes' variance as a bias (E[x̃²] =
@@ -682,6 +684,10 @@ class compress_saved:
             # identity: what was packed "for the base" is then this tensor itself.
             derived = self._view_derivation(t, packed=self._identity(t._base) != self._identity(t)
                                             if t._base is not None else False)
+        if derived is not None and derived.projection:
+            if not projections or not _derived.parameters_present(derived):
+                return None
+            _derived.accept_projections(derived)
         return derived
 
     def _view_derivation(self, t: torch.Tensor, packed: bool) -> Optional[_derived.Derived]:
@@ -772,15 +778,16 @@ class compress_saved:
             peeked, self._peeking = self._peeking, None
         return peeked[0] if peeked else None
 
-    def _derive_attention(self, node: Any, group: List[_Deferred]) -> bool:
+    def _derive_attention(self, node: Any, group: List[_Deferred]) -> Optional[List[Any]]:
         """Makes the output and logsumexp that fused attention (`node`) saved, pending in `group`,
         Derived: the same kernel run again on the decoded query, key and value (and its mask), so
-        that backward reads an output and a logsumexp consistent with them. False if they cannot
-        be (then nothing changed)."""
+        that backward reads an output and a logsumexp consistent with them. Returns what that
+        kernel reads (what was packed for q, k, v and the mask); None if they cannot be derived
+        (then nothing changed)."""
         kernel, names = _save_rules.attention_kernel(node)
         q, k, v, mask, out, lse = (self._peek(node, name) for name in names)
         if any(x is None for x in (q, k, v, out, lse)) or not all(any(x is box for box in group) for x in (out, lse)):
-            return False
+            return None
         uses = []
         for x in (q, k, v, mask):
             if x is None or isinstance(x, torch.Tensor) and _parameter_of(x) is not None:
@@ -798,7 +805,7 @@ class compress_saved:
             if index == 0:
                 self.stats["derived"] += 1
                 self.stats["numel_derived"] += t.numel()
-        return True
+        return [x for x in (q, k, v, mask) if x is not None]
 
     def _raise_to_floor(self, box: "_Deferred") -> None:
         """Raises a pending tensor's width to the floor of the op saving it, if that op is known."""
@@ -839,20 +846,23 @@ class compress_saved:
 
     def _flush(self) -> None:
         """Stores the pending tensors of the last op, in the order it saved them."""
-        group, rule, attention = self._group, self._group_rule, self._group_attention
-        self._group, self._group_attention = [], False
-        if attention and rule is not None and not self._derive_attention(rule[0], group):
+        group, rule = self._group, self._group_rule
+        attention_reads = self._derive_attention(rule[0], group) if self._group_attention and rule is not None else None
+        if self._group_attention and attention_reads is None:
             # Recomputing was planned and turned out impossible: the stored rule's floors.
+            assert rule is not None
             self._group_rule = (rule[0], _save_rules.rule_for(rule[0], uniform=self.bits_for is None))
             for box in group:
                 self._raise_to_floor(box)
-        self._group_rule = None
+        self._group, self._group_attention, self._group_rule = [], False, None
+        # Recomputed attention's query, key and value may be recomputed through their projections.
+        projections = attention_reads is not None and self._recorder is not None and self._recorder.projections
         for box in group:
             if not box.pending:  # made Derived above
                 continue
             # An op's own output (rsqrt's, a norm's) is saved before its function returns, and
             # only now can its derivation be known.
-            derived = self._derivation(box.value) if self._recorder is not None else None
+            derived = self._derivation(box.value, projections) if self._recorder is not None else None
             if derived is not None:
                 self._count_derived(box.value, derived, box.tags)
                 _derived.claim(derived)  # its op's read (a later save of it claims its own)
@@ -864,6 +874,8 @@ class compress_saved:
             box.value = self._store(box.value, box.bits)
             box.pending = False
             memory.note_saved(_kept_tensors(box.value), box.tags)
+        if attention_reads:
+            _derived.claim(*attention_reads)  # the recomputed attention's own read of its inputs
 
     def unpack(self, saved: Any, memo: Optional[Dict[int, torch.Tensor]] = None) -> torch.Tensor:
         """The saved_tensors_hooks unpack hook; `memo`: what this unpack has recomputed so far
@@ -931,7 +943,7 @@ class compress_saved:
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._hooks.__enter__()
         if self.recompute and _derived.AVAILABLE and not _compiling():
-            recorder = _derived.Recorder(self._resolve)
+            recorder = _derived.Recorder(self._resolve, projections=self.bits_for is not None)
             recorder.__enter__()
             self._recorder = recorder
         _OPEN.block = self
