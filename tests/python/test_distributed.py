@@ -221,3 +221,76 @@ def test_compress_saved_recomputes_under_fsdp_as_in_one_process(reshard: bool) -
     assert stats["derived"] > 0
     for name, p in model.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=0, atol=1e-6, msg=name)
+
+
+class _AttentionBlock(nn.Module):
+    """Pre-norm attention with separate q, k, v projections feeding fused attention."""
+
+    def __init__(self, d: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.LayerNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        h = self.norm(x)
+        q, k, v = (p(h).view(b, n, self.heads, d // self.heads).transpose(1, 2) for p in (self.q, self.k, self.v))
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(a.transpose(1, 2).reshape(b, n, d))
+
+
+def _attention_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(_AttentionBlock(), _AttentionBlock(), nn.LayerNorm(32), nn.Linear(32, 4))
+
+
+def _fsdp_projections(rank: int, rendezvous: str, out: str, unit: str) -> None:
+    """One FSDP2 step under per-tensor widths (raw): attention's q, k, v are recomputed through
+    their projections where the projection shares its block's sharded unit ("block"); where each
+    projection is a unit of its own ("linear"), FSDP frees its weight right after its forward, and
+    they are stored."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
+    try:
+        model = _attention_model()
+        for block in (model[0], model[1]):
+            if unit == "linear":
+                for p in (block.q, block.k, block.v):
+                    fully_shard(p)
+            fully_shard(block)
+        fully_shard(model)
+        x, y = (b[0] for b in batches())
+        half = x.shape[0] // WORLD
+        part = slice(rank * half, (rank + 1) * half)
+        with abp.compress_saved(bits_for=lambda t: 32, min_numel=1) as saver:
+            loss_of(model, x[part], y[part]).backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        if rank == 0:
+            torch.save((grads, dict(saver.stats)), out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not _fsdp2_available(), reason="FSDP2 (fully_shard) needs torch >= 2.6")
+def test_attention_projections_recompute_under_fsdp_only_where_their_weights_stay() -> None:
+    library_or_skip()
+    from abp import _derived
+
+    if not _derived.AVAILABLE:
+        pytest.skip("recompute needs torch >= 2")
+    stats = {}
+    for unit in ("block", "linear"):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "rank0.pt")
+            mp.spawn(_fsdp_projections, args=(os.path.join(tmp, "rendezvous"), out, unit), nprocs=WORLD)
+            grads, stats[unit] = torch.load(out)
+        model = _attention_model()
+        x, y = (b[0] for b in batches())
+        half = x.shape[0] // WORLD
+        (sum(loss_of(model, x[r * half:(r + 1) * half], y[r * half:(r + 1) * half]) for r in range(WORLD)) / WORLD).backward()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=0, atol=1e-6, msg=f"{unit}: {name}")
+    assert stats["block"]["derived"] - stats["linear"]["derived"] == 2 * 3  # q, k, v per block
