@@ -475,32 +475,117 @@ def test_per_tensor_widths_recompute_attention_inputs_through_their_projection()
 def test_gradients_through_recomputed_projections_are_exact_at_full_width() -> None:
     model, x = _model_and_input(6)
     want, _ = _step(model, x, bits_for=lambda t: 32, recompute=False)
-    got, stats = _step(model, x, bits_for=lambda t: 32)
+    calls, _ = _projection_calls_in_backward(model, x, bits_for=lambda t: 32)
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert calls == 2
     assert all(torch.equal(got[n], want[n]) for n in want)
 
 
-def _free_after_forward(linear: nn.Linear) -> List[Any]:
-    """What FSDP does to a module sharded on its own: its weight's memory is freed after its forward
-    and gathered again before its own backward (here: kept aside and copied back, as FSDP's copy
-    does, without a version bump)."""
+def test_shared_recomputations_are_released_when_their_reads_are_done(monkeypatch) -> None:
+    """A recomputed product (and attention's kernel call) is held until the reads the saves claimed
+    are done, and then released: after backward(retain_graph=True) nothing is held, so a second
+    backward recomputes (reading the parameters as they are then) instead of reusing it."""
+    made: List[_derived.Shared] = []
+    init = _derived.Shared.__init__
+
+    def recording(self: _derived.Shared, reads: int) -> None:
+        init(self, reads)
+        made.append(self)
+
+    monkeypatch.setattr(_derived.Shared, "__init__", recording)
+    model, x = _model_and_input(9)
+    with C.compress_saved(min_numel=1, bits_for=lambda t: 4) as block:
+        loss = model(x).pow(2).mean()
+    first = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+    assert block.stats["derived"] > 0 and made
+    assert all(shared.value is None for shared in made)
+    second = torch.autograd.grad(loss, list(model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+class _SavesItsQuery(nn.Module):
+    """Attention whose query another op saves too (a learnable scale of it)."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.norm, self.q, self.k, self.v = RMSNorm(d), nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.scale = nn.Parameter(torch.ones(d // 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        h = self.norm(x)
+        q, k, v = (p(h).view(b, n, 4, d // 4).transpose(1, 2) for p in (self.q, self.k, self.v))
+        return F.scaled_dot_product_attention(q, k, v) + (q * self.scale).tanh()
+
+
+def test_what_another_op_saves_of_a_recomputed_query_is_stored() -> None:
+    """Attention's inputs recomputed through their projections serve attention only: the same
+    query saved by a later op is stored for it (that op's backward might come when the weight is
+    gone), and gradients stay exact at full width."""
+    torch.manual_seed(10)
+    model, x = _SavesItsQuery(), torch.randn(2, 8, 32).requires_grad_().clone()
+    want, kept = _step(model, x, bits_for=lambda t: 32, recompute=False)
+    calls, block = _projection_calls_in_backward(model, x, bits_for=lambda t: 32)
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert calls == 3  # q, k and v for attention
+    assert all(torch.allclose(got[n], want[n], rtol=1e-6, atol=1e-7) for n in want)
+    # Stored, the query is one save for both ops; recomputed for attention, the product's save of
+    # it is a save of its own.
+    assert block.stats["tensors"] == kept["tensors"] + 1
+
+
+def test_zero3_parameters_are_read_in_backward_only_when_persistent() -> None:
+    """DeepSpeed ZeRO-3 marks its parameters (`ds_id`): a persistent one keeps its data, another is
+    gathered for its own module's passes only, so nothing recomputed may read it."""
+    class Status:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+    stats = {}
+    for case, marks in (("plain", {}), ("persistent", {"ds_id": 1, "ds_persist": True}),
+                        ("released", {"ds_id": 1, "ds_persist": False, "ds_status": Status("NOT_AVAILABLE")})):
+        torch.manual_seed(11)
+        norm, lin = RMSNorm(32), nn.Linear(32, 8)
+        for name, value in marks.items():
+            setattr(norm.weight, name, value)
+        x = torch.randn(4, 32).requires_grad_().clone()
+        with C.compress_saved(min_numel=1, bits_for=lambda t: 32) as block:
+            y = lin(norm(x))
+        y.sum().backward()
+        stats[case] = block.stats["derived"]
+    assert stats["plain"] == stats["persistent"] > stats["released"]
+
+
+def _free_after_forward(linear: nn.Linear, how: str) -> List[Any]:
+    """What a sharding wrapper does to a module sharded on its own: its weight's data is freed after
+    its forward (FSDP2 resizes its storage to 0; FSDP1 swaps an empty tensor in as its .data) and
+    gathered again before its own backward, without a version bump."""
     kept: Dict[str, torch.Tensor] = {}
 
     def free(module: nn.Module, args: Any, out: Any) -> None:
         kept["w"] = module.weight.detach().clone()
-        module.weight.untyped_storage().resize_(0)
+        if how == "resize":
+            module.weight.untyped_storage().resize_(0)
+        else:
+            kept["data"] = module.weight.data
+            module.weight.data = torch.empty(0)
 
     def gather(module: nn.Module, grad_output: Any) -> None:
         w = kept.pop("w")
-        module.weight.untyped_storage().resize_(w.numel() * w.element_size())
-        module.weight.data.copy_(w)
+        if how == "resize":
+            module.weight.untyped_storage().resize_(w.numel() * w.element_size())
+            module.weight.data.copy_(w)
+        else:
+            module.weight.data = kept.pop("data")
 
     return [linear.register_forward_hook(free), linear.register_full_backward_pre_hook(gather)]
 
 
-def test_a_projection_whose_weight_is_freed_after_its_forward_is_stored_not_recomputed() -> None:
+@pytest.mark.parametrize("how", ["resize", "swap"])
+def test_a_projection_whose_weight_is_freed_after_its_forward_is_stored_not_recomputed(how: str) -> None:
     model, x = _model_and_input(7)
     want, _ = _step(model, x, bits_for=lambda t: 32)
-    handles = [h for block in model for h in _free_after_forward(block.qkv)]
+    handles = [h for block in model for h in _free_after_forward(block.qkv, how)]
     try:
         calls, block = _projection_calls_in_backward(model, x, bits_for=lambda t: 32)
     finally:

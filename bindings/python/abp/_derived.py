@@ -25,7 +25,8 @@ dropout or random op is ever replayed, and never an in-place one); views, copies
 few row functions by name. Matrix products are recomputed in one case only: a projection
 (``linear``, ``addmm``, ``matmul``, ``mm``) whose output fused attention reads as its query, key
 or value, under per-tensor widths (the controller), when the block recomputes that attention
-(`Recorder(projections=True)`; the saver accepts such a Derived only for those saves). Fused
+(`Recorder(projections=True)`; the saver accepts such a Derived only for those saves, through
+one product, and only while every parameter it reads holds its data: `parameters_present`). Fused
 attention's backward reads query and key through exp(q kᵀ), which their codes bias; recomputed
 from the projection's stored input they cost no bits, and the input they share gets the bits
 (docs/compressed-training.md measures it). Anything else a matrix product makes stays stored:
@@ -112,14 +113,16 @@ class Use:
     tensor, a pending one, another Derived, or the tensor itself where it is kept as it is: a
     parameter, a constant, a tensor stored raw). `version`, for a tensor kept as it is, is its
     version when recorded: an in-place change after that fails as torch's own check does.
-    `parameter`: the value is a parameter (or its view or cast), which the module keeps anyway."""
+    `parameter`: the value is a parameter (or its view or cast), which the module keeps anyway;
+    `numel` its element count when recorded (a sharding wrapper may swap in an empty shard)."""
 
-    __slots__ = ("value", "version", "parameter")
+    __slots__ = ("value", "version", "parameter", "numel")
 
     def __init__(self, value: Any, version: Optional[int], parameter: bool = False) -> None:
         self.value = value
         self.version = version
         self.parameter = parameter
+        self.numel = value.numel() if parameter and isinstance(value, torch.Tensor) else None
 
 
 class Shared:
@@ -145,6 +148,8 @@ def claim(*values: Any) -> None:
             seen.add(id(value))
             if value.shared is not None:
                 value.shared.reads += 1
+                if value.shared.reads > 1:
+                    continue  # computed once for all its reads: what it reads was counted at its first
             todo.extend(use.value for use in value.uses())
 
 
@@ -175,18 +180,28 @@ def parameters_present(derived: "Derived") -> bool:
     after the recomputation's. The parameter must then not be read in backward."""
     for d in reachable(derived):
         for use in d.uses():
-            if use.parameter and isinstance(use.value, torch.Tensor) and not _holds_data(use.value):
+            if use.parameter and isinstance(use.value, torch.Tensor) and not _holds_data(use.value, use.numel):
                 return False
     return True
 
 
-def _holds_data(t: torch.Tensor) -> bool:
-    if hasattr(t, "ds_id"):  # DeepSpeed ZeRO-3 gathers a parameter for its own module's passes only
+def _holds_data(t: torch.Tensor, numel: Optional[int]) -> bool:
+    """Whether parameter `t` (of `numel` elements when recorded) has its data now."""
+    if numel is not None and t.numel() != numel:  # FSDP1 swaps in an empty or flat shard
         return False
-    if t.numel() == 0:
+    if hasattr(t, "ds_id"):  # DeepSpeed ZeRO-3: gathered for its own module's passes, unless persistent
+        return bool(getattr(t, "ds_persist", False)) or getattr(getattr(t, "ds_status", None), "name", "") == "AVAILABLE"
+    if t.numel() == 0 or _wrapper_subclass(t):  # a DTensor's data is its local shard's business
         return True
     extent = t.storage_offset() + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
     return t.untyped_storage().nbytes() >= extent * t.element_size()
+
+
+try:
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass as _wrapper_subclass
+except ImportError:  # torch 1.13, which records nothing
+    def _wrapper_subclass(t: torch.Tensor) -> bool:
+        return False
 
 
 #: What a memo holds for a Derived being computed (a cycle would find it).
@@ -197,9 +212,11 @@ class Derived:
     """A saved tensor recomputed in backward: ``func(*args, **kwargs)`` (its `index`-th output)
     with every `Use` replaced by its decoded value, under the autocast state of the forward.
     Derived with the same `shared` call `func` once between them. `projection`: a matrix product
-    is among what it recomputes that no save has accepted yet (`accept_projections`)."""
+    is among what it recomputes that no save has accepted yet (`accept_projections`);
+    `reads_projection`: a matrix product is among what it recomputes, accepted or not."""
 
-    __slots__ = ("func", "spec", "leaves", "index", "autocast", "shape", "dtype", "shared", "projection")
+    __slots__ = ("func", "spec", "leaves", "index", "autocast", "shape", "dtype", "shared", "projection",
+                 "reads_projection")
 
     def __init__(self, func: Callable[..., Any], spec: Any, leaves: List[Any], index: Optional[int],
                  autocast: Optional[Tuple[str, bool, torch.dtype]], shape: Tuple[int, ...], dtype: torch.dtype,
@@ -208,8 +225,10 @@ class Derived:
         self.autocast = autocast
         self.shape, self.dtype = shape, dtype
         self.shared = shared
-        self.projection = kind_of(func) == "projection" or any(
-            isinstance(leaf, Use) and isinstance(leaf.value, Derived) and leaf.value.projection for leaf in leaves)
+        made = [leaf.value for leaf in leaves if isinstance(leaf, Use) and isinstance(leaf.value, Derived)]
+        own = kind_of(func) == "projection"
+        self.projection = own or any(d.projection for d in made)
+        self.reads_projection = own or any(d.reads_projection for d in made)
 
     def uses(self) -> List[Use]:
         return [leaf for leaf in self.leaves if isinstance(leaf, Use)]
@@ -253,7 +272,7 @@ class Derived:
             if isinstance(leaf, Use):
                 value = leaf.value
                 if isinstance(value, torch.Tensor):
-                    if leaf.parameter and not _holds_data(value):
+                    if leaf.parameter and not _holds_data(value, leaf.numel):
                         raise RuntimeError(
                             f"compress_saved(recompute=True): a parameter of shape {tuple(value.shape)} that "
                             f"recomputing {getattr(self.func, '__name__', self.func)} reads has no data in backward: "
@@ -368,11 +387,12 @@ class Recorder(TorchFunctionMode):
         if not outputs:
             return
         budget = max(o.numel() * o.element_size() for _, o in outputs)
+        projection = kind_of(func) == "projection"
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
                 use = self._resolve(leaf, budget)
-                if use is None:
-                    return
+                if use is None or (projection and isinstance(use.value, Derived) and use.value.reads_projection):
+                    return  # unknown, or a product of a product: one product per recomputed tensor
                 leaves[i] = use
         state = _autocast_state(outputs[0][1].device)
         # A matrix product is computed once for all the saves that read it (claim counts them).

@@ -455,6 +455,12 @@ class _Deferred:
 _NOTHING = torch.empty(0)
 
 
+def _reads_projection(kept: Any) -> bool:
+    """Whether `kept` (what a block packed for a tensor) is recomputed through a matrix product."""
+    value = kept.value if isinstance(kept, _Deferred) else kept
+    return isinstance(value, _derived.Derived) and value.reads_projection
+
+
 def _uses(derived: _derived.Derived) -> List[_derived.Use]:
     """Every Use of `derived` and of the Derived values it refers to."""
     return [use for d in _derived.reachable(derived) for use in d.uses()]
@@ -635,7 +641,9 @@ class compress_saved:
         key = self._identity(t)
         seen = self._packed.get(key)
         # The same memory: a weak reference to its owner (memory freed and reused is another tensor).
-        if seen is not None and seen[0]() is self._owner(t):
+        # Not what fused attention reads recomputed through a projection: for another op's save
+        # it is stored (that op's backward may come when the projection's weight is gone).
+        if seen is not None and seen[0]() is self._owner(t) and not _reads_projection(seen[1]):
             kept = seen[1]
             if isinstance(kept, _Deferred):
                 self._raise_to_floor(kept)
@@ -684,9 +692,13 @@ class compress_saved:
             # identity: what was packed "for the base" is then this tensor itself.
             derived = self._view_derivation(t, packed=self._identity(t._base) != self._identity(t)
                                             if t._base is not None else False)
-        if derived is not None and derived.projection:
-            if not projections or not _derived.parameters_present(derived):
-                return None
+        if derived is None:
+            return None
+        # A matrix product only for attention's inputs (abp._derived); and only with every
+        # parameter present, which a sharding wrapper may have freed after its module's forward.
+        if (derived.reads_projection and not projections) or not _derived.parameters_present(derived):
+            return None
+        if derived.projection:
             _derived.accept_projections(derived)
         return derived
 
@@ -701,7 +713,8 @@ class compress_saved:
         whole = self._recorder.derivation(base)
         if whole is None and packed:
             seen = self._packed.get(self._identity(base))
-            if seen is not None and seen[0]() is self._owner(base) and seen[1] is not None:
+            if seen is not None and seen[0]() is self._owner(base) and seen[1] is not None \
+                    and not _reads_projection(seen[1]):
                 whole = seen[1]
         return None if whole is None else _derived.view_of(whole, base, t)
 
@@ -723,6 +736,8 @@ class compress_saved:
             return _derived.Use(a, a._version, parameter=True)
         seen = self._packed.get(self._identity(a))
         if seen is not None and seen[0]() is self._owner(a):
+            if _reads_projection(seen[1]):
+                return None  # fused attention's own recomputed input: nothing else is made from it
             return _derived.Use(a, a._version) if seen[1] is None else _derived.Use(seen[1], None)
         assert self._recorder is not None
         # An argument no recorded function made may be an unseen view of what one made (a custom
