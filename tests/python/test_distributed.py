@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Tuple
+from typing import Dict, Tuple
 
 import pytest
 import torch
@@ -178,51 +178,6 @@ def test_random_recipes_draw_distinct_reproducible_streams_per_rank() -> None:
         assert all(torch.isfinite(v).all() for v in rank["all"].values())
 
 
-def _fsdp_recompute(rank: int, rendezvous: str, out: str, reshard: bool) -> None:
-    """One FSDP2 step under compress_saved(recompute=True) with raw widths: backward recomputes
-    norm and activation outputs with parameters that FSDP gathered for the forward and (resharding
-    after it) gathers again for backward."""
-    from torch.distributed.fsdp import fully_shard
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
-    try:
-        model = plain()
-        for module in (model[0], model[1], model[3], model):
-            fully_shard(module, reshard_after_forward=reshard)
-        x, y = (b[0] for b in batches())
-        half = x.shape[0] // WORLD
-        part = slice(rank * half, (rank + 1) * half)
-        with abp.compress_saved(bits_for=lambda t: 32, min_numel=1) as block:
-            loss_of(model, x[part], y[part]).backward()
-        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-        if rank == 0:
-            torch.save((grads, dict(block.stats)), out)
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.skipif(not _fsdp2_available(), reason="FSDP2 (fully_shard) needs torch >= 2.6")
-@pytest.mark.parametrize("reshard", [True, False])
-def test_compress_saved_recomputes_under_fsdp_as_in_one_process(reshard: bool) -> None:
-    library_or_skip()
-    from abp import _derived
-
-    if not _derived.AVAILABLE:
-        pytest.skip("recompute needs torch >= 2")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rank0.pt")
-        mp.spawn(_fsdp_recompute, args=(os.path.join(tmp, "rendezvous"), out, reshard), nprocs=WORLD)
-        grads, stats = torch.load(out)
-    model = plain()
-    x, y = (b[0] for b in batches())
-    half = x.shape[0] // WORLD
-    (sum(loss_of(model, x[r * half:(r + 1) * half], y[r * half:(r + 1) * half]) for r in range(WORLD)) / WORLD).backward()
-    assert stats["derived"] > 0
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=0, atol=1e-6, msg=name)
-
-
 class _AttentionBlock(nn.Module):
     """Pre-norm attention with separate q, k, v projections feeding fused attention."""
 
@@ -245,23 +200,30 @@ def _attention_model() -> nn.Module:
     return nn.Sequential(_AttentionBlock(), _AttentionBlock(), nn.LayerNorm(32), nn.Linear(32, 4))
 
 
-def _fsdp_projections(rank: int, rendezvous: str, out: str, unit: str) -> None:
-    """One FSDP2 step under per-tensor widths (raw): attention's q, k, v are recomputed through
-    their projections where the projection shares its block's sharded unit ("block"); where each
-    projection is a unit of its own ("linear"), FSDP frees its weight right after its forward, and
-    they are stored."""
+#: How each recompute case shards its model: (model, the modules given their own unit, reshard
+#: after forward?). "block": attention's projections share their block's unit; "linear": each is a
+#: unit of its own, whose weight FSDP frees right after its forward.
+_SHARDINGS = {
+    "reshard": (plain, lambda m: (m[0], m[1], m[3]), True),
+    "keep": (plain, lambda m: (m[0], m[1], m[3]), False),
+    "block": (_attention_model, lambda m: (m[0], m[1]), True),
+    "linear": (_attention_model, lambda m: (m[0].q, m[0].k, m[0].v, m[0], m[1].q, m[1].k, m[1].v, m[1]), True),
+}
+
+
+def _fsdp_recompute(rank: int, rendezvous: str, out: str, case: str) -> None:
+    """One FSDP2 step under compress_saved(recompute=True) with raw widths (per-tensor widths:
+    attention's projections are recomputed where their weights stay): backward recomputes with
+    parameters that FSDP gathered for the forward and (resharding after it) gathers again."""
     from torch.distributed.fsdp import fully_shard
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
     try:
-        model = _attention_model()
-        for block in (model[0], model[1]):
-            if unit == "linear":
-                for p in (block.q, block.k, block.v):
-                    fully_shard(p)
-            fully_shard(block)
-        fully_shard(model)
+        make, units, reshard = _SHARDINGS[case]
+        model = make()
+        for module in (*units(model), model):
+            fully_shard(module, reshard_after_forward=reshard)
         x, y = (b[0] for b in batches())
         half = x.shape[0] // WORLD
         part = slice(rank * half, (rank + 1) * half)
@@ -274,23 +236,33 @@ def _fsdp_projections(rank: int, rendezvous: str, out: str, unit: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.skipif(not _fsdp2_available(), reason="FSDP2 (fully_shard) needs torch >= 2.6")
-def test_attention_projections_recompute_under_fsdp_only_where_their_weights_stay() -> None:
+def _recompute_under_fsdp(case: str) -> Dict[str, int]:
+    """Runs `case` on 2 ranks, checks its gradients against one process's, returns its stats."""
     library_or_skip()
     from abp import _derived
 
     if not _derived.AVAILABLE:
         pytest.skip("recompute needs torch >= 2")
-    stats = {}
-    for unit in ("block", "linear"):
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "rank0.pt")
-            mp.spawn(_fsdp_projections, args=(os.path.join(tmp, "rendezvous"), out, unit), nprocs=WORLD)
-            grads, stats[unit] = torch.load(out)
-        model = _attention_model()
-        x, y = (b[0] for b in batches())
-        half = x.shape[0] // WORLD
-        (sum(loss_of(model, x[r * half:(r + 1) * half], y[r * half:(r + 1) * half]) for r in range(WORLD)) / WORLD).backward()
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(grads[name], p.grad, rtol=0, atol=1e-6, msg=f"{unit}: {name}")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rank0.pt")
+        mp.spawn(_fsdp_recompute, args=(os.path.join(tmp, "rendezvous"), out, case), nprocs=WORLD)
+        grads, stats = torch.load(out)
+    model = _SHARDINGS[case][0]()
+    x, y = (b[0] for b in batches())
+    half = x.shape[0] // WORLD
+    (sum(loss_of(model, x[r * half:(r + 1) * half], y[r * half:(r + 1) * half]) for r in range(WORLD)) / WORLD).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=0, atol=1e-6, msg=f"{case}: {name}")
+    return stats
+
+
+@pytest.mark.skipif(not _fsdp2_available(), reason="FSDP2 (fully_shard) needs torch >= 2.6")
+@pytest.mark.parametrize("case", ["reshard", "keep"])
+def test_compress_saved_recomputes_under_fsdp_as_in_one_process(case: str) -> None:
+    assert _recompute_under_fsdp(case)["derived"] > 0
+
+
+@pytest.mark.skipif(not _fsdp2_available(), reason="FSDP2 (fully_shard) needs torch >= 2.6")
+def test_attention_projections_recompute_under_fsdp_only_where_their_weights_stay() -> None:
+    stats = {unit: _recompute_under_fsdp(unit) for unit in ("block", "linear")}
     assert stats["block"]["derived"] - stats["linear"]["derived"] == 2 * 3  # q, k, v per block
