@@ -167,6 +167,11 @@ def reachable(derived: "Derived") -> List["Derived"]:
     return found
 
 
+def uses_of(derived: "Derived") -> List[Use]:
+    """Every Use of `derived` and of the Derived values it refers to."""
+    return [use for d in reachable(derived) for use in d.uses()]
+
+
 def accept_projections(derived: "Derived") -> None:
     """Marks the matrix products `derived` recomputes as accepted by a save: what is later derived
     from it recomputes nothing more than it does."""
@@ -178,11 +183,8 @@ def parameters_present(derived: "Derived") -> bool:
     """False if a parameter `derived` reads has no data now: a sharding wrapper (FSDP resharding a
     module after its forward, ZeRO-3) frees it until that module's own backward, which may come
     after the recomputation's. The parameter must then not be read in backward."""
-    for d in reachable(derived):
-        for use in d.uses():
-            if use.parameter and isinstance(use.value, torch.Tensor) and not _holds_data(use.value, use.numel):
-                return False
-    return True
+    return all(_holds_data(use.value, use.numel) for use in uses_of(derived)
+               if use.parameter and isinstance(use.value, torch.Tensor))
 
 
 def _holds_data(t: torch.Tensor, numel: Optional[int]) -> bool:
@@ -369,10 +371,10 @@ class Recorder(TorchFunctionMode):
         if self.recording and not _compiling() and torch.is_grad_enabled():
             kind = kind_of(func)
             if kind is not None and (kind != "projection" or self.projections):
-                self._record(func, args, kwargs, out)
+                self._record(func, kind, args, kwargs, out)
         return out
 
-    def _record(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any) -> None:
+    def _record(self, func: Any, kind: str, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any) -> None:
         if isinstance(out, torch.Tensor):
             outputs: List[Tuple[Optional[int], torch.Tensor]] = [(None, out)]
         elif isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in out):
@@ -387,7 +389,7 @@ class Recorder(TorchFunctionMode):
         if not outputs:
             return
         budget = max(o.numel() * o.element_size() for _, o in outputs)
-        projection = kind_of(func) == "projection"
+        projection = kind == "projection"
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
                 use = self._resolve(leaf, budget)
@@ -396,7 +398,7 @@ class Recorder(TorchFunctionMode):
                 leaves[i] = use
         state = _autocast_state(outputs[0][1].device)
         # A matrix product is computed once for all the saves that read it (claim counts them).
-        shared = Shared(0) if kind_of(func) == "projection" else None
+        shared = Shared(0) if projection else None
         for index, o in outputs:
             derived = Derived(func, spec, leaves, index, state, tuple(o.shape), o.dtype, shared)
             key = id(o)

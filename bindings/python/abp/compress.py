@@ -461,11 +461,6 @@ def _reads_projection(kept: Any) -> bool:
     return isinstance(value, _derived.Derived) and value.reads_projection
 
 
-def _uses(derived: _derived.Derived) -> List[_derived.Use]:
-    """Every Use of `derived` and of the Derived values it refers to."""
-    return [use for d in _derived.reachable(derived) for use in d.uses()]
-
-
 def _kept_tensors(kept: Any) -> List[torch.Tensor]:
     """The tensors that hold what is stored for a saved tensor."""
     if isinstance(kept, _Deferred):
@@ -722,7 +717,7 @@ class compress_saved:
         self.stats["derived"] += 1
         self.stats["numel_derived"] += t.numel()
         # The constants it holds (the tensors it refers to are stored for their own saves).
-        for use in _uses(derived):
+        for use in _derived.uses_of(derived):
             value = use.value
             if use.version is not None and not use.parameter and isinstance(value, torch.Tensor) and not value.requires_grad:
                 self._store(value, 32)
