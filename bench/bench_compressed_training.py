@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import real_tasks  # noqa: E402
 from timing import commit_id  # noqa: E402
 
-METRIC = {"digits": ("test_accuracy", +1), "charlm": ("val_loss", -1)}
+METRIC = {"digits": ("test_accuracy", +1), "digits-vit": ("test_accuracy", +1), "charlm": ("val_loss", -1)}
 
 
 def summarise(task: str, runs: Dict[str, List[Dict[str, Any]]]) -> List[Dict[str, Any]]:

@@ -4,6 +4,8 @@
   python3-sklearn, read with numpy: the torch 2.x venv need not import scikit-learn), as 16
   patches of 2x2 pixels, classified by a pre-LN transformer (2 blocks, d 64, 4 heads,
   torch.nn.MultiheadAttention, GELU MLP). A fixed split: 1,437 to train, 360 to test.
+  **digits-vit**: the same data and size with timm's ViT, which adds a class token (a row of
+  another scale than the patches' rows in every saved activation).
 * **charlm**: a byte-level language model of the Python standard library's own source (the
   interpreter's ``*.py`` files in sorted order; the first 600 kB to train, the next 60 kB to
   validate), with a LLaMA-style model (2 blocks, d 64, RMSNorm, rotary positions, causal
@@ -135,6 +137,27 @@ class PatchTransformer(nn.Module):
         for block in self.blocks:
             h = block(h)
         return self.head(self.ln(h).mean(dim=1))
+
+
+class TimmViT(nn.Module):
+    """timm's ViT (its patch embedding, class token, attention and MLP) on the digit patches, the
+    same size as PatchTransformer: a model users train, and one with a row unlike the others (the
+    class token's) in every activation it saves. Needs timm."""
+
+    def __init__(self, d: int = 64, heads: int = 4, blocks: int = 2) -> None:
+        super().__init__()
+        import timm  # the torch 2.x lane has it; the 1.13 lane does not run this task
+
+        self.vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=8, patch_size=2, in_chans=1,
+                                     embed_dim=d, depth=blocks, num_heads=heads, num_classes=10)
+        self.Block = type(self.vit.blocks[0])
+        #: What recipe "sampled" samples: the MLP's Linears.
+        self.SAMPLED = ("vit.blocks.*.mlp.fc1", "vit.blocks.*.mlp.fc2")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (N, 16, 4) row-major 2x2 patches back to (N, 1, 8, 8) images (digits' reshape, inverted).
+        images = x.reshape(-1, 4, 4, 2, 2).permute(0, 1, 3, 2, 4).reshape(-1, 1, 8, 8)
+        return self.vit(images)
 
 
 class RMSNorm(nn.Module):
@@ -370,12 +393,13 @@ def _grad_norm(model: nn.Module) -> float:
 def train(task: str, setting: Setting, seed: int, *, steps: Optional[int] = None, log_every: int = 10,
           eval_every: Optional[int] = None, device: Union[str, torch.device] = "cpu",
           stdlib: Optional[Path] = None) -> Dict[str, Any]:
-    """Trains `task` ("digits" or "charlm") under `setting` (a name of SETTINGS or RECIPES, a
+    """Trains `task` ("digits", "digits-vit" or "charlm") under `setting` (a name of SETTINGS or RECIPES, a
     Recipe, or a callable giving the model a context factory for each step) from `seed`; returns
     its metrics. With `eval_every`, result["curve"] holds [steps done, metric] at 0, every
     `eval_every` steps and at the end (evaluation draws no random numbers: the run is unchanged).
 
     digits: AdamW lr 1e-3, batch 64, `steps` (default 12 epochs = 276 steps); metric test accuracy.
+    digits-vit: the same with timm's ViT (TimmViT) instead of PatchTransformer.
     charlm: AdamW lr 3e-3, batch 32 of 64 bytes, `steps` (default 600); metric validation loss
     (nats per byte) over 64 fixed windows.
 
@@ -386,9 +410,9 @@ def train(task: str, setting: Setting, seed: int, *, steps: Optional[int] = None
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(1000 + seed)  # batches
     extra = torch.Generator().manual_seed(2000 + seed)  # batches a setting draws (Task.draw)
-    if task == "digits":
+    if task in ("digits", "digits-vit"):
         xtr, ytr, xte, yte = (t.to(device) for t in digits())
-        model: nn.Module = PatchTransformer().to(device)
+        model: nn.Module = (PatchTransformer() if task == "digits" else TimmViT()).to(device)
         lr, batch, total = 1e-3, 64, steps if steps is not None else 276
 
         def batches() -> Any:
@@ -438,9 +462,9 @@ def train(task: str, setting: Setting, seed: int, *, steps: Optional[int] = None
             with torch.no_grad():
                 return {"val_loss": float(loss_of(model(val[:, :-1]), val[:, 1:]))}
     else:
-        raise ValueError(f"task: expected 'digits' or 'charlm', got {task!r}")
+        raise ValueError(f"task: expected 'digits', 'digits-vit' or 'charlm', got {task!r}")
 
-    spec = Task(task, type(model).Block, lambda b: loss_of(model(b[0]), b[1]), draw)
+    spec = Task(task, model.Block, lambda b: loss_of(model(b[0]), b[1]), draw)
     name, context_of = _prepare(setting, model, spec)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     data = batches()

@@ -37,7 +37,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from . import _custom_ops, _derived, _save_rules
-from .compress import CompressedTensor, dequantize, group_layout, open_block, quantize_unchecked, rank_key
+from .compress import (CompressedTensor, dequantize, group_layout, open_block, quantize_unchecked, rank_key,
+                       row_group_size)
 from ._launch import ROW_DTYPES
 
 __all__ = ["available", "hooks", "compiled_stats"]
@@ -238,6 +239,7 @@ def _pack_traced(x: torch.Tensor, context: Dict[str, Any], bits: int, group_size
                  op_rules: bool, exact_relu: bool) -> Any:
     chosen, why = _decide(x, context, bits, min_numel, op_rules, exact_relu)
     size_in = x.numel() * x.element_size()
+    group_size = row_group_size(tuple(x.shape), group_size)
     stored = size_in if chosen == 32 else group_layout(x.numel(), chosen, group_size, x.dtype)[0]
     records = getattr(_TRACED, "records", None)
     if records is None:

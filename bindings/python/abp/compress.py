@@ -8,7 +8,8 @@ Philox stream, so that `dequantize` (q * (1 / s) + m) is unbiased. Each directio
 generated row kernel (ops/gact/gact.mlir: a group is a row). Bool tensors (dropout masks) are
 packed to 1 bit, exactly, and a ReLU's output also keeps its support (x > 0) at 1 bit.
 
-`compress_saved` applies this to every eligible tensor autograd saves for backward.
+`compress_saved` applies this to every eligible tensor autograd saves for backward, with groups
+that do not span rows where a row allows it (`row_group_size`).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import math
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -257,6 +258,31 @@ def quantize_unchecked(x: torch.Tensor, bits: int, group_size: int, seed: int, o
     return CompressedTensor("groups", bits, group_size, tuple(x.shape), x.dtype, x.device, buffer, layout)
 
 
+#: The shortest code group `row_group_size` aligns with rows: a group's header (its minimum and
+#: scale) costs 64 bits for float32, so shorter groups would cost more than a bit per element.
+MIN_ROW_GROUP = 64
+
+
+def row_group_size(shape: Sequence[Any], group_size: int) -> int:
+    """The code group size compress_saved uses for a tensor of `shape`: the largest multiple of 8
+    that divides its rows (its last dimension) and is at most `group_size`, if that is at least
+    ``min(MIN_ROW_GROUP, group_size)``; otherwise `group_size`, whose groups may span rows.
+
+    Why: one group's range is set by its largest values, and a row of small scale (a zero padding
+    token's embedding, a ViT's class token) that shares a group with larger rows decodes to that
+    group's rounding noise; a normalisation's row statistic then scales the noise up to full size
+    (docs/compressed-training.md). A last dimension that is not a plain int (a dynamic shape under
+    torch.compile) keeps `group_size`: choosing by its value would specialise the graph on it.
+    """
+    if len(shape) < 2 or not isinstance(shape[-1], int) or shape[-1] % group_size == 0:
+        return group_size
+    row = shape[-1]
+    for size in range(group_size, min(MIN_ROW_GROUP, group_size) - 1, -8):
+        if row % size == 0:
+            return size
+    return group_size
+
+
 def group_layout(n: int, bits: int, group_size: int, dtype: torch.dtype) -> Tuple[int, Tuple[Tuple[int, int, int, int, int], ...]]:
     """(buffer bytes, layout) of `n` elements of `dtype` as `bits`-bit codes in groups of `group_size`.
 
@@ -479,7 +505,9 @@ class compress_saved:
 
     Every eligible saved tensor (see `eligible`, or a custom ``filter(tensor) -> bool``) is stored
     as `bits`-bit group codes when saved and dequantized when backward reads it; bool masks are
-    packed to 1 bit. With `exact_relu` (the default) the output of a ReLU also keeps its support
+    packed to 1 bit. `group_size` is the longest group: a tensor whose rows (last dimension) are
+    not a multiple of it gets groups that divide its rows, when they can be 64 elements or more
+    (`row_group_size`), so that a row of small scale does not share its range with larger rows. With `exact_relu` (the default) the output of a ReLU also keeps its support
     (x > 0) at one more bit per element, so that ReLU's backward, which reads only where its
     saved output is positive, stays exact; without it that backward is biased (docs/python.md).
     `bits_for(tensor) -> int` (1, 2, 4, 8, or 32 for "keep as is") overrides
@@ -840,7 +868,8 @@ class compress_saved:
         if self._seed is None:
             self._seed = draw_seed(self.generator)
         logs = t.grad_fn is not None and type(t.grad_fn).__name__ in _LOG_PROBABILITY_PRODUCERS
-        c = quantize_unchecked(t.detach().exp() if logs else t, bits, self.group_size, self._seed, self._offset)
+        c = quantize_unchecked(t.detach().exp() if logs else t, bits, row_group_size(t.shape, self.group_size),
+                              self._seed, self._offset)
         c.logs = logs
         if self.exact_relu and t.grad_fn is not None and type(t.grad_fn).__name__ in _SUPPORT_PRODUCERS:
             c.support = _pack_mask(t > 0)
