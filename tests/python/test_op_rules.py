@@ -263,6 +263,57 @@ def test_per_tensor_widths_keep_log_probabilities_at_four_bits_at_least() -> Non
         loss.backward()
 
 
+def _checkpointed_model() -> Tuple[nn.Module, nn.ModuleList, nn.Module]:
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 64), nn.GELU()) for _ in range(2))
+    return nn.Linear(16, 64), blocks, nn.Linear(64, 8)
+
+
+@needs_rules
+@pytest.mark.parametrize("per_tensor", [False, True])
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_checkpoints_inputs_are_kept_as_they_are(per_tensor: bool, reentrant: bool) -> None:
+    """A checkpoint saves its block's inputs and backward reruns the block from them: they are
+    kept as they are (reentrant: the checkpoint's rule, revealed by the next op's save of the
+    checkpoint's output; non-reentrant: told by the function saving them), so with the
+    recomputation outside the block the blocks' gradients are exact, while the head's input,
+    saved by a Linear, is compressed."""
+    library_or_skip()
+    from torch.utils.checkpoint import checkpoint
+
+    emb, blocks, head = _checkpointed_model()
+    x, weights = torch.randn(8, 32, 16), torch.randn(8, 32, 8)
+
+    def loss() -> torch.Tensor:
+        h = emb(x)
+        for block in blocks:
+            h = checkpoint(block, h, use_reentrant=reentrant)
+        return (head(h) * weights).sum()  # the blocks' gradients do not read head's saved input
+
+    params = list(blocks.parameters()) + [head.weight]
+
+    def grads(value: torch.Tensor) -> List[torch.Tensor]:  # (a reentrant checkpoint refuses autograd.grad)
+        for p in params:
+            p.grad = None
+        value.backward()
+        return [p.grad for p in params]
+
+    exact = grads(loss())
+    options = dict(bits_for=lambda t: 2) if per_tensor else dict(bits=4)
+    with C.compress_saved(allow_low_bits=True, **options) as block:
+        value = loss()
+    got = grads(value)  # the recomputation runs outside the block
+    for want, have in zip(exact[:-1], got[:-1]):
+        assert torch.equal(want, have)
+    assert not torch.equal(exact[-1], got[-1])
+    n = 8 * 32 * 64
+    # Kept: the two checkpoints' inputs (floors of 32 bits); compressed: the head's input.
+    assert block.stats["compressed"] == 1
+    assert block.stats["bytes_stored"] >= 2 * n * 4
+    if per_tensor:
+        assert sorted(block.floors.values()) == [32, 32]
+
+
 @needs_rules
 def test_controller_counts_the_floors_against_its_budget() -> None:
     library_or_skip()
