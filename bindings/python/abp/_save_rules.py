@@ -24,25 +24,21 @@ bits under one width for every tensor (per bit, the most sensitive tensor of a l
 at 4 under per-tensor widths: the controller's probes do not reach a loss computed outside the
 model, and 2 bits cost a language model 0.6 % of its loss where 4 cost nothing (measured).
 
-A reentrant activation checkpoint (`torch.utils.checkpoint` with use_reentrant=True, the one
-transformers' gradient checkpointing uses) saves its block's inputs, and backward runs the whole
-block again from them: the block is as nonlinear in them as it is. Codes of them put the
-rounding error into every tensor of the block's backward (a 2-bit controller trained a LLaMA to
-2.615 against exact training's 2.197), so they are kept as they are: the memory checkpointing
-costs anyway.
-
-A non-reentrant checkpoint (use_reentrant=False, transformers' default since version 5) saves
-its block's inputs with no node of its own (torch.utils.checkpoint's `_CheckpointFrame.save_inputs`)
-and reruns the block from them as the reentrant one does: `saving_checkpoint_inputs()` tells
-such a save by its caller, and they are kept as they are too.
+An activation checkpoint (`torch.utils.checkpoint.checkpoint`, reentrant or not; transformers'
+gradient checkpointing calls it) saves its block's inputs, and backward runs the whole block
+again from them: the block is as nonlinear in them as it is. Codes of them put the rounding
+error into every tensor of the block's backward (a 2-bit controller trained a LLaMA to 2.615
+against exact training's 2.197), so they are kept as they are, the memory checkpointing costs
+anyway. Such a save has no node of its own that tells it (a non-reentrant checkpoint makes none):
+`saving_checkpoint_inputs()` tells it by the function on the stack.
 
 A rule is found from the op's autograd node. An op saves its inputs before it runs and its
 outputs after, so `compress_saved` holds one op's saves until the op is known (see there): a
-saved output whose grad_fn is the node reveals it, or, for an op that saves only its inputs (the
-checkpoint), the next op's save of one of its outputs.
+saved output whose grad_fn is the node reveals it.
 """
 from __future__ import annotations
 
+import inspect
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple
@@ -82,36 +78,33 @@ _LOG_SOFTMAX_PER_TENSOR = Floors(inputs=(), outputs=LOG_SOFTMAX_PER_TENSOR_MIN_B
 
 #: No floors.
 NO_FLOORS = Floors(inputs=(), outputs=None, other=None)
-#: The width of what a checkpoint saves (its block's inputs): kept as it is.
-CHECKPOINT_INPUT_BITS = 32
-_CHECKPOINT = Floors(inputs=(), outputs=CHECKPOINT_INPUT_BITS, other=CHECKPOINT_INPUT_BITS)
 
 
-def _checkpoint_input_savers() -> Tuple[Any, ...]:
-    """The code of the functions by which a non-reentrant checkpoint saves its inputs (none on a
-    torch without them: 1.13 keeps them in a closure, out of the hooks' sight)."""
+def _checkpoint_code() -> Tuple[Any, ...]:
+    """The code of torch.utils.checkpoint.checkpoint (under its decorators)."""
     try:
-        from torch.utils.checkpoint import _CheckpointFrame
-    except ImportError:
+        from torch.utils.checkpoint import checkpoint
+    except ImportError:  # pragma: no cover - every torch abp supports has it
         return ()
-    save = getattr(_CheckpointFrame, "save_inputs", None)
-    return (save.__code__,) if save is not None and hasattr(save, "__code__") else ()
+    code = getattr(inspect.unwrap(checkpoint), "__code__", None)
+    return (code,) if code is not None else ()
 
 
-_CHECKPOINT_INPUT_SAVERS = _checkpoint_input_savers()
+_CHECKPOINT_CODE = _checkpoint_code()
 
 
 def saving_checkpoint_inputs(depth: int = 16) -> bool:
-    """True if a saved-tensor pack hook calling this is packing a non-reentrant checkpoint's
-    input: one of the `depth` frames above it runs `_CheckpointFrame.save_inputs` (the hook's own
-    frames come between: compress_saved's, and the GraphModule's that compiles() puts first)."""
-    if not _CHECKPOINT_INPUT_SAVERS:
-        return False
+    """True if the saved-tensor pack hook calling this packs what an activation checkpoint saves:
+    one of the `depth` frames above runs torch.utils.checkpoint.checkpoint. Inside it, only the
+    checkpoint's own saves reach outer hooks: its block's inputs (a reentrant checkpoint runs the
+    block without grad; a non-reentrant one routes the block's saves to its own hooks). The
+    recomputation in backward runs outside it. The hook's own frames come between (compress_saved's,
+    and those of the GraphModule that compiles() puts first)."""
     frame = sys._getframe(1)
     for _ in range(depth):
         if frame is None:
             return False
-        if frame.f_code in _CHECKPOINT_INPUT_SAVERS:
+        if frame.f_code in _CHECKPOINT_CODE:
             return True
         frame = frame.f_back
     return False
@@ -137,8 +130,6 @@ def rule_for(node: Any, *, recomputed: bool = False, uniform: bool = False) -> O
         return _CONSISTENT_ATTENTION if uniform else None
     if type(node).__name__ == "LogSoftmaxBackward0":
         return _LOG_SOFTMAX if uniform else _LOG_SOFTMAX_PER_TENSOR
-    if type(node).__name__ == "CheckpointFunctionBackward":
-        return _CHECKPOINT
     return None
 
 

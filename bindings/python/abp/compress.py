@@ -524,8 +524,9 @@ class compress_saved:
     Fused scaled-dot-product attention recomputes its probabilities from the saved query, key and
     logsumexp through exp(): the query and key are stored at 8 bits at least (abp._save_rules;
     docs/compressed-training.md has the measurements; the logsumexp needs no gradient and is
-    kept as it is). An activation checkpoint's inputs, from which backward reruns its whole
-    block, are kept as they are (reentrant or not). To know the op, a tensor is stored when
+    kept as it is). An activation checkpoint's inputs (torch.utils.checkpoint, reentrant or not),
+    from which backward reruns its whole block, are kept as they are, and not offered to
+    `bits_for`: like parameters, they are out of a budget. To know the op, a tensor is stored when
     the op saving it has saved everything: at the next op's first save, the block's end, or the
     first read in backward, whichever comes first, so one op's saves are held as they are a
     little longer. `floors` maps the index of each `bits_for` call of the last block whose width
@@ -649,7 +650,6 @@ class compress_saved:
         for one kept as it is, or a CompressedTensor (a mask, or where ops are not told apart)."""
         sequence = _save_rules.sequence_number() if self.op_rules else None
         if sequence != self._group_sequence:
-            self._reveal_last_op(t)
             self._flush()  # the previous op has saved all it saves
         self._group_sequence = sequence
         if sequence is not None and t.grad_fn is not None and self._group_rule is None \
@@ -663,6 +663,8 @@ class compress_saved:
                 self._group_rule = (node, rule or _save_rules.NO_FLOORS)
                 for box in self._group:
                     self._raise_to_floor(box)
+        if self.op_rules and _save_rules.saving_checkpoint_inputs():
+            return self._keep_checkpoint_input(t)
         key = self._identity(t)
         seen = self._packed.get(key)
         # The same memory: a weak reference to its owner (memory freed and reused is another tensor).
@@ -672,8 +674,6 @@ class compress_saved:
             kept = seen[1]
             if isinstance(kept, _Deferred):
                 self._raise_to_floor(kept)
-                if kept.pending and self.op_rules and _save_rules.saving_checkpoint_inputs():
-                    self._raise(kept, _save_rules.CHECKPOINT_INPUT_BITS)
                 if kept.pending:
                     return kept  # its bytes are noted when it is stored
             memory.note_saved(_kept_tensors(kept) if kept is not None else [t])
@@ -690,22 +690,20 @@ class compress_saved:
         self._packed[key] = (weakref.ref(self._owner(t)), result if result is not t else None)
         return result
 
-    def _reveal_last_op(self, t: torch.Tensor) -> None:
-        """The rule of the last op, if it saved only its inputs and `t`, the first save of the next
-        op, is one of its outputs or a view of one (a reentrant checkpoint's output, which the next
-        block saves, or the 2-D view a Linear saves of it): its node is their grad_fn, numbered one
-        below the last op's saves."""
-        if not self._group or self._group_rule is not None or self._group_sequence is None:
-            return
-        nodes = [x.grad_fn for x in (t, t._base) if x is not None and x.grad_fn is not None]
-        node = next((n for n in nodes if n._sequence_nr() == self._group_sequence - 1), None)
-        if node is None:
-            return
-        rule = _save_rules.rule_for(node, uniform=self.bits_for is None)
-        if rule is not None:
-            self._group_rule = (node, rule)
-            for box in self._group:
-                self._raise_to_floor(box)
+    def _keep_checkpoint_input(self, t: torch.Tensor) -> torch.Tensor:
+        """`t`, an activation checkpoint's input, kept as it is: backward reruns the block from it.
+        Not the codes or the recomputation another op's save of it made (that save keeps them);
+        counted as a saved tensor once, its storage once."""
+        key, owner = self._identity(t), self._owner(t)
+        seen = self._packed.get(key)
+        if _parameter_of(t) is None:
+            if seen is None or seen[0]() is not owner:
+                self.stats["tensors"] += 1
+                self.stats["bytes_in"] += t.numel() * t.element_size()
+                self._packed[key] = (weakref.ref(owner), None)
+            self._store(t, 32)
+        memory.note_saved([t])
+        return t
 
     def _derive(self, t: torch.Tensor) -> Optional[_derived.Derived]:
         """`_derivation(t)`, counted as a new saved tensor."""
@@ -816,8 +814,6 @@ class compress_saved:
         if bits == 32 and not (defer and self._recorder is not None and t.dtype in _FLOAT_DTYPES):
             return self._store(t, bits)
         box = _Deferred(t, bits, self._choices - 1 if self.bits_for is not None else -1, memory.current_tags())
-        if self.op_rules and _save_rules.saving_checkpoint_inputs():
-            self._raise(box, _save_rules.CHECKPOINT_INPUT_BITS)  # a non-reentrant checkpoint's input
         if not defer:  # ops are not told apart (torch 1.13): stored at once
             box.value, box.pending = self._store(t, bits), False
             return box
@@ -873,10 +869,7 @@ class compress_saved:
         if self._group_rule is None or not box.pending:  # pending: in the current op's group
             return
         node, rule = self._group_rule
-        self._raise(box, _save_rules.floor_of(box.value, node, rule))
-
-    def _raise(self, box: "_Deferred", floor: Optional[int]) -> None:
-        """Raises `box`'s width to `floor`, counting it in `floors` for a bits_for choice."""
+        floor = _save_rules.floor_of(box.value, node, rule)
         if floor is not None and box.bits != 32 and box.bits < floor:
             box.bits = floor
             if box.choice >= 0:
