@@ -29,8 +29,9 @@ gradient checkpointing calls it) saves its block's inputs, and backward runs the
 again from them: the block is as nonlinear in them as it is. Codes of them put the rounding
 error into every tensor of the block's backward (a tiny LLaMA, 30 steps under the 2-bit
 controller: a last loss of 2.615, against exact training's 2.197 and 2.421 with them kept), so
-they are kept as they are, the memory checkpointing costs anyway. Such a save has no node of its own that tells it (a non-reentrant checkpoint makes none):
-`saving_checkpoint_inputs()` tells it by the function on the stack.
+they are kept as they are, the memory checkpointing costs anyway. Such a save has no node of its
+own that tells it (a non-reentrant checkpoint makes none): `saving_checkpoint_inputs()` tells it
+by the function on the stack.
 
 A rule is found from the op's autograd node. An op saves its inputs before it runs and its
 outputs after, so `compress_saved` holds one op's saves until the op is known (see there): a
@@ -108,6 +109,8 @@ def saving_checkpoint_inputs(depth: int = 16) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
 #: Recomputed fused attention under one width for every tensor: q and k at 8 bits (not for
 #: stability: per bit they cost the most).
 _CONSISTENT_ATTENTION = Floors(inputs=(FUSED_ATTENTION_MIN_BITS, FUSED_ATTENTION_MIN_BITS, None),

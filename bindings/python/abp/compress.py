@@ -507,9 +507,10 @@ class compress_saved:
     as `bits`-bit group codes when saved and dequantized when backward reads it; bool masks are
     packed to 1 bit. `group_size` is the longest group: a tensor whose rows (last dimension) are
     not a multiple of it gets groups that divide its rows, when they can be 64 elements or more
-    (`row_group_size`), so that a row of small scale does not share its range with larger rows. With `exact_relu` (the default) the output of a ReLU also keeps its support
-    (x > 0) at one more bit per element, so that ReLU's backward, which reads only where its
-    saved output is positive, stays exact; without it that backward is biased (docs/python.md).
+    (`row_group_size`), so that a row of small scale does not share its range with larger rows.
+    With `exact_relu` (the default) the output of a ReLU also keeps its support (x > 0) at one
+    more bit per element, so that ReLU's backward, which reads only where its saved output is
+    positive, stays exact; without it that backward is biased (docs/python.md).
     `bits_for(tensor) -> int` (1, 2, 4, 8, or 32 for "keep as is") overrides
     the width per tensor: this is how `abp.CompressionController` applies its allocation. Each
     block draws one Philox key from `generator` (torch's default generator if None) when it first
@@ -663,7 +664,9 @@ class compress_saved:
                 self._group_rule = (node, rule or _save_rules.NO_FLOORS)
                 for box in self._group:
                     self._raise_to_floor(box)
-        if self.op_rules and _save_rules.saving_checkpoint_inputs():
+        # A checkpoint saves its inputs with grad off (it runs its block so, or saves them apart):
+        # the stack is walked only then, not for every op's save.
+        if self.op_rules and not torch.is_grad_enabled() and _save_rules.saving_checkpoint_inputs():
             return self._keep_checkpoint_input(t)
         key = self._identity(t)
         seen = self._packed.get(key)
