@@ -12,6 +12,7 @@ where checkpointing's peak is, one block's recomputation.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -262,3 +263,68 @@ def test_compress_saved_keeps_the_inputs_of_transformers_checkpoints(name: str, 
     assert layer_inputs > 0
     # Kept as fp32 instead of 4-bit codes: about 7/8 of their bytes more.
     assert stored[True] >= layer_inputs and stored[True] - stored[False] > 0.7 * layer_inputs, (stored, layer_inputs)
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_the_controller_counts_checkpoint_inputs_in_its_budget(name: str, reentrant: bool) -> None:
+    """The kept layer inputs count in the controller's elements at none of its bits: the few
+    tensors left outside the checkpoints share the budget of the whole saved set."""
+    model, ids = _hf(name)
+    _enable_checkpointing(model, reentrant)
+    hidden: List[torch.Tensor] = []
+    handles = [layer.register_forward_pre_hook(lambda m, args, kwargs: hidden.append(
+        kwargs.get("hidden_states", args[0] if args else None)), with_kwargs=True) for layer in _layers(model)]
+    controller = abp.CompressionController(model, avg_bits=2, interval=1)
+    with controller:
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    for h in handles:
+        h.remove()
+    stats = controller.stats
+    assert stats["numel_checkpointed"] == sum(h.numel() for h in hidden[:2]) > 0  # the forward's, not the recomputation's
+    numels, bits = controller._numels, controller.bits
+    codes = sum(b * numels[k] for k, b in bits.items())
+    elements = sum(numels[k] for k in bits) + stats["numel_derived"] + stats["numel_checkpointed"]
+    assert controller.average_bits() == pytest.approx(codes / elements) and codes <= 2 * elements
+    if not reentrant:
+        # Only the tensors outside the checkpoints are offered (a non-reentrant recomputation
+        # saves through torch's own hooks): without the checkpointed elements the budget would be
+        # below what they now hold. A reentrant recomputation in backward saves through the
+        # controller's block, so the block's tensors are in the budget as without checkpointing.
+        assert codes > 2 * (elements - stats["numel_checkpointed"]), (bits, stats)
+
+
+def _sequences(seed: int) -> torch.Tensor:
+    """Batches of noisy arithmetic sequences mod 100: a task a tiny model learns in 30 steps."""
+    g = torch.Generator().manual_seed(seed)
+    start, stride = torch.randint(0, 100, (4, 1), generator=g), torch.randint(1, 4, (4, 1), generator=g)
+    ids = (start + stride * torch.arange(32)) % 100
+    return torch.where(torch.rand(4, 32, generator=g) < 0.1, torch.randint(0, 100, (4, 32), generator=g), ids)
+
+
+def _train_llama(checkpointed: bool, controller: bool) -> float:
+    """Mean loss of the last 5 of 30 AdamW steps (4 batches cycled) of the tiny LLaMA."""
+    model, _ = _hf("llama")
+    if checkpointed:
+        _enable_checkpointing(model, reentrant=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ctrl = abp.CompressionController(model, avg_bits=2, interval=10) if controller else None
+    batches, losses = [_sequences(i) for i in range(4)], []
+    for step in range(30):
+        optimizer.zero_grad(set_to_none=True)
+        ids = batches[step % 4]
+        with ctrl if ctrl is not None else contextlib.nullcontext():
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return sum(losses[-5:]) / 5
+
+
+def test_the_controller_at_two_bits_trains_under_checkpointing_as_without() -> None:
+    """Deterministic (fixed seeds, CPU, one thread). Measured with torch 2.15: exact 2.00, the
+    controller 2.03 without checkpointing and 2.04 with; 2.23 when the checkpoints' inputs were
+    left out of the budget (the final norm's input went to 2 bits)."""
+    exact, plain, checkpointed = _train_llama(False, False), _train_llama(False, True), _train_llama(True, True)
+    assert plain < 1.04 * exact, (exact, plain)
+    assert checkpointed < 1.04 * exact and checkpointed < 1.02 * plain, (exact, plain, checkpointed)

@@ -58,3 +58,38 @@ def test_transformers_model_outputs_are_walked() -> None:
     assert [tuple(x.shape) for x in tensors(out)] == [(), (2, 3)]
     mapped = map_tensors(out, lambda x: x + 1)
     assert type(mapped) is type(out) and torch.equal(mapped.logits, torch.ones(2, 3))
+
+
+@pytest.mark.parametrize("reentrant", [None, True, False], ids=["plain", "reentrant", "non-reentrant"])
+def test_replay_gives_the_gradients_under_checkpointing_and_leaves_grad_alone(reentrant) -> None:
+    """A reentrant checkpoint refuses autograd.grad: the replay takes a plain backward there, which
+    must give the same gradients and leave each parameter's own .grad as it was."""
+    import contextlib
+
+    from torch.utils.checkpoint import checkpoint
+
+    from abp import _replay
+
+    torch.manual_seed(0)
+    block, head = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8)), torch.nn.Linear(8, 3)
+    model = torch.nn.Sequential(block, head)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        h = block(x) if reentrant is None else checkpoint(block, x, use_reentrant=reentrant)
+        return head(h)
+
+    x = torch.randn(5, 8, requires_grad=True)
+    call = _replay.record(model, (x,), {})
+    out = forward(x)
+    assert _replay.watch_outputs(call, out)
+    weights = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+    (out * weights).sum().backward()
+    user_grads = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    params = list(model.parameters())
+    got = _replay.replay([call], forward, params, list(model.modules()), contextlib.nullcontext)
+    assert len(got) == len(params) + 1
+    for g, want in zip(got, user_grads):  # the replay of the same step: the same gradients
+        assert torch.allclose(g, want, rtol=1e-6, atol=1e-7)
+    for p, want in zip(params, user_grads):
+        assert torch.equal(p.grad, want)  # untouched by the replay's backward
+    call.close()

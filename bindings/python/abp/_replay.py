@@ -291,4 +291,37 @@ def replay(
         inputs = params + leaves
         if not inputs or not outputs:
             return []
-        return list(torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True))
+        if not _reentrant_checkpoint_in(outputs):
+            return list(torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True))
+        return _accumulated_gradients(outputs, inputs, grad_outputs)
+
+
+def _reentrant_checkpoint_in(outputs: List[torch.Tensor]) -> bool:
+    """Whether backward from `outputs` passes a reentrant torch.utils.checkpoint (its node runs
+    a backward of its own inside, which torch allows only under a plain .backward())."""
+    seen, stack = set(), [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            return True
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return False
+
+
+def _accumulated_gradients(outputs: List[torch.Tensor], inputs: List[torch.Tensor],
+                           grad_outputs: List[torch.Tensor]) -> List[Optional[torch.Tensor]]:
+    """The gradients of `inputs` by a plain backward, which accumulates into .grad: each input's
+    own .grad is set aside for it and put back after. Parameters' post-accumulate-grad hooks run
+    (autograd.grad runs none); DDP's ignore a backward outside its own."""
+    kept = [t.grad for t in inputs]
+    for t in inputs:
+        t.grad = None
+    try:
+        torch.autograd.backward(outputs, grad_outputs)
+        return [t.grad for t in inputs]
+    finally:
+        for t, grad in zip(inputs, kept):
+            t.grad = grad

@@ -544,7 +544,9 @@ class compress_saved:
     keep them anyway; abp.memory counts the same way): ``tensors`` and ``bytes_in`` (all saved tensors as they were), ``bytes_stored``
     (what is kept instead: the compressed buffers, and the storages of the tensors kept as they
     are, each storage once), and ``compressed`` with ``bytes_compressed`` (the compressed ones and
-    the bytes of their codes and group headers).
+    the bytes of their codes and group headers); ``derived`` with ``numel_derived`` (the tensors
+    recomputed in backward and their elements) and ``numel_checkpointed`` (the elements of the
+    activation checkpoints' inputs, kept as they are).
     """
 
     def __init__(
@@ -703,6 +705,7 @@ class compress_saved:
             if seen is None or seen[0]() is not owner:
                 self.stats["tensors"] += 1
                 self.stats["bytes_in"] += t.numel() * t.element_size()
+                self.stats["numel_checkpointed"] += t.numel()
                 self._packed[key] = (weakref.ref(owner), None)
             self._store(t, 32)
         memory.note_saved([t])
@@ -985,7 +988,7 @@ class compress_saved:
                 "every saved tensor and the outer one see none. Use one block (abp.convert's compress and all "
                 "recipes open one in the model's forward: do not wrap such a model in another)")
         self.stats = {"tensors": 0, "compressed": 0, "bytes_in": 0, "bytes_stored": 0, "bytes_compressed": 0,
-                      "derived": 0, "numel_derived": 0}
+                      "derived": 0, "numel_derived": 0, "numel_checkpointed": 0}
         self._reset()
         self.floors = {}
         self.derived_choices = set()

@@ -276,7 +276,9 @@ class CompressionController:
     Var ≈ Σ C_l/(2^{b_l} − 1)², measured at the narrowest width the allocation may give l (a
     tensor read through exp() in backward, kept at 8 bits by its rule, would look far worse at 1
     bit than it ever is). The replays use
-    ``torch.autograd.grad`` (``.grad`` is never touched), restore the recorded RNG states (same
+    ``torch.autograd.grad`` (``.grad`` is never touched; where backward passes a reentrant
+    ``torch.utils.checkpoint``, which refuses it, a plain backward with each parameter's
+    ``.grad`` set aside and put back, so its post-accumulate-grad hooks run), restore the recorded RNG states (same
     dropout masks), buffers (BatchNorm statistics) and modes before each replay, draw their
     quantisation seeds from a private generator, and afterwards put the RNG states, buffers and
     modes back as the user's step left them. Then `allocate_bits` runs over the keys with D_l =
@@ -413,7 +415,8 @@ class CompressionController:
 
     @property
     def avg_bits(self) -> float:
-        """The budget: average bits per element over the tensors the controller sees."""
+        """The budget: average bits per element over the tensors the controller sees (those it
+        allocates, those recomputed in backward and activation checkpoints' inputs)."""
         return self._avg_bits
 
     @property
@@ -457,8 +460,8 @@ class CompressionController:
         return dict(self._last_seen)
 
     def average_bits(self) -> float:
-        """Σ b·D / Σ D over the current allocation and the tensors recomputed in backward (0 bits
-        each; the initial width before any estimate)."""
+        """Σ b·D / Σ D over the current allocation, the tensors recomputed in backward and the
+        activation checkpoints' inputs (0 bits each; the initial width before any estimate)."""
         total = sum(self._numels[k] for k in self._bits) + self._numel_derived
         if total == 0:
             return float(self._initial)
@@ -759,8 +762,12 @@ class CompressionController:
 
         fixed = [k for k in step_keys if k not in replayed]
         # Tensors recomputed in backward (compress_saved's recompute) are saved elements stored
-        # at 0 bits: they count in the budget's elements.
-        self._numel_derived = self._stats.get("numel_derived", 0)
+        # at 0 bits: they count in the budget's elements. So do activation checkpoints' inputs,
+        # kept as they are outside the budget: each stands for the block backward recomputes
+        # from it (at least its own elements), and without them the few tensors left outside the
+        # checkpoints would share a budget sized for themselves alone (a tiny LLaMA at 2 bits:
+        # the final norm's input went to 2 bits, the loss 12 % above exact training's).
+        self._numel_derived = self._stats.get("numel_derived", 0) + self._stats.get("numel_checkpointed", 0)
         total = sum(step_keys.values()) + self._numel_derived
 
         def least(k: TensorKey) -> int:  # the fewest bits min_bits and an op rule allow for k
