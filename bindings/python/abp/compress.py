@@ -703,8 +703,7 @@ class compress_saved:
         seen = self._packed.get(key)
         if _parameter_of(t) is None:
             if seen is None or seen[0]() is not owner:
-                self.stats["tensors"] += 1
-                self.stats["bytes_in"] += t.numel() * t.element_size()
+                self._count_saved(t)
                 self.stats["numel_checkpointed"] += t.numel()
                 self._packed[key] = (weakref.ref(owner), None)
             self._store(t, 32)
@@ -715,8 +714,7 @@ class compress_saved:
         """`_derivation(t)`, counted as a new saved tensor."""
         derived = self._derivation(t)
         if derived is not None:
-            self.stats["tensors"] += 1
-            self.stats["bytes_in"] += t.numel() * t.element_size()
+            self._count_saved(t)
             self._count_derived(t, derived, None)
         return derived
 
@@ -766,6 +764,11 @@ class compress_saved:
                 whole = seen[1]
         return None if whole is None else _derived.view_of(whole, base, t)
 
+    def _count_saved(self, t: torch.Tensor) -> None:
+        """`t` as a saved tensor in stats: once per distinct tensor, as it was given."""
+        self.stats["tensors"] += 1
+        self.stats["bytes_in"] += t.numel() * t.element_size()
+
     def _count_derived(self, t: torch.Tensor, derived: _derived.Derived, tags: Optional[memory.Tags]) -> None:
         self.stats["derived"] += 1
         self.stats["numel_derived"] += t.numel()
@@ -805,8 +808,7 @@ class compress_saved:
             if self.guard and self._guarded is not None:
                 self._guarded.setdefault(id(parameter), parameter)
             return t  # kept by its module anyway: neither compressed nor counted in stats
-        self.stats["tensors"] += 1
-        self.stats["bytes_in"] += t.numel() * t.element_size()
+        self._count_saved(t)
         wanted = _compressible(t, self.min_numel) and (self.filter is None or bool(self.filter(t)))
         if not wanted and not t.requires_grad and t.dtype in _FLOAT_DTYPES:
             self._constant_bytes += t.numel() * t.element_size()
