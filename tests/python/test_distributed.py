@@ -266,3 +266,62 @@ def test_compress_saved_recomputes_under_fsdp_as_in_one_process(case: str) -> No
 def test_attention_projections_recompute_under_fsdp_only_where_their_weights_stay() -> None:
     stats = {unit: _recompute_under_fsdp(unit) for unit in ("block", "linear")}
     assert stats["block"]["derived"] - stats["linear"]["derived"] == 2 * 3  # q, k, v per block
+
+
+class _Checkpointed(nn.Module):
+    """`block` under torch's reentrant checkpoint, as older transformers checkpoint their layers."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.block, x, use_reentrant=True)
+
+
+def _controller_reentrant(rank: int, rendezvous: str, out: str) -> None:
+    """Three DDP steps of reentrant-checkpointed blocks under the controller, estimating at every
+    step: its replays take a plain backward there (abp._replay), which fires DDP's gradient hooks
+    outside DDP's own backward."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
+    try:
+        torch.manual_seed(0)
+        # A Linear first: a reentrant checkpoint gives its block's parameters gradients only when
+        # its input requires grad.
+        model = nn.Sequential(nn.Linear(32, 32), _Checkpointed(Block()), _Checkpointed(Block()), nn.LayerNorm(32),
+                              nn.Linear(32, 4))
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        controller = abp.CompressionController(model, avg_bits=4.0, interval=1)
+        xs, ys = batches()
+        grads = []
+        for x, y in zip(xs[:3], ys[:3]):
+            with controller:
+                loss = loss_of(ddp, x[rank * 8:(rank + 1) * 8], y[rank * 8:(rank + 1) * 8])
+                opt.zero_grad()
+                loss.backward()
+            grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
+            opt.step()
+        torch.save({"estimates": controller.estimates, "grads": grads,
+                    "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_controller_estimates_under_ddp_with_reentrant_checkpoints() -> None:
+    library_or_skip()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rank")
+        mp.spawn(_controller_reentrant, args=(os.path.join(tmp, "rendezvous"), out), nprocs=WORLD)
+        ranks = [torch.load(f"{out}.{r}") for r in range(WORLD)]
+    assert all(r["estimates"] == 3 for r in ranks)
+    # After each estimate the gradients are DDP's averages, the same on both ranks (the replay's
+    # backward put each parameter's .grad back), and so are the parameters.
+    for step in range(3):
+        for name, g in ranks[0]["grads"][step].items():
+            torch.testing.assert_close(g, ranks[1]["grads"][step][name], rtol=0, atol=1e-7, msg=f"step {step} {name}")
+    for name, value in ranks[0]["params"].items():
+        torch.testing.assert_close(value, ranks[1]["params"][name], rtol=0, atol=1e-6, msg=name)

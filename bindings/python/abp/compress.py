@@ -666,9 +666,9 @@ class compress_saved:
                 self._group_rule = (node, rule or _save_rules.NO_FLOORS)
                 for box in self._group:
                     self._raise_to_floor(box)
-        # A checkpoint saves its inputs with grad off (it runs its block so, or saves them apart):
-        # the stack is walked only then, not for every op's save.
-        if self.op_rules and not torch.is_grad_enabled() and _save_rules.saving_checkpoint_inputs():
+        # A checkpoint's inputs, told by the checkpoint on the stack (a short walk of frames on
+        # every save: torch runs every pack hook with grad off, so that cannot tell them apart).
+        if self.op_rules and _save_rules.saving_checkpoint_inputs():
             return self._keep_checkpoint_input(t)
         key = self._identity(t)
         seen = self._packed.get(key)
