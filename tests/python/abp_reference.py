@@ -2,6 +2,7 @@
 and the toy pre-LN block several suites train."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import json
@@ -314,3 +315,41 @@ def plan_served(dtype: torch.dtype) -> List[str]:
     library_or_skip()
     return [name for name, op in sorted(_lib.kernel_library().operators.items())
             if _launch.DTYPE_NAMES[dtype] in op.dtypes and _eager.plan(op, dtype) is not None]
+
+
+def _sequences(seed: int, length: int) -> torch.Tensor:
+    """A batch of noisy arithmetic sequences mod 100: a task a tiny model learns in 30 steps."""
+    g = torch.Generator().manual_seed(seed)
+    start, stride = torch.randint(0, 100, (4, 1), generator=g), torch.randint(1, 4, (4, 1), generator=g)
+    ids = (start + stride * torch.arange(length)) % 100
+    return torch.where(torch.rand(4, length, generator=g) < 0.1, torch.randint(0, 100, (4, length), generator=g), ids)
+
+
+def train_tiny_llama(controller: bool, checkpointed: bool = False, lengths: Sequence[int] = (32,)) -> float:
+    """Mean loss of the last 5 of 30 AdamW steps of bench/model_zoo's test-size LLaMA (4 batches
+    cycled, batch i of length lengths[i % len(lengths)]), exact or under the controller at 2 bits,
+    with transformers' non-reentrant checkpointing if `checkpointed`."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import model_zoo
+
+    torch.manual_seed(0)
+    model, _ = model_zoo.build("llama")
+    model.train()
+    if checkpointed:
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        kwargs = "activation_checkpointing_kwargs" if enable.__name__.startswith("activation") else "gradient_checkpointing_kwargs"
+        enable(**{kwargs: {"use_reentrant": False}})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ctrl = abp.CompressionController(model, avg_bits=2, interval=10) if controller else None
+    batches, losses = [_sequences(i, lengths[i % len(lengths)]) for i in range(4)], []
+    for step in range(30):
+        optimizer.zero_grad(set_to_none=True)
+        ids = batches[step % 4]
+        with ctrl if ctrl is not None else contextlib.nullcontext():
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return sum(losses[-5:]) / 5

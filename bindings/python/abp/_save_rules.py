@@ -94,6 +94,38 @@ def _checkpoint_code() -> Tuple[Any, ...]:
 _CHECKPOINT_CODE = _checkpoint_code()
 
 
+def _recomputation_code() -> Tuple[Any, ...]:
+    """The code of the backward of torch's reentrant checkpoint, which reruns the block."""
+    try:
+        from torch.utils.checkpoint import CheckpointFunction
+    except ImportError:  # pragma: no cover - every torch abp supports has it
+        return ()
+    code = getattr(inspect.unwrap(CheckpointFunction.backward), "__code__", None)
+    return (code,) if code is not None else ()
+
+
+_RECOMPUTATION_CODE = _recomputation_code()
+
+
+# The graph task backward is running, -1 outside backward (torch >= 2.0; absent on 1.13).
+_GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def recomputing_checkpoint() -> bool:
+    """True if the pack hook calling this runs inside a reentrant checkpoint's recomputation (its
+    backward reruns the block with grad on, saving as the forward would have). Outside backward
+    (where torch tells) it is not; else walks the whole stack, since the block's modules come
+    between: callers ask only for saves made once backward has begun."""
+    if _GRAPH_TASK is not None and _GRAPH_TASK() == -1:
+        return False
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _RECOMPUTATION_CODE:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def saving_checkpoint_inputs(depth: int = 16) -> bool:
     """True if the saved-tensor pack hook calling this packs what an activation checkpoint saves:
     one of the `depth` frames above runs torch.utils.checkpoint.checkpoint. Inside it, only the

@@ -37,7 +37,7 @@ import warnings
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import partial
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -217,6 +217,14 @@ def check_average_bits(avg_bits: float, allow_low_bits: bool, recompute: bool = 
             "the risk (the divergence guard still watches)")
 
 
+class _Position(NamedTuple):
+    """Where a save comes in a step, shapes aside: (module path, dtype, rank) and how many saves
+    of that place came before it."""
+
+    place: Tuple[str, torch.dtype, int]
+    ordinal: int
+
+
 @dataclass(frozen=True)
 class TensorKey:
     """The identity of a saved tensor within a training step.
@@ -259,11 +267,13 @@ class CompressionController:
     storing each eligible saved tensor at the width allocated to its `TensorKey` (32 = raw). Each
     block's exit counts one step.
 
-    **Initial width.** Before the first estimate, and for keys absent from the last one, a tensor
-    gets the largest of (8, 4, 2, 1) that is ≤ `avg_bits`. So step 0 already saves at the target
-    width (GACT's started at 4 bits for a 2-bit target, docs/algorithms.md §6.6), over the budget only by
-    what the op rules' minimum widths add: GACT's rule "4 if B ≤ 4" overshoots a 3-bit budget by a
-    third.
+    **Start.** Until the first estimate, tensors are stored as they are: its replays hold every
+    tensor as it is anyway, and a first gradient from blind codes can set Adam's second moment
+    for hundreds of steps (GACT started at 4 bits for a 2-bit target, docs/algorithms.md §6.6).
+    A key absent from the last estimate takes the width of the save at the same position (same
+    module, dtype and rank, same ordinal among those saves: a batch of another length makes other
+    keys, not other saves), else the largest of (8, 4, 2, 1) that is ≤ `avg_bits`, over the
+    budget only by what the op rules' minimum widths add.
 
     **Sensitivity estimate** (at step 0, then every `interval` steps, after the user's backward,
     in the exit of that step's block). During such a step the controller records each call of
@@ -362,6 +372,8 @@ class CompressionController:
                                             exact_relu=False, guard=False, recompute=recompute)
 
         self._bits: Dict[TensorKey, int] = {}
+        # The widths of the last estimate by position, for keys of other shapes (_bits_for).
+        self._bits_by_position: Dict[_Position, int] = {}
         self._numels: Dict[TensorKey, int] = {}
         self._sensitivity: Dict[TensorKey, float] = {}
         self._step = 0
@@ -384,6 +396,8 @@ class CompressionController:
         self._target: Optional[TensorKey] = None
         self._stack: List[str] = []
         self._counts: Dict[Tuple[str, Tuple[int, ...], torch.dtype], int] = {}
+        self._places: Dict[Tuple[str, torch.dtype, int], int] = {}  # the next ordinal per place
+        self._positions: Dict[TensorKey, _Position] = {}
         self._seen: Dict[TensorKey, int] = {}
         self._calls: List[_replay.Call] = []
         self._original_forward: Optional[Callable[..., Any]] = None
@@ -461,10 +475,11 @@ class CompressionController:
 
     def average_bits(self) -> float:
         """Σ b·D / Σ D over the current allocation, the tensors recomputed in backward and the
-        activation checkpoints' inputs (0 bits each; the initial width before any estimate)."""
+        activation checkpoints' inputs (0 bits each); 32 before any estimate (tensors are stored
+        as they are until the first)."""
         total = sum(self._numels[k] for k in self._bits) + self._numel_derived
         if total == 0:
-            return float(self._initial)
+            return 32.0 if not self._estimates else float(self._initial)
         return sum(b * self._numels[k] for k, b in self._bits.items()) / total
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "CompressionController":
@@ -510,7 +525,23 @@ class CompressionController:
         if self._replaying:
             return self._probe_bits(key) if key == self._target else 32
         self._order.append(key)  # the step's own calls, whose indices compress_saved's floors use
-        return self._bits.get(key, self._initial)
+        # Where in its module the save comes, shapes aside: another batch's sequence length or
+        # image size makes other keys, not other saves.
+        place = (path, t.dtype, t.dim())
+        position = _Position(place, self._places.get(place, 0))
+        self._places[place] = position.ordinal + 1
+        self._positions[key] = position
+        if not self._estimates:
+            # Before the first estimate a tensor is stored as it is: that step's estimate replays
+            # the model with every tensor as it is, which holds as much anyway, and a first
+            # gradient from codes chosen blind can set an optimizer's statistics for hundreds of
+            # steps (Adam's second moment; a T5 trained at 2 bits for its first step only ended
+            # 12 % worse).
+            return 32
+        bits = self._bits.get(key)
+        if bits is None:
+            bits = self._bits_by_position.get(position, self._initial)
+        return bits
 
     # -- the step ----------------------------------------------------------------------------------
     #
@@ -548,6 +579,7 @@ class CompressionController:
         if self._active:
             raise RuntimeError("CompressionController: `with controller:` blocks cannot nest")
         self._stack, self._counts, self._seen, self._calls, self._order = [], {}, {}, [], []
+        self._places, self._positions = {}, {}
         self._step_stats = {}
         self._ran = False  # a module of the model ran (its pre-hook) in this step
         self._probing = self._step >= self._next_probe
@@ -780,6 +812,7 @@ class CompressionController:
                          [least(k) for k in probed], strict=False) if probed else []
         allocated = dict(zip(probed, widths))
         self._bits = {k: allocated.get(k, max(self._initial, least(k))) for k in step_keys}
+        self._bits_by_position = {self._positions[k]: b for k, b in self._bits.items() if k in self._positions}
         self._numels = dict(step_keys)
         over = sum(b * step_keys[k] for k, b in self._bits.items()) - _budget(self._avg_bits, total)
         if over > 0 and not self._warned_over:
