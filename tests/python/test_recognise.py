@@ -347,7 +347,7 @@ def test_record_has_no_side_effects():
     s = record(model, (x,), {}, ["0"])
     assert torch.equal(torch.get_rng_state(), rng), "the RNG state is restored"
     assert s.uses["0"] == [Use("1", None, "")]
-    assert model.training and model[1].training and not model[2].training, "modes are kept"
+    assert model.training and model[1].training and not model[2].training, "modes are put back"
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules()), "hooks are removed"
     assert all(p.grad is None for p in model.parameters())
 

@@ -228,3 +228,30 @@ def test_the_recorded_events_carry_the_dataflow() -> None:
     assert {id(p) for p in model.parameters()} == structure.parameters
     recognised = {id(m): s for m in model.modules() if (s := _recognise.recognise(m)) is not None}
     assert sorted(_roles.sampled_linear_maps(model, structure, recognised)) == ["mixer.mix_out", "narrow", "widen"]
+
+
+class LayerDropNet(Net):
+    """Net whose layers are skipped at random while training (wav2vec2's and BART's LayerDrop)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.stack:
+            if not (self.training and float(torch.rand(())) < 0.5):
+                h = layer(h)
+        return self.readout(h)
+
+
+def test_the_example_call_runs_every_layer_whatever_the_random_state() -> None:
+    """The example call runs in eval mode (modes put back after): LayerDrop leaves no layer out,
+    so which layers are sampled does not depend on torch's random state at convert time."""
+    torch.manual_seed(0)
+    model = LayerDropNet(layers=4).train()
+    want = _sampled(Net(layers=4), example_inputs=_example())
+    assert len(want) == 12  # each layer's attention output and both FFN projections
+    for seed in range(6):
+        torch.manual_seed(seed)
+        state = torch.get_rng_state()
+        converted, changes = abp.convert(model, "sampled", example_inputs=_example())
+        assert sorted(c.module for c in changes if c.action == "replaced") == want, seed
+        assert torch.equal(torch.get_rng_state(), state)  # the call drew from a fork
+        assert all(m.training for m in model.modules()) and all(m.training for m in converted.modules())

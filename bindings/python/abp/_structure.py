@@ -124,9 +124,11 @@ class _Recorder(TorchFunctionMode):
 
 def record(model: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any], watch: Sequence[str]) -> Structure:
     """Runs ``model(*args, **kwargs)`` once and returns its Structure; ``watch`` names the modules
-    whose output uses are wanted. Gradients are off, the RNG state and the buffers are restored,
-    modes are kept. Every tensor of the call stays alive until it returns: pass a small example
-    (one short sequence) for a large model."""
+    whose output uses are wanted. Gradients are off and every module but the dropout modules is
+    in eval mode for the call (LayerDrop and stochastic depth would leave out a random set of
+    layers, and a checkpointed layer would take its checkpointing branch); the RNG state, the
+    buffers and the modes are restored. Every tensor of the call stays alive until it returns: pass a small example (one
+    short sequence) for a large model."""
     recorder = _Recorder()
     structure = Structure()
     names = {id(m): n for n, m in model.named_modules()}
@@ -167,12 +169,19 @@ def record(model: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any], watch:
     devices = [d.index for d in {p.device for p in model.parameters()} if d.type == "cuda" and d.index is not None]
     # Buffers the call may update (BatchNorm's running statistics) are put back afterwards.
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    modes = [(m, m.training) for m in model.modules()]
     try:
+        # Dropout modules keep their mode: in training they make a new tensor, which eval's
+        # identity would turn into a direct read of their input (their draws come from the fork).
+        for m, training in modes:
+            m.training = training and isinstance(m, nn.modules.dropout._DropoutNd)
         with torch.random.fork_rng(devices=devices), torch.no_grad(), recorder:
             returned = model(*args, **kwargs)
     finally:
         for h in handles:
             h.remove()
+        for m, training in modes:
+            m.training = training
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)
