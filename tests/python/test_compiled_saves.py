@@ -160,6 +160,32 @@ def test_a_block_with_bits_for_leaves_compiled_graphs_alone_and_says_so(monkeypa
     assert block.stats["compressed"] == 0 and not _compiled_saves.compiled_stats()
 
 
+def test_a_controller_of_a_compiled_model_says_it_cannot_estimate(monkeypatch) -> None:
+    """The compiled graph runs without the controller's hooks, so no call is recorded: the
+    controller warns once, estimates nothing and reports no compression (average_bits 32)."""
+    monkeypatch.setattr(compress, "_WARNED", set())
+    model, x = _model(), _x()
+    controller = abp.CompressionController(model, avg_bits=4, interval=1)
+    compiled = torch.compile(model, backend="aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            with controller:
+                compiled(x).square().mean().backward()
+    said = [str(w.message) for w in caught if "no call of it could be recorded" in str(w.message)]
+    assert len(said) == 1 and "compress_saved(bits=4)" in said[0], [str(w.message) for w in caught]
+    assert controller.estimates == 0 and controller.average_bits() == 32
+    # An eager model under the same controller settings estimates and says nothing of the kind.
+    eager = abp.CompressionController(_model(), avg_bits=4, interval=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with eager:
+            eager_model = eager._model
+            eager_model(x).square().mean().backward()
+    assert eager.estimates == 1 and not [w for w in caught if "could be recorded" in str(w.message)]
+
+
 def test_a_block_opened_inside_traced_code_says_so(monkeypatch) -> None:
     monkeypatch.setattr(compress, "_WARNED", set())
     model, x = _model(), _x()

@@ -387,6 +387,7 @@ class CompressionController:
         self._order: List[TensorKey] = []
         self._warned_over = False
         self._warned_idle = False
+        self._warned_unrecorded = False
         self._ran = False
 
         # Per-step state.
@@ -637,6 +638,16 @@ class CompressionController:
                     "a submodule, none of its parameters has a gradient): it measures nothing and stores every "
                     f"tensor at {self._initial} bits. Was it built on another model object? abp.convert returns "
                     "a converted copy; build the controller on the model you train", RuntimeWarning, stacklevel=3)
+            elif probing and self._ran and not self._warned_unrecorded and \
+                    any(p.grad is not None for p in self._model.parameters()):
+                self._warned_unrecorded = True  # once per controller
+                warnings.warn(
+                    f"CompressionController: step {self._step} ran the model and its backward, but no call of it "
+                    "could be recorded for the sensitivity estimate: a torch.compile'd model runs its graph without "
+                    "the controller's hooks. Nothing is estimated, the graph's saves are stored as the compiled "
+                    "graph keeps them (a controller's widths cannot reach them) and average_bits() stays 32. For a "
+                    "compiled model use compress_saved(bits=4) or abp.convert(model, 'compress'), whose uniform "
+                    "width compiled graphs take (docs/python.md, torch.compile)", RuntimeWarning, stacklevel=3)
             # A probe step without a differentiable model call (an evaluation block): estimate at
             # the next step instead.
         finally:
