@@ -1616,3 +1616,22 @@ def test_with_an_example_a_norm_says_why_it_keeps_its_dtype():
     model = nn.Sequential(nn.LayerNorm(8))
     _, changes = abp.convert(model, example_inputs=torch.randn(3, 8))
     assert "keeps its dtype under autocast (its output also feeds the model's return value)" in by_action(changes, "replaced")["0"]
+
+
+def test_a_float64_model_keeps_its_activations_and_trains():
+    """The activation kernels are float32, float16 and bfloat16: in a float64 model convert keeps
+    the GELUs, naming why, and replaces the norms, which run float64; the converted model trains.
+    An abp activation given a float64 tensor names itself in the TypeError."""
+    model = make(ViT).double()
+    converted, changes = abp.convert(model)
+    refused = by_action(changes, "refused")
+    assert set(refused) == {"blocks.0.act", "blocks.1.act"}
+    assert all("float64" in why and "activation kernels" in why for why in refused.values())
+    assert len(by_action(changes, "replaced")) == 5  # the norms
+    x = torch.randn(2, 3, 32, dtype=torch.float64)
+    converted(x).square().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float64 for p in converted.parameters())
+    float_model, float_changes = abp.convert(make(ViT, torch.float32))
+    assert "blocks.0.act" in by_action(float_changes, "replaced")
+    with pytest.raises(TypeError, match=r"^ReGELU2 \(regelu2\): input: expected dtype .* got torch.float64"):
+        float_model.blocks[0].act(x)

@@ -449,7 +449,9 @@ def _next_in_sequential(model: nn.Module, name: str) -> Optional[Tuple[str, nn.M
 # ---------------------------------------------------------------------------------------------
 
 
-def _convert_activation(model: nn.Module, name: str, module: nn.Module, spec: Any, options: Dict[str, Any], paths: List[str]) -> List[Change]:
+def _convert_activation(model: nn.Module, name: str, module: nn.Module, spec: Any, options: Dict[str, Any], paths: List[str],
+                        refusal: Optional[str] = None) -> List[Change]:
+    """Replaces one activation as the options say; `refusal`: why none may be replaced here."""
     kind = type(module).__name__
     if isinstance(spec, Unknown):
         return [Change(name, "refused", f"{kind} not replaced: {spec.reason}")]
@@ -469,6 +471,8 @@ def _convert_activation(model: nn.Module, name: str, module: nn.Module, spec: An
         approximate = "tanh" if spec.kind == "gelu_tanh" else "none"
         replacement = _activation_module(family, choice, approximate)
         what = f"{choice}" + (", tanh form" if approximate == "tanh" else "")
+    if refusal is not None:
+        return [Change(name, "refused", f"{kind} not replaced: {refusal}")]
     if _hooks_of(module):
         return [Change(name, "refused", f"{kind} not replaced: it has {_hooks_phrase(module)}")]
     replacement.train(module.training)
@@ -760,6 +764,11 @@ def _convert_lowmembp(
                          "example_kwargs= (a dict): one call the model accepts, run once to see which layers read "
                          "each norm's output")
     changes: List[Change] = []
+    floating = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    # The generated activations have float32, float16 and bfloat16 kernels (the norms run float64
+    # too): a float64 model would fail at its first forward.
+    activations_refused = "the model's parameters are float64, which abp's activation kernels do not take " \
+        "(float32, float16 and bfloat16; the norms take float64 too)" if floating == {torch.float64} else None
     for name, module in modules.items():
         if name and parametrize.is_parametrized(module):
             inner = ", ".join(module.parametrizations.keys())
@@ -773,7 +782,7 @@ def _convert_lowmembp(
             changes += _convert_norm(model, name, module, spec, options["fold"], structure, modules, recognised,
                                      owners, paths[id(module)])
         elif isinstance(spec, (Activation, Unknown)):
-            changes += _convert_activation(model, name, module, spec, options, paths[id(module)])
+            changes += _convert_activation(model, name, module, spec, options, paths[id(module)], activations_refused)
     return changes
 
 

@@ -72,7 +72,10 @@ class AbpActivation(torch.nn.Module):
         return _lib.kernel_library().operator(self.operator)
 
     def forward(self, input: Tensor) -> Tensor:
-        return functional.apply(self.operator, input, self.params)
+        try:
+            return functional.apply(self.operator, input, self.params)
+        except TypeError as e:  # a wrong dtype or type: say which module of the user's model it is
+            raise TypeError(f"{type(self).__name__} ({self.operator}): {e}") from None
 
     @property
     def saved_bits_per_element(self) -> float:
