@@ -8,6 +8,7 @@ the closed-form variance (§9.2, ±5 standard errors); saved bytes counted with 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from statistics import NormalDist
 from typing import Callable, Dict, List, Tuple
@@ -684,3 +685,31 @@ def test_sketch_product_by_blocks_equals_the_whole_sketch(method: str) -> None:
     whole = kernels.sketch(method, 11, 37, 5, 0, CPU).double() @ m
     for block in (37, 40, 100, 1 << 24):  # 1, 1, 2 rows per block; everything at once
         torch.testing.assert_close(sampling.sketch_product(method, 11, 5, m, block=block), whole, rtol=1e-12, atol=1e-12)
+
+
+def test_compress_saved_codes_a_sampled_layers_kept_rows() -> None:
+    """The kept rows are computed inside the layer's forward (grad off), so they do not require
+    grad; abp marks them as activations and compress_saved codes them as it would the input
+    (recipe "all" stored them raw: more than recipe "compress" alone on BART). The weight and the
+    int32 indices stay as they are; dW moves by the codes' rounding only."""
+    from abp import compress
+    from abp._manifest import packed_bytes
+
+    torch.manual_seed(0)
+    x = torch.randn(512, 64).requires_grad_()
+    w = torch.randn(32, 64, requires_grad=True)
+    grads = {}
+    for bits in (None, 8):
+        w.grad = None
+        h = x * 1.0  # an activation: not a leaf
+        block = compress.compress_saved(bits=bits, min_numel=256) if bits else None
+        with block if block is not None else contextlib.nullcontext():
+            y = abp.sampling.sampled_linear(h, w, keep=0.3, seed=5)
+        y.square().sum().backward()
+        grads[bits] = w.grad.clone()
+    k = abp._selection.keep_count(512, 0.3, minimum=abp.sampling.MINIMUM_KEPT["wtacrs"])
+    assert block.stats["compressed"] == 1  # the k kept rows, not the weight or the indices
+    # 8-bit codes, and a group per row of 64 (compress.row_group_size) with its fp32 minimum and scale.
+    assert block.stats["bytes_compressed"] == packed_bytes(8, k * 64) + k * 2 * 4
+    error = float((grads[8] - grads[None]).norm() / grads[None].norm())
+    assert 0 < error < 0.02, error

@@ -395,6 +395,25 @@ def _is_parameter(t: torch.Tensor) -> bool:
 DERIVE_ROW_STATISTICS = False
 
 
+# Activations that abp's own autograd Functions computed inside their forward (where grad is
+# off, so they do not require grad): id -> weak reference, dropped with the tensor.
+_ACTIVATIONS: Dict[int, "weakref.ref[torch.Tensor]"] = {}
+
+
+def mark_activation(t: torch.Tensor) -> torch.Tensor:
+    """Marks `t`, computed from activations inside an autograd Function's forward (a sampled
+    layer's kept rows), as an activation for compress_saved, which otherwise keeps a tensor that
+    requires no grad as a constant of backward. Returns `t`."""
+    key = id(t)
+    _ACTIVATIONS[key] = weakref.ref(t, lambda _, key=key: _ACTIVATIONS.pop(key, None))
+    return t
+
+
+def _marked_activation(t: torch.Tensor) -> bool:
+    ref = _ACTIVATIONS.get(id(t))
+    return ref is not None and ref() is t
+
+
 def _compressible(t: torch.Tensor, min_numel: int, row_statistics: bool = False) -> bool:
     """`eligible` without the parameter test (which compress_saved makes first, once)."""
     if t.layout != torch.strided or t.device.type not in ("cpu", "cuda") or t.numel() < max(min_numel, 1):
@@ -404,8 +423,9 @@ def _compressible(t: torch.Tensor, min_numel: int, row_statistics: bool = False)
     # A floating tensor off the gradient path (an attention mask, a rotary table, the input batch,
     # a logsumexp) is a constant of backward, not an activation: the caller or the model usually
     # holds it anyway, and it may hold values group codes cannot carry (a mask's -inf decodes to
-    # NaN). As GACT does, only tensors that require grad are compressed.
-    if not t.requires_grad:
+    # NaN). As GACT does, only tensors that require grad are compressed, and what abp's own
+    # Functions mark as activations (mark_activation).
+    if not t.requires_grad and not (_ACTIVATIONS and _marked_activation(t)):
         return False
     # A per-row statistic (a reduction kept with its dimension: a norm's mean or 1/std) scales a
     # whole row in backward, and costs 1/width of that row: kept as it is.

@@ -32,7 +32,7 @@ from . import _custom_ops
 from . import _sample_kernels as kernels
 from . import _selection as selection
 from ._launch import compute_dtype
-from .compress import draw_seed
+from .compress import draw_seed, mark_activation
 
 __all__ = ["METHODS", "sampled_linear", "plan_rows", "sketch_product", "GradNormCache"]
 
@@ -121,6 +121,10 @@ class _SampledLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             # The input as the product used it (autocast may have cast it): what backward needs.
             ctx.mode, saved = sampled_residuals(x.reshape(-1, x.shape[-1]).to(y.dtype), method, keep, seed, gamma)
+            # The kept rows (or the sketch, or x) are the input's values: compress_saved may code them.
+            for t in saved:
+                if t.is_floating_point():
+                    mark_activation(t)
         ctx.save_for_backward(weight, *saved)
         return y
 
