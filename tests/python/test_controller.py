@@ -819,3 +819,23 @@ def test_remove_lets_the_model_go_though_a_copy_keeps_the_hooks() -> None:
     with pytest.raises(RuntimeError, match="used after remove"):
         with controller:
             pass
+
+
+def test_an_evaluation_block_at_a_probe_step_is_not_taken_for_a_compiled_model(kernels):
+    """A no_grad block at an estimation step saves nothing and records no call; gradients left
+    from the last training step must not make it warn that no call could be recorded."""
+    torch.manual_seed(2)
+    model = Planted()
+    x, y = batch(2)
+    controller = CompressionController(model, 2.0, **GACT_LADDER, interval=2)
+    train_step(controller, model, x, y)  # step 0: estimates
+    train_step(controller, model, x, y)  # step 1
+    assert all(p.grad is not None for p in model.parameters())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with controller, torch.no_grad():  # step 2, an estimation step: an evaluation
+            model(x)
+    assert not [w for w in caught if "could be recorded" in str(w.message)]
+    assert controller.estimates == 1
+    train_step(controller, model, x, y)  # the estimate comes at the next training step
+    assert controller.estimates == 2

@@ -295,8 +295,12 @@ def _controller_reentrant(rank: int, rendezvous: str, out: str) -> None:
                               nn.Linear(32, 4))
         ddp = nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        controller = abp.CompressionController(model, avg_bits=4.0, interval=1)
         xs, ys = batches()
+        # Step 0 stores everything as it is: its gradients are those of an uncontrolled DDP step.
+        loss_of(ddp, xs[0][rank * 8:(rank + 1) * 8], ys[0][rank * 8:(rank + 1) * 8]).backward()
+        plain = {k: p.grad.clone() for k, p in model.named_parameters()}
+        opt.zero_grad()
+        controller = abp.CompressionController(model, avg_bits=4.0, interval=1)
         grads = []
         for x, y in zip(xs[:3], ys[:3]):
             with controller:
@@ -305,7 +309,7 @@ def _controller_reentrant(rank: int, rendezvous: str, out: str) -> None:
                 loss.backward()
             grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
             opt.step()
-        torch.save({"estimates": controller.estimates, "grads": grads,
+        torch.save({"estimates": controller.estimates, "grads": grads, "plain": plain,
                     "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
@@ -318,6 +322,9 @@ def test_the_controller_estimates_under_ddp_with_reentrant_checkpoints() -> None
         mp.spawn(_controller_reentrant, args=(os.path.join(tmp, "rendezvous"), out), nprocs=WORLD)
         ranks = [torch.load(f"{out}.{r}") for r in range(WORLD)]
     assert all(r["estimates"] == 3 for r in ranks)
+    for r in ranks:  # step 0 under the controller is DDP's own step, the replays' hooks ignored
+        for name, g in r["plain"].items():
+            assert torch.equal(g, r["grads"][0][name]), name
     # After each estimate the gradients are DDP's averages, the same on both ranks (the replay's
     # backward put each parameter's .grad back), and so are the parameters.
     for step in range(3):

@@ -326,7 +326,11 @@ def test_a_checkpoints_inputs_are_kept_as_they_are(variant: str, per_tensor: boo
 
 
 @needs_rules
-def test_controller_counts_the_floors_against_its_budget() -> None:
+@pytest.mark.parametrize("steps, interval", [(1, 10), (2, 1)], ids=["first-estimate", "second-estimate"])
+def test_controller_counts_the_floors_against_its_budget(steps: int, interval: int) -> None:
+    """The first estimate knows the floors too, though its step stored everything as it is
+    (asked 32 bits, no rule raised anything): compress_saved reports each save's rule floor
+    whatever was asked (rule_floors)."""
     library_or_skip()
 
     class Attention(nn.Module):
@@ -345,9 +349,9 @@ def test_controller_counts_the_floors_against_its_budget() -> None:
 
     torch.manual_seed(0)
     model = Attention()
-    controller = abp.CompressionController(model, avg_bits=2, interval=1, min_numel=1, allow_low_bits=True, min_bits=1,
-                                           recompute=False)
-    for _ in range(2):
+    controller = abp.CompressionController(model, avg_bits=2, interval=interval, min_numel=1, allow_low_bits=True,
+                                           min_bits=1, recompute=False)
+    for _ in range(steps):
         x = torch.randn(8, 32, 32)
         with controller:
             model(x).pow(2).mean().backward()

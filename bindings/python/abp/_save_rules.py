@@ -111,15 +111,17 @@ _RECOMPUTATION_CODE = _recomputation_code()
 _GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", None)
 
 
-def recomputing_checkpoint() -> bool:
+def recomputing_checkpoint(depth: int = 512) -> bool:
     """True if the pack hook calling this runs inside a reentrant checkpoint's recomputation (its
     backward reruns the block with grad on, saving as the forward would have). Outside backward
     (where torch tells) it is not; else walks the whole stack, since the block's modules come
-    between: callers ask only for saves made once backward has begun."""
+    between (up to `depth` frames): callers ask only for saves made once backward has begun."""
     if _GRAPH_TASK is not None and _GRAPH_TASK() == -1:
         return False
     frame = sys._getframe(1)
-    while frame is not None:
+    for _ in range(depth):
+        if frame is None:
+            return False
         if frame.f_code in _RECOMPUTATION_CODE:
             return True
         frame = frame.f_back

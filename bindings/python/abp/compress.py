@@ -618,6 +618,9 @@ class compress_saved:
         self.stats: Dict[str, int] = {}
         #: The last block's bits_for call index → the width an op's rule raised that tensor to.
         self.floors: Dict[int, int] = {}
+        #: The last block's bits_for call index → the least width its op's rule allows, whatever
+        #: was asked (a controller's first step asks 32 for everything and still learns them).
+        self.rule_floors: Dict[int, int] = {}
         #: The last block's bits_for call indices whose tensor was recomputed instead (no width).
         self.derived_choices: Set[int] = set()
         self._hooks: Optional[Any] = None
@@ -679,7 +682,7 @@ class compress_saved:
         # tensors either way, and codes would add their error where the two kinds should agree
         # (a T5 under the controller at 2 bits: 2.24 reentrant, 1.91 non-reentrant and exact).
         if self._backward_begun and self.op_rules and _save_rules.recomputing_checkpoint():
-            return self._keep_checkpoint_input(t, recomputed=True)
+            return t  # neither counted nor offered: a non-reentrant rerun's saves are not seen either
         sequence = _save_rules.sequence_number() if self.op_rules else None
         if sequence != self._group_sequence:
             self._flush()  # the previous op has saved all it saves
@@ -724,18 +727,16 @@ class compress_saved:
         self._packed[key] = (weakref.ref(self._owner(t)), result if result is not t else None)
         return result
 
-    def _keep_checkpoint_input(self, t: torch.Tensor, recomputed: bool = False) -> torch.Tensor:
-        """`t`, an activation checkpoint's input (backward reruns the block from it) or, with
-        `recomputed`, a save of that rerun, kept as it is. Not the codes or the recomputation
-        another op's save of it made (that save keeps them); counted as a saved tensor once, its
-        storage once, an input's elements in numel_checkpointed."""
+    def _keep_checkpoint_input(self, t: torch.Tensor) -> torch.Tensor:
+        """`t`, an activation checkpoint's input, kept as it is: backward reruns the block from it.
+        Not the codes or the recomputation another op's save of it made (that save keeps them);
+        counted as a saved tensor once, its storage once, its elements in numel_checkpointed."""
         key, owner = self._identity(t), self._owner(t)
         seen = self._packed.get(key)
         if _parameter_of(t) is None:
             if seen is None or seen[0]() is not owner:
                 self._count_saved(t)
-                if not recomputed:
-                    self.stats["numel_checkpointed"] += t.numel()
+                self.stats["numel_checkpointed"] += t.numel()
                 self._packed[key] = (weakref.ref(owner), None)
             self._store(t, 32)
         memory.note_saved([t])
@@ -849,8 +850,10 @@ class compress_saved:
             wanted = False  # fused attention's output, to be recomputed (_derive_attention): no width
         bits = self._choose(t) if wanted else 32
         # Recomputing, a floating tensor kept as it is waits for its op too: fused attention's
-        # output and logsumexp are recomputed whatever their width (_derive_attention).
-        if bits == 32 and not (defer and self._recorder is not None and t.dtype in _FLOAT_DTYPES):
+        # output and logsumexp are recomputed whatever their width (_derive_attention). So does
+        # one a bits_for asked 32 for: its op's floor is reported (rule_floors) all the same.
+        waits = self._recorder is not None or (self.bits_for is not None and wanted)
+        if bits == 32 and not (defer and waits and t.dtype in _FLOAT_DTYPES):
             return self._store(t, bits)
         box = _Deferred(t, bits, self._choices - 1 if self.bits_for is not None else -1, memory.current_tags())
         if not defer:  # ops are not told apart (torch 1.13): stored at once
@@ -909,6 +912,8 @@ class compress_saved:
             return
         node, rule = self._group_rule
         floor = _save_rules.floor_of(box.value, node, rule)
+        if floor is not None and box.choice >= 0:
+            self.rule_floors[box.choice] = max(self.rule_floors.get(box.choice, 0), floor)
         if floor is not None and box.bits != 32 and box.bits < floor:
             box.bits = floor
             if box.choice >= 0:
@@ -1024,7 +1029,7 @@ class compress_saved:
         self.stats = {"tensors": 0, "compressed": 0, "bytes_in": 0, "bytes_stored": 0, "bytes_compressed": 0,
                       "derived": 0, "numel_derived": 0, "numel_checkpointed": 0}
         self._reset()
-        self.floors = {}
+        self.floors, self.rule_floors = {}, {}
         self.derived_choices = set()
         self._guarded = {} if self.guard else None  # id → parameter, until backward reads the first save
         if _compiling():

@@ -603,7 +603,7 @@ class CompressionController:
             for name, count in self._saver.stats.items():
                 self._step_stats[name] = self._step_stats.get(name, 0) + count
             # Widths the op rules raised (compress_saved's floors), kept for the allocations.
-            for index, floor in self._saver.floors.items():
+            for index, floor in self._saver.rule_floors.items():
                 key = self._order[self._order_base + index]
                 self._floors[key] = max(self._floors.get(key, 1), floor)
             # Tensors recomputed instead of stored have no width: their elements count as
@@ -636,18 +636,19 @@ class CompressionController:
                     f"CompressionController: the block of step {self._step} saved {self._stats['tensors']} tensors "
                     "for backward, but the model this controller was built on never ran (no call of it or of "
                     "a submodule, none of its parameters has a gradient): it measures nothing and stores every "
-                    f"tensor at {self._initial} bits. Was it built on another model object? abp.convert returns "
+                    "tensor as it is (no estimate, no allocation). Was it built on another model object? abp.convert returns "
                     "a converted copy; build the controller on the model you train", RuntimeWarning, stacklevel=3)
-            elif probing and self._ran and not self._warned_unrecorded and \
+            elif probing and self._ran and self._stats.get("tensors", 0) and not self._warned_unrecorded and \
                     any(p.grad is not None for p in self._model.parameters()):
                 self._warned_unrecorded = True  # once per controller
                 warnings.warn(
                     f"CompressionController: step {self._step} ran the model and its backward, but no call of it "
                     "could be recorded for the sensitivity estimate: a torch.compile'd model runs its graph without "
-                    "the controller's hooks. Nothing is estimated, the graph's saves are stored as the compiled "
-                    "graph keeps them (a controller's widths cannot reach them) and average_bits() stays 32. For a "
-                    "compiled model use compress_saved(bits=4) or abp.convert(model, 'compress'), whose uniform "
-                    "width compiled graphs take (docs/python.md, torch.compile)", RuntimeWarning, stacklevel=3)
+                    "the controller's hooks (so does a model trained through another method than its forward). "
+                    "Nothing is estimated, every tensor is stored as it is (a controller's widths never reach a "
+                    "compiled graph's saves) and average_bits() stays 32. For a compiled model use "
+                    "compress_saved(bits=4) or abp.convert(model, 'compress'), whose uniform width compiled graphs "
+                    "take (docs/python.md, torch.compile)", RuntimeWarning, stacklevel=3)
             # A probe step without a differentiable model call (an evaluation block): estimate at
             # the next step instead.
         finally:

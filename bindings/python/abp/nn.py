@@ -75,7 +75,7 @@ class AbpActivation(torch.nn.Module):
         try:
             return functional.apply(self.operator, input, self.params)
         except TypeError as e:  # a wrong dtype or type: say which module of the user's model it is
-            raise TypeError(f"{type(self).__name__} ({self.operator}): {e}") from None
+            raise TypeError(f"{type(self).__name__} ({self.operator}): {e}") from e
 
     @property
     def saved_bits_per_element(self) -> float:

@@ -121,10 +121,13 @@ class _SampledLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             # The input as the product used it (autocast may have cast it): what backward needs.
             ctx.mode, saved = sampled_residuals(x.reshape(-1, x.shape[-1]).to(y.dtype), method, keep, seed, gamma)
-            # The kept rows (or the sketch, or x) are the input's values: compress_saved may code them.
-            for t in saved:
-                if t.is_floating_point():
-                    mark_activation(t)
+            # The kept rows (or the sketch, or x) are an activation's values, computed here with grad
+            # off: compress_saved may code them. An input that requires no grad (the batch) is
+            # a constant of backward, kept as it is.
+            if x.requires_grad:
+                for t in saved:
+                    if t.is_floating_point():
+                        mark_activation(t)
         ctx.save_for_backward(weight, *saved)
         return y
 
