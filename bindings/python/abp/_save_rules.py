@@ -81,34 +81,38 @@ _LOG_SOFTMAX_PER_TENSOR = Floors(inputs=(), outputs=LOG_SOFTMAX_PER_TENSOR_MIN_B
 NO_FLOORS = Floors(inputs=(), outputs=None, other=None)
 
 
-def _checkpoint_code() -> Tuple[Any, ...]:
-    """The code of torch.utils.checkpoint.checkpoint (under its decorators)."""
-    try:
-        from torch.utils.checkpoint import checkpoint
-    except ImportError:  # pragma: no cover - every torch abp supports has it
-        return ()
-    code = getattr(inspect.unwrap(checkpoint), "__code__", None)
+def _code_of(function: Any) -> Tuple[Any, ...]:
+    """The code object of `function` under its decorators, as a tuple (empty where it has none)."""
+    code = getattr(inspect.unwrap(function), "__code__", None)
     return (code,) if code is not None else ()
 
 
-_CHECKPOINT_CODE = _checkpoint_code()
-
-
-def _recomputation_code() -> Tuple[Any, ...]:
-    """The code of the backward of torch's reentrant checkpoint, which reruns the block."""
+def _torch_checkpoint_codes() -> Tuple[Tuple[Any, ...], Tuple[Any, ...]]:
+    """The code of torch.utils.checkpoint.checkpoint, and of the backward of its reentrant kind
+    (CheckpointFunction), which reruns the block."""
     try:
-        from torch.utils.checkpoint import CheckpointFunction
-    except ImportError:  # pragma: no cover - every torch abp supports has it
-        return ()
-    code = getattr(inspect.unwrap(CheckpointFunction.backward), "__code__", None)
-    return (code,) if code is not None else ()
+        from torch.utils.checkpoint import CheckpointFunction, checkpoint
+    except ImportError:  # pragma: no cover - every torch abp supports has them
+        return (), ()
+    return _code_of(checkpoint), _code_of(CheckpointFunction.backward)
 
 
-_RECOMPUTATION_CODE = _recomputation_code()
-
+_CHECKPOINT_CODE, _RECOMPUTATION_CODE = _torch_checkpoint_codes()
 
 # The graph task backward is running, -1 outside backward (torch >= 2.0; absent on 1.13).
 _GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def _on_stack(codes: Tuple[Any, ...], depth: int) -> bool:
+    """True if one of the `depth` frames above the caller of the caller runs one of `codes`."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def recomputing_checkpoint(depth: int = 512) -> bool:
@@ -118,14 +122,7 @@ def recomputing_checkpoint(depth: int = 512) -> bool:
     between (up to `depth` frames): callers ask only for saves made once backward has begun."""
     if _GRAPH_TASK is not None and _GRAPH_TASK() == -1:
         return False
-    frame = sys._getframe(1)
-    for _ in range(depth):
-        if frame is None:
-            return False
-        if frame.f_code in _RECOMPUTATION_CODE:
-            return True
-        frame = frame.f_back
-    return False
+    return _on_stack(_RECOMPUTATION_CODE, depth)
 
 
 def saving_checkpoint_inputs(depth: int = 16) -> bool:
@@ -135,14 +132,7 @@ def saving_checkpoint_inputs(depth: int = 16) -> bool:
     block without grad; a non-reentrant one routes the block's saves to its own hooks). The
     recomputation in backward runs outside it. The hook's own frames come between (compress_saved's,
     and those of the GraphModule that compiles() puts first)."""
-    frame = sys._getframe(1)
-    for _ in range(depth):
-        if frame is None:
-            return False
-        if frame.f_code in _CHECKPOINT_CODE:
-            return True
-        frame = frame.f_back
-    return False
+    return _on_stack(_CHECKPOINT_CODE, depth)
 
 
 #: Recomputed fused attention under one width for every tensor: q and k at 8 bits (not for
