@@ -1635,3 +1635,26 @@ def test_a_float64_model_keeps_its_activations_and_trains():
     assert "blocks.0.act" in by_action(float_changes, "replaced")
     with pytest.raises(TypeError, match=r"^ReGELU2 \(regelu2\): input: expected dtype .* got torch.float64"):
         float_model.blocks[0].act(x)
+
+
+class NormThroughFunctionalDropout(nn.Module):
+    """A norm read by a Linear through F.dropout(training=self.training), as attention code does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.lin = nn.LayerNorm(32), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(nn.functional.dropout(self.norm(x), 0.1, self.training))
+
+
+def test_a_norm_read_through_functional_dropout_is_not_folded():
+    """The example call runs in eval mode, where F.dropout hands its input back, so the Linear
+    seems to read the norm's output itself; in training it reads dropout's output, through which
+    beta cannot be folded. The dropout call is a use of the norm's output all the same, so the
+    fold is refused."""
+    model = make(NormThroughFunctionalDropout).train()
+    x = torch.randn(2, 6, 32, dtype=torch.float64)
+    converted, changes = abp.convert(model, gelu=None, fold=True, example_inputs=x)
+    assert not by_action(changes, "folded"), changes
+    assert "norm" in by_action(changes, "replaced") and "affine kept" in by_action(changes, "replaced")["norm"]
