@@ -127,8 +127,8 @@ def record(model: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any], watch:
     whose output uses are wanted. Gradients are off and every module but the dropout modules is
     in eval mode for the call (LayerDrop and stochastic depth would leave out a random set of
     layers, and a checkpointed layer would take its checkpointing branch); the RNG state, the
-    buffers and the modes are restored. Every tensor of the call stays alive until it returns: pass a small example (one
-    short sequence) for a large model."""
+    buffers and the modes are restored. Every tensor of the call stays alive until it returns:
+    pass a small example (one short sequence) for a large model."""
     recorder = _Recorder()
     structure = Structure()
     names = {id(m): n for n, m in model.named_modules()}

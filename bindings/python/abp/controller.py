@@ -383,7 +383,8 @@ class CompressionController:
         self._last_seen: Dict[TensorKey, int] = {}
         # Keys an op rule of compress_saved stores at more bits than asked: key → fewest bits.
         self._floors: Dict[TensorKey, int] = {}
-        self._numel_derived = 0
+        # Elements the budget counts at 0 bits: tensors recomputed in backward, checkpoints' inputs.
+        self._numel_at_zero_bits = 0
         self._order: List[TensorKey] = []
         self._warned_over = False
         self._warned_idle = False
@@ -478,7 +479,7 @@ class CompressionController:
         """Σ b·D / Σ D over the current allocation, the tensors recomputed in backward and the
         activation checkpoints' inputs (0 bits each); 32 before any estimate (tensors are stored
         as they are until the first)."""
-        total = sum(self._numels[k] for k in self._bits) + self._numel_derived
+        total = sum(self._numels[k] for k in self._bits) + self._numel_at_zero_bits
         if total == 0:
             return 32.0 if not self._estimates else float(self._initial)
         return sum(b * self._numels[k] for k, b in self._bits.items()) / total
@@ -529,9 +530,10 @@ class CompressionController:
         # Where in its module the save comes, shapes aside: another batch's sequence length or
         # image size makes other keys, not other saves.
         place = (path, t.dtype, t.dim())
-        position = _Position(place, self._places.get(place, 0))
-        self._places[place] = position.ordinal + 1
-        self._positions[key] = position
+        ordinal = self._places.get(place, 0)
+        self._places[place] = ordinal + 1
+        if self._probing:  # the estimate maps its widths to positions (_estimate)
+            self._positions[key] = _Position(place, ordinal)
         if not self._estimates:
             # Before the first estimate a tensor is stored as it is: that step's estimate replays
             # the model with every tensor as it is, which holds as much anyway, and a first
@@ -541,7 +543,7 @@ class CompressionController:
             return 32
         bits = self._bits.get(key)
         if bits is None:
-            bits = self._bits_by_position.get(position, self._initial)
+            bits = self._bits_by_position.get(_Position(place, ordinal), self._initial)
         return bits
 
     # -- the step ----------------------------------------------------------------------------------
@@ -811,8 +813,8 @@ class CompressionController:
         # from it (at least its own elements), and without them the few tensors left outside the
         # checkpoints would share a budget sized for themselves alone (a tiny LLaMA at 2 bits:
         # the final norm's input went to 2 bits, the loss 12 % above exact training's).
-        self._numel_derived = self._stats.get("numel_derived", 0) + self._stats.get("numel_checkpointed", 0)
-        total = sum(step_keys.values()) + self._numel_derived
+        self._numel_at_zero_bits = self._stats.get("numel_derived", 0) + self._stats.get("numel_checkpointed", 0)
+        total = sum(step_keys.values()) + self._numel_at_zero_bits
 
         def least(k: TensorKey) -> int:  # the fewest bits min_bits and an op rule allow for k
             return max(self._floors.get(k, 1), self._min_bits)
