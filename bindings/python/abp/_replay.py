@@ -21,6 +21,8 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional
 import torch
 from torch.utils import _pytree as pytree
 
+from . import _save_rules
+
 __all__ = [
     "Call",
     "tensors",
@@ -305,7 +307,7 @@ def _reentrant_checkpoint_in(outputs: List[torch.Tensor]) -> bool:
         if node in seen:
             continue
         seen.add(node)
-        if type(node).__name__ == "CheckpointFunctionBackward":
+        if _save_rules.is_reentrant_checkpoint(node):
             return True
         stack.extend(n for n, _ in node.next_functions if n is not None)
     return False

@@ -115,6 +115,12 @@ def _on_stack(codes: Tuple[Any, ...], depth: int) -> bool:
     return False
 
 
+def is_reentrant_checkpoint(node: Any) -> bool:
+    """Whether an autograd node is a reentrant checkpoint's (CheckpointFunction: its backward
+    reruns the block and runs a backward of its own, which torch allows only under .backward())."""
+    return type(node).__name__ == "CheckpointFunctionBackward"
+
+
 def recomputing_checkpoint(depth: int = 512) -> bool:
     """True if the pack hook calling this runs inside a reentrant checkpoint's recomputation (its
     backward reruns the block with grad on, saving as the forward would have). Outside backward
