@@ -1,8 +1,11 @@
 """How the 2-bit activations' defined derivative compounds with depth (docs/python.md, "Where the
-2-bit activations hurt"). A chain of 12 Conv-BatchNorm-activation layers (a CNN without residual
-paths between them, as inside EfficientNet's and MobileNet's stems) against 12 pre-norm residual
-MLP blocks (a transformer's layout): the relative error of the first layer's weight gradient,
-‖g − g_exact‖ / ‖g_exact‖, and the gain ‖g‖ / ‖g_exact‖, for each replacement convert offers.
+2-bit activations hurt"). Chains of 12 Conv-BatchNorm-activation, Conv-GroupNorm-activation and
+Conv-activation layers (CNNs without residual paths between them, as inside EfficientNet's and
+MobileNet's stems or wav2vec2's feature encoder) against 12 pre-norm residual MLP blocks (a
+transformer's layout): the relative error of the first layer's weight gradient,
+‖g − g_exact‖ / ‖g_exact‖, and the gain ‖g‖ / ‖g_exact‖, for each replacement convert offers and
+for convert's own choice (`default`: the 3-bit form where a convolution or channel norm feeds the
+activation, the 2-bit one elsewhere).
 
     python bench/activation_chains.py [--json out.json]
 
@@ -16,7 +19,7 @@ import json
 import platform
 import sys
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -29,12 +32,14 @@ from timing import commit_id  # noqa: E402
 DEPTH = 12
 
 
-def conv_bn_chain(act: Callable[[], nn.Module]) -> nn.Module:
-    torch.manual_seed(0)
-    layers: List[nn.Module] = []
-    for _ in range(DEPTH):
-        layers += [nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), act()]
-    return nn.Sequential(*layers)
+def conv_chain(norm: Optional[Callable[[], nn.Module]]) -> Callable[[Callable[[], nn.Module]], nn.Module]:
+    def build(act: Callable[[], nn.Module]) -> nn.Module:
+        torch.manual_seed(0)
+        layers: List[nn.Module] = []
+        for _ in range(DEPTH):
+            layers += [nn.Conv2d(16, 16, 3, padding=1)] + ([norm()] if norm is not None else []) + [act()]
+        return nn.Sequential(*layers)
+    return build
 
 
 class Residual(nn.Module):
@@ -60,17 +65,21 @@ def first_grad(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def measure() -> List[Dict[str, object]]:
     rows = []
-    cases = [("conv-bn", conv_bn_chain, torch.randn(4, 16, 16, 16, generator=torch.Generator().manual_seed(1))),
+    image = torch.randn(4, 16, 16, 16, generator=torch.Generator().manual_seed(1))
+    cases = [("conv-bn", conv_chain(lambda: nn.BatchNorm2d(16)), image),
+             ("conv-gn", conv_chain(lambda: nn.GroupNorm(4, 16)), image),
+             ("conv", conv_chain(None), image),
              ("pre-norm residual", residual_chain, torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(1)))]
     for chain, build, x in cases:
-        for family, act, choices in (("silu", nn.SiLU, ("resilu2", "silu_b2", "silu_b3")),
-                                     ("gelu", nn.GELU, ("regelu2", "gelu_b2", "gelu_b3"))):
+        for family, act, choices in (("silu", nn.SiLU, ("resilu2", "silu_b2", "silu_b3", "default")),
+                                     ("gelu", nn.GELU, ("regelu2", "gelu_b2", "gelu_b3", "default"))):
             base = build(act)
             exact = first_grad(base, x)
             for choice in choices:
-                model, _ = abp.convert(copy.deepcopy(base), "lowmembp", norms=False, **{family: choice})
+                chosen = {} if choice == "default" else {family: choice}
+                model, _ = abp.convert(copy.deepcopy(base), "lowmembp", norms=False, **chosen)
                 g = first_grad(model, x)
-                rows.append({"chain": chain, "activation": choice,
+                rows.append({"chain": chain, "activation": choice if choice != "default" else f"{family} default",
                              "relative_error": float((g - exact).norm() / exact.norm()),
                              "gain": float(g.norm() / exact.norm())})
     return rows
@@ -82,9 +91,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = measure()
-    print(f"{'chain':<18} {'activation':<10} {'rel. error':>10} {'gain':>6}")
+    print(f"{'chain':<18} {'activation':<13} {'rel. error':>10} {'gain':>6}")
     for r in rows:
-        print(f"{r['chain']:<18} {r['activation']:<10} {r['relative_error']:>10.3f} {r['gain']:>6.2f}")
+        print(f"{r['chain']:<18} {r['activation']:<13} {r['relative_error']:>10.3f} {r['gain']:>6.2f}")
     if args.json:
         args.json.write_text(json.dumps({"commit": commit_id(str(Path(__file__).resolve().parents[1])), "torch": torch.__version__, "machine": platform.machine(),
                                          "depth": DEPTH, "rows": rows}, indent=1) + "\n")

@@ -5,7 +5,9 @@ Recipes (``recipe=`` one name, a list of them, or ``"all"``):
 - ``"lowmembp"`` (docs/algorithms.md §4, §5): every LayerNorm / RMSNorm becomes a memory-sharing norm whose
   backward reads only its output (the storage the next layer keeps anyway) and one value per row;
   every GELU (erf or tanh form) and SiLU becomes ReGELU2 / ReSiLU2 (2-bit codes) or a FewBit k-bit
-  activation (``gelu="gelu_b3"``); LeakyReLU becomes abp's exact 1-bit LeakyReLU.
+  activation (``gelu="gelu_b3"``); by default one that a convolution or a channel norm feeds (a CNN
+  layer, where chains compound the 2-bit derivative's error) becomes the 3-bit FewBit form; LeakyReLU
+  becomes abp's exact 1-bit LeakyReLU.
 - ``"sampled"`` (§3, §8): the linear layers whose qualified names match ``layers`` (by default the
   attention-output and FFN projections) estimate dW from sampled token rows; a matched wrapper that
   is not itself a linear map (a peft LoRA layer) has its trainable linear maps sampled instead.
@@ -34,7 +36,7 @@ import fnmatch
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -449,9 +451,53 @@ def _next_in_sequential(model: nn.Module, name: str) -> Optional[Tuple[str, nn.M
 # ---------------------------------------------------------------------------------------------
 
 
+# What feeds an activation in the layers of a CNN: a convolution, or a normalisation over channels
+# (batch, group or instance statistics) after one. Chains of such layers, with no residual path
+# around each activation, compound the 2-bit activations' derivative error with depth
+# (bench/activation_chains.py: through 12 Conv-BatchNorm-SiLU, Conv-GroupNorm-SiLU or Conv-SiLU
+# layers, ReSiLU2's first-layer gradient error is 3.4, 3.6 and 72; the 3-bit FewBit SiLU's 0.24,
+# 0.24 and 0.48), so there the default becomes the 3-bit form. _NormBase covers BatchNorm*,
+# SyncBatchNorm and InstanceNorm*; _ConvNd every nn.Conv and ConvTranspose.
+_CNN_LAYERS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.modules.conv._ConvNd)
+_CNN_FUNCTIONS = frozenset({"batch_norm", "group_norm", "instance_norm", "conv1d", "conv2d", "conv3d",
+                            "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"})
+
+
+def _cnn_layer_feeding(model: nn.Module, name: str, modules: Dict[str, nn.Module],
+                       structure: Optional[_structure.Structure]) -> Optional[str]:
+    """What names the convolution or channel norm whose output activation `name` reads, or None.
+
+    From the example call where one ran (the producer of the activation's first input); else from
+    the module tree: the activation is a child of such a norm (timm's BatchNormAct2d) or comes right
+    after one in its parent (Conv2dNormActivation, transformers' convolution-normalization-activation
+    layers)."""
+    if structure is not None and name in structure.inputs:
+        ids = structure.inputs[name]
+        producer = next((e for e in structure.events if ids and ids[0] in e.outputs), None)
+        if producer is None:
+            return None
+        if producer.function is not None:
+            if producer.function not in _CNN_FUNCTIONS:
+                return None
+            return f"`{producer.function}`" + (f" in `{producer.within[-1]}`" if producer.within and producer.within[-1] else "")
+        norm = modules.get(producer.module or "")
+        return f"{type(norm).__name__} `{producer.module}`" if isinstance(norm, _CNN_LAYERS) else None
+    parent_name, _, attr = name.rpartition(".")
+    parent = modules[parent_name] if parent_name else model
+    if isinstance(parent, _CNN_LAYERS):
+        return f"{type(parent).__name__} `{parent_name}`, whose child it is"
+    keys = list(parent._modules)
+    at = keys.index(attr) if attr in keys else 0
+    before = parent._modules[keys[at - 1]] if at > 0 else None
+    if isinstance(before, _CNN_LAYERS):
+        return f"{type(before).__name__} `{(parent_name + '.') if parent_name else ''}{keys[at - 1]}`, registered before it"
+    return None
+
+
 def _convert_activation(model: nn.Module, name: str, module: nn.Module, spec: Any, options: Dict[str, Any], paths: List[str],
-                        refusal: Optional[str] = None) -> List[Change]:
-    """Replaces one activation as the options say; `refusal`: why none may be replaced here."""
+                        refusal: Optional[str] = None, chain: Optional[str] = None) -> List[Change]:
+    """Replaces one activation as the options say; `refusal`: why none may be replaced here;
+    `chain`: the CNN layer feeding it, where the caller left the choice to convert."""
     kind = type(module).__name__
     if isinstance(spec, Unknown):
         return [Change(name, "refused", f"{kind} not replaced: {spec.reason}")]
@@ -468,9 +514,15 @@ def _convert_activation(model: nn.Module, name: str, module: nn.Module, spec: An
         choice = options[family]
         if choice is None:
             return []
+        why = ""
+        if chain is not None and choice == _DEFAULTS["lowmembp"][family]:
+            choice = f"{family}_b3"
+            why = (f": fed by {chain}, a CNN layer; through chains of these the 2-bit "
+                   f"{'ReSiLU2' if family == 'silu' else 'ReGELU2'}'s derivative error compounds; "
+                   f"{family}={_DEFAULTS['lowmembp'][family]!r} forces it")
         approximate = "tanh" if spec.kind == "gelu_tanh" else "none"
         replacement = _activation_module(family, choice, approximate)
-        what = f"{choice}" + (", tanh form" if approximate == "tanh" else "")
+        what = f"{choice}" + (", tanh form" if approximate == "tanh" else "") + why
     if refusal is not None:
         return [Change(name, "refused", f"{kind} not replaced: {refusal}")]
     if _hooks_of(module):
@@ -752,8 +804,9 @@ def _roles(model: nn.Module, recognised: Dict[int, Any], structure: Optional[_st
 
 def _convert_lowmembp(
     model: nn.Module, options: Dict[str, Any], recognised: Dict[int, Any], call: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]],
-    structure: Optional[_structure.Structure],
+    structure: Optional[_structure.Structure], chosen: Set[str],
 ) -> List[Change]:
+    """`chosen`: the activation options ("gelu", "silu") the caller set, which convert then leaves as set."""
     modules = dict(model.named_modules())
     paths = _paths(model)
     owners = _parameter_owners(model)
@@ -782,7 +835,10 @@ def _convert_lowmembp(
             changes += _convert_norm(model, name, module, spec, options["fold"], structure, modules, recognised,
                                      owners, paths[id(module)])
         elif isinstance(spec, (Activation, Unknown)):
-            changes += _convert_activation(model, name, module, spec, options, paths[id(module)], activations_refused)
+            automatic = isinstance(spec, Activation) and spec.kind in ("gelu", "gelu_tanh", "silu") and \
+                ("silu" if spec.kind == "silu" else "gelu") not in chosen
+            chain = _cnn_layer_feeding(model, name, modules, structure) if automatic else None
+            changes += _convert_activation(model, name, module, spec, options, paths[id(module)], activations_refused, chain)
     return changes
 
 
@@ -796,8 +852,9 @@ def convert(
     Recipe "lowmembp" overrides: ``norms=False`` keeps every norm; ``fold=True`` folds norm affines
     into the linear layers that alone read their output (needs ``example_inputs`` and/or
     ``example_kwargs``, one call the model accepts); ``gelu=`` / ``silu=`` choose the replacement by
-    abp operator name (``"regelu2"`` / ``"resilu2"`` by default, ``"gelu_b3"``, ``"silu_b2_uniform"``,
-    ...; the GELU's erf or tanh form is the module's own) or switch it off with ``None``;
+    abp operator name (``"regelu2"`` / ``"resilu2"`` by default, ``"gelu_b3"`` / ``"silu_b3"`` by default
+    where a convolution or channel norm feeds the activation, ``"silu_b2_uniform"``, ...; a value given
+    applies everywhere; the GELU's erf or tanh form is the module's own) or switch it off with ``None``;
     ``leaky_relu=False`` keeps LeakyReLUs.
     Recipe "sampled" overrides: ``method=`` ("wtacrs", "crs", "uniform", "gaussian", "rademacher"),
     ``keep=`` (0.3) and ``layers=`` (None: the attention-output and feed-forward projections, found
@@ -828,11 +885,13 @@ def convert(
     # caller gave it, before any module is replaced.
     norms = _norm_names(model, recognised) if "lowmembp" in recipes and options["norms"] else []
     by_role = "sampled" in recipes and options["layers"] is None
-    structure = _record(model, call, norms) if call is not None and (norms or by_role) else None
+    # The call also shows which activations read a CNN layer's output (_cnn_layer_feeding).
+    structure = _record(model, call, norms) if call is not None and (norms or by_role or "lowmembp" in recipes) else None
     roles = _roles(model, recognised, structure) if by_role else None
     changes: List[Change] = []
     if "lowmembp" in recipes:
-        changes += _convert_lowmembp(model, options, recognised, call, structure if norms else None)
+        chosen = {k for k in ("gelu", "silu") if k in overrides}
+        changes += _convert_lowmembp(model, options, recognised, call, structure, chosen)
     if "sampled" in recipes:
         changes += _convert_sampled(model, options, recognised, roles)
     if "compress" in recipes:
