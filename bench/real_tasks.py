@@ -5,7 +5,10 @@
   patches of 2x2 pixels, classified by a pre-LN transformer (2 blocks, d 64, 4 heads,
   torch.nn.MultiheadAttention, GELU MLP). A fixed split: 1,437 to train, 360 to test.
   **digits-vit**: the same data and size with timm's ViT, which adds a class token (a row of
-  another scale than the patches' rows in every saved activation).
+  another scale than the patches' rows in every saved activation). **digits-cnn**: the same data
+  as 8x8 images, classified by a plain CNN (12 Conv-BatchNorm-SiLU layers without residual paths,
+  width 16, pooled into a Linear head): the layout where the 2-bit activations compound their
+  derivative error.
 * **charlm**: a byte-level language model of the Python standard library's own source (the
   interpreter's ``*.py`` files in sorted order; the first 600 kB to train, the next 60 kB to
   validate), with a LLaMA-style model (2 blocks, d 64, RMSNorm, rotary positions, causal
@@ -158,6 +161,30 @@ class TimmViT(nn.Module):
         # (N, 16, 4) row-major 2x2 patches back to (N, 1, 8, 8) images (digits' reshape, inverted).
         images = x.reshape(-1, 4, 4, 2, 2).permute(0, 1, 3, 2, 4).reshape(-1, 1, 8, 8)
         return self.vit(images)
+
+
+class ConvLayer(nn.Sequential):
+    """Conv 3x3 - BatchNorm - SiLU, a CNN's layer."""
+
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.SiLU())
+
+
+class DigitsCNN(nn.Module):
+    """A plain CNN on the digits as 8x8 images: `depth` ConvLayers in a chain (no residual path,
+    as in EfficientNet's and MobileNet's stems), global average pooling, a Linear head."""
+
+    def __init__(self, width: int = 16, depth: int = 12) -> None:
+        super().__init__()
+        self.body = nn.Sequential(*[ConvLayer(1 if i == 0 else width, width) for i in range(depth)])
+        self.head = nn.Linear(width, 10)
+        self.Block = ConvLayer
+        #: What recipe "sampled" samples: the head (the only Linear).
+        self.SAMPLED = ("head",)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        images = x.reshape(-1, 4, 4, 2, 2).permute(0, 1, 3, 2, 4).reshape(-1, 1, 8, 8)  # as TimmViT
+        return self.head(self.body(images).mean((2, 3)))
 
 
 class RMSNorm(nn.Module):
@@ -326,7 +353,9 @@ def _compress(bits: int, rules: bool, recompute: bool) -> Callable[[nn.Module, T
 
 #: abp's recipes beside SETTINGS, by name.
 RECIPES: Dict[str, Recipe] = {r.name: r for r in (
-    Recipe("lowmembp", "convert lowmembp (MS norms, ReGELU2 / ReSiLU2)", {"recipe": "lowmembp"}),
+    Recipe("lowmembp", "convert lowmembp (MS norms, ReGELU2 / ReSiLU2; 3-bit after CNN layers)", {"recipe": "lowmembp"}),
+    Recipe("lowmembp-2bit", "convert lowmembp with the 2-bit ReGELU2 / ReSiLU2 everywhere",
+           {"recipe": "lowmembp", "gelu": "regelu2", "silu": "resilu2"}),
     Recipe("fewbit-3", "FewBit 3-bit GELU / SiLU (norms exact)",
            {"recipe": "lowmembp", "norms": False, "gelu": "gelu_b3", "silu": "silu_b3"}),
     Recipe("sampled-0.3", "WTA-CRS keep 0.3 (convert sampled)", {"recipe": "sampled", "keep": 0.3}),
@@ -379,7 +408,9 @@ def _prepare(setting: Setting, model: nn.Module, task: Task) -> Tuple[str, Calla
         if "sampled" in ([name] if isinstance(name, str) else name) or name == "all":
             options.setdefault("layers", model.SAMPLED)
         _, changes = abp.convert(model, name, inplace=True, **options)
-        refused = [c for c in changes if c.action == "refused"]
+        # A CNN's BatchNorms are refused by design (lowmembp replaces LayerNorm and RMSNorm only).
+        refused = [c for c in changes if c.action == "refused"
+                   and not isinstance(model.get_submodule(c.module), nn.modules.batchnorm._BatchNorm)]
         if refused or not changes:
             raise RuntimeError(f"{r.name}: convert refused {refused or 'everything'}")
     return r.name, r.context(model, task) if r.context is not None else contextlib.nullcontext
@@ -393,13 +424,14 @@ def _grad_norm(model: nn.Module) -> float:
 def train(task: str, setting: Setting, seed: int, *, steps: Optional[int] = None, log_every: int = 10,
           eval_every: Optional[int] = None, device: Union[str, torch.device] = "cpu",
           stdlib: Optional[Path] = None) -> Dict[str, Any]:
-    """Trains `task` ("digits", "digits-vit" or "charlm") under `setting` (a name of SETTINGS or RECIPES, a
+    """Trains `task` ("digits", "digits-vit", "digits-cnn" or "charlm") under `setting` (a name of SETTINGS or RECIPES, a
     Recipe, or a callable giving the model a context factory for each step) from `seed`; returns
     its metrics. With `eval_every`, result["curve"] holds [steps done, metric] at 0, every
     `eval_every` steps and at the end (evaluation draws no random numbers: the run is unchanged).
 
     digits: AdamW lr 1e-3, batch 64, `steps` (default 12 epochs = 276 steps); metric test accuracy.
-    digits-vit: the same with timm's ViT (TimmViT) instead of PatchTransformer.
+    digits-vit, digits-cnn: the same with timm's ViT (TimmViT) or a plain CNN (DigitsCNN) instead of
+    PatchTransformer.
     charlm: AdamW lr 3e-3, batch 32 of 64 bytes, `steps` (default 600); metric validation loss
     (nats per byte) over 64 fixed windows.
 
@@ -410,9 +442,9 @@ def train(task: str, setting: Setting, seed: int, *, steps: Optional[int] = None
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(1000 + seed)  # batches
     extra = torch.Generator().manual_seed(2000 + seed)  # batches a setting draws (Task.draw)
-    if task in ("digits", "digits-vit"):
+    if task in ("digits", "digits-vit", "digits-cnn"):
         xtr, ytr, xte, yte = (t.to(device) for t in digits())
-        model: nn.Module = (PatchTransformer() if task == "digits" else TimmViT()).to(device)
+        model: nn.Module = {"digits": PatchTransformer, "digits-vit": TimmViT, "digits-cnn": DigitsCNN}[task]().to(device)
         lr, batch, total = 1e-3, 64, steps if steps is not None else 276
 
         def batches() -> Any:
@@ -462,7 +494,7 @@ def train(task: str, setting: Setting, seed: int, *, steps: Optional[int] = None
             with torch.no_grad():
                 return {"val_loss": float(loss_of(model(val[:, :-1]), val[:, 1:]))}
     else:
-        raise ValueError(f"task: expected 'digits', 'digits-vit' or 'charlm', got {task!r}")
+        raise ValueError(f"task: expected 'digits', 'digits-vit', 'digits-cnn' or 'charlm', got {task!r}")
 
     spec = Task(task, model.Block, lambda b: loss_of(model(b[0]), b[1]), draw)
     name, context_of = _prepare(setting, model, spec)
