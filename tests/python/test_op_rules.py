@@ -401,6 +401,21 @@ def test_watch_is_quiet_on_a_steady_norm_and_alarms_once_on_growth_or_nan() -> N
     assert _guard.GradientWatch().add([10.0] * 25 + [1.0] * 100 + [5.0] * 100) is None
 
 
+def test_gradient_norm_is_the_norm_of_every_gradient_in_fp32() -> None:
+    """One foreach norm where torch has it (fp32 accumulation of fp32, bf16 and fp16 gradients),
+    per-tensor norms elsewhere: the 2-norm of all gradients together; parameters without one skipped."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7, dtype=torch.bfloat16)),
+              torch.nn.Parameter(torch.randn(4, dtype=torch.float16)), torch.nn.Parameter(torch.randn(2))]
+    for p in params[:3]:
+        p.grad = torch.randn_like(p) * 300  # fp16 squares overflow: the sum must be taken in fp32
+    expected = torch.cat([p.grad.double().flatten() for p in params[:3]]).norm()
+    norm = _guard.gradient_norm(params)
+    assert norm is not None and norm.dtype == torch.float32
+    assert math.isclose(float(norm), float(expected), rel_tol=1e-5)
+    assert _guard.gradient_norm(params[3:]) is None
+
+
 def test_record_reads_the_device_every_window_steps() -> None:
     watch = _guard.GradientWatch(window=4)
     for i in range(3):

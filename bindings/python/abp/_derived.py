@@ -303,14 +303,58 @@ class Derived:
                     if leaf is None:
                         leaf = memo[id(value)] = decode(value, memo)
             leaves.append(leaf)
-        args, kwargs = tree_unflatten(leaves, self.spec)
+        args, kwargs = _unflatten_call(leaves, self.spec)
         with torch.no_grad(), _autocast(self.autocast):
             return self.func(*args, **kwargs)
 
 
 def flatten(args: Tuple[Any, ...]) -> Tuple[List[Any], Any]:
     """(leaves, spec) of positional `args` as Derived holds them."""
-    return tree_flatten((args, {}))
+    return _flatten_call(args, {})
+
+
+class _FlatCall:
+    """The spec of a call whose arguments hold no container: how many are positional, and the
+    keywords' names. Most recorded calls are so (tensors and scalars), and torch's pytree costs
+    tens of microseconds a call on the forward's hot path."""
+
+    __slots__ = ("positional", "names")
+
+    def __init__(self, positional: int, names: Tuple[str, ...]) -> None:
+        self.positional, self.names = positional, names
+
+
+_SCALARS = (int, float, bool)
+
+
+def _leaf(value: Any) -> bool:
+    """True for an argument _FlatCall keeps whole: anything but a container, and a list or tuple
+    of numbers (a shape, layer_norm's normalized_shape), which holds no tensor to replace."""
+    if isinstance(value, dict):
+        return False
+    if isinstance(value, (list, tuple)):
+        return all(type(v) in _SCALARS for v in value)
+    return True
+
+
+def _flatten_call(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[List[Any], Any]:
+    """(leaves, spec) of a call's arguments: a _FlatCall where every argument is a leaf (`_leaf`),
+    torch's pytree otherwise (which drops None: it is an empty node there, a leaf here)."""
+    for value in args:
+        if not _leaf(value):
+            return tree_flatten((args, kwargs))
+    for value in kwargs.values():
+        if not _leaf(value):
+            return tree_flatten((args, kwargs))
+    return [*args, *kwargs.values()], _FlatCall(len(args), tuple(kwargs))
+
+
+def _unflatten_call(leaves: List[Any], spec: Any) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    """(args, kwargs) back from `_flatten_call`'s leaves and spec."""
+    if isinstance(spec, _FlatCall):
+        n = spec.positional
+        return tuple(leaves[:n]), dict(zip(spec.names, leaves[n:]))
+    return tree_unflatten(leaves, spec)
 
 
 def _autocast_state(device: torch.device) -> Optional[Tuple[str, bool, torch.dtype]]:
@@ -340,9 +384,13 @@ def _autocast(state: Optional[Tuple[str, bool, torch.dtype]]) -> Any:
     return torch.autocast(kind, dtype=dtype, enabled=enabled)
 
 
+# Looked up once: the recorder asks on every torch function of a forward.
+_IS_COMPILING: Optional[Callable[[], bool]] = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+
+
 def _compiling() -> bool:
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
+    """True while torch.compile traces (torch >= 2.2 says so; older torches: never)."""
+    return _IS_COMPILING is not None and bool(_IS_COMPILING())
 
 
 class Recorder(TorchFunctionMode):
@@ -381,7 +429,7 @@ class Recorder(TorchFunctionMode):
             outputs = list(enumerate(out))
         else:
             return
-        leaves, spec = tree_flatten((args, kwargs))
+        leaves, spec = _flatten_call(args, kwargs)
         # Only those autograd may save, and never an argument handed back as it is (`x.to(x.dtype)`,
         # a contiguous tensor's contiguous()): it would be recorded as made from itself.
         inputs = {id(leaf) for leaf in leaves if isinstance(leaf, torch.Tensor)}

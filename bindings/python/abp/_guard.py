@@ -96,8 +96,15 @@ def gradient_norm(parameters: Iterable[torch.Tensor]) -> Optional[torch.Tensor]:
     if not grads:
         return None
     devices = {g.device for g in grads}
+    if len(devices) == 1:
+        # One foreach op for every gradient (a model has hundreds: per-tensor norms cost a
+        # dispatch each on every step), accumulating in fp32 as the loop below does.
+        try:
+            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+        except (AttributeError, TypeError, RuntimeError, NotImplementedError):
+            pass  # torch 1.13 takes no dtype; a tensor subclass may have no foreach kernel
     device = grads[0].device if len(devices) == 1 else torch.device("cpu")
-    return torch.norm(torch.stack([g.float().norm().to(device) for g in grads]))
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32).to(device) for g in grads]))
 
 
 def after_backward(callback: Callable[[], Any]) -> bool:

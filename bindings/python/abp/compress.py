@@ -367,10 +367,11 @@ def _pack_mask(m: torch.Tensor) -> CompressedTensor:
 def _parameter_of(t: torch.Tensor) -> Optional[torch.Tensor]:
     """The parameter `t` is, or is a view or cast of (docs/algorithms.md §6.1: autocast's weight
     copy); None for an activation."""
-    if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
+    # A Parameter is a leaf; Parameter's isinstance runs Python (its metaclass), so it is asked last.
+    if t.is_leaf and (t.requires_grad or isinstance(t, torch.nn.Parameter)):
         return t
     base = t._base
-    if base is not None and (isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)):
+    if base is not None and base.is_leaf and (base.requires_grad or isinstance(base, torch.nn.Parameter)):
         return base
     node = t.grad_fn
     for _ in range(3):  # a short chain of views and casts ending at a leaf's gradient accumulator
@@ -439,9 +440,7 @@ def eligible(t: torch.Tensor, min_numel: int) -> bool:
     return _compressible(t, min_numel) and not _is_parameter(t)
 
 
-def _compiling() -> bool:
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
+_compiling = _derived._compiling
 
 
 _WARNED: Set[str] = set()
