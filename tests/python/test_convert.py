@@ -1188,11 +1188,11 @@ def first_weight_gradient(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def test_activations_fed_by_a_cnn_layer_take_the_3_bit_form(norm: Optional[Callable[[int], nn.Module]],
                                                             act: Callable[[], nn.Module], example: bool) -> None:
     """A CNN's chain of conv(-norm)-activation layers compounds the 2-bit activations' derivative
-    error with depth (bench/activation_chains.py); convert gives the activations a convolution or
-    channel norm feeds the 3-bit FewBit form, found from the example call or, without one, from
-    the module tree. The head's SiLU, fed by a Linear, keeps ReSiLU2. Through 12 layers the first
-    conv's gradient is then within 0.9 of exact (relative error), and at least 3 times closer than
-    under the 2-bit form, which the caller can still force (measured at this seed: 0.18-0.82
+    error with depth (bench/activation_chains.py); convert gives its activations the 3-bit FewBit
+    form, found from the example call (no residual add bypasses them) or, without one, from the
+    module tree (their block holds convolutions), the head's SiLU included. Through 12 layers the
+    first conv's gradient is then within 0.9 of exact (relative error), and at least 3 times closer
+    than under the 2-bit form, which the caller can still force (measured at this seed: 0.18-0.82
     against 2.0-16 with norms; without, the 2-bit form is off by orders of magnitude)."""
     torch.manual_seed(0)
     model = ConvNormActChain(norm, act)
@@ -1203,12 +1203,13 @@ def test_activations_fed_by_a_cnn_layer_take_the_3_bit_form(norm: Optional[Calla
     per_layer = 2 if norm is None else 3
     fed = [f"body.{per_layer * i + per_layer - 1}" for i in range(12)]
     replaced = by_action(changes, "replaced")
+    why = "on a path no residual add bypasses in the example call" if example else "in `body`, a block with a Conv2d"
     for name in fed:
-        assert replaced[name].startswith(f"{act.__name__} ({family}) -> {act.__name__} ({family}_b3: fed by "), replaced[name]
+        assert replaced[name].startswith(f"{act.__name__} ({family}) -> {act.__name__} ({family}_b3: {why}"), replaced[name]
         assert f"{family}='{'resilu2' if family == 'silu' else 'regelu2'}' forces it" in replaced[name]
         module = converted.get_submodule(name)
         assert type(module) is getattr(abp.nn, act.__name__) and module.bits == 3
-    assert replaced["head_act"] == "SiLU (silu) -> ReSiLU2 (resilu2)"
+    assert type(converted.head_act) is abp.nn.SiLU and converted.head_act.bits == 3
     exact = first_weight_gradient(model, x)
     error = lambda m: float((first_weight_gradient(m, x) - exact).norm() / exact.norm())  # noqa: E731
     forced, changes = abp.convert(model, **kwargs, **{family: "resilu2" if family == "silu" else "regelu2"})
@@ -1227,20 +1228,78 @@ def test_activation_inside_its_norm_takes_the_3_bit_form_and_an_explicit_choice_
         assert by_action(changes, "replaced")["1.act"] == "SiLU (silu) -> SiLU (silu_b2)"
         converted, changes = abp.convert(model, silu="resilu2", **kwargs)
         assert type(converted[4]) is abp.nn.ReSiLU2
-    # The example call sees the dataflow, whatever the registration order says: here the SiLU
-    # registered after the BatchNorm reads the Linear's output.
-    class Misordered(nn.Module):
-        def __init__(self) -> None:
+
+
+class ResidualBlock(nn.Module):
+    """`x + fc2(act(fc1(norm(x))))` with a BatchNorm1d as the norm: the activation sits in a residual
+    branch, fed by a Linear, though its block holds a channel norm."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.norm, self.fc1, self.act, self.fc2 = nn.BatchNorm1d(d), nn.Linear(d, 2 * d), nn.SiLU(), nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+
+class PostAddBlock(nn.Module):
+    """ResNet's layout: `act(bn(conv(x)) + x)`, the sum written out or in place; the activation is
+    on the path every gradient takes."""
+
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        self.in_place = in_place
+        self.conv, self.bn, self.act = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.bn(self.conv(x))
+        if self.in_place:
+            h += x
+        else:
+            h = h + x
+        return self.act(h)
+
+
+def test_the_example_calls_dataflow_decides_over_the_module_tree() -> None:
+    """With an example call an activation in a residual branch fed by a Linear keeps the 2-bit
+    form, whatever its block holds; without one the block's BatchNorm makes it 3-bit."""
+    model = nn.Sequential(ResidualBlock(), ResidualBlock())
+    x = torch.randn(4, 8)
+    converted, changes = abp.convert(model, example_inputs=(x,))
+    assert [type(b.act) for b in converted] == [abp.nn.ReSiLU2, abp.nn.ReSiLU2]
+    converted, changes = abp.convert(model)
+    assert all(type(b.act) is abp.nn.SiLU and b.act.bits == 3 for b in converted)
+    assert by_action(changes, "replaced")["0.act"].startswith("SiLU (silu) -> SiLU (silu_b3: in `0`, a block with a BatchNorm1d")
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["h = h + x", "h += x"])
+def test_an_activation_after_the_residual_add_takes_the_3_bit_form(in_place: bool) -> None:
+    model = nn.Sequential(PostAddBlock(in_place), PostAddBlock(in_place))
+    converted, changes = abp.convert(model, example_inputs=(torch.randn(2, 4, 6, 6),))
+    for name in ("0.act", "1.act"):
+        assert "silu_b3: on a path no residual add bypasses in the example call" in by_action(changes, "replaced")[name]
+
+
+def test_a_shared_activation_takes_the_3_bit_form_if_any_of_its_calls_compounds() -> None:
+    """One SiLU module called in a residual branch and after a BatchNorm: the 3-bit form whichever
+    call comes first."""
+    class Shared(nn.Module):
+        def __init__(self, branch_first: bool) -> None:
             super().__init__()
-            self.linear, self.norm, self.act = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.SiLU()
+            self.branch_first = branch_first
+            self.fc, self.conv, self.bn, self.act = nn.Linear(4, 4), nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4), nn.SiLU()
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.norm(self.act(self.linear(x)))
+            def branch(y: torch.Tensor) -> torch.Tensor:
+                return y + self.act(self.fc(y.transpose(1, 3))).transpose(1, 3)
 
-    converted, _ = abp.convert(Misordered(), example_inputs=(torch.randn(4, 8),))
-    assert type(converted.act) is abp.nn.ReSiLU2
-    converted, _ = abp.convert(Misordered())  # by registration order, without a call
-    assert type(converted.act) is abp.nn.SiLU and converted.act.bits == 3
+            def chain(y: torch.Tensor) -> torch.Tensor:
+                return self.act(self.bn(self.conv(y)))
+            return chain(branch(x)) if self.branch_first else branch(chain(x))
+
+    for branch_first in (True, False):
+        converted, _ = abp.convert(Shared(branch_first), example_inputs=(torch.randn(2, 4, 3, 3),))
+        assert type(converted.act) is abp.nn.SiLU and converted.act.bits == 3
 
 
 @pytest.mark.parametrize("gelu", ["regelu2", "gelu_b2"])

@@ -5,8 +5,8 @@ Recipes (``recipe=`` one name, a list of them, or ``"all"``):
 - ``"lowmembp"`` (docs/algorithms.md §4, §5): every LayerNorm / RMSNorm becomes a memory-sharing norm whose
   backward reads only its output (the storage the next layer keeps anyway) and one value per row;
   every GELU (erf or tanh form) and SiLU becomes ReGELU2 / ReSiLU2 (2-bit codes) or a FewBit k-bit
-  activation (``gelu="gelu_b3"``); by default one that a convolution or a channel norm feeds (a CNN
-  layer, where chains compound the 2-bit derivative's error) becomes the 3-bit FewBit form; LeakyReLU
+  activation (``gelu="gelu_b3"``); by default one on a path no residual add bypasses (a CNN's layers,
+  where the 2-bit derivative's error compounds with depth) becomes the 3-bit FewBit form; LeakyReLU
   becomes abp's exact 1-bit LeakyReLU.
 - ``"sampled"`` (§3, §8): the linear layers whose qualified names match ``layers`` (by default the
   attention-output and FFN projections) estimate dW from sampled token rows; a matched wrapper that
@@ -42,7 +42,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from . import _compiled_saves, _recognise, _structure, compress, sampling
+from . import _compiled_saves, _dataflow, _recognise, _structure, compress, sampling
 from . import nn as abp_nn
 from ._recognise import Activation, LinearMap, Norm, Unknown
 from ._roles import sampled_linear_maps as _roles_of
@@ -451,53 +451,50 @@ def _next_in_sequential(model: nn.Module, name: str) -> Optional[Tuple[str, nn.M
 # ---------------------------------------------------------------------------------------------
 
 
-# What feeds an activation in the layers of a CNN: a convolution, or a normalisation over channels
-# (batch, group or instance statistics) after one. Chains of such layers, with no residual path
-# around each activation, compound the 2-bit activations' derivative error with depth
-# (bench/activation_chains.py: through 12 Conv-BatchNorm-SiLU, Conv-GroupNorm-SiLU or Conv-SiLU
-# layers, ReSiLU2's first-layer gradient error is 3.4, 3.6 and 72; the 3-bit FewBit SiLU's 0.24,
-# 0.24 and 0.48), so there the default becomes the 3-bit form. _NormBase covers BatchNorm*,
-# SyncBatchNorm and InstanceNorm*; _ConvNd every nn.Conv and ConvTranspose.
+# Where the 2-bit activations' derivative error compounds with depth: on a path of layers the
+# gradient must all pass through, as in CNNs (bench/activation_chains.py: through 12
+# Conv-BatchNorm-SiLU, Conv-GroupNorm-SiLU or Conv-SiLU layers, ReSiLU2's first-layer gradient error
+# is 3.4, 3.6 and 72; the 3-bit FewBit SiLU's 0.24, 0.24 and 0.48), not in the residual branches of
+# transformers (0.54 through 12 blocks, LowMemoryBP's own setting). There the default becomes the
+# 3-bit form. Nor in the residual branches of CNNs, whose Conv-BatchNorm-activation layers
+# compound it within the branch (timm's EfficientNet-B0 and a SiLU ResNet-18 at initialisation,
+# whole-gradient error 4.7 and 0.80 with them at 2 bits, 0.30 and 0.22 at 3 bits). So the 3-bit form
+# goes to an activation that no residual add bypasses, or that a convolution or a normalisation over
+# channels feeds: read from the example call's dataflow (abp._dataflow), or without one from the
+# module tree (the activation's block holds such a layer).
 _CNN_LAYERS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.modules.conv._ConvNd)
 _CNN_FUNCTIONS = frozenset({"batch_norm", "group_norm", "instance_norm", "conv1d", "conv2d", "conv3d",
                             "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"})
 
+def _compounding_path(model: nn.Module, name: str, modules: Dict[str, nn.Module],
+                      dataflow: Optional[_dataflow.Dataflow]) -> Optional[str]:
+    """Why activation `name` is on a path where the 2-bit error compounds, or None.
 
-def _cnn_layer_feeding(model: nn.Module, name: str, modules: Dict[str, nn.Module],
-                       structure: Optional[_structure.Structure]) -> Optional[str]:
-    """What names the convolution or channel norm whose output activation `name` reads, or None.
-
-    From the example call where one ran (the producer of the activation's first input); else from
-    the module tree: the activation is a child of such a norm (timm's BatchNormAct2d) or comes right
-    after one in its parent (Conv2dNormActivation, transformers' convolution-normalization-activation
-    layers)."""
-    if structure is not None and name in structure.inputs:
-        ids = structure.inputs[name]
-        producer = next((e for e in structure.events if ids and ids[0] in e.outputs), None)
-        if producer is None:
-            return None
-        if producer.function is not None:
-            if producer.function not in _CNN_FUNCTIONS:
-                return None
-            return f"`{producer.function}`" + (f" in `{producer.within[-1]}`" if producer.within and producer.within[-1] else "")
-        norm = modules.get(producer.module or "")
-        return f"{type(norm).__name__} `{producer.module}`" if isinstance(norm, _CNN_LAYERS) else None
-    parent_name, _, attr = name.rpartition(".")
+    From the example call where the activation ran in it: a call of it that no residual add
+    bypasses, or a convolution or channel norm making its input. Else from the module tree: the
+    module it belongs to holds a convolution or channel norm (timm's BatchNormAct2d, torchvision's
+    Conv2dNormActivation, a ResNet block, transformers' convolution-normalization-activation
+    layers), where a transformer's MLP holds linear layers only."""
+    bypassed = dataflow.bypassed(name) if dataflow is not None else None
+    if bypassed is not None:
+        assert dataflow is not None
+        if not bypassed:
+            return "on a path no residual add bypasses in the example call (as in a CNN's layers)"
+        producer = dataflow.producer(name)
+        return f"fed by `{producer}` in the example call, a CNN layer" if producer in _CNN_FUNCTIONS else None
+    parent_name = name.rpartition(".")[0]
     parent = modules[parent_name] if parent_name else model
-    if isinstance(parent, _CNN_LAYERS):
-        return f"{type(parent).__name__} `{parent_name}`, whose child it is"
-    keys = list(parent._modules)
-    at = keys.index(attr) if attr in keys else 0
-    before = parent._modules[keys[at - 1]] if at > 0 else None
-    if isinstance(before, _CNN_LAYERS):
-        return f"{type(before).__name__} `{(parent_name + '.') if parent_name else ''}{keys[at - 1]}`, registered before it"
-    return None
+    layer = next((m for m in parent.modules() if isinstance(m, _CNN_LAYERS)), None)
+    if layer is None:
+        return None
+    return (f"in `{parent_name or type(model).__name__}`, a block with a {type(layer).__name__} (a CNN layer; without "
+            "example_inputs= convert reads the module tree)")
 
 
 def _convert_activation(model: nn.Module, name: str, module: nn.Module, spec: Any, options: Dict[str, Any], paths: List[str],
                         refusal: Optional[str] = None, chain: Optional[str] = None) -> List[Change]:
     """Replaces one activation as the options say; `refusal`: why none may be replaced here;
-    `chain`: the CNN layer feeding it, where the caller left the choice to convert."""
+    `chain`: why its 2-bit form's error would compound, where the caller left the choice to convert."""
     kind = type(module).__name__
     if isinstance(spec, Unknown):
         return [Change(name, "refused", f"{kind} not replaced: {spec.reason}")]
@@ -517,9 +514,8 @@ def _convert_activation(model: nn.Module, name: str, module: nn.Module, spec: An
         why = ""
         if chain is not None and choice == _DEFAULTS["lowmembp"][family]:
             choice = f"{family}_b3"
-            why = (f": fed by {chain}, a CNN layer; through chains of these the 2-bit "
-                   f"{'ReSiLU2' if family == 'silu' else 'ReGELU2'}'s derivative error compounds; "
-                   f"{family}={_DEFAULTS['lowmembp'][family]!r} forces it")
+            why = (f": {chain}, where the 2-bit {'ReSiLU2' if family == 'silu' else 'ReGELU2'}'s derivative "
+                   f"error compounds with depth; {family}={_DEFAULTS['lowmembp'][family]!r} forces it")
         approximate = "tanh" if spec.kind == "gelu_tanh" else "none"
         replacement = _activation_module(family, choice, approximate)
         what = f"{choice}" + (", tanh form" if approximate == "tanh" else "") + why
@@ -817,6 +813,7 @@ def _convert_lowmembp(
                          "example_kwargs= (a dict): one call the model accepts, run once to see which layers read "
                          "each norm's output")
     changes: List[Change] = []
+    dataflow = _dataflow.Dataflow(structure) if structure is not None else None
     floating = {p.dtype for p in model.parameters() if p.is_floating_point()}
     # The generated activations have float32, float16 and bfloat16 kernels (the norms run float64
     # too): a float64 model would fail at its first forward.
@@ -837,7 +834,7 @@ def _convert_lowmembp(
         elif isinstance(spec, (Activation, Unknown)):
             automatic = isinstance(spec, Activation) and spec.kind in ("gelu", "gelu_tanh", "silu") and \
                 ("silu" if spec.kind == "silu" else "gelu") not in chosen
-            chain = _cnn_layer_feeding(model, name, modules, structure) if automatic else None
+            chain = _compounding_path(model, name, modules, dataflow) if automatic else None
             changes += _convert_activation(model, name, module, spec, options, paths[id(module)], activations_refused, chain)
     return changes
 
@@ -853,7 +850,7 @@ def convert(
     into the linear layers that alone read their output (needs ``example_inputs`` and/or
     ``example_kwargs``, one call the model accepts); ``gelu=`` / ``silu=`` choose the replacement by
     abp operator name (``"regelu2"`` / ``"resilu2"`` by default, ``"gelu_b3"`` / ``"silu_b3"`` by default
-    where a convolution or channel norm feeds the activation, ``"silu_b2_uniform"``, ...; a value given
+    on a path no residual add bypasses, ``"silu_b2_uniform"``, ...; a value given
     applies everywhere; the GELU's erf or tanh form is the module's own) or switch it off with ``None``;
     ``leaky_relu=False`` keeps LeakyReLUs.
     Recipe "sampled" overrides: ``method=`` ("wtacrs", "crs", "uniform", "gaussian", "rademacher"),
@@ -885,7 +882,7 @@ def convert(
     # caller gave it, before any module is replaced.
     norms = _norm_names(model, recognised) if "lowmembp" in recipes and options["norms"] else []
     by_role = "sampled" in recipes and options["layers"] is None
-    # The call also shows which activations read a CNN layer's output (_cnn_layer_feeding).
+    # The call also shows which activations no residual add bypasses (_compounding_path).
     structure = _record(model, call, norms) if call is not None and (norms or by_role or "lowmembp" in recipes) else None
     roles = _roles(model, recognised, structure) if by_role else None
     changes: List[Change] = []
