@@ -4,8 +4,8 @@ Conv-activation layers (CNNs without residual paths between them, as inside Effi
 MobileNet's stems or wav2vec2's feature encoder) against 12 pre-norm residual MLP blocks (a
 transformer's layout): the relative error of the first layer's weight gradient,
 ‖g − g_exact‖ / ‖g_exact‖, and the gain ‖g‖ / ‖g_exact‖, for each replacement convert offers and
-for convert's own choice (`default`: the 3-bit form where a convolution or channel norm feeds the
-activation, the 2-bit one elsewhere).
+for convert's own choice (`default`, without an example call: the 3-bit form where the
+activation's block holds a convolution or channel norm, the 2-bit one elsewhere).
 
     python bench/activation_chains.py [--json out.json]
 

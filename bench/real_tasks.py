@@ -353,7 +353,7 @@ def _compress(bits: int, rules: bool, recompute: bool) -> Callable[[nn.Module, T
 
 #: abp's recipes beside SETTINGS, by name.
 RECIPES: Dict[str, Recipe] = {r.name: r for r in (
-    Recipe("lowmembp", "convert lowmembp (MS norms, ReGELU2 / ReSiLU2; 3-bit after CNN layers)", {"recipe": "lowmembp"}),
+    Recipe("lowmembp", "convert lowmembp (MS norms, ReGELU2 / ReSiLU2; 3-bit FewBit in CNN layers)", {"recipe": "lowmembp"}),
     Recipe("lowmembp-2bit", "convert lowmembp with the 2-bit ReGELU2 / ReSiLU2 everywhere",
            {"recipe": "lowmembp", "gelu": "regelu2", "silu": "resilu2"}),
     Recipe("fewbit-3", "FewBit 3-bit GELU / SiLU (norms exact)",
