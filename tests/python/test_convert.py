@@ -1280,9 +1280,37 @@ def test_an_activation_after_the_residual_add_takes_the_3_bit_form(in_place: boo
         assert "silu_b3: on a path no residual add bypasses in the example call" in by_action(changes, "replaced")[name]
 
 
+class LinearChain(nn.Module):
+    """`depth` Linear-LayerNorm-SiLU layers without per-layer residuals; `long_skip` adds the input
+    to the output (one skip over the whole chain), `shift` adds a buffer in every layer."""
+
+    def __init__(self, long_skip: bool = False, shift: bool = False, depth: int = 6, d: int = 8) -> None:
+        super().__init__()
+        self.long_skip, self.use_shift = long_skip, shift
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.LayerNorm(d), nn.SiLU()) for _ in range(depth))
+        self.register_buffer("shift", torch.zeros(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for layer in self.layers:
+            h = layer(h)
+            if self.use_shift:
+                h = h + self.shift
+        return h + x if self.long_skip else h
+
+
+@pytest.mark.parametrize("variant", [{}, {"long_skip": True}, {"shift": True}], ids=["chain", "long-skip", "buffer-added"])
+def test_a_skip_over_several_activations_or_an_added_buffer_is_no_bypass(variant: Dict[str, bool]) -> None:
+    """A residual add bypasses an activation only if its branch holds no other: one skip over a
+    whole chain leaves every layer's gradient passing through the rest; a buffer added in every
+    layer is no skip at all."""
+    converted, _ = abp.convert(LinearChain(**variant), example_inputs=(torch.randn(4, 8),))
+    assert all(type(layer[2]) is abp.nn.SiLU and layer[2].bits == 3 for layer in converted.layers)
+
+
 def test_a_shared_activation_takes_the_3_bit_form_if_any_of_its_calls_compounds() -> None:
     """One SiLU module called in a residual branch and after a BatchNorm: the 3-bit form whichever
-    call comes first."""
+    call comes first (the BatchNorm call is in a residual branch too)."""
     class Shared(nn.Module):
         def __init__(self, branch_first: bool) -> None:
             super().__init__()
@@ -1294,7 +1322,7 @@ def test_a_shared_activation_takes_the_3_bit_form_if_any_of_its_calls_compounds(
                 return y + self.act(self.fc(y.transpose(1, 3))).transpose(1, 3)
 
             def chain(y: torch.Tensor) -> torch.Tensor:
-                return self.act(self.bn(self.conv(y)))
+                return y + self.act(self.bn(self.conv(y)))
             return chain(branch(x)) if self.branch_first else branch(chain(x))
 
     for branch_first in (True, False):

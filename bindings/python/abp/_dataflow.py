@@ -9,13 +9,13 @@ too, so their error does not compound. A CNN's do not, or sit after the residual
 
 ``Dataflow`` rebuilds the call's dataflow from abp._structure's events as values (a tensor id is
 a new value each time an op writes it, so ``h += x`` is told apart from ``h``), and
-``bypassed(module)`` says whether, for every call of the module, some add combines a value
-computed from its output with one its input was computed from: the skip around it;
-``producer(module)`` names the op that made its input.
+``bypassed(module)`` says whether, for every call of the module, the nearest add that combines a
+value computed from its output with one its input was computed from (the skip around it) closes
+a branch holding no other activation; ``producers(module)`` names the ops that made its inputs.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from ._structure import Structure
 
@@ -31,11 +31,13 @@ _ADDS = frozenset({"add", "add_", "__add__", "__radd__", "__iadd__"})
 class Dataflow:
     """The values of one recorded call, their producers, and each module call's input and output."""
 
-    def __init__(self, structure: Structure) -> None:
+    def __init__(self, structure: Structure, constants: Set[int] = frozenset()) -> None:
+        """`constants`: ids of tensors besides the parameters that no skip is made of (the model's
+        buffers: one added in every layer would otherwise look like a skip around each)."""
         self._parents: List[Tuple[int, ...]] = []  # value -> the values its op read
         self._function: List[Optional[str]] = []  # value -> the op that wrote it (None: given)
         self._children: List[List[int]] = []
-        self._parameters: Set[int] = set()  # values that are the model's parameters
+        self._constants: Set[int] = set()  # values of the model's parameters and `constants`
         # module name -> (input value, output value) of each call, in order
         self.calls: Dict[str, List[Tuple[int, int]]] = {}
         current: Dict[int, int] = {}  # tensor id -> its value now
@@ -44,8 +46,8 @@ class Dataflow:
         def value_of(tid: int) -> int:
             if tid not in current:
                 current[tid] = self._new((), None)
-                if tid in structure.parameters:
-                    self._parameters.add(current[tid])
+                if tid in structure.parameters or tid in constants:
+                    self._constants.add(current[tid])
             return current[tid]
 
         # Each call's tensor inputs, from its event (recorded when the call returns).
@@ -87,42 +89,54 @@ class Dataflow:
             self._children[p].append(value)
         return value
 
-    def _closure(self, start: int, edges: Sequence[Sequence[int]]) -> Set[int]:
+    def _closure(self, start: int, edges: Sequence[Sequence[int]],
+                 keep: Optional[Callable[[int], bool]] = None) -> Set[int]:
+        """`start` and every value reachable from it along `edges` (through values `keep` accepts)."""
         seen = {start}
         stack = [start]
         while stack:
             for nxt in edges[stack.pop()]:
-                if nxt not in seen:
+                if nxt not in seen and (keep is None or keep(nxt)):
                     seen.add(nxt)
                     stack.append(nxt)
         return seen
 
-    def producer(self, module: str) -> Optional[str]:
-        """The torch function that made the input of `module`'s first call, looking through those
-        that pass a tensor on (dropout, copies); None if it did not run or no recorded op made it."""
-        calls = self.calls.get(module)
-        if not calls:
-            return None
-        value = calls[0][0]
-        while self._function[value] in _PASS_ON and self._parents[value]:
-            value = self._parents[value][0]
-        return self._function[value]
+    def producers(self, module: str) -> List[Optional[str]]:
+        """For each call of `module`, the torch function that made its input, looking through those
+        that pass a tensor on (dropout, copies); None where no recorded op made it."""
+        found = []
+        for value, _ in self.calls.get(module, []):
+            while self._function[value] in _PASS_ON and self._parents[value]:
+                value = self._parents[value][0]
+            found.append(self._function[value])
+        return found
 
-    def bypassed(self, module: str) -> Optional[bool]:
+    def bypassed(self, module: str, activations: Sequence[str]) -> Optional[bool]:
         """True if a residual add bypasses every call of `module`; False if one call is on a path
-        no add bypasses; None if the module did not run."""
+        no add bypasses; None if the module did not run. The add must close a branch that holds
+        no call of the other `activations` modules: a skip over several (a long skip across a
+        chain, a CNN branch of Conv-BatchNorm-activation layers) leaves each on a path whose
+        error compounds through the others."""
         calls = self.calls.get(module)
         if not calls:
             return None
-        return all(self._bypassed(a, b) for a, b in calls)
+        made = {out for name in activations for _, out in self.calls.get(name, [])}
+        return all(self._bypassed(a, b, made) for a, b in calls)
 
-    def _bypassed(self, given: int, made: int) -> bool:
-        before = self._closure(given, self._parents) - self._parameters
+    def _bypassed(self, given: int, made: int, activations: Set[int]) -> bool:
+        before = self._closure(given, self._parents) - self._constants
         after = self._closure(made, self._children)
-        for value in after:
-            if self._function[value] not in _ADDS:
-                continue
-            parents = self._parents[value]
-            if any(p in after for p in parents) and any(p in before and p not in after for p in parents):
+        # The nearest add of a value made from this output and one its input was made from: the
+        # residual add closing the branch this call is in, if any.
+        add = min((v for v in after if self._function[v] in _ADDS
+                   and any(p in after for p in self._parents[v]) and any(p in before for p in self._parents[v])),
+                  default=None)
+        if add is None:
+            return False
+        for skip in (p for p in self._parents[add] if p in before):
+            # The branch: every value on a path from the skip's source to the add.
+            branch = self._closure(add, self._parents, lambda v, lo=skip: v >= lo) & \
+                self._closure(skip, self._children, lambda v: v <= add)
+            if len((branch - {skip}) & activations) <= 1:  # the skip's source may be an activation's output
                 return True
         return False

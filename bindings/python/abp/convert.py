@@ -467,21 +467,23 @@ _CNN_FUNCTIONS = frozenset({"batch_norm", "group_norm", "instance_norm", "conv1d
                             "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"})
 
 def _compounding_path(model: nn.Module, name: str, modules: Dict[str, nn.Module],
-                      dataflow: Optional[_dataflow.Dataflow]) -> Optional[str]:
-    """Why activation `name` is on a path where the 2-bit error compounds, or None.
+                      dataflow: Optional[_dataflow.Dataflow], activations: Sequence[str]) -> Optional[str]:
+    """Why activation `name` is on a path where the 2-bit error compounds, or None; `activations`:
+    the modules that may get the 2-bit form.
 
     From the example call where the activation ran in it: a call of it that no residual add
-    bypasses, or a convolution or channel norm making its input. Else from the module tree: the
+    bypasses (one whose branch holds no other of `activations`), or a convolution or channel norm
+    making its input. Else from the module tree: the
     module it belongs to holds a convolution or channel norm (timm's BatchNormAct2d, torchvision's
     Conv2dNormActivation, a ResNet block, transformers' convolution-normalization-activation
     layers), where a transformer's MLP holds linear layers only."""
-    bypassed = dataflow.bypassed(name) if dataflow is not None else None
+    bypassed = dataflow.bypassed(name, activations) if dataflow is not None else None
     if bypassed is not None:
         assert dataflow is not None
         if not bypassed:
             return "on a path no residual add bypasses in the example call (as in a CNN's layers)"
-        producer = dataflow.producer(name)
-        return f"fed by `{producer}` in the example call, a CNN layer" if producer in _CNN_FUNCTIONS else None
+        producer = next((p for p in dataflow.producers(name) if p in _CNN_FUNCTIONS), None)
+        return f"fed by `{producer}` in the example call, a CNN layer" if producer is not None else None
     parent_name = name.rpartition(".")[0]
     parent = modules[parent_name] if parent_name else model
     layer = next((m for m in parent.modules() if isinstance(m, _CNN_LAYERS)), None)
@@ -813,7 +815,9 @@ def _convert_lowmembp(
                          "example_kwargs= (a dict): one call the model accepts, run once to see which layers read "
                          "each norm's output")
     changes: List[Change] = []
-    dataflow = _dataflow.Dataflow(structure) if structure is not None else None
+    dataflow = _dataflow.Dataflow(structure, {id(b) for b in model.buffers()}) if structure is not None else None
+    replaceable = [n for n, m in modules.items() if n and isinstance(recognised.get(id(m)), Activation)
+                   and recognised[id(m)].kind in ("gelu", "gelu_tanh", "silu")]
     floating = {p.dtype for p in model.parameters() if p.is_floating_point()}
     # The generated activations have float32, float16 and bfloat16 kernels (the norms run float64
     # too): a float64 model would fail at its first forward.
@@ -834,7 +838,7 @@ def _convert_lowmembp(
         elif isinstance(spec, (Activation, Unknown)):
             automatic = isinstance(spec, Activation) and spec.kind in ("gelu", "gelu_tanh", "silu") and \
                 ("silu" if spec.kind == "silu" else "gelu") not in chosen
-            chain = _compounding_path(model, name, modules, dataflow) if automatic else None
+            chain = _compounding_path(model, name, modules, dataflow, replaceable) if automatic else None
             changes += _convert_activation(model, name, module, spec, options, paths[id(module)], activations_refused, chain)
     return changes
 
