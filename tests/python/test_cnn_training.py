@@ -5,7 +5,7 @@ bench/real_tasks.py's digits-cnn: 12 Conv-BatchNorm-SiLU layers without residual
 three seeds of the full 276 steps, the mean training loss of the last steps is within exact
 training's seed spread (or 1 % of its mean), and so is the test accuracy (or 0.3 points). With
 ReSiLU2 forced the same runs end at a training loss 21 % above exact's, every seed above every
-exact seed (bench/results/parity-digits-cnn-cpu-2026-11-28-ee31454.json, five seeds).
+exact seed (bench/results/parity-digits-cnn-cpu-2026-11-28-0301a2c.json, five seeds).
 
 Runs in the current-torch lane only (about 40 s on 2 cores; torch 1.13's generic BLAS makes a
 step about 10x slower).
