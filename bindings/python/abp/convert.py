@@ -456,15 +456,14 @@ def _next_in_sequential(model: nn.Module, name: str) -> Optional[Tuple[str, nn.M
 # Conv-BatchNorm-SiLU, Conv-GroupNorm-SiLU or Conv-SiLU layers, ReSiLU2's first-layer gradient error
 # is 3.4, 3.6 and 72; the 3-bit FewBit SiLU's 0.24, 0.24 and 0.48), not in the residual branches of
 # transformers (0.54 through 12 blocks, LowMemoryBP's own setting). There the default becomes the
-# 3-bit form. Nor in the residual branches of CNNs, whose Conv-BatchNorm-activation layers
+# 3-bit form; so it does in a CNN's residual branches, whose Conv-BatchNorm-activation layers
 # compound it within the branch (timm's EfficientNet-B0 and a SiLU ResNet-18 at initialisation,
-# whole-gradient error 4.7 and 0.80 with them at 2 bits, 0.30 and 0.22 at 3 bits). So the 3-bit form
-# goes to an activation that no residual add bypasses, or that a convolution or a normalisation over
-# channels feeds: read from the example call's dataflow (abp._dataflow), or without one from the
-# module tree (the activation's block holds such a layer).
+# whole-gradient error 4.7 and 0.80 with those at 2 bits, 0.30 and 0.22 at 3 bits). Read from the
+# example call's dataflow (abp._dataflow), or without one from the module tree.
 _CNN_LAYERS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.modules.conv._ConvNd)
 _CNN_FUNCTIONS = frozenset({"batch_norm", "group_norm", "instance_norm", "conv1d", "conv2d", "conv3d",
                             "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"})
+
 
 def _compounding_path(model: nn.Module, name: str, modules: Dict[str, nn.Module],
                       dataflow: Optional[_dataflow.Dataflow], activations: Sequence[str]) -> Optional[str]:
@@ -472,11 +471,11 @@ def _compounding_path(model: nn.Module, name: str, modules: Dict[str, nn.Module]
     the modules that may get the 2-bit form.
 
     From the example call where the activation ran in it: a call of it that no residual add
-    bypasses (one whose branch holds no other of `activations`), or a convolution or channel norm
-    making its input. Else from the module tree: the
-    module it belongs to holds a convolution or channel norm (timm's BatchNormAct2d, torchvision's
-    Conv2dNormActivation, a ResNet block, transformers' convolution-normalization-activation
-    layers), where a transformer's MLP holds linear layers only."""
+    bypasses (an add closing a branch that holds no other of `activations`), or a convolution or
+    channel norm making its input. Else from the module tree: the module it belongs to holds a
+    convolution or channel norm (timm's BatchNormAct2d, torchvision's Conv2dNormActivation, a
+    ResNet block, transformers' convolution-normalization-activation layers), where a
+    transformer's MLP holds linear layers only."""
     bypassed = dataflow.bypassed(name, activations) if dataflow is not None else None
     if bypassed is not None:
         assert dataflow is not None
