@@ -1184,7 +1184,7 @@ def first_weight_gradient(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("norm", [nn.BatchNorm2d, lambda c: nn.GroupNorm(2, c), nn.InstanceNorm2d, None],
                          ids=["batchnorm", "groupnorm", "instancenorm", "no-norm"])
 @pytest.mark.parametrize("act", [nn.SiLU, nn.GELU])
-@pytest.mark.parametrize("example", [True, False], ids=["example-call", "module-order"])
+@pytest.mark.parametrize("example", [True, False], ids=["example-call", "module-tree"])
 def test_activations_fed_by_a_cnn_layer_take_the_3_bit_form(norm: Optional[Callable[[int], nn.Module]],
                                                             act: Callable[[], nn.Module], example: bool) -> None:
     """A CNN's chain of conv(-norm)-activation layers compounds the 2-bit activations' derivative
