@@ -263,6 +263,30 @@ def test_per_tensor_widths_keep_log_probabilities_at_four_bits_at_least() -> Non
         loss.backward()
 
 
+@needs_rules
+def test_a_rule_on_a_tensor_not_offered_lands_on_no_other_tensor() -> None:
+    """A classifier's log_softmax output below min_numel is never offered to bits_for: its floor
+    must not be recorded against the call before it (the Linear's input), which a controller would
+    then hold at 4 bits and count against its budget (a ResNet's 512-feature head, found by a
+    new-user trial). The features come from a sort, which recompute does not record, so they are
+    offered."""
+    library_or_skip()
+    torch.manual_seed(0)
+    head = nn.Linear(512, 10)
+    features = torch.randn(8, 512, requires_grad=True)
+    asked: List[Tuple[int, ...]] = []
+
+    def bits_for(t: torch.Tensor) -> int:
+        asked.append(tuple(t.shape))
+        return 2
+
+    with C.compress_saved(bits_for=bits_for, allow_low_bits=True) as block:
+        loss = F.cross_entropy(head(features.sort(1).values), torch.randint(0, 10, (8,)))
+    assert asked == [(8, 512)]  # the Linear's input; the 80 log-probabilities are below min_numel
+    assert block.rule_floors == {} and block.floors == {}
+    loss.backward()
+
+
 def _checkpointed_model() -> Tuple[nn.Module, nn.ModuleList, nn.Module]:
     torch.manual_seed(0)
     blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 64), nn.GELU()) for _ in range(2))

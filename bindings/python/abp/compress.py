@@ -854,7 +854,10 @@ class compress_saved:
         waits = self._recorder is not None or (self.bits_for is not None and wanted)
         if bits == 32 and not (defer and waits and t.dtype in _FLOAT_DTYPES):
             return self._store(t, bits)
-        box = _Deferred(t, bits, self._choices - 1 if self.bits_for is not None else -1, memory.current_tags())
+        # Its bits_for call's index, if it had one (a tensor not offered keeps none: a rule's floor
+        # on it must not land on the call before it).
+        choice = self._choices - 1 if self.bits_for is not None and wanted else -1
+        box = _Deferred(t, bits, choice, memory.current_tags())
         if not defer:  # ops are not told apart (torch 1.13): stored at once
             box.value, box.pending = self._store(t, bits), False
             return box
