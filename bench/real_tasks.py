@@ -408,9 +408,9 @@ def _prepare(setting: Setting, model: nn.Module, task: Task) -> Tuple[str, Calla
         if "sampled" in ([name] if isinstance(name, str) else name) or name == "all":
             options.setdefault("layers", model.SAMPLED)
         _, changes = abp.convert(model, name, inplace=True, **options)
-        # A CNN's BatchNorms are refused by design (lowmembp replaces LayerNorm and RMSNorm only).
-        refused = [c for c in changes if c.action == "refused"
-                   and not isinstance(model.get_submodule(c.module), nn.modules.batchnorm._BatchNorm)]
+        # A CNN's channel norms are refused by design (lowmembp replaces LayerNorm and RMSNorm only).
+        refused = [c for c in changes if c.action == "refused" and not isinstance(
+            model.get_submodule(c.module), (nn.modules.batchnorm._NormBase, nn.GroupNorm))]
         if refused or not changes:
             raise RuntimeError(f"{r.name}: convert refused {refused or 'everything'}")
     return r.name, r.context(model, task) if r.context is not None else contextlib.nullcontext

@@ -111,17 +111,20 @@ class Dataflow:
             found.append(self._function[value])
         return found
 
-    def bypassed(self, module: str, activations: Sequence[str]) -> Optional[bool]:
+    def outputs(self, modules: Sequence[str]) -> Set[int]:
+        """The values every call of `modules` made (what `bypassed` counts in a branch)."""
+        return {out for name in modules for _, out in self.calls.get(name, [])}
+
+    def bypassed(self, module: str, activations: Set[int]) -> Optional[bool]:
         """True if a residual add bypasses every call of `module`; False if one call is on a path
         no add bypasses; None if the module did not run. The add must close a branch that holds
-        no call of the other `activations` modules: a skip over several (a long skip across a
-        chain, a CNN branch of Conv-BatchNorm-activation layers) leaves each on a path whose
-        error compounds through the others."""
+        no other of the `activations` values (`outputs` of the activation modules): a skip over
+        several (a long skip across a chain, a CNN branch of Conv-BatchNorm-activation layers)
+        leaves each on a path whose error compounds through the others."""
         calls = self.calls.get(module)
         if not calls:
             return None
-        made = {out for name in activations for _, out in self.calls.get(name, [])}
-        return all(self._bypassed(a, b, made) for a, b in calls)
+        return all(self._bypassed(a, b, activations) for a, b in calls)
 
     def _bypassed(self, given: int, made: int, activations: Set[int]) -> bool:
         before = self._closure(given, self._parents) - self._constants

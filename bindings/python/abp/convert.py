@@ -466,9 +466,9 @@ _CNN_FUNCTIONS = frozenset({"batch_norm", "group_norm", "instance_norm", "conv1d
 
 
 def _compounding_path(model: nn.Module, name: str, modules: Dict[str, nn.Module],
-                      dataflow: Optional[_dataflow.Dataflow], activations: Sequence[str]) -> Optional[str]:
+                      dataflow: Optional[_dataflow.Dataflow], activations: Set[int]) -> Optional[str]:
     """Why activation `name` is on a path where the 2-bit error compounds, or None; `activations`:
-    the modules that may get the 2-bit form.
+    what the modules that may get the 2-bit form made in the example call (`Dataflow.outputs`).
 
     From the example call where the activation ran in it: a call of it that no residual add
     bypasses (an add closing a branch that holds no other of `activations`), or a convolution or
@@ -815,8 +815,9 @@ def _convert_lowmembp(
                          "each norm's output")
     changes: List[Change] = []
     dataflow = _dataflow.Dataflow(structure, {id(b) for b in model.buffers()}) if structure is not None else None
-    replaceable = [n for n, m in modules.items() if n and isinstance(recognised.get(id(m)), Activation)
-                   and recognised[id(m)].kind in ("gelu", "gelu_tanh", "silu")]
+    # Computed once: every activation's bypass test counts them in its branch.
+    replaceable = dataflow.outputs([n for n, m in modules.items() if n and isinstance(recognised.get(id(m)), Activation)
+                                    and recognised[id(m)].kind in ("gelu", "gelu_tanh", "silu")]) if dataflow else set()
     floating = {p.dtype for p in model.parameters() if p.is_floating_point()}
     # The generated activations have float32, float16 and bfloat16 kernels (the norms run float64
     # too): a float64 model would fail at its first forward.
