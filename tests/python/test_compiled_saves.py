@@ -281,3 +281,35 @@ def test_a_compiled_falcon_trains_under_compress_saved() -> None:
         loss = torch.compile(model, backend="aot_eager")(input_ids=ids, labels=ids).loss
     loss.backward()
     assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+class _PooledCnn(nn.Module):
+    """Conv-BN-SiLU at 8x8 pixels, then pooled to 1x1 and Conv-BN-SiLU again: the late stage's
+    activations are (N, C, 1, 1), shaped like per-row statistics (a ResNet's last stage at 32 px)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.early = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.SiLU())
+        self.late = nn.Sequential(nn.Conv2d(32, 256, 1), nn.BatchNorm2d(256), nn.SiLU(), nn.Conv2d(256, 10, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.late(F.adaptive_avg_pool2d(self.early(x), 1)).flatten(1)
+
+
+def test_a_compiled_graph_keeps_what_eager_keeps_in_a_cnn() -> None:
+    """The compiled hooks keep a tensor whose last dimension is 1 as eager compress_saved does
+    (abp.compress.row_statistic_shape): a ResNet-18's compiled training compressed its last
+    stage's (8, 512, 1, 1) activations where eager kept them, and its gradient error doubled."""
+    torch.manual_seed(0)
+    model = _PooledCnn()
+    x = torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    model.zero_grad(set_to_none=True)
+    with abp.compress_saved(bits=4, recompute=False) as block:
+        model(x).square().mean().backward()
+    _grads(model, torch.compile(model, backend="aot_eager"), x, bits=4)
+    records = _compiled_saves.compiled_stats()
+    compressed = [r["shape"] for r in records if r["bits"] < 32]
+    assert compressed and all(shape[-1] == 8 for shape in compressed)  # the early stage's, at 8x8
+    assert len(compressed) == block.stats["compressed"]
+    late = [r for r in records if r["shape"] == (8, 256, 1, 1)]
+    assert late and all(r["why"] == "a per-row statistic (last dimension 1): kept as it is" for r in late)

@@ -18,7 +18,8 @@ function that tells the two cases apart:
   the graphs, as the op rules do from autograd nodes:
 
   * kept as they are: tensors off the gradient path (computed from no input that receives a
-    gradient: masks, rotary tables), non-floating ones, ones under ``min_numel`` elements, and
+    gradient: masks, rotary tables), non-floating ones, ones under ``min_numel`` elements,
+    per-row statistics (a last dimension of 1, as eager compress_saved keeps them), and
     ones a ReLU's backward reads (eager keeps their exact support; here they stay exact);
   * at 8 bits at least: what fused attention's backward recomputes its probabilities from (query,
     key, logsumexp) and log_softmax's output (abp._save_rules);
@@ -38,7 +39,7 @@ import torch
 
 from . import _custom_ops, _derived, _save_rules
 from .compress import (CompressedTensor, dequantize, group_layout, open_block, quantize_unchecked, rank_key,
-                       row_group_size)
+                       row_group_size, row_statistic_shape)
 from ._launch import ROW_DTYPES
 
 __all__ = ["available", "hooks", "compiled_stats"]
@@ -192,6 +193,8 @@ def _decide(x: torch.Tensor, context: Dict[str, Any], bits: int, min_numel: int,
         return 32, "not floating"
     if x.numel() < min_numel:
         return 32, f"under min_numel={min_numel} elements"
+    if row_statistic_shape(tuple(x.shape)):
+        return 32, "a per-row statistic (last dimension 1): kept as it is"
     if not _derived.dense(x):  # unpack lays codes out by the saved strides: a permutation, no overlap
         return 32, "not dense (an expanded or strided view): kept as it is"
     if not _on_gradient_path(fw, bw).get(node.name, True):

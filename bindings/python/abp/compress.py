@@ -428,9 +428,16 @@ def _compressible(t: torch.Tensor, min_numel: int, row_statistics: bool = False)
     # Functions mark as activations (mark_activation).
     if not t.requires_grad and not (_ACTIVATIONS and _marked_activation(t)):
         return False
-    # A per-row statistic (a reduction kept with its dimension: a norm's mean or 1/std) scales a
-    # whole row in backward, and costs 1/width of that row: kept as it is.
-    return t.dtype in _FLOAT_DTYPES and (row_statistics or not (t.dim() >= 2 and t.shape[-1] == 1))
+    return t.dtype in _FLOAT_DTYPES and (row_statistics or not row_statistic_shape(t.shape))
+
+
+def row_statistic_shape(shape: Sequence[Any]) -> bool:
+    """True for the shape of a per-row statistic: at least 2-D with a last dimension of 1 (a
+    reduction kept with its dimension, a norm's mean or 1/std). It scales a whole row in backward
+    and costs 1/width of that row, so compress_saved keeps it as it is, eager or compiled. (A
+    convolution's activations at 1x1 pixels, (N, C, 1, 1), look the same and are kept too.) A last
+    dimension torch.compile traces as dynamic is never 1 (dynamo specialises sizes 0 and 1)."""
+    return len(shape) >= 2 and isinstance(shape[-1], int) and shape[-1] == 1
 
 
 def eligible(t: torch.Tensor, min_numel: int) -> bool:
