@@ -22,7 +22,8 @@ function that tells the two cases apart:
     per-row statistics (a last dimension of 1, as eager compress_saved keeps them), and
     ones a ReLU's backward reads (eager keeps their exact support; here they stay exact);
   * at 8 bits at least: what fused attention's backward recomputes its probabilities from (query,
-    key, logsumexp) and log_softmax's output (abp._save_rules);
+    key, logsumexp) and log_softmax's output (abp._save_rules), the latter stored as the
+    probabilities exp(y) that its backward reads, as eager compress_saved stores it;
   * everything else: ``abp::gact_pack`` (the gact_b<bits> kernels behind a torch.library op, a
     fresh Philox key per tensor drawn by torch.randint in the graph) and ``abp::gact_unpack``.
 
@@ -152,6 +153,9 @@ def _on_gradient_path(fw: torch.fx.Graph, bw: torch.fx.Graph) -> Dict[str, bool]
     return path
 
 
+#: Forward ops whose output is log-probabilities (stored as exp(y), at LOG_SOFTMAX_MIN_BITS at least).
+_LOG_SOFTMAX_FORWARD = ("_log_softmax", "log_softmax")
+
 #: Backward ops that only re-view or re-label a value: its readers are theirs.
 _ALIASES = {"view", "_unsafe_view", "reshape", "detach", "alias", "t", "transpose", "permute", "unsqueeze", "squeeze",
             "expand", "contiguous", "clone", "_to_copy"}
@@ -214,7 +218,7 @@ def _decide(x: torch.Tensor, context: Dict[str, Any], bits: int, min_numel: int,
             floor = _save_rules.LOG_SOFTMAX_MIN_BITS
     # The same rules read from the forward graph (backward may be decomposed into exp, sub, ...):
     # log_softmax's output, and the query and key fused attention was given.
-    if _op_name(node.target) in ("_log_softmax", "log_softmax"):
+    if _op_name(node.target) in _LOG_SOFTMAX_FORWARD:
         floor = _save_rules.LOG_SOFTMAX_MIN_BITS
     for user in node.users:
         if _op_name(user.target) in _ATTENTION_FORWARD and any(a is node for a in user.args[:2]):
@@ -252,7 +256,12 @@ def _pack_traced(x: torch.Tensor, context: Dict[str, Any], bits: int, group_size
     if chosen == 32:
         return x
     key = torch.randint(0, 2**63 - 1, (1,), device="cpu")
-    return (gact_pack(x, key, chosen, group_size), chosen, group_size, list(x.shape), list(x.stride()), x.dtype)
+    # log_softmax's output as the probabilities exp(y) its backward reads, as eager compress_saved
+    # stores it: codes of exp(y) are unbiased there, codes of y are not (and coarser near p = 1).
+    logs = _op_name(context["_node"].target) in _LOG_SOFTMAX_FORWARD
+    stored = x.exp() if logs else x
+    return (gact_pack(stored, key, chosen, group_size), chosen, group_size, list(x.shape), list(x.stride()), x.dtype,
+            logs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,8 +285,9 @@ def unpack_saved(packed: Any) -> Any:
     if len(packed) == 2:  # (block, what its eager pack hook returned)
         block, saved = packed
         return block.unpack(saved)
-    buffer, bits, group_size, shape, stride, dtype = packed
-    return gact_unpack(buffer, bits, group_size, shape, stride, dtype)
+    buffer, bits, group_size, shape, stride, dtype, logs = packed
+    dense = gact_unpack(buffer, bits, group_size, shape, stride, dtype)
+    return dense.log() if logs else dense
 
 
 _PAIRS: Dict[Tuple[Any, ...], Tuple[torch.fx.GraphModule, torch.fx.GraphModule]] = {}
