@@ -19,7 +19,8 @@ function that tells the two cases apart:
 
   * kept as they are: tensors off the gradient path (computed from no input that receives a
     gradient: masks, rotary tables), non-floating ones, ones under ``min_numel`` elements,
-    per-row statistics (a last dimension of 1, as eager compress_saved keeps them), and
+    per-row statistics (a last dimension of 1, and a norm op's statistics: as eager compress_saved
+    keeps them), and
     ones a ReLU's backward reads (eager keeps their exact support; here they stay exact);
   * at 8 bits at least: what fused attention's backward recomputes its probabilities from (query,
     key, logsumexp) and log_softmax's output (abp._save_rules), the latter stored as the
@@ -32,6 +33,7 @@ What the compiled graphs compress is not in the block's ``stats`` (no Python run
 """
 from __future__ import annotations
 
+import operator
 import sys
 import threading
 from typing import Any, Dict, List, Optional, Tuple
@@ -153,6 +155,28 @@ def _on_gradient_path(fw: torch.fx.Graph, bw: torch.fx.Graph) -> Dict[str, bool]
     return path
 
 
+#: Norm ops whose outputs after the first are statistics (a mean, a 1/std, running statistics):
+#: eager compress_saved keeps them as they are (they carry no gradient), whatever their shape; a
+#: BatchNorm's are (C,) and pass the shape rule. var_mean's outputs are both statistics.
+_NORM_OPS = frozenset({"native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
+                       "_native_batch_norm_legit_no_training", "_batch_norm_with_update",
+                       "_batch_norm_with_update_functional", "_batch_norm_no_update", "cudnn_batch_norm",
+                       "miopen_batch_norm", "native_layer_norm", "native_group_norm", "_fused_rms_norm"})
+_STATISTIC_OPS = frozenset({"var_mean"})
+
+
+def _norm_statistic(node: torch.fx.Node) -> bool:
+    """True if `node` is one of a norm op's statistics (the outputs after the first of a norm op, or
+    var_mean's), or a detach of one (what GroupNorm saves)."""
+    while _op_name(node.target) in ("detach", "alias") and node.args and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    if node.target is not operator.getitem or len(node.args) != 2 or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    producer, index = node.args
+    op = _op_name(producer.target)
+    return op in _STATISTIC_OPS or (op in _NORM_OPS and isinstance(index, int) and index >= 1)
+
+
 #: Forward ops whose output is log-probabilities (stored as exp(y), at LOG_SOFTMAX_MIN_BITS at least).
 _LOG_SOFTMAX_FORWARD = ("_log_softmax", "log_softmax")
 
@@ -199,6 +223,8 @@ def _decide(x: torch.Tensor, context: Dict[str, Any], bits: int, min_numel: int,
         return 32, f"under min_numel={min_numel} elements"
     if row_statistic_shape(tuple(x.shape)):
         return 32, "a per-row statistic (last dimension 1): kept as it is"
+    if _norm_statistic(node):
+        return 32, "a norm's statistic (a mean, a 1/std): kept as it is"
     if not _derived.dense(x):  # unpack lays codes out by the saved strides: a permutation, no overlap
         return 32, "not dense (an expanded or strided view): kept as it is"
     if not _on_gradient_path(fw, bw).get(node.name, True):
