@@ -1841,3 +1841,24 @@ def test_a_norm_read_through_functional_dropout_is_not_folded():
     converted, changes = abp.convert(model, gelu=None, fold=True, example_inputs=x)
     assert not by_action(changes, "folded"), changes
     assert "norm" in by_action(changes, "replaced") and "affine kept" in by_action(changes, "replaced")["norm"]
+
+
+def test_an_activation_the_example_call_never_ran_is_said_to_be_idle() -> None:
+    """A registered activation the forward does not call (transformers' Mamba keeps `act` and calls
+    F.silu on its slow path): the change says so when an example call shows it, and its tree
+    reading says why it used the tree."""
+    class Idle(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.bn, self.act = nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4), nn.SiLU()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.silu(self.bn(self.conv(x)))
+
+    _, changes = abp.convert(Idle(), example_inputs=(torch.randn(2, 4, 3, 3),))
+    detail = by_action(changes, "replaced")["act"]
+    assert "it did not run in the example call, so convert reads the module tree" in detail
+    assert detail.endswith("; it did not run in the example call, so the replacement may change nothing")
+    _, changes = abp.convert(Idle())
+    detail = by_action(changes, "replaced")["act"]
+    assert "without an example call convert reads the module tree" in detail and "did not run" not in detail

@@ -488,14 +488,17 @@ def _compounding_path(model: nn.Module, name: str, modules: Dict[str, nn.Module]
     layer = next((m for m in parent.modules() if isinstance(m, _CNN_LAYERS)), None)
     if layer is None:
         return None
-    return (f"in `{parent_name or type(model).__name__}`, a block with a {type(layer).__name__} (a CNN layer; without "
-            "example_inputs= convert reads the module tree)")
+    source = "it did not run in the example call, so" if dataflow is not None else "without an example call"
+    return (f"in `{parent_name or type(model).__name__}`, a block with a {type(layer).__name__} (a CNN layer; {source} "
+            "convert reads the module tree)")
 
 
 def _convert_activation(model: nn.Module, name: str, module: nn.Module, spec: Any, options: Dict[str, Any], paths: List[str],
-                        refusal: Optional[str] = None, chain: Optional[str] = None) -> List[Change]:
+                        refusal: Optional[str] = None, chain: Optional[str] = None, idle: bool = False) -> List[Change]:
     """Replaces one activation as the options say; `refusal`: why none may be replaced here;
-    `chain`: why its 2-bit form's error would compound, where the caller left the choice to convert."""
+    `chain`: why its 2-bit form's error would compound, where the caller left the choice to convert;
+    `idle`: the example call did not call it (the model computes that activation some other way,
+    or on another path), which the change then says."""
     kind = type(module).__name__
     if isinstance(spec, Unknown):
         return [Change(name, "refused", f"{kind} not replaced: {spec.reason}")]
@@ -526,7 +529,9 @@ def _convert_activation(model: nn.Module, name: str, module: nn.Module, spec: An
         return [Change(name, "refused", f"{kind} not replaced: it has {_hooks_phrase(module)}")]
     replacement.train(module.training)
     _replace(model, paths, replacement)
-    return [Change(name, "replaced", f"{kind} ({spec.kind}) -> {type(replacement).__name__} ({what}){_also_at(paths)}")]
+    idle_note = "; it did not run in the example call, so the replacement may change nothing" if idle else ""
+    return [Change(name, "replaced",
+                   f"{kind} ({spec.kind}) -> {type(replacement).__name__} ({what}){_also_at(paths)}{idle_note}")]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -839,7 +844,9 @@ def _convert_lowmembp(
             automatic = isinstance(spec, Activation) and spec.kind in ("gelu", "gelu_tanh", "silu") and \
                 ("silu" if spec.kind == "silu" else "gelu") not in chosen
             chain = _compounding_path(model, name, modules, dataflow, replaceable) if automatic else None
-            changes += _convert_activation(model, name, module, spec, options, paths[id(module)], activations_refused, chain)
+            idle = dataflow is not None and not any(dataflow.calls.get(p) for p in paths[id(module)])
+            changes += _convert_activation(model, name, module, spec, options, paths[id(module)], activations_refused, chain,
+                                           idle)
     return changes
 
 
