@@ -234,6 +234,32 @@ def test_noncontiguous_inputs_and_gradients(op, params, view):
     assert_bitwise_equal(dx, dxc, "backward of a view")
 
 
+@pytest.mark.parametrize("layout", ["channels_last", "transposed", "expanded"])
+@pytest.mark.parametrize("op,params", [("silu_b3", ()), ("resilu2", ()), ("leaky_relu", (0.1,))])
+def test_a_permuted_input_keeps_its_layout_and_its_gradient_comes_back_in_it(op, params, layout):
+    """An elementwise operator runs on a dense input in its own memory order: a channels_last
+    activation stays channels_last (the next convolution reads it without a copy) and the
+    gradient comes back in that order; the values are those of a contiguous copy. An input that
+    is no permutation of a dense tensor (expanded) gives a contiguous output, as before."""
+    base = sample_inputs(2 * 6 * 5 * 7, torch.float32, seed=3).reshape(2, 6, 5, 7)
+    x = {"channels_last": base.contiguous(memory_format=torch.channels_last),
+         "transposed": base.transpose(1, 3),
+         "expanded": base[:, :1].expand(2, 6, 5, 7)}[layout].requires_grad_()
+    y = abp.functional.apply(op, x, params)
+    xc = x.detach().contiguous().requires_grad_()
+    yc = abp.functional.apply(op, xc, params)
+    assert_bitwise_equal(y.detach(), yc.detach(), "forward")
+    want = x.stride() if layout != "expanded" else yc.stride()
+    assert y.stride() == want
+    dy = sample_inputs(x.numel(), torch.float32, seed=4).reshape(x.shape)
+    dy = dy.contiguous(memory_format=torch.channels_last) if layout == "channels_last" else dy
+    (dx,) = torch.autograd.grad(y, x, dy)
+    (dxc,) = torch.autograd.grad(yc, xc, dy.contiguous())
+    assert_bitwise_equal(dx, dxc, "backward")
+    if layout == "channels_last":
+        assert dx.is_contiguous(memory_format=torch.channels_last)
+
+
 @pytest.mark.parametrize("shape", [(0,), (0, 7), (3, 0, 2)])
 @pytest.mark.parametrize("op", ["regelu2", "gelu_b3", "relu", "leaky_relu"])
 def test_empty_tensors_launch_nothing_and_keep_their_shape(op, shape):

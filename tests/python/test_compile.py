@@ -127,3 +127,16 @@ def test_compile_a_model_with_abp_modules():
     F.mse_loss(model(x), torch.zeros(16, 1)).backward()
     for g, p in zip(grads, model.parameters()):
         torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_compiled_channels_last_activation_keeps_its_layout_as_eager_does(backend):
+    torch._dynamo.reset()
+    block = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), abp.nn.SiLU(bits=3)).to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(0)).contiguous(memory_format=torch.channels_last)
+    eager = block(x)
+    explained = torch._dynamo.explain(block)(x)
+    compiled = torch.compile(block, backend=backend)(x)
+    assert eager.is_contiguous(memory_format=torch.channels_last)
+    assert compiled.stride() == eager.stride() and torch.allclose(compiled, eager, atol=1e-6)
+    assert explained.graph_break_count == 0

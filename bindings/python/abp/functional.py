@@ -149,6 +149,11 @@ def apply(
     """
     # The common call (one plain tensor, float parameters, no cast, not tracing) goes straight to
     # the C++ lane, which declines (None) whatever it does not serve; the checks below then run.
+    # An elementwise operator runs on a permuted dense input in its memory order (_permuted).
+    if out_dtype is None and isinstance(input, torch.Tensor) and not input.is_contiguous() and _elementwise(op_name):
+        order = _dense_order(input)
+        if order is not None:
+            return _permuted(op_name, input, params, order)
     if (out_dtype is None and type(input) is torch.Tensor and type(params) is tuple
             and all(type(p) is float for p in params) and not _custom_ops.compiling()):
         out = autograd.run_lane(op_name, input, params)
@@ -174,6 +179,50 @@ def apply(
     if _custom_ops.compiling() and _custom_ops.registrable(op):
         return _custom_ops.apply_custom(op_name, params, inputs, out_dtype)
     return autograd.apply_eager(op_name, params, inputs, out_dtype)
+
+
+# Operator name -> whether it works element by element: one dense input, dense outputs of its
+# shape, no row kernels and no totals (a sum over the elements would change with their order).
+_ELEMENTWISE: Dict[str, bool] = {}
+
+
+def _elementwise(op_name: str) -> bool:
+    found = _ELEMENTWISE.get(op_name)
+    if found is None:
+        from . import _lib
+        op = _lib.kernel_library().operators.get(op_name)
+        if op is None:
+            return False  # the general path names the unknown operator
+        found = _ELEMENTWISE[op_name] = (
+            op.inputs == 1 and not op.row_wise and op.forward is not None and not op.forward.totals
+            and (op.backward is None or not op.backward.totals)
+            and op.input_args[0] is not None and op.input_args[0].layout == "dense"
+            and all(layout == "dense" for layout in op.output_layouts))
+    return found
+
+
+def _dense_order(t: Tensor) -> Optional[Tuple[int, ...]]:
+    """The permutation of `t`'s dimensions under which it is contiguous (channels_last:
+    (0, 2, 3, 1)), or None if it is not a permutation of a contiguous tensor (a gap, an overlap,
+    an expanded dimension)."""
+    strides = t.stride()
+    if not all(type(st) is int for st in strides):  # symbolic (a dynamic shape under torch.compile)
+        return None
+    order = tuple(sorted(range(t.dim()), key=lambda d: (-strides[d], d)))
+    return order if t.permute(order).is_contiguous() else None
+
+
+def _permuted(op_name: str, input: Tensor, params: Sequence[float], order: Tuple[int, ...]) -> Any:
+    """`op_name` on a dense input that is not contiguous (a channels_last activation), in the
+    input's own memory order: run on the contiguous view that permutes it, the outputs permuted
+    back. They keep the input's layout (the next convolution reads channels_last without a copy)
+    and its gradient comes back in that order, with no copy either way; the values are the
+    element-by-element ones a contiguous copy gives."""
+    inverse = tuple(sorted(range(len(order)), key=order.__getitem__))
+    out = apply(op_name, input.permute(order), params)
+    if isinstance(out, tuple):
+        return tuple(o.permute(inverse) for o in out)
+    return out.permute(inverse)
 
 
 def _require_default(function: str, name: str, value: Any, default: float) -> None:
