@@ -87,7 +87,7 @@ def test_a_compiled_graph_compresses_what_eager_rules_would() -> None:
     _grads(model, compiled, _x(), bits=4)
     chosen = {r["why"] for r in _compiled_saves.compiled_stats()}
     assert "off the gradient path (a constant of backward: a mask, a table)" in chosen  # the -inf mask
-    assert "read by a ReLU's backward (kept exact)" in chosen
+    assert _compiled_saves.SUPPORT_KEPT in chosen
     records = _compiled_saves.compiled_stats()
     raised = [r for r in records if r["bits"] == 8]
     assert len(raised) == 2 and all(r["shape"] == (4, 4, 32, 16) for r in raised)  # query and key
@@ -97,6 +97,8 @@ def test_a_compiled_graph_compresses_what_eager_rules_would() -> None:
         n = math.prod(r["shape"])
         group = compress.row_group_size(r["shape"], 256)  # what eager's compress_saved uses
         want = n * r["dtype"].itemsize if r["bits"] == 32 else compress.group_layout(n, r["bits"], group, r["dtype"])[0]
+        if r["why"] == _compiled_saves.SUPPORT_KEPT:
+            want += (n + 7) // 8  # the support's bits
         assert r["bytes_stored"] == want
 
 
@@ -235,10 +237,10 @@ def test_import_abp_leaves_dynamo_unloaded_until_something_compiles() -> None:
     assert result.returncode == 0, result.stderr[-2000:]
 
 
-def test_a_relu_output_stays_exact_when_its_backward_is_decomposed() -> None:
+def test_a_relu_output_keeps_its_support_when_its_backward_is_decomposed() -> None:
     """Inductor decomposes ReLU's backward into a comparison and a where, no threshold_backward:
-    the output of a forward relu is kept exact whatever backward reads it with (as eager
-    compress_saved keeps its support); another op's output read the same way is compressed."""
+    the output of a forward relu keeps its exact support whatever backward reads it with (as
+    eager compress_saved keeps it); another op's output read the same way is compressed alone."""
     def forward(x):  # type: ignore[no-untyped-def]
         return torch.relu(x), torch.sin(x)
 
@@ -250,7 +252,7 @@ def test_a_relu_output_stays_exact_when_its_backward_is_decomposed() -> None:
     x = torch.randn(2048)
     decide = lambda name: _compiled_saves._decide(  # noqa: E731
         x, {"_node": nodes[name], "_fw_graph": fw, "_bw_graph": bw}, 4, 1024, True, True)
-    assert decide("relu") == (32, "read by a ReLU's backward (kept exact)")
+    assert decide("relu") == (4, _compiled_saves.SUPPORT_KEPT)
     assert decide("sin") == (4, "compressed")
     assert _compiled_saves._decide(x, {"_node": nodes["relu"], "_fw_graph": fw, "_bw_graph": bw},
                                    4, 1024, True, False) == (4, "compressed")  # exact_relu=False
@@ -366,3 +368,24 @@ def test_a_norms_statistics_stay_exact_as_eagerly(norm: str) -> None:
     statistics = [r for r in records if r["why"] == "a norm's statistic (a mean, a 1/std): kept as it is"]
     assert len(statistics) >= 2 and all(math.prod(r["shape"]) >= 1024 for r in statistics)
     assert all(r["bits"] == 32 for r in records)  # the activations are (N, C, 1, 1): kept too
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_relu_output_is_stored_as_codes_and_its_exact_support(backend: str) -> None:
+    """A compiled ReLU MLP stores the ReLU's output as codes plus its support, as eager does: the
+    first layer's gradients, which read only the support (and the exact input), equal exact
+    training's; the second layer's weight gradient reads the codes, so it is noisy, and unbiased."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 16))
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+    exact = _grads(model, model, x)
+    compiled = torch.compile(model, backend=backend)
+    draws = [_grads(model, compiled, x, bits=4) for _ in range(16)]
+    relu = [r for r in _compiled_saves.compiled_stats() if r["why"] == _compiled_saves.SUPPORT_KEPT]
+    assert relu and all(r["bits"] == 4 and r["bytes_stored"] == compress.group_layout(64 * 128, 4, 128, torch.float32)[0]
+                        + 64 * 128 // 8 for r in relu)
+    for d in draws:
+        assert torch.allclose(d[0], exact[0], rtol=1e-5, atol=1e-7) and torch.allclose(d[1], exact[1], rtol=1e-5, atol=1e-7)
+    one = (draws[0][2] - exact[2]).norm() / exact[2].norm()
+    mean = (torch.stack([d[2] for d in draws]).mean(0) - exact[2]).norm() / exact[2].norm()
+    assert one > 0.01 and mean < 0.5 * one

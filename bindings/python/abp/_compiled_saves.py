@@ -18,10 +18,10 @@ function that tells the two cases apart:
   the graphs, as the op rules do from autograd nodes:
 
   * kept as they are: tensors off the gradient path (computed from no input that receives a
-    gradient: masks, rotary tables), non-floating ones, ones under ``min_numel`` elements,
+    gradient: masks, rotary tables), non-floating ones, ones under ``min_numel`` elements, and
     per-row statistics (a last dimension of 1, and a norm op's statistics: as eager compress_saved
-    keeps them), and
-    ones a ReLU's backward reads (eager keeps their exact support; here they stay exact);
+    keeps them);
+  * codes and the exact support (x > 0, 1 bit) of what a ReLU's backward reads, as eagerly;
   * at 8 bits at least: what fused attention's backward recomputes its probabilities from (query,
     key, logsumexp) and log_softmax's output (abp._save_rules), the latter stored as the
     probabilities exp(y) that its backward reads, as eager compress_saved stores it;
@@ -231,9 +231,10 @@ def _decide(x: torch.Tensor, context: Dict[str, Any], bits: int, min_numel: int,
         return 32, "off the gradient path (a constant of backward: a mask, a table)"
     readers = _readers(node.name, bw)
     # A ReLU's output, which its backward reads for the sign (threshold_backward, or a comparison
-    # and a where once decomposed): kept exact, as eager compress_saved keeps its support.
+    # and a where once decomposed): its support (x > 0) is kept exactly beside the codes, as eager
+    # compress_saved keeps it, so the sign backward reads is exact and the values are codes.
     if exact_relu and (_op_name(node.target) in _RELU_FORWARD or any(op in _RELU_BACKWARD for op, _ in readers)):
-        return 32, "read by a ReLU's backward (kept exact)"
+        return bits, SUPPORT_KEPT
     if not op_rules:
         return bits, "compressed"
     floor = None
@@ -252,6 +253,32 @@ def _decide(x: torch.Tensor, context: Dict[str, Any], bits: int, min_numel: int,
     if floor is not None and bits < floor:
         return floor, f"raised to {floor} bits (read through exp() in backward)"
     return bits, "compressed"
+
+
+#: Why a ReLU's output is stored as codes and its support (abp.compress's exact_relu, compiled).
+SUPPORT_KEPT = "compressed, with its support (x > 0) kept exactly in 1 bit (a ReLU's output)"
+
+
+def _support_bits(x: torch.Tensor) -> torch.Tensor:
+    """Where `x` > 0, as a 1-bit LSB-first stream of ceil(n / 8) bytes in x's logical order (the
+    layout of abp.compress's masks), in traceable torch ops."""
+    flat = (x > 0).reshape(-1).to(torch.uint8)
+    flat = torch.nn.functional.pad(flat, (0, (-flat.numel()) % 8))
+    weights = torch.ones(8, dtype=torch.uint8, device=x.device) << torch.arange(8, dtype=torch.uint8, device=x.device)
+    return (flat.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+
+
+def _with_support(dense: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """`dense` with its exact zeros and positives restored from `_support_bits`: zero off the
+    support, at least the dtype's smallest normal on it (a positive rounded down to its group's
+    minimum 0 stays positive), laid out as `dense` is."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    positive = ((bits.unsqueeze(1) >> shifts) & 1).reshape(-1)[: dense.numel()].to(torch.bool).reshape(dense.shape)
+    tiny = torch.finfo(dense.dtype).tiny
+    out = torch.where(positive, dense.clamp_min(tiny), torch.zeros((), dtype=dense.dtype, device=dense.device))
+    if out.stride() == dense.stride():
+        return out
+    return torch.empty_strided(dense.shape, dense.stride(), dtype=dense.dtype, device=dense.device).copy_(out)
 
 
 _TRACED = threading.local()
@@ -274,6 +301,9 @@ def _pack_traced(x: torch.Tensor, context: Dict[str, Any], bits: int, group_size
     size_in = x.numel() * x.element_size()
     group_size = row_group_size(tuple(x.shape), group_size)
     stored = size_in if chosen == 32 else group_layout(x.numel(), chosen, group_size, x.dtype)[0]
+    support = why == SUPPORT_KEPT
+    if support:
+        stored += (x.numel() + 7) // 8
     records = getattr(_TRACED, "records", None)
     if records is None:
         records = _TRACED.records = []
@@ -285,9 +315,9 @@ def _pack_traced(x: torch.Tensor, context: Dict[str, Any], bits: int, group_size
     # log_softmax's output as the probabilities exp(y) its backward reads, as eager compress_saved
     # stores it: codes of exp(y) are unbiased there, codes of y are not (and coarser near p = 1).
     logs = _op_name(context["_node"].target) in _LOG_SOFTMAX_FORWARD
-    stored = x.exp() if logs else x
-    return (gact_pack(stored, key, chosen, group_size), chosen, group_size, list(x.shape), list(x.stride()), x.dtype,
-            logs)
+    coded = x.exp() if logs else x
+    return (gact_pack(coded, key, chosen, group_size), chosen, group_size, list(x.shape), list(x.stride()), x.dtype,
+            logs, _support_bits(x) if support else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,8 +341,10 @@ def unpack_saved(packed: Any) -> Any:
     if len(packed) == 2:  # (block, what its eager pack hook returned)
         block, saved = packed
         return block.unpack(saved)
-    buffer, bits, group_size, shape, stride, dtype, logs = packed
+    buffer, bits, group_size, shape, stride, dtype, logs, support = packed
     dense = gact_unpack(buffer, bits, group_size, shape, stride, dtype)
+    if support is not None:
+        dense = _with_support(dense, support)
     return dense.log() if logs else dense
 
 
