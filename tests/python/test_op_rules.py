@@ -440,6 +440,23 @@ def test_gradient_norm_is_the_norm_of_every_gradient_in_fp32() -> None:
     assert _guard.gradient_norm(params[3:]) is None
 
 
+def test_gradient_norm_takes_float64_gradients_and_a_float64_model_trains_under_the_guard() -> None:
+    """float64 gradients (alone or beside others) are normed in float64, which vector_norm will not
+    narrow to float32: compress_saved's guard failed every float64 model's backward."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(6, dtype=torch.float64)), torch.nn.Parameter(torch.randn(3))]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    for chosen in (params[:1], params):
+        norm = _guard.gradient_norm(chosen)
+        expected = torch.cat([p.grad.double() for p in chosen]).norm()
+        assert norm is not None and norm.dtype == torch.float32 and math.isclose(float(norm), float(expected), rel_tol=1e-6)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4)).double()
+    with abp.compress_saved(bits=4):
+        model(torch.randn(8, 16, dtype=torch.float64)).sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
 def test_record_reads_the_device_every_window_steps() -> None:
     watch = _guard.GradientWatch(window=4)
     for i in range(3):

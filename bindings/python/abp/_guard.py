@@ -104,7 +104,15 @@ def gradient_norm(parameters: Iterable[torch.Tensor]) -> Optional[torch.Tensor]:
         except (AttributeError, TypeError, RuntimeError, NotImplementedError):
             pass  # torch 1.13 takes no dtype; a tensor subclass may have no foreach kernel
     device = grads[0].device if len(devices) == 1 else torch.device("cpu")
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32).to(device) for g in grads]))
+    return torch.linalg.vector_norm(torch.stack([_norm32(g).to(device) for g in grads]))
+
+
+def _norm32(g: torch.Tensor) -> torch.Tensor:
+    """The 2-norm of `g` in float32: accumulated in float32 (a float16 gradient's squares would
+    overflow in float16), or in float64 for a float64 gradient (which vector_norm will not narrow)."""
+    if g.dtype == torch.float64:
+        return torch.linalg.vector_norm(g).float()
+    return torch.linalg.vector_norm(g, dtype=torch.float32)
 
 
 def after_backward(callback: Callable[[], Any]) -> bool:
