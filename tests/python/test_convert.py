@@ -1544,6 +1544,58 @@ def test_compress_recipe_wraps_the_forward():
     assert type(model).forward is nn.Sequential.forward and "forward" not in vars(model)
 
 
+def test_a_second_compress_recipe_is_refused_and_the_first_still_runs():
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16))
+    once, _ = abp.convert(model, "compress", bits=4)
+    twice, changes = abp.convert(once, "compress")
+    assert [(c.module, c.action) for c in changes] == [("", "refused")]
+    assert "already runs inside compress_saved(bits=4, group_size=256) from an earlier convert" in changes[0].detail
+    x = torch.randn(8, 16, 16)
+    assert abp.memory.report(twice, x).total_bytes == abp.memory.report(once, x).total_bytes
+
+
+def test_a_forward_interrupted_by_a_base_exception_has_its_block_closed_by_the_next_call():
+    """A KeyboardInterrupt inside forward skips the hook that closes the recipe's block (torch
+    runs always_call hooks for Exceptions only); the model's next call closes it, says so, and runs."""
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16))
+    converted, _ = abp.convert(model, "compress", bits=4)
+    x = torch.randn(8, 16, 16)
+    expected = abp.memory.report(converted, x).total_bytes
+
+    def interrupt(module, args):  # type: ignore[no-untyped-def]
+        raise KeyboardInterrupt
+
+    handle = converted[2].register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        converted(x)
+    handle.remove()
+    if "forward" in vars(converted):  # torch < 2.0: the wrapped forward's finally closed it at once
+        assert abp.compress.open_block() is None
+        converted(x).sum().backward()
+    else:
+        assert abp.compress.open_block() is not None  # left open by the interrupted forward
+        with pytest.warns(RuntimeWarning, match="last forward did not finish .* closed it"):
+            converted(x).sum().backward()
+    assert abp.compress.open_block() is None
+    assert abp.memory.report(converted, x).total_bytes == expected
+
+
+def test_torch_export_of_a_compress_recipe_model_exports_its_function_and_leaves_no_block_open():
+    """torch.export traces with tensors that hold no data: the recipe opens no block there (it
+    failed reading a data pointer, and its hooks stayed on the stack for everything after)."""
+    export = getattr(torch, "export", None)
+    if export is None or not hasattr(export, "export"):
+        pytest.skip("this torch has no torch.export")
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16))
+    converted, _ = abp.convert(model, "compress", bits=4)
+    x = torch.randn(8, 16, 16)
+    program = export.export(converted, (x,))
+    assert abp.compress.open_block() is None
+    torch.testing.assert_close(program.module()(x), model(x))
+    converted(x).sum().backward()  # and the model still trains under its block
+    assert abp.compress.open_block() is None
+
+
 def test_recipe_lists_and_all():
     model = make(lambda: GPT2Block(act=nn.SiLU()), torch.float32)
     converted, changes = abp.convert(model, ["compress", "lowmembp", "lowmembp"])

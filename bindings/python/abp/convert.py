@@ -34,6 +34,8 @@ import copy
 import difflib
 import fnmatch
 import functools
+import threading
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
@@ -42,7 +44,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from . import _compiled_saves, _dataflow, _recognise, _structure, compress, sampling
+from . import _compiled_saves, _custom_ops, _dataflow, _derived, _recognise, _structure, compress, sampling
 from . import nn as abp_nn
 from ._recognise import Activation, LinearMap, Norm, Unknown
 from ._roles import sampled_linear_maps as _roles_of
@@ -658,6 +660,14 @@ def _block_functions() -> Tuple[Callable[["CompressSavedHooks"], None], Callable
     return _BLOCK_FUNCTIONS
 
 
+_IS_EXPORTING: Optional[Callable[[], bool]] = getattr(getattr(torch, "compiler", None), "is_exporting", None)
+
+
+def _exporting() -> bool:
+    """True while torch.export traces (torch versions that say so)."""
+    return _IS_EXPORTING is not None and bool(_IS_EXPORTING())
+
+
 class CompressSavedHooks:
     """Runs a module's forward inside ``compress_saved``: a forward pre-hook and hook pair.
 
@@ -672,11 +682,12 @@ class CompressSavedHooks:
         self.bits = bits
         self.group_size = group_size
         self.allow_low_bits = allow_low_bits
-        self._open: List[compress.compress_saved] = []
+        # The blocks open now, per thread (DataParallel's replicas share these hooks).
+        self._open: Dict[int, List[Optional[compress.compress_saved]]] = {}
         _block_functions()  # resolved now, eagerly: enter and leave may run inside a trace
 
     def __getstate__(self) -> Dict[str, Any]:
-        return {"bits": self.bits, "group_size": self.group_size, "allow_low_bits": self.allow_low_bits, "_open": []}
+        return {"bits": self.bits, "group_size": self.group_size, "allow_low_bits": self.allow_low_bits, "_open": {}}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -689,13 +700,39 @@ class CompressSavedHooks:
         _block_functions()[1](self)
 
     def _enter(self) -> None:
+        opened = self._open.setdefault(threading.get_ident(), [])
+        if opened:
+            self._close_interrupted(opened)
+        if _exporting() or (_custom_ops._tracing_mode() and not _derived._compiling()):
+            # torch.export and make_fx trace the model's function with tensors that hold no data:
+            # nothing runs that could be compressed, so no block (None keeps enter and leave paired).
+            opened.append(None)
+            return
         block = compress.compress_saved(bits=self.bits, group_size=self.group_size, allow_low_bits=self.allow_low_bits)
         block.__enter__()
-        self._open.append(block)
+        opened.append(block)
 
     def _leave(self) -> None:
-        if self._open:
-            self._open.pop().__exit__(None, None, None)
+        opened = self._open.get(threading.get_ident())
+        if opened:
+            block = opened.pop()
+            if block is not None:
+                block.__exit__(None, None, None)
+
+    @staticmethod
+    def _close_interrupted(opened: List[Optional[compress.compress_saved]]) -> None:
+        """Closes the blocks a forward left open: the hook that closes them runs when forward raises
+        an Exception, not a BaseException (KeyboardInterrupt, a Ctrl-C in a notebook), so such a
+        forward leaves its block open. Its saved-tensor hooks stayed on this thread's stack, and
+        what was saved meanwhile outside this model was compressed too: the warning says so."""
+        while opened:
+            block = opened.pop()
+            if block is not None:
+                block.__exit__(None, None, None)
+        warnings.warn("abp: convert's compress recipe: this model's last forward did not finish (interrupted, as by "
+                      "KeyboardInterrupt), so its compress_saved block stayed open until this call, which closed it; "
+                      "tensors other code saved in this thread since then were compressed too",
+                      RuntimeWarning, stacklevel=4)
 
     def wrap(self, forward: Any, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         """torch < 2.0: ``forward(module, *args, **kwargs)`` inside one block, closed whatever happens."""
@@ -706,9 +743,26 @@ class CompressSavedHooks:
             self.leave(module, args, None)
 
 
+def _compress_hooks_of(model: nn.Module) -> Optional[CompressSavedHooks]:
+    """The recipe's hooks an earlier convert put on `model` (a pre-hook, or on torch < 2.0 the
+    forward it wrapped), or None."""
+    for hook in model._forward_pre_hooks.values():
+        owner = getattr(hook, "__self__", None)
+        if isinstance(owner, CompressSavedHooks):
+            return owner
+    forward = vars(model).get("forward")
+    owner = getattr(forward.func, "__self__", None) if isinstance(forward, functools.partial) else None
+    return owner if isinstance(owner, CompressSavedHooks) else None
+
+
 def _convert_compress(model: nn.Module, options: Dict[str, Any]) -> List[Change]:
     """Runs the model's forward inside ``compress_saved``: every saved tensor that abp's recipes left
     as it was (codes and per-row values are not floating or too small) is stored as group codes."""
+    earlier = _compress_hooks_of(model)
+    if earlier is not None:
+        return [Change("", "refused", f"recipe compress: the model already runs inside compress_saved(bits={earlier.bits}, "
+                       f"group_size={earlier.group_size}) from an earlier convert (blocks do not nest); kept as it was. "
+                       "For other settings, convert the unconverted model")]
     hooks = CompressSavedHooks(options["bits"], options["group_size"], options["allow_low_bits"])
     try:
         model.register_forward_hook(hooks.leave, always_call=True)  # type: ignore[call-arg]
