@@ -1914,3 +1914,17 @@ def test_an_activation_the_example_call_never_ran_is_said_to_be_idle() -> None:
     _, changes = abp.convert(Idle())
     detail = by_action(changes, "replaced")["act"]
     assert "without an example call convert reads the module tree" in detail and "did not run" not in detail
+
+
+def test_a_model_on_the_meta_device_converts_and_says_gamma_went_unchecked():
+    """A model built on the meta device (to be loaded later): convert cannot read gamma's values
+    (it refuses zero gammas elsewhere), says so, and the model materialised afterwards trains."""
+    model = nn.Sequential(nn.Linear(16, 32, device="meta"), nn.LayerNorm(32, device="meta"), nn.GELU(),
+                          nn.Linear(32, 4, device="meta"))
+    converted, changes = abp.convert(model)
+    assert type(converted[1]) is abp.nn.MSLayerNorm and "gamma is on the meta device" in by_action(changes, "replaced")["1"]
+    converted = converted.to_empty(device="cpu")
+    for p in converted.parameters():
+        torch.nn.init.normal_(p)
+    converted(torch.randn(3, 16)).sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in converted.parameters())

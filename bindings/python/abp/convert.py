@@ -403,7 +403,7 @@ def _convert_norm(
         changes.append(Change(name, "replaced", f"{kind} -> {type(folded).__name__} ({label}, eps={spec.eps:g}, affine folded "
                               f"into {', '.join(targets)}){_also_at(paths)}"))
         return changes
-    if gamma is not None and bool((gamma == 0).any()):
+    if gamma is not None and gamma.device.type != "meta" and bool((gamma == 0).any()):
         return refused(f"gamma is 0 at {int((gamma == 0).sum())} feature(s); backward recovers the normalised value as (y - beta) / gamma")
     replacement = _ms_norm(spec, affine=True, autocast_output=linear_only)
     renamed = []
@@ -419,6 +419,9 @@ def _convert_norm(
     _replace(model, paths, replacement)
     detail = f"{kind} -> {type(replacement).__name__} ({label}, eps={spec.eps:g}"
     detail += ", affine kept: backward recovers the normalised value from the output)" if gamma is not None or beta is not None else ")"
+    if gamma is not None and gamma.device.type == "meta":
+        detail += ("; gamma is on the meta device, so convert could not check it for zeros (where gamma is 0 once "
+                   "loaded, that feature's gradients are lost)")
     if renamed:
         detail += f"; parameters renamed {', '.join(renamed)}"
     if fold and why_not:
