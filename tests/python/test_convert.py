@@ -947,13 +947,22 @@ def test_fold_keeps_the_linear_and_its_parameter_objects():
     assert converted[1] is linear and converted[1].weight is weight
 
 
-def test_norm_with_zero_beta_adds_no_bias():
+@pytest.mark.parametrize("trainable", [True, False])
+def test_a_zero_beta_adds_a_bias_if_beta_could_learn(trainable):
+    """A trainable beta that is 0 now (LayerNorm's initial value) still adds a bias (zeros): the
+    folded model must be able to learn the shift the original's beta could. A frozen zero beta
+    (a frozen model: convert folds only where the norm and the layer train alike) adds none."""
     model = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 4, bias=False)).double()
     with torch.no_grad():
         model[0].weight.uniform_(0.5, 1.5)
+    model.requires_grad_(trainable)
     x = torch.randn(5, 8, dtype=torch.float64)
     converted, changes = abp.convert(model, fold=True, example_inputs=x)
-    assert converted[1].bias is None and "bias added" not in by_action(changes, "folded")["1"]
+    if trainable:
+        assert converted[1].bias is not None and converted[1].bias.requires_grad and not converted[1].bias.any()
+        assert "bias added" in by_action(changes, "folded")["1"]
+    else:
+        assert converted[1].bias is None and "bias added" not in by_action(changes, "folded")["1"]
     torch.testing.assert_close(converted(x), model(x), rtol=0, atol=1e-10)
 
 

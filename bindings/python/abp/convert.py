@@ -260,12 +260,14 @@ def _also_at(paths: List[str]) -> str:
 
 
 
-def _fold_into(module: nn.Module, spec: LinearMap, gamma: Optional[Tensor], beta: Optional[Tensor]) -> str:
+def _fold_into(module: nn.Module, spec: LinearMap, gamma: Optional[Tensor], beta: Optional[Tensor],
+               beta_trainable: bool = False) -> str:
     """W' = W diag(gamma), b' = b + W beta (for x W + b layouts: rows scaled), in float64 and cast back.
 
     The layer keeps its Parameter objects (with ``inplace=True``, an optimizer holding them stays
     valid); a missing bias is registered on the same module, trainable like its weight, and the
-    change detail says it is new.
+    change detail says it is new. It is added for a trainable beta even where beta is 0 now (a
+    LayerNorm's initial value): the folded model must be able to learn the shift beta could.
     """
     weight = getattr(module, spec.weight)
     bias = getattr(module, spec.bias) if spec.bias is not None else None
@@ -276,7 +278,7 @@ def _fold_into(module: nn.Module, spec: LinearMap, gamma: Optional[Tensor], beta
         if gamma is not None:
             new = w_out_in * gamma.to(device=w.device, dtype=torch.float64)[None, :]
         new_b: Optional[Tensor] = bias.detach().to(torch.float64) if bias is not None else None
-        if beta is not None and bool((beta != 0).any()):
+        if beta is not None and (beta_trainable or beta.device.type == "meta" or bool((beta != 0).any())):
             shift = w_out_in @ beta.to(device=w.device, dtype=torch.float64)
             new_b = shift if new_b is None else new_b + shift
         added = new_b is not None and bias is None
@@ -396,8 +398,9 @@ def _convert_norm(
         assert structure is not None
         targets, why_not = _fold_targets(name, spec, structure, modules, recognised, owners)
     if targets is not None:
-        changes = [Change(t, "folded", f"{_fold_into(modules[t], recognised[id(modules[t])], gamma, beta)} from `{name}`")
-                   for t in targets]
+        beta_trainable = spec.bias is not None and getattr(module, spec.bias).requires_grad
+        changes = [Change(t, "folded", f"{_fold_into(modules[t], recognised[id(modules[t])], gamma, beta, beta_trainable)} "
+                          f"from `{name}`") for t in targets]
         folded = _ms_norm(spec, affine=False, autocast_output=True)
         _replace(model, paths, folded)
         changes.append(Change(name, "replaced", f"{kind} -> {type(folded).__name__} ({label}, eps={spec.eps:g}, affine folded "
