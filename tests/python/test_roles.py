@@ -146,6 +146,24 @@ def test_a_model_without_a_layer_stack_is_one_block() -> None:
     assert got == ["mixer.mix_out", "narrow", "widen"]
 
 
+def test_a_parametrized_linear_is_refused_alone_and_is_no_block() -> None:
+    """torch.nn.utils.parametrize gives a Linear a `parametrizations` child: it is still one layer
+    (no layer stack of one), refused for its parametrization while the others are sampled."""
+    from torch.nn.utils import parametrize
+
+    class Identity(nn.Module):
+        def forward(self, w: torch.Tensor) -> torch.Tensor:
+            return w
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4))
+    parametrize.register_parametrization(model[0], "weight", Identity())
+    assert _roles.blocks(model) == []
+    _, changes = abp.convert(model, "sampled", example_inputs=(torch.randn(4, 8, 16),))
+    assert [(c.module, c.action) for c in changes] == [("0", "refused"), ("2", "replaced"), ("4", "replaced")]
+    assert "parametrized weights" in changes[0].detail
+
+
 class Lora(nn.Module):
     """peft's shape: a frozen base layer plus a trainable low-rank path, added."""
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Set
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ._recognise import LinearMap, Norm, is_leaf
 from ._structure import Structure
@@ -37,13 +38,26 @@ _PRODUCTS = {"matmul", "__matmul__", "__rmatmul__", "bmm", "baddbmm", "einsum", 
 _SCORES = {"softmax", "_softmax", "log_softmax", "topk", "sort", "argmax", "argsort"}
 
 
+def _leaf(module: nn.Module) -> bool:
+    """A leaf of the model's computation: no children, or only the `parametrizations` that
+    torch.nn.utils.parametrize adds (a parametrized Linear is a layer, not a block of layers)."""
+    return is_leaf(module) or (parametrize.is_parametrized(module)
+                               and all(n == "parametrizations" for n, _ in module.named_children()))
+
+
+def _parametrized_linear(module: nn.Module) -> bool:
+    """A torch Linear whose weight or bias is parametrized (recognise does not probe it: what it
+    computes is not its own); convert refuses to sample it, naming why."""
+    return isinstance(module, nn.Linear) and parametrize.is_parametrized(module)
+
+
 def blocks(model: nn.Module) -> List[str]:
     """Names of the model's repeated blocks, outermost only (see the module docstring)."""
     found: List[str] = []
     for name, module in model.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
-        children = [(n, c) for n, c in module.named_children() if not is_leaf(c)]
+        children = [(n, c) for n, c in module.named_children() if not _leaf(c)]
         if not children:
             continue
         if isinstance(module, nn.Sequential) and len({type(c) for _, c in children}) != 1:
@@ -105,8 +119,8 @@ def sampled_linear_maps(model: nn.Module, structure: Structure, recognised: Dict
     inside a block and do not score; see the module docstring."""
     modules = dict(model.named_modules())
     found = blocks(model) or [""]
-    leaves = {n for n, m in modules.items() if n and is_leaf(m)}
-    linear = {n for n, m in modules.items() if n and isinstance(recognised.get(id(m)), LinearMap)}
+    leaves = {n for n, m in modules.items() if n and _leaf(m)}
+    linear = {n for n, m in modules.items() if n and (isinstance(recognised.get(id(m)), LinearMap) or _parametrized_linear(m))}
     stops = linear | {n for n, m in modules.items() if n and isinstance(recognised.get(id(m)), Norm)}
     derived = _parameter_derived(structure)
     first: Dict[str, int] = {}  # module -> index of its first call's event (recorded when the call returned)

@@ -577,6 +577,10 @@ def _convert_sampled_by_role(model: nn.Module, options: Dict[str, Any], recognis
     frozen = 0
     for name in roles:
         module = modules[name]
+        if parametrize.is_parametrized(module):
+            changes.append(Change(name, "refused", f"`{name}` has parametrized weights (torch.nn.utils.parametrize): "
+                                  "what it computes is not its own"))
+            continue
         spec = recognised[id(module)]
         if type(module).__module__.startswith("abp."):
             continue
