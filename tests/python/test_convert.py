@@ -1937,3 +1937,27 @@ def test_a_model_on_the_meta_device_converts_and_says_gamma_went_unchecked():
         torch.nn.init.normal_(p)
     converted(torch.randn(3, 16)).sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in converted.parameters())
+
+
+def test_an_optimizer_built_before_a_copying_convert_is_warned_about_once():
+    """convert deep-copies: an optimizer of the original steps parameters that get no gradient.
+    Its step warns once; an exact baseline trained beside the converted copy (its parameters get
+    gradients) and an optimizer of the converted model do not."""
+    from torch.optim import optimizer as torch_optimizer
+    if not hasattr(torch_optimizer, "register_optimizer_step_pre_hook"):
+        pytest.skip("this torch has no global optimizer hooks")
+    import warnings
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    before = torch.optim.SGD(model.parameters(), lr=0.1)
+    converted, _ = abp.convert(model)
+    x = torch.randn(5, 8)
+    converted(x).sum().backward()
+    with pytest.warns(RuntimeWarning, match="steps the parameters of the model as it was before abp.convert copied it"):
+        before.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        before.step()  # once per optimizer
+        model(x).sum().backward()  # the original trained as a baseline: it has gradients
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+        after = torch.optim.SGD(converted.parameters(), lr=0.1)
+        after.step()

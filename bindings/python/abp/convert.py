@@ -44,7 +44,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from . import _compiled_saves, _custom_ops, _dataflow, _derived, _recognise, _structure, compress, sampling
+from . import _compiled_saves, _custom_ops, _dataflow, _derived, _recognise, _stale_optimizer, _structure, compress, sampling
 from . import nn as abp_nn
 from ._recognise import Activation, LinearMap, Norm, Unknown
 from ._roles import sampled_linear_maps as _roles_of
@@ -946,10 +946,11 @@ def convert(
     call = _example_call(example_inputs, example_kwargs)
     if not inplace:
         try:
-            model = copy.deepcopy(model)
+            original, model = model, copy.deepcopy(model)
         except Exception as e:  # e.g. old-style weight_norm keeps a non-leaf weight tensor
             raise RuntimeError(f"model: could not be deep-copied ({type(e).__name__}: {e}); "
                                "pass inplace=True to convert it in place") from e
+        _stale_optimizer.note_copied(original)  # an optimizer built before would step the original
     devices = [d.index for d in {p.device for p in model.parameters()} if d.type == "cuda" and d.index is not None]
     with torch.random.fork_rng(devices=devices):  # probes may draw (a Dropout in training mode)
         recognised = _recognise_all(model) if ("lowmembp" in recipes or "sampled" in recipes) else {}
