@@ -609,3 +609,33 @@ def test_a_projection_weight_freed_before_backward_fails_clearly() -> None:
     finally:
         weight.untyped_storage().resize_(kept.numel() * kept.element_size())
         weight.data.copy_(kept)
+
+
+def test_a_block_kept_open_over_several_steps_recomputes_and_guards_every_step() -> None:
+    """A block left open across training steps: each forward after a backward records again (it
+    recomputed only in the first step, storing codes after), and the guard watches each step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+    x = torch.randn(8, 32, 16)
+    with C.compress_saved(bits=4) as alone:
+        model(x).square().sum().backward()
+    assert alone.stats["derived"] > 0
+    block = C.compress_saved(bits=4)
+    with block:
+        for step in range(3):
+            before = dict(block.stats)
+            model.zero_grad(set_to_none=True)
+            model(x).square().sum().backward()
+            assert block.stats["derived"] - before["derived"] == alone.stats["derived"], step
+            assert block.stats["compressed"] - before["compressed"] == alone.stats["compressed"], step
+            assert block._guarded is None  # armed by this forward, handed to the check by its backward
+
+
+def test_exiting_a_block_that_is_not_open_says_so() -> None:
+    block = C.compress_saved(bits=4)
+    with pytest.raises(RuntimeError, match="exited, but this block is not open"):
+        block.__exit__(None, None, None)
+    with block:
+        pass
+    with pytest.raises(RuntimeError, match="exited, but this block is not open"):
+        block.__exit__(None, None, None)

@@ -115,6 +115,11 @@ def _on_stack(codes: Tuple[Any, ...], depth: int) -> bool:
     return False
 
 
+def outside_backward() -> bool:
+    """True where torch says no backward is running (torch >= 2.0); False where it cannot say."""
+    return _GRAPH_TASK is not None and _GRAPH_TASK() == -1
+
+
 def is_reentrant_checkpoint(node: Any) -> bool:
     """Whether an autograd node is a reentrant checkpoint's (CheckpointFunction: its backward
     reruns the block and runs a backward of its own, which torch allows only under .backward())."""

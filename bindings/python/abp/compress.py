@@ -687,6 +687,8 @@ class compress_saved:
         # them). Its block's backward reads it at once: checkpointing's peak is one block's
         # tensors either way, and codes would add their error where the two kinds should agree
         # (a T5 under the controller at 2 bits: 2.24 reentrant, 1.91 non-reentrant and exact).
+        if self._backward_begun and _save_rules.outside_backward():
+            self._forward_again()
         if self._backward_begun and self.op_rules and _save_rules.recomputing_checkpoint():
             return t  # neither counted nor offered: a non-reentrant rerun's saves are not seen either
         sequence = _save_rules.sequence_number() if self.op_rules else None
@@ -732,6 +734,19 @@ class compress_saved:
         # Only what replaces the tensor is kept here; a tensor kept as is is remembered by identity.
         self._packed[key] = (weakref.ref(self._owner(t)), result if result is not t else None)
         return result
+
+    def _forward_again(self) -> None:
+        """A save after a backward, outside any backward: a block kept open over several steps
+        runs its next forward. What the first backward switched off comes back on: the recorder
+        records again (the tensors it makes are recomputed, not stored) and the guard watches
+        the parameters this forward saves (what the last forward packed is not reused: its
+        codes belong to that step's graph)."""
+        self._backward_begun = False
+        self._packed = {}
+        if self._recorder is not None:
+            self._recorder.recording = True
+        if self.guard and self._guarded is None:
+            self._guarded = {}
 
     def _keep_checkpoint_input(self, t: torch.Tensor) -> torch.Tensor:
         """`t`, an activation checkpoint's input, kept as it is: backward reruns the block from it.
@@ -1072,7 +1087,8 @@ class compress_saved:
 
     def __exit__(self, *exc: Any) -> None:
         hooks, self._hooks = self._hooks, None
-        assert hooks is not None
+        if hooks is None:
+            raise RuntimeError(f"{self.label}: exited, but this block is not open (exited twice, or never entered)")
         _OPEN.block = None
         recorder, self._recorder = self._recorder, None
         if recorder is not None:
