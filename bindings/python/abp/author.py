@@ -45,6 +45,7 @@ import torch
 
 from . import _bucket_solver, _custom_ops, _launch, _lib
 from ._errors import AbpError, Status
+from .autograd import NotScriptable
 
 __all__ = ["operator", "Operator", "AuthoringError", "where", "quantize", "dequantize", "uniform",
            "sample", "unsample", "sum_rows", "mean_rows", "max_rows", "min_rows", "sum_all", "mean_all",
@@ -697,7 +698,7 @@ class Operator:
         return int(self.manifest["saved_bits_per_row"])
 
 
-class _OperatorModule(torch.nn.Module):
+class _OperatorModule(NotScriptable, torch.nn.Module):
     def __init__(self, op: Operator, params: Tuple[Any, ...]) -> None:
         super().__init__()
         self.op, self.params = op, params

@@ -9,7 +9,7 @@ import torch
 
 from . import _eager, _launch, _lib
 
-__all__ = ["OperatorFunction", "apply_eager", "run_lane", "lane_plan", "once_only", "refuse_jit_trace"]
+__all__ = ["OperatorFunction", "NotScriptable", "apply_eager", "run_lane", "lane_plan", "once_only", "refuse_jit_trace"]
 
 
 class OperatorFunction(torch.autograd.Function):
@@ -67,6 +67,17 @@ class OperatorFunction(torch.autograd.Function):
         if torch.is_grad_enabled():
             return _backward_once(ctx, *grads)
         return _backward(ctx, *grads)
+
+
+class NotScriptable:
+    """Mixin of abp's modules: torch.jit.script asks each module to prepare itself before it
+    compiles, and abp's forwards launch kernels from Python, which TorchScript cannot compile;
+    this says so instead of TorchScript's error about some annotation deep inside."""
+
+    def __prepare_scriptable__(self) -> Any:
+        raise RuntimeError(f"{type(self).__name__}: torch.jit.script cannot compile abp modules (their kernels are "
+                           "launched from Python, outside TorchScript); use torch.compile or torch.export, which keep "
+                           "them")
 
 
 def refuse_jit_trace(op_name: str) -> None:

@@ -713,9 +713,11 @@ class CompressSavedHooks:
         opened = self._open.setdefault(threading.get_ident(), [])
         if opened:
             self._close_interrupted(opened)
-        if _exporting() or (_custom_ops._tracing_mode() and not _derived._compiling()):
-            # torch.export and make_fx trace the model's function with tensors that hold no data:
-            # nothing runs that could be compressed, so no block (None keeps enter and leave paired).
+        if _exporting() or (_custom_ops._tracing_mode() and not _derived._compiling()) \
+                or torch._C._get_tracing_state() is not None:
+            # torch.export and make_fx trace the model's function with tensors that hold no data, and
+            # torch.jit.trace records its ops: the block's own work is no part of the model's
+            # function, so no block (None keeps enter and leave paired).
             opened.append(None)
             return
         block = compress.compress_saved(bits=self.bits, group_size=self.group_size, allow_low_bits=self.allow_low_bits)

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from . import _lib, functional, sampling
+from .autograd import NotScriptable
 from ._launch import check_param
 from ._manifest import Operator
 
@@ -55,7 +56,7 @@ def _f32(values: List[float]) -> Tensor:
     return torch.tensor(values, dtype=torch.float32)
 
 
-class AbpActivation(torch.nn.Module):
+class AbpActivation(NotScriptable, torch.nn.Module):
     """Base class: runs manifest operator ``operator`` with f32 ``params`` on its input."""
 
     operator: str
@@ -369,7 +370,7 @@ class Softshrink(_Piecewise):
         return [-self.params[0], self.params[0]], [0.0, 1.0]
 
 
-class _MSNorm(torch.nn.Module):
+class _MSNorm(NotScriptable, torch.nn.Module):
     """Base of the memory-sharing norms: backward from the output and one value per row.
 
     With ``elementwise_affine=True`` the module has torch.nn.LayerNorm's ``weight`` (gamma, ones) and,
@@ -462,7 +463,7 @@ class MSRMSNorm(_MSNorm):
                                       autocast_output=self.autocast_output)
 
 
-class SampledLinear(torch.nn.Linear):
+class SampledLinear(NotScriptable, torch.nn.Linear):
     """nn.Linear whose backward estimates dW from a sample (or sketch) of the input's token rows,
     so forward saves about `keep` of the input (abp.sampling; docs/algorithms.md §3, §8).
 

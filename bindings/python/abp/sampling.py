@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from . import _custom_ops
+from . import _custom_ops, autograd
 from . import _sample_kernels as kernels
 from . import _selection as selection
 from ._launch import compute_dtype
@@ -210,6 +210,7 @@ def sampled_linear(
         if not isinstance(gamma, torch.Tensor) or gamma.dim() != 1 or gamma.numel() != rows:
             raise ValueError(f"gamma: expected one value per token row ({rows}), got "
                              f"{tuple(gamma.shape) if isinstance(gamma, torch.Tensor) else type(gamma).__name__}")
+    autograd.refuse_jit_trace("sampled_linear")
     if _custom_ops.compiling() and seed is None and gamma is None and record is None:
         # Under torch.compile: the key stays a tensor and the host work hides in custom ops, so
         # the layer costs dynamo no graph break (abp._sampled_ops). GradNormCache's gamma/record

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from . import _sample_kernels as kernels
 from . import _selection as selection
 from ._launch import compute_dtype
+from .autograd import NotScriptable
 from .compress import draw_seed
 
 __all__ = [
@@ -217,7 +218,7 @@ class _VcasLinearFunction(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
-class _VcasLinear(torch.nn.Linear):
+class _VcasLinear(NotScriptable, torch.nn.Linear):
     """A Linear inside a block, sharing the original's Parameters, whose backward is VCAS's."""
 
     def __init__(self, linear: torch.nn.Linear, controller: "Controller", state: _LinearState) -> None:
