@@ -41,8 +41,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from . import _custom_ops, _derived, _save_rules
-from .compress import (CompressedTensor, dequantize, group_layout, open_block, quantize_unchecked, rank_key,
-                       row_group_size, row_statistic_shape)
+from .compress import (CompressedTensor, dequantize, group_layout, mask_bits, mask_from_bits, open_block,
+                       quantize_unchecked, rank_key, row_group_size, row_statistic_shape, with_support)
 from ._launch import ROW_DTYPES
 
 __all__ = ["available", "hooks", "compiled_stats"]
@@ -259,23 +259,10 @@ def _decide(x: torch.Tensor, context: Dict[str, Any], bits: int, min_numel: int,
 SUPPORT_KEPT = "compressed, with its support (x > 0) kept exactly in 1 bit (a ReLU's output)"
 
 
-def _support_bits(x: torch.Tensor) -> torch.Tensor:
-    """Where `x` > 0, as a 1-bit LSB-first stream of ceil(n / 8) bytes in x's logical order (the
-    layout of abp.compress's masks), in traceable torch ops."""
-    flat = (x > 0).reshape(-1).to(torch.uint8)
-    flat = torch.nn.functional.pad(flat, (0, (-flat.numel()) % 8))
-    weights = torch.ones(8, dtype=torch.uint8, device=x.device) << torch.arange(8, dtype=torch.uint8, device=x.device)
-    return (flat.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
-
-
 def _with_support(dense: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """`dense` with its exact zeros and positives restored from `_support_bits`: zero off the
-    support, at least the dtype's smallest normal on it (a positive rounded down to its group's
-    minimum 0 stays positive), laid out as `dense` is."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
-    positive = ((bits.unsqueeze(1) >> shifts) & 1).reshape(-1)[: dense.numel()].to(torch.bool).reshape(dense.shape)
-    tiny = torch.finfo(dense.dtype).tiny
-    out = torch.where(positive, dense.clamp_min(tiny), torch.zeros((), dtype=dense.dtype, device=dense.device))
+    """`dense` with its support restored from `bits` (compress.mask_bits of x > 0), laid out as
+    `dense` is (the saved tensor's strides)."""
+    out = with_support(dense, mask_from_bits(bits, dense.shape))
     if out.stride() == dense.stride():
         return out
     return torch.empty_strided(dense.shape, dense.stride(), dtype=dense.dtype, device=dense.device).copy_(out)
@@ -317,7 +304,7 @@ def _pack_traced(x: torch.Tensor, context: Dict[str, Any], bits: int, group_size
     logs = _op_name(context["_node"].target) in _LOG_SOFTMAX_FORWARD
     coded = x.exp() if logs else x
     return (gact_pack(coded, key, chosen, group_size), chosen, group_size, list(x.shape), list(x.stride()), x.dtype,
-            logs, _support_bits(x) if support else None)
+            logs, mask_bits(x > 0) if support else None)
 
 
 # ---------------------------------------------------------------------------------------------

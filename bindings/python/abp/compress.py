@@ -311,8 +311,7 @@ def dequantize(c: CompressedTensor) -> torch.Tensor:
         raise TypeError(f"c: expected an abp.compress.CompressedTensor, got {type(c).__name__}")
     _check_consistent(c)
     if c.kind == "mask":
-        bits = (c.buffer.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8, device=c.device)) & 1
-        return bits.reshape(-1)[: c.numel].to(torch.bool).reshape(c.shape)
+        return mask_from_bits(c.buffer, c.shape)
     codec = _Codec.get(c.bits, c.dtype)
     out = torch.empty(c.shape, dtype=c.dtype, device=c.device)
     device, stream = _launch.device_and_stream(c.device)
@@ -322,11 +321,7 @@ def dequantize(c: CompressedTensor) -> torch.Tensor:
         codec.dequantize(base, part, address + start * size, device, stream)
         start += part[0]
     if c.support is not None:
-        # Exact zeros stay zero and positives stay positive: a positive value rounded down to its
-        # group's minimum 0 becomes the dtype's smallest normal (a bias of at most that much).
-        positive = dequantize(c.support)
-        tiny = torch.finfo(c.dtype).tiny
-        out = torch.where(positive, out.clamp_min(tiny), torch.zeros((), dtype=c.dtype, device=c.device))
+        out = with_support(out, dequantize(c.support))
     if c.logs:
         out = out.log_()
     return out
@@ -355,13 +350,31 @@ def _check_consistent(c: CompressedTensor) -> None:
 
 def _pack_mask(m: torch.Tensor) -> CompressedTensor:
     """A bool tensor as a 1-bit LSB-first stream (docs/algorithms.md §2.6), ceil(n / 8) bytes."""
-    flat = m.reshape(-1)
-    n = flat.numel()
-    padded = torch.zeros((n + 7) // 8 * 8, dtype=torch.uint8, device=m.device)
-    padded[:n] = flat
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=m.device)
-    packed = (padded.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
-    return CompressedTensor("mask", 1, 8, tuple(m.shape), torch.bool, m.device, packed)
+    return CompressedTensor("mask", 1, 8, tuple(m.shape), torch.bool, m.device, mask_bits(m))
+
+
+def mask_bits(m: torch.Tensor) -> torch.Tensor:
+    """The bool tensor `m` in its logical order as a 1-bit LSB-first stream of ceil(n / 8) uint8
+    bytes, in torch ops that torch.compile traces (abp._compiled_saves packs a ReLU's support so)."""
+    flat = m.reshape(-1).to(torch.uint8)
+    flat = torch.nn.functional.pad(flat, (0, (-flat.numel()) % 8))
+    shifts = torch.arange(8, dtype=torch.uint8, device=m.device)
+    return (flat.view(-1, 8) << shifts).sum(dim=1, dtype=torch.uint8)
+
+
+def mask_from_bits(bits: torch.Tensor, shape: Sequence[Any]) -> torch.Tensor:
+    """The bool tensor of `shape` that `mask_bits` made `bits` from."""
+    n = math.prod(shape)
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    return ((bits.unsqueeze(1) >> shifts) & 1).reshape(-1)[:n].to(torch.bool).reshape(shape)
+
+
+def with_support(values: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
+    """Decoded `values` of a tensor whose support (where it is > 0) is `positive`: exact zeros off
+    it, and a positive value rounded down to its group's minimum 0 stays positive (the dtype's
+    smallest normal: a bias of at most that much)."""
+    tiny = torch.finfo(values.dtype).tiny
+    return torch.where(positive, values.clamp_min(tiny), torch.zeros((), dtype=values.dtype, device=values.device))
 
 
 def _parameter_of(t: torch.Tensor) -> Optional[torch.Tensor]:
