@@ -180,6 +180,66 @@ def test_a_library_name_is_refused_and_a_redefinition_gets_its_own_name() -> Non
     assert torch.equal(variants[1](x), x * 3.0) and torch.equal(variants[2](x), x * 2.0)
 
 
+def test_the_same_maths_on_other_lines_is_the_same_operator() -> None:
+    """Source locations only point diagnostics: a cell run again after lines above it changed
+    keeps its operator (and its name), with no new compile."""
+    stem = fresh("moved")
+
+    def first(x):
+        return x * 2.0, lambda dy: dy * 2.0
+
+    def second(x):  # the same maths, defined lines later
+
+        return x * 2.0, lambda dy: dy * 2.0
+    a, b = operator(first, name=stem), operator(second, name=stem)
+    assert a.name == b.name == stem and b.ir == a.ir
+
+
+def test_parameters_are_named_checked_and_take_keywords_and_defaults() -> None:
+    def leaky(x, slope=0.01):
+        return where(x > 0, x, x * slope), lambda dy: where(x > 0, dy, dy * slope)
+
+    op = operator(leaky, name=fresh("leaky_defaults"), params=("slope",))
+    x = torch.tensor([-2.0, 3.0])
+    want = torch.tensor([-0.2, 3.0])
+    torch.testing.assert_close(op(x, 0.1), want)
+    torch.testing.assert_close(op(x, slope=0.1), want)
+    torch.testing.assert_close(op(x=x, slope=0.1), want)
+    torch.testing.assert_close(op.module(slope=0.1)(x), want)
+    torch.testing.assert_close(op(x), torch.tensor([-0.02, 3.0]))  # the default
+    torch.testing.assert_close(op.module()(x), torch.tensor([-0.02, 3.0]))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'alpha'; its arguments are \\['x', 'slope'\\]"):
+        op(x, alpha=0.1)
+    with pytest.raises(TypeError, match="got 'slope' both by position and by keyword"):
+        op(x, 0.1, slope=0.2)
+    # params= naming other arguments than the function's last ones: refused at definition.
+    for params, wrong in ((("alpha",), "leaky"), (("x",), "leaky")):
+        with pytest.raises(AuthoringError, match="params= names .* but its last 1 argument\\(s\\) are"):
+            operator(leaky, name=fresh(wrong), params=params)
+
+    def slope_first(slope, x):
+        return x * slope, lambda dy: dy * slope
+    with pytest.raises(AuthoringError, match="the parameters come after the tensor inputs"):
+        operator(slope_first, name=fresh("slope_first"), params=("slope",))
+
+
+def test_a_returned_gradient_that_is_no_tensor_is_named() -> None:
+    def constant(x):
+        return x * 2.0, lambda dy: 2.0
+
+    def none_for_y(x, y):
+        return x * y, lambda dy: (dy * y, None)
+    cases = ((constant, "gradient 0 \\(for x\\) must be a traced float tensor of the backward, got the number 2.0"),
+             (none_for_y, "gradient 1 \\(for y\\) .* got None \\(an input without a gradient is named in no_grad=\\)"))
+    for fn, match in cases:
+        with pytest.raises(AuthoringError, match=match):
+            operator(fn, name=fresh(fn.__name__))
+    with pytest.raises(AuthoringError, match="name: 'my-op' is not an identifier"):
+        operator(constant, name="my-op")
+    with pytest.raises(AuthoringError, match="a lambda needs name="):
+        operator(lambda x: (x, lambda dy: dy))
+
+
 def test_arithmetic_on_parameters_and_python_builtins() -> None:
     @operator(name=fresh("squareplus"), params=("b",))
     def squareplus(x, b):
@@ -376,7 +436,7 @@ def test_an_operator_as_a_module_in_a_model() -> None:
     for mine, theirs in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-6)
     assert "scale=1.5" in repr(model[1])
-    with pytest.raises(TypeError, match="expected the parameters"):
+    with pytest.raises(TypeError, match=r"missing \['scale'\]; it takes 1 tensor\(s\) \['x'\] and the parameters \['scale'\]"):
         scaled_tanh.module()
 
 
@@ -597,7 +657,8 @@ def test_mistakes_with_draws_per_row_inputs_and_no_grad_are_named() -> None:
         def f(x, s):
             return x * s, lambda dy: (dy * s, dy)  # ds must be per row: sum_rows(dy * x)
 
-    assert "gradient 1 must be one value per row" in _authoring_error_at_this_file(per_row_gradient_for_a_matrix)
+    assert "gradient 1 (for s) must be a traced float tensor of the backward (one value per row), got a matrix" \
+        in _authoring_error_at_this_file(per_row_gradient_for_a_matrix)
 
 
 def test_a_per_row_input_with_a_gradient() -> None:

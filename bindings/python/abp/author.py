@@ -572,8 +572,10 @@ class Operator:
     def __init__(self, name: str, ir: str, inputs: int, params: Tuple[str, ...],
                  param_types: Tuple[type, ...] = (), input_names: Tuple[str, ...] = (),
                  per_row: Tuple[str, ...] = (), rows: bool = False, index: Tuple[str, ...] = (),
-                 sampled_rows: Tuple[str, ...] = ()) -> None:
+                 sampled_rows: Tuple[str, ...] = (), defaults: Optional[Dict[str, Any]] = None) -> None:
         self.name, self.ir, self.inputs, self.params = name, ir, inputs, params
+        #: The parameters' default values, from the function's signature.
+        self.defaults = dict(defaults or {})
         self.param_types = param_types or (float,) * len(params)
         self.input_names = input_names or tuple(f"input{i}" for i in range(inputs))
         self.per_row, self.rows = per_row, rows
@@ -652,12 +654,29 @@ class Operator:
                                  f"dtype {dtype}, on {want[2]}, got "
                                  + (f"shape {got[0]}, dtype {got[1]}, on {got[2]}" if got else type(t).__name__))
 
-    def __call__(self, *args: Any) -> Any:
+    def _bind(self, names: Sequence[str], args: Sequence[Any], kwargs: Dict[str, Any], what: str) -> List[Any]:
+        """`args` and `kwargs` as one value per name of `names`, in order, as Python binds a call
+        (parameters not given take their defaults); a TypeError naming what is wrong otherwise."""
+        if len(args) > len(names):
+            raise TypeError(f"{what}: takes {list(names)}, got {len(args)} positional argument(s)")
+        bound = dict(zip(names, args))
+        for key, value in kwargs.items():
+            if key not in names:
+                raise TypeError(f"{what}: unexpected keyword argument {key!r}; its arguments are {list(names)}")
+            if key in bound:
+                raise TypeError(f"{what}: got {key!r} both by position and by keyword")
+            bound[key] = value
+        missing = [n for n in names if n not in bound and n not in self.defaults]
+        if missing:
+            raise TypeError(f"{what}: missing {missing}; it takes {self.inputs} tensor(s) "
+                            f"{list(self.input_names)} and the parameters {list(self.params)}")
+        return [bound[n] if n in bound else self.defaults[n] for n in names]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from .autograd import apply_eager
 
-        if len(args) != self.inputs + len(self.params):
-            raise TypeError(f"{self.name}: expected {self.inputs} tensor(s) and parameters "
-                            f"{list(self.params)}, got {len(args)} argument(s)")
+        if kwargs or len(args) != self.inputs + len(self.params):
+            args = tuple(self._bind(self.input_names + self.params, args, kwargs, self.name))
         tensors = args[:self.inputs]
         self._check_tensors(tensors)
         params = self._check_params(args[self.inputs:], self.name)
@@ -665,13 +684,12 @@ class Operator:
             return _custom_ops.apply_custom(self.name, params, tensors)
         return apply_eager(self.name, params, tensors)
 
-    def module(self, *params: Any) -> "torch.nn.Module":
-        """An nn.Module applying this operator with `params` fixed (no parameters or buffers of
-        its own, so it drops into a model and its state dict unchanged)."""
-        if len(params) != len(self.params):
-            raise TypeError(f"{self.name}.module: expected the parameters {list(self.params)}, "
-                            f"got {len(params)} value(s)")
-        return _OperatorModule(self, self._check_params(params, f"{self.name}.module"))
+    def module(self, *params: Any, **kwparams: Any) -> "torch.nn.Module":
+        """An nn.Module applying this operator with `params` fixed (by position or by name; those
+        not given take their defaults), with no parameters or buffers of its own, so it drops
+        into a model and its state dict unchanged."""
+        values = self._bind(self.params, params, kwparams, f"{self.name}.module")
+        return _OperatorModule(self, self._check_params(values, f"{self.name}.module"))
 
     def _inspect(self) -> Dict[str, Any]:
         from . import inspect
@@ -748,9 +766,10 @@ def _param_types(params: Any) -> Dict[str, type]:
 
 
 def _tensors(name: str, what: str, values: Any, trace: _Trace, region: _Region,
-             shapes: Optional[Sequence[str]] = None) -> List[Value]:
+             shapes: Optional[Sequence[str]] = None, labels: Sequence[str] = ()) -> List[Value]:
     """`values` (one or a tuple) as the traced tensors of `region` an operator returns; `shapes`:
-    the shape each must have (default: any matrix or per-row value of a row operator, else flat)."""
+    the shape each must have (default: any matrix or per-row value of a row operator, else flat);
+    `labels`: what each is (the input a gradient is for), for the error."""
     values = list(values) if isinstance(values, (tuple, list)) else [values]
     allowed = ("rows", "per_row") if trace.rows else ("flat",)
     for i, v in enumerate(values):
@@ -758,10 +777,27 @@ def _tensors(name: str, what: str, values: Any, trace: _Trace, region: _Region,
         if not (isinstance(v, Value) and v.kind == "tensor" and v.region is region and v.shape in want):
             direction = "forward" if region is trace.forward else "backward"
             kind = {"rows": "a matrix", "per_row": "one value per row", "flat": "a tensor"}
-            raise AuthoringError(f"{name}: {what} are traced float tensors of the {direction}"
-                                 + (f" ({what[:-1]} {i} must be {' or '.join(kind[w] for w in want)})"
-                                    if trace.rows else ""))
+            which = f"{what[:-1]} {i}" + (f" (for {labels[i]})" if i < len(labels) else "")
+            raise AuthoringError(f"{name}: {which} must be a traced float tensor of the {direction}"
+                                 + (f" ({' or '.join(kind[w] for w in want)})" if trace.rows else "")
+                                 + f", got {_describe(v, trace)}")
     return values
+
+
+def _describe(v: Any, trace: _Trace) -> str:
+    """What an operator returned where a traced tensor belongs, for an error."""
+    if v is None:
+        return "None (an input without a gradient is named in no_grad=)"
+    if isinstance(v, Value):
+        if v.kind in ("param", "int_param"):
+            return "a parameter (a number for every element: make a tensor of it, e.g. dy * 0 + p)"
+        if v.kind != "tensor":
+            return f"a {v.kind} (make a float tensor of it, e.g. with where())"
+        shape = {"rows": "a matrix", "per_row": "one value per row"}.get(v.shape, "a tensor")
+        return f"{shape} of the {'forward' if v.region is trace.forward else 'backward'}"
+    if isinstance(v, (int, float)):
+        return f"the number {v!r} (a constant: make a tensor of it, e.g. dy * 0 + {v!r})"
+    return type(v).__name__
 
 
 def _build(fn: Callable[..., Any], name: str, param_types: Dict[str, type], rows: bool,
@@ -770,12 +806,25 @@ def _build(fn: Callable[..., Any], name: str, param_types: Dict[str, type], rows
 
     from . import compile_operators, operators
 
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        raise AuthoringError(f"name: {name!r} is not an identifier (letters, digits and _, not beginning with a "
+                             "digit): it names the operator's kernels and torch ops" +
+                             ("; a lambda needs name=..." if name == "<lambda>" else ""))
     params = tuple(param_types)
-    arguments = list(pyinspect.signature(fn).parameters)
+    signature = pyinspect.signature(fn).parameters
+    arguments = list(signature)
     inputs = len(arguments) - len(params)
     if inputs < 1:
         raise AuthoringError(f"{name}: takes {len(arguments)} argument(s) but names {len(params)} "
                              f"parameter(s); at least one tensor input comes first")
+    if tuple(arguments[inputs:]) != params:
+        raise AuthoringError(f"{name}: params= names {list(params)}, but its last {len(params)} argument(s) are "
+                             f"{arguments[inputs:]}: the parameters come after the tensor inputs, with the same names "
+                             "in the same order")
+    defaults = {n: signature[n].default for n in arguments if signature[n].default is not pyinspect.Parameter.empty}
+    tensor_defaults = [n for n in arguments[:inputs] if n in defaults]
+    if tensor_defaults:
+        raise AuthoringError(f"{name}: tensor input(s) {tensor_defaults} have a default value; only parameters may")
     tensor_names = arguments[:inputs]
     for what, names in (("per_row", per_row), ("no_grad", no_grad), ("index", index)):
         unknown = [n for n in names if n not in tensor_names]
@@ -834,7 +883,7 @@ def _build(fn: Callable[..., Any], name: str, param_types: Dict[str, type], rows
         returned_grads = [returned_grads]
     dxs = _tensors(name, "gradients", [trace.arrive(g) if isinstance(g, Value) else g
                                        for g in returned_grads], trace, trace.backward,
-                   [x.shape for x in differentiated])
+                   [x.shape for x in differentiated], [n for n in tensor_names if n not in no_grad])
 
     trace.share_outputs()
     saved = list(trace.residuals.values())
@@ -860,18 +909,30 @@ def _build(fn: Callable[..., Any], name: str, param_types: Dict[str, type], rows
     if name not in _compiled_ir and name in operators():
         raise AuthoringError(f"operator name {name!r} is taken by the op library or by IR compiled "
                              "with compile_operators; pass name=...")
-    if _compiled_ir.get(name, ir) != ir:
+    maths = _without_locations(ir)
+    if name in _compiled_ir and _without_locations(_compiled_ir[name]) != maths:
         # Redefined with other maths (a loop over variants, an edited notebook cell): operators
-        # cannot be replaced, so this one is named after its IR, and .name says so.
-        digest = hashlib.sha256(ir.encode()).hexdigest()[:8]
+        # cannot be replaced, so this one is named after its maths, and .name says so. The same
+        # maths written on other lines is the same operator (the locations only point diagnostics).
+        digest = hashlib.sha256(maths.encode()).hexdigest()[:8]
         ir = ir.replace(f"abp.operator @{name} ", f"abp.operator @{name}_{digest} ", 1)
         name = f"{name}_{digest}"
     if name not in _compiled_ir:
         compile_operators(ir, origin=f"{fn.__code__.co_filename}:{fn.__code__.co_firstlineno}")
         _compiled_ir[name] = ir
+    else:
+        ir = _compiled_ir[name]  # what was compiled under that name (its locations)
     sampled = tuple(tensor_names[int(v[2:])] for v in trace.sampled_rows)
     return Operator(name, ir, inputs, params, tuple(param_types.values()), tuple(tensor_names),
-                    per_row, rows, index, sampled)
+                    per_row, rows, index, sampled, {n: v for n, v in defaults.items() if n in params})
+
+
+_LOCATION = re.compile(r' loc\("[^"]*":\d+:\d+\)')
+
+
+def _without_locations(ir: str) -> str:
+    """`ir` without its source locations: what the operator computes."""
+    return _LOCATION.sub("", ir)
 
 
 _compiled_ir: Dict[str, str] = {}
