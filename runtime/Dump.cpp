@@ -19,11 +19,14 @@ std::string dumpCompile(const DumpRecord &record) {
     std::string options;
     for (const std::string &option : record.options)
       options += option + "\n";
-    options += "# arch: " + record.arch + ", output: " + outputKindName(record.kind) + "\n";
+    bool host = !record.binaryName.empty();
+    options += "# arch: " + record.arch + ", output: " +
+               (host ? std::string("host shared library") : outputKindName(record.kind)) + "\n";
     writeFileSynced(dir + "/options.txt", options);
     writeFileSynced(dir + "/compile.log", record.log);
     if (record.binary)
-      writeFileSynced(dir + "/" + binaryFileName(record.kind), *record.binary);
+      writeFileSynced(dir + "/" + (host ? record.binaryName : std::string(binaryFileName(record.kind))),
+                      *record.binary);
   } catch (const Error &e) {
     warning(std::string("ABP_DUMP_DIR: ") + e.what());
   }

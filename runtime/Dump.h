@@ -21,11 +21,14 @@ struct DumpRecord {
   const std::string *binary = nullptr; ///< nullptr when the compile failed
   std::string log;
   std::vector<std::string> options;
+  /// The output's file name where it is no GPU binary (the CPU path's "kernel.host.so"); empty:
+  /// binaryFileName(kind).
+  std::string binaryName;
 };
 
-/// With ABP_DUMP_DIR set, writes <dir>/<unit>-<hash8>/{kernel.cu, kernel.ptx or kernel.cubin,
-/// compile.log, options.txt} and returns that directory; "" when unset. Write failures are
-/// warnings: dumping never fails a compile.
+/// With ABP_DUMP_DIR set, writes <dir>/<unit>-<hash8>/{kernel.cu, kernel.ptx, kernel.cubin or
+/// kernel.host.so, compile.log, options.txt} and returns that directory; "" when unset. Write
+/// failures are warnings: dumping never fails a compile.
 std::string dumpCompile(const DumpRecord &record);
 
 struct SourceOverride {

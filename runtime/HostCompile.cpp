@@ -1,21 +1,55 @@
 // HostCompile.cpp — runs the host C++ compiler over generated source (the CPU path's build).
 #include "runtime/HostCompile.h"
 
+#include "runtime/Dump.h"
 #include "runtime/Env.h"
 #include "runtime/Error.h"
 #include "runtime/Files.h"
+#include "runtime/Sha256.h"
 
 #include <fcntl.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <vector>
 
 extern char **environ;
 
 namespace abp::rt {
+
+namespace {
+
+/// ABP_DUMP_DIR for the CPU path: the source, the compiler and its flags (`flags`: the
+/// arguments before the scratch source path, which differs per compile), its log and the
+/// library, keyed by the source and the flags.
+void dumpHostCompile(const std::string &unit, const std::string &source,
+                     const std::vector<std::string> &flags, const std::string &log,
+                     const std::string &output) {
+  if (env::getString(EnvVar::ABP_DUMP_DIR).empty())
+    return;
+  DumpRecord record;
+  record.unit = unit;
+  record.source = source;
+  record.arch = "host";
+  record.log = log;
+  record.binaryName = "kernel.host.so";
+  record.options = flags;
+  std::string keyed = source;
+  for (const std::string &option : record.options)
+    keyed += "\n" + option;
+  record.keyHash = Sha256::hex(keyed);
+  std::string binary;
+  if (!output.empty() && isFile(output)) {
+    binary = readFile(output);
+    record.binary = &binary;
+  }
+  dumpCompile(record);
+}
+
+} // namespace
 
 void compileHostLibrary(const std::string &unit, const std::string &source,
                         const std::string &output) {
@@ -47,7 +81,10 @@ void compileHostLibrary(const std::string &unit, const std::string &source,
   std::string log = isFile(logPath) ? readFile(logPath) : "";
   std::remove(sourcePath.c_str());
   std::remove(logPath.c_str());
-  if (rc == 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0)
+  bool compiled = rc == 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  std::vector<std::string> flags(args.begin(), std::find(args.begin(), args.end(), sourcePath));
+  dumpHostCompile(unit, source, flags, log, compiled ? output : "");
+  if (compiled)
     return;
   CompileFailure failure;
   failure.stage = "host-compiler";

@@ -1,5 +1,6 @@
 // DumpTest.cpp — ABP_DUMP_DIR writes every compile stage; ABP_OVERRIDE_DIR swaps in a source.
 #include "runtime/Dump.h"
+#include "runtime/HostCompile.h"
 #include "runtime/Library.h"
 #include "runtime/Nvrtc.h"
 #include "runtime/Sha256.h"
@@ -105,4 +106,33 @@ TEST(Override, CompileUnitUsesTheOverrideAndDumpsIt) {
   EXPECT_EQ(abp::test::readText(dumps / (dirs[0] + "/kernel.cu")), edited);
   EXPECT_NE(abp::test::readText(dumps / (dirs[0] + "/kernel.ptx")).find("abp_edited_kernel"),
             std::string::npos);
+}
+
+TEST(Dump, TheCpuPathsHostCompilesAreDumpedToo) {
+  // compile_operators on a machine without a GPU builds the host library only: ABP_DUMP_DIR
+  // must show that compile as well (source, the compiler's flags, its log and the library).
+  TempDir out, dumps;
+  ScopedEnv dump("ABP_DUMP_DIR", dumps.path());
+  const std::string source = "extern \"C\" int abp_dump_test_symbol() { return 7; }\n";
+  compileHostLibrary("host_dump_test", source, out / "lib.host.so");
+  std::vector<std::string> dirs = abp::test::listDir(dumps.path());
+  ASSERT_EQ(dirs.size(), 1u);
+  EXPECT_EQ(dirs[0].rfind("host_dump_test-", 0), 0u) << dirs[0];
+  std::string where = dumps / dirs[0];
+  EXPECT_EQ(abp::test::listDir(where),
+            (std::vector<std::string>{"compile.log", "kernel.cu", "kernel.host.so", "options.txt"}));
+  EXPECT_EQ(abp::test::readText(where + "/kernel.cu"), source);
+  EXPECT_EQ(abp::test::readText(where + "/kernel.host.so"), abp::test::readText(out / "lib.host.so"));
+  std::string options = abp::test::readText(where + "/options.txt");
+  EXPECT_NE(options.find("-DABP_HOST=1\n"), std::string::npos) << options;
+  EXPECT_NE(options.find("output: host shared library"), std::string::npos) << options;
+  EXPECT_EQ(options.find(".tmp-"), std::string::npos) << options; // no scratch paths: keyed by what compiles
+  // A failed compile: the source and the log, no library.
+  EXPECT_THROW(compileHostLibrary("host_dump_broken", "not C++ at all\n", out / "broken.host.so"),
+               abp::rt::Error);
+  dirs = abp::test::listDir(dumps.path());
+  ASSERT_EQ(dirs.size(), 2u);
+  std::string broken = dumps / (dirs[0].rfind("host_dump_broken-", 0) == 0 ? dirs[0] : dirs[1]);
+  EXPECT_EQ(abp::test::listDir(broken), (std::vector<std::string>{"compile.log", "kernel.cu", "options.txt"}));
+  EXPECT_FALSE(abp::test::readText(broken + "/compile.log").empty());
 }
