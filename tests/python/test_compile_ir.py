@@ -106,7 +106,15 @@ def test_name_clash_with_the_op_library_is_refused() -> None:
     with pytest.raises(AbpError) as info:
         abp.compile_operators(clash, origin="clash.mlir")
     assert info.value.status == Status.INVALID_ARGUMENT
-    assert "'relu'" in str(info.value)
+    assert "operator 'relu' (clash.mlir) is already defined, by the op library" in str(info.value)
+
+
+def test_an_edited_operator_names_both_definitions(cube: str) -> None:
+    edited = CUBE_IR.replace("arith.mulf", "arith.addf", 1)
+    assert edited != CUBE_IR
+    with pytest.raises(AbpError, match="operator 'test_cube' \\(cube_edited.mlir\\) is already defined, by "
+                                       "cube.mlir; operators cannot be replaced"):
+        abp.compile_operators(edited, origin="cube_edited.mlir")
 
 
 LEAKY_IR = """

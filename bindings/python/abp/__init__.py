@@ -141,7 +141,7 @@ def compile_operators(ir: str, origin: Optional[str] = None) -> List[str]:
     except AbpError as error:
         raise _located_in_ir(error, origin) from None
     library = _lib.kernel_library()
-    names = library.add_directory(directory)
+    names = library.add_directory(directory, origin)
     if _custom_ops.enabled():
         for name in names:
             if _custom_ops.registrable(library.operator(name)):

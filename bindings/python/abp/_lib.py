@@ -239,6 +239,8 @@ class KernelLibrary:
         self._owner: Dict[str, c_void_p] = {}
         self._added: Dict[str, c_void_p] = {}
         self._op_handle: Dict[str, c_void_p] = {}  # operator -> its added directory's library
+        # Operator -> where an added one was defined (compile_operators' origin), for errors.
+        self._origin: Dict[str, str] = {}
 
     def manifest_of(self, name: str) -> Dict[str, Any]:
         """The manifest declaring operator `name`, as the runtime read it (not read again from
@@ -253,11 +255,12 @@ class KernelLibrary:
         """The kernel directory whose manifest declares operator `name` (AbpError if unknown)."""
         return Path(self.operator(name).raw["manifest"]["path"]).parent
 
-    def add_directory(self, directory: Path) -> List[str]:
-        """Opens another kernel directory (e.g. from compile_ir) and registers its operators.
+    def add_directory(self, directory: Path, origin: Optional[str] = None) -> List[str]:
+        """Opens another kernel directory (e.g. from compile_ir) and registers its operators;
+        `origin` says where they were written (compile_operators' origin), for errors.
 
         Adding the same directory again is a no-op; an operator name that already exists with a
-        different definition raises AbpError (INVALID_ARGUMENT)."""
+        different definition raises AbpError (INVALID_ARGUMENT) naming both definitions."""
         key = str(directory)
         lib = native()
         if key in self._added:
@@ -272,12 +275,15 @@ class KernelLibrary:
             for name, op in ops.items():
                 if name in self.operators:
                     lib.abp_library_close(handle)
+                    first = self._origin.get(name, f"the op library ({kernel_dir()})")
                     raise AbpError(
                         Status.INVALID_ARGUMENT,
-                        f"operator {name!r} from {directory} is already defined; give it another name",
+                        f"operator {name!r} ({origin or directory}) is already defined, by {first}; "
+                        "operators cannot be replaced in a process: give it another name",
                     )
             self._added[key] = handle
             for name, op in ops.items():
+                self._origin[name] = origin or str(directory)
                 self.operators[name] = op
                 self._op_handle[name] = handle
                 for kernel in op.kernels:
