@@ -240,6 +240,17 @@ def test_a_returned_gradient_that_is_no_tensor_is_named() -> None:
         operator(lambda x: (x, lambda dy: dy))
 
 
+def test_a_backward_that_never_reads_its_gradient_is_warned_about() -> None:
+    table = ([0.0], [0.5, 1.0])
+
+    def forgot_dy(x):
+        codes = quantize(x, table)
+        return tanh(x), lambda dy: dequantize(codes)  # "* dy" forgotten
+
+    with pytest.warns(UserWarning, match="backward never reads the gradient of output 0"):
+        operator(forgot_dy, name=fresh("forgot_dy"))
+
+
 def test_arithmetic_on_parameters_and_python_builtins() -> None:
     @operator(name=fresh("squareplus"), params=("b",))
     def squareplus(x, b):

@@ -36,6 +36,7 @@ import itertools
 import math
 import os
 import re
+import warnings
 import struct
 import sys
 from dataclasses import dataclass, field
@@ -800,6 +801,18 @@ def _describe(v: Any, trace: _Trace) -> str:
     return type(v).__name__
 
 
+def _warn_unread_gradients(name: str, fn: Callable[..., Any], grads: Sequence[Value], lines: Sequence[str]) -> None:
+    """Warns where backward never reads an output's gradient: the input gradients it returns then
+    do not depend on the loss through that output, which is a mistake unless nothing reads it."""
+    text = "\n".join(lines)
+    unread = [i for i, g in enumerate(grads) if not re.search(re.escape(g.name) + r"\b", text)]
+    if unread:
+        which = ", ".join(f"output {i}" for i in unread)
+        warnings.warn_explicit(f"{name}: backward never reads the gradient of {which} (its dy): the gradients it "
+                               "returns do not depend on the loss through it", UserWarning,
+                               fn.__code__.co_filename, fn.__code__.co_firstlineno)
+
+
 def _build(fn: Callable[..., Any], name: str, param_types: Dict[str, type], rows: bool,
            per_row: Tuple[str, ...], no_grad: Tuple[str, ...], index: Tuple[str, ...] = ()) -> Operator:
     import inspect as pyinspect
@@ -885,6 +898,7 @@ def _build(fn: Callable[..., Any], name: str, param_types: Dict[str, type], rows
                                        for g in returned_grads], trace, trace.backward,
                    [x.shape for x in differentiated], [n for n in tensor_names if n not in no_grad])
 
+    _warn_unread_gradients(name, fn, grads, trace.backward.lines + [g.name for g in dxs])
     trace.share_outputs()
     saved = list(trace.residuals.values())
     fwd_args = [f"{x.name}: {x.type}" for x in xs] + [f"{p.name}: {p.type}" for p in ps]
