@@ -239,7 +239,8 @@ def test_mistakes_with_whole_tensor_reductions_are_named() -> None:
         def f(x):
             return sum_all(x), lambda dy: dy
 
-    assert "outputs are traced float tensors" in _authoring_error_at_this_file(returned)
+    assert "output 0 must be a traced float tensor of the forward, got one number for every element" \
+        in _authoring_error_at_this_file(returned)
 
 
 def test_float64_is_refused_by_name_where_a_kernel_lacks_it() -> None:

@@ -791,7 +791,8 @@ def _describe(v: Any, trace: _Trace) -> str:
         return "None (an input without a gradient is named in no_grad=)"
     if isinstance(v, Value):
         if v.kind in ("param", "int_param"):
-            return "a parameter (a number for every element: make a tensor of it, e.g. dy * 0 + p)"
+            return ("one number for every element (a parameter or a whole-tensor reduction): make a tensor of it, "
+                    "e.g. x * 0 + it")
         if v.kind != "tensor":
             return f"a {v.kind} (make a float tensor of it, e.g. with where())"
         shape = {"rows": "a matrix", "per_row": "one value per row"}.get(v.shape, "a tensor")

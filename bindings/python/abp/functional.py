@@ -174,11 +174,10 @@ def apply(
             _launch.check_float_tensor(name, x, dtypes)
         elif not isinstance(x, torch.Tensor):  # per row, or only saved: checked where read
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    if not isinstance(params, (tuple, list)):
-        raise TypeError(f"params: expected a tuple of numbers, one per parameter of {op_name} "
+    if isinstance(params, (str, bytes)) or not isinstance(params, Sequence) and not (
+            isinstance(params, torch.Tensor) and params.dim() == 1):
+        raise TypeError(f"params: expected a sequence of numbers, one per parameter of {op_name} "
                         f"({list(op.params)}), got {type(params).__name__}")
-    if len(params) != len(op.params):
-        raise TypeError(f"params: {op_name} takes the parameters {list(op.params)}, got {len(params)} value(s)")
     if not (isinstance(params, tuple) and not params):  # () is the common case: nothing to check
         params = tuple(_launch.check_param(f"params[{i}]", p) for i, p in enumerate(params))
     if _custom_ops.compiling() and _custom_ops.registrable(op):
