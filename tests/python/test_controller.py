@@ -749,7 +749,7 @@ def test_a_controller_of_a_model_that_never_runs_says_so() -> None:
     other, changes = abp.convert(model, recipe="lowmembp")
     assert any("abp.CompressionController's: build it on the model abp.convert returns" in c.detail
                for c in changes if c.action == "refused")
-    # The copy carries the controller's hooks (they report to it), yet they do not act for it.
+    # The copy carries the controller's hooks, inert: they do not act for it.
     assert other[0]._forward_pre_hooks
     with pytest.warns(RuntimeWarning, match=r"the model this controller was built on never ran .* measures nothing "
                                             r".* abp.convert returns a converted copy"):
@@ -801,8 +801,9 @@ def test_a_compiled_model_that_runs_is_not_taken_for_another(zero_grad_inside: b
 
 
 def test_remove_lets_the_model_go_though_a_copy_keeps_the_hooks() -> None:
-    """copy.deepcopy of a controlled model shares the controller (its hooks report to it); after
-    remove() the controller holds no model, so the original is freed while the copy lives."""
+    """copy.deepcopy of a controlled model copies its hooks as inert ones (the controller trains
+    the original only); after remove() the controller holds no model, so the original is freed
+    while the copy lives."""
     import copy
 
     library_or_skip()
@@ -810,6 +811,7 @@ def test_remove_lets_the_model_go_though_a_copy_keeps_the_hooks() -> None:
     controller = CompressionController(model, avg_bits=2)
     twin = copy.deepcopy(model)
     assert twin[0]._forward_pre_hooks and copy.deepcopy(controller) is controller
+    assert all(isinstance(hook, ctl._Inert) for module in twin.modules() for hook in module._forward_pre_hooks.values())
     controller.remove()
     alive = weakref.ref(model)
     del model
@@ -819,6 +821,31 @@ def test_remove_lets_the_model_go_though_a_copy_keeps_the_hooks() -> None:
     with pytest.raises(RuntimeError, match="used after remove"):
         with controller:
             pass
+
+
+def test_a_controlled_model_pickles_and_the_loaded_copy_is_not_controlled(kernels) -> None:
+    """torch.save(model) with a controller attached (a checkpoint mid-training) failed on the
+    compile-safe hook's local function; the loaded model carries inert hooks, trains and leaves
+    the controller's keys as they were."""
+    import io
+
+    torch.manual_seed(2)
+    model = Planted()
+    x, y = batch(2)
+    controller = CompressionController(model, 2.0, **GACT_LADDER, interval=2)
+    train_step(controller, model, x, y)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    hooks = [h for m in loaded.modules() for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())]
+    assert hooks and all(isinstance(h, ctl._Inert) for h in hooks)
+    torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+    F.mse_loss(loaded(x), y).backward()
+    assert all(p.grad is not None and bool(p.grad.isfinite().all()) for p in loaded.parameters())
+    step = controller.step
+    train_step(controller, model, x, y)  # the original trains on under its controller
+    assert controller.step == step + 1 and controller.last_step_keys
 
 
 def test_an_evaluation_block_at_a_probe_step_is_not_taken_for_a_compiled_model(kernels):

@@ -1563,6 +1563,41 @@ def test_a_second_compress_recipe_is_refused_and_the_first_still_runs():
     assert abp.memory.report(twice, x).total_bytes == abp.memory.report(once, x).total_bytes
 
 
+def test_a_compress_recipe_over_a_submodule_that_has_one_is_refused():
+    """A model holding a submodule converted with the compress recipe: the outer block would
+    open around the inner one's and fail at the first forward; convert refuses it, naming the
+    submodule, and the model keeps training under the inner block."""
+    inner, _ = abp.convert(nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16)), "compress", bits=4)
+    outer = nn.Sequential(inner, nn.Linear(16, 4))
+    converted, changes = abp.convert(outer, "compress")
+    assert [(c.module, c.action) for c in changes] == [("", "refused")]
+    assert "its submodule '0' already runs inside compress_saved(bits=4, group_size=256)" in changes[0].detail
+    x = torch.randn(8, 16, 16)
+    converted(x).sum().backward()
+    assert abp.memory.report(converted, x).total_bytes == abp.memory.report(outer, x).total_bytes
+
+
+def test_a_compress_recipe_model_run_without_grad_opens_no_block():
+    """With grad off nothing is saved, so the recipe opens no block: a converted teacher runs
+    under no_grad inside the student's compress_saved block (distillation); with grad on,
+    nesting is still refused."""
+    torch.manual_seed(3)
+    teacher, _ = abp.convert(nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16)), "compress", bits=8)
+    student = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16))
+    x = torch.randn(8, 16)
+    with abp.compress_saved(bits=4) as block:
+        out = student(x)
+        with torch.no_grad():
+            target = teacher(x)
+        assert abp.compress.open_block() is block
+        torch.nn.functional.mse_loss(out, target).backward()
+    with torch.inference_mode():
+        torch.testing.assert_close(teacher(x), target, rtol=0, atol=0)
+    with abp.compress_saved(bits=4), pytest.raises(RuntimeError, match="opened inside abp.compress_saved"):
+        teacher(x)
+    assert abp.compress.open_block() is None
+
+
 def test_a_forward_interrupted_by_a_base_exception_has_its_block_closed_by_the_next_call():
     """A KeyboardInterrupt inside forward skips the hook that closes the recipe's block (torch
     runs always_call hooks for Exceptions only); the model's next call closes it, says so, and runs."""
@@ -1879,6 +1914,10 @@ def test_a_float64_model_keeps_its_activations_and_trains():
     assert "blocks.0.act" in by_action(float_changes, "replaced")
     with pytest.raises(TypeError, match=r"^ReGELU2 \(regelu2\): input: expected dtype .* got torch.float64"):
         float_model.blocks[0].act(x)
+    # A converted model cast with .double() afterwards (for gradcheck, say): the error says what to do.
+    with pytest.raises(TypeError, match=r"got torch.float64; abp's generated elementwise kernels have no float64 "
+                                        r"form: .* use the unconverted model"):
+        float_model.double()(x)
 
 
 class NormThroughFunctionalDropout(nn.Module):

@@ -210,6 +210,32 @@ def test_controller_wraps_block_linears_only_and_starts_exact() -> None:
     assert type(net.blocks[0].fc1) is torch.nn.Linear
 
 
+def test_a_model_with_its_samplers_pickles_with_its_controller() -> None:
+    """torch.save(model) of a model whose Linears are VCAS's samplers saves the controller they
+    report to (a closure made it fail); the loaded model computes what the original does, with
+    its own controller's ratios."""
+    import io
+
+    controller = _calibrated(tau=0.025, s=0.8, rho=0.7, nu=0.6)
+    net = controller.model
+    buffer = io.BytesIO()
+    torch.save(net, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    twin = loaded.blocks[0].fc1._controller
+    assert twin is not controller and twin.activation_ratios == controller.activation_ratios
+    assert twin.weight_ratios == controller.weight_ratios and twin.model is loaded
+    x, y = _data(1)[0]
+    torch.manual_seed(5)
+    F.cross_entropy(net(x), y).backward()
+    torch.manual_seed(5)
+    F.cross_entropy(loaded(x), y).backward()
+    for a, b in zip(net.parameters(), loaded.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+    twin.remove()
+    assert type(loaded.blocks[0].fc1) is torch.nn.Linear and type(net.blocks[0].fc1) is not torch.nn.Linear
+
+
 def _calibrated(tau: float, s: float, rho: float, nu: float) -> vcas.Controller:
     net = _net()
     controller = vcas.Controller(net, Block, act_var_tau=tau, w_var_tau=tau, cal_var_freq=1, param_sample_ratio=0.5)

@@ -72,7 +72,13 @@ def check_float_tensor(
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
     if value.dtype not in dtypes:
-        raise TypeError(f"{name}: expected dtype {_dtype_list(dtypes)}, got {value.dtype}")
+        hint = ""
+        if value.dtype == torch.float64:
+            # The usual way here: a model cast with .double() after abp.convert (for gradcheck, say).
+            hint = ("; abp's generated elementwise kernels have no float64 form: run the model in float32, "
+                    "float16 or bfloat16, or where float64 is needed use the unconverted model (abp.convert of a "
+                    "float64 model keeps torch's activations)")
+        raise TypeError(f"{name}: expected dtype {_dtype_list(dtypes)}, got {value.dtype}{hint}")
     if value.layout != torch.strided:
         raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {value.layout}")
     if not (value.is_cpu or value.is_cuda):

@@ -51,7 +51,26 @@ def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
     controller must see of a compiled model's call, at its edge."""
     compiler = getattr(torch, "compiler", None)
     disable = getattr(compiler, "disable", None)
-    return disable(fn) if disable is not None else fn
+    return _Hook(disable(fn)) if disable is not None else _Hook(fn)
+
+
+class _Inert:
+    """What a controller's hook is in a copy of the model: nothing, still owned (abp.convert
+    names the controller where its hooks keep a module from being replaced)."""
+
+    abp_owner = "abp.CompressionController"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class _Hook(partial):
+    """A hook the controller puts on the model. It acts for the model object it was made for
+    only: copied with the model (copy.deepcopy, torch.save of the whole model) it becomes
+    `_Inert`, as the controller does not train the copy; a new controller on the copy would."""
+
+    def __reduce__(self) -> Any:
+        return (_Inert, ())
 
 
 #: The ladder of widths, widest first; 32 means "store the tensor raw" (no quantisation variance).
@@ -419,7 +438,7 @@ class CompressionController:
         # the model copies the hooks, which report to this controller: __deepcopy__).
         self._modules: Dict[str, torch.nn.Module] = dict(model.named_modules())
         for name, module in self._modules.items():
-            enter, leave = partial(self._enter_module, name), partial(self._leave_module, name)
+            enter, leave = _Hook(self._enter_module, name), _Hook(self._leave_module, name)
             if module is model:  # seen even around a compiled call: the model ran (_never_ran)
                 enter, leave = _eager(enter), _eager(leave)
             enter.abp_owner = leave.abp_owner = "abp.CompressionController"  # type: ignore[attr-defined]

@@ -720,6 +720,11 @@ class CompressSavedHooks:
             # function, so no block (None keeps enter and leave paired).
             opened.append(None)
             return
+        if not torch.is_grad_enabled():
+            # Nothing is saved with grad off (evaluation, a teacher under no_grad inside another
+            # model's compress_saved block): no block, so none nests in another's.
+            opened.append(None)
+            return
         block = compress.compress_saved(bits=self.bits, group_size=self.group_size, allow_low_bits=self.allow_low_bits)
         block.__enter__()
         opened.append(block)
@@ -770,9 +775,12 @@ def _compress_hooks_of(model: nn.Module) -> Optional[CompressSavedHooks]:
 def _convert_compress(model: nn.Module, options: Dict[str, Any]) -> List[Change]:
     """Runs the model's forward inside ``compress_saved``: every saved tensor that abp's recipes left
     as it was (codes and per-row values are not floating or too small) is stored as group codes."""
-    earlier = _compress_hooks_of(model)
-    if earlier is not None:
-        return [Change("", "refused", f"recipe compress: the model already runs inside compress_saved(bits={earlier.bits}, "
+    for name, module in model.named_modules():
+        earlier = _compress_hooks_of(module)
+        if earlier is None:
+            continue
+        which = "the model already runs" if not name else f"its submodule {name!r} already runs"
+        return [Change("", "refused", f"recipe compress: {which} inside compress_saved(bits={earlier.bits}, "
                        f"group_size={earlier.group_size}) from an earlier convert (blocks do not nest); kept as it was. "
                        "For other settings, convert the unconverted model")]
     hooks = CompressSavedHooks(options["bits"], options["group_size"], options["allow_low_bits"])

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
@@ -320,14 +321,16 @@ class Controller:
     # --- wiring ---
 
     def _hook(self, sampler: _Sampler) -> Callable[..., Any]:
+        # A bound method and its sampler, not a closure: a model holding the samplers pickles
+        # (torch.save(model)) with its controller.
+        return partial(self._block_output, sampler)
+
+    def _block_output(self, sampler: _Sampler, module: torch.nn.Module, inputs: Any, output: Any) -> None:
         # A gradient hook on the block's output (not a new autograd node), so the model may still
         # modify that output in place.
-        def hook(module: torch.nn.Module, inputs: Any, output: Any) -> None:
-            first = output[0] if isinstance(output, tuple) and output else output
-            if torch.is_grad_enabled() and isinstance(first, torch.Tensor) and first.requires_grad:
-                first.register_hook(lambda grad: self._activation_backward(sampler, grad))
-
-        return hook
+        first = output[0] if isinstance(output, tuple) and output else output
+        if torch.is_grad_enabled() and isinstance(first, torch.Tensor) and first.requires_grad:
+            first.register_hook(partial(self._activation_backward, sampler))
 
     def remove(self) -> None:
         """Puts the original Linears back and removes the samplers."""
