@@ -332,3 +332,72 @@ def test_the_controller_estimates_under_ddp_with_reentrant_checkpoints() -> None
             torch.testing.assert_close(g, ranks[1]["grads"][step][name], rtol=0, atol=1e-7, msg=f"step {step} {name}")
     for name, value in ranks[0]["params"].items():
         torch.testing.assert_close(value, ranks[1]["params"][name], rtol=0, atol=1e-6, msg=name)
+
+
+def _controllers_under_fsdp(rank: int, rendezvous: str, out: str) -> None:
+    """FSDP2: one estimating step of the compression controller on this rank's half of a batch
+    (its replays call the root's forward directly, past FSDP's gathering pre-forward), then a
+    VCAS calibration and two sampled steps (its gradients are the ranks' shards)."""
+    from abp import vcas
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
+    try:
+        xs, ys = batches()
+        half = xs.shape[1] // WORLD
+        part = slice(rank * half, (rank + 1) * half)
+        model = _fsdp(converted())
+        controller = abp.CompressionController(model, avg_bits=4.0, interval=1)
+        torch.manual_seed(7)  # the second step's codes draw their keys
+        for step in range(2):
+            with controller:
+                loss_of(model, xs[step][part], ys[step][part]).backward()
+        result = {"sensitivity": {str(k): v for k, v in controller.sensitivity.items()},
+                  "bits": {str(k): v for k, v in controller.bits.items()}, "estimates": controller.estimates}
+        controller.remove()
+        torch.manual_seed(0)
+        model = plain()
+        sampler = vcas.Controller(model, Block, cal_var_freq=1, param_sample_ratio=0.5)
+        model = _fsdp(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sampler.calibrate(lambda b: loss_of(model, b[0][part], b[1][part]), list(zip(xs[2:4], ys[2:4])))
+        for x, y in zip(xs[:2], ys[:2]):
+            train_step(model, opt, x[part], y[part])
+            sampler.step()
+        result["vcas"] = {"last": sampler.last, "ratios": sampler.activation_ratios}
+        result["params"] = {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
+        torch.save(result, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not _fsdp2_available(), reason="FSDP2 (fully_shard) needs torch >= 2.6")
+def test_the_controllers_estimate_under_fsdp_as_one_process_does_on_its_micro_batch() -> None:
+    """Rank 0's sensitivities and widths are those one process estimates on its micro-batch (the
+    replays differentiate the gathered parameters; rank 1's codes draw another stream, so only
+    its keys are compared); VCAS calibrates on the ranks' gradient shards and the sharded model
+    trains on."""
+    library_or_skip()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rank")
+        mp.spawn(_controllers_under_fsdp, args=(os.path.join(tmp, "rendezvous"), out), nprocs=WORLD)
+        ranks = [torch.load(f"{out}.{r}") for r in range(WORLD)]
+    xs, ys = batches()
+    half = xs.shape[1] // WORLD
+    model = converted()
+    controller = abp.CompressionController(model, avg_bits=4.0, interval=1)
+    torch.manual_seed(7)
+    for step in range(2):
+        with controller:
+            loss_of(model, xs[step][:half], ys[step][:half]).backward()
+    expected = {str(k): v for k, v in controller.sensitivity.items()}
+    assert controller.estimates == 2 and any(v > 0 for v in expected.values())
+    for result in ranks:
+        assert result["estimates"] == 2 and set(result["sensitivity"]) == set(expected)
+        assert all(0 < v < float("inf") for v in result["sensitivity"].values())
+        assert result["vcas"]["last"]["v_sgd"] > 0 and all(0 < r <= 1 for r in result["vcas"]["ratios"])
+    for key, value in expected.items():
+        assert ranks[0]["sensitivity"][key] == pytest.approx(value, rel=1e-4, abs=1e-12), key
+    assert ranks[0]["bits"] == {str(k): v for k, v in controller.bits.items()}
+    for name, value in ranks[0]["params"].items():
+        torch.testing.assert_close(value, ranks[1]["params"][name], rtol=0, atol=0, msg=name)

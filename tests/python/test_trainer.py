@@ -192,3 +192,41 @@ def test_compression_callback_refuses_a_trainer_whose_model_it_does_not_watch(tm
     with pytest.raises(ValueError, match="not the controller's model"):
         _trainer(model, tmp_path, [trainer_callback(controller)]).train()
     controller.remove()
+
+
+def test_compression_callback_of_a_compiled_model_says_it_cannot_estimate(tmp_path: Path) -> None:
+    """Trainer(torch_compile=True): the callback's hooks record each call at the compiled model's
+    edge and its eager replays find tensors to allocate, but the step's own saves are the
+    compiled graph's, which no width reaches: the controller warns, estimates nothing and reports
+    32 bits (it reported the allocation it never applied)."""
+    model = _model()
+    controller = CompressionController(model, avg_bits=4.0, interval=2)
+    trainer = _trainer(model, tmp_path, [trainer_callback(controller)], max_steps=3, torch_compile=True,
+                       torch_compile_backend="aot_eager")
+    with pytest.warns(RuntimeWarning, match="none of its saved tensors reached the controller: a torch.compile'd model"):
+        trainer.train()
+    assert controller.estimates == 0 and controller.average_bits() == 32 and not controller.bits
+    assert controller.stats["tensors"] > 0 and controller.stats["compressed"] == 0
+    controller.remove()
+
+
+def test_a_resumed_trainer_run_of_the_random_recipes_continues_as_the_uninterrupted_one(tmp_path: Path) -> None:
+    """Recipe "all" (sampled projections, compress_saved's stochastic rounding, lowmembp) holds no
+    state of its own and draws from torch's generator, which the Trainer's checkpoint restores:
+    steps 3-4 resumed from the step-2 checkpoint log the losses of the run that went on."""
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=TOKENS)
+
+    def converted() -> torch.nn.Module:
+        torch.manual_seed(0)
+        model, changes = abp.convert(transformers.AutoModelForCausalLM.from_config(config), "all")
+        assert any("SampledLinear" in c.detail for c in changes) and any(c.action == "wrapped" for c in changes)
+        return model
+
+    whole = _trainer(converted(), tmp_path, [], max_steps=4, save_strategy="steps", save_steps=2)
+    whole.train()
+    resumed = _trainer(converted(), tmp_path, [], max_steps=4, save_strategy="no")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    # The resumed history holds the checkpoint's steps 1-2 and its own 3-4.
+    assert len(_losses(whole)) == 4 and _losses(resumed) == _losses(whole)
+    assert [e["step"] for e in resumed.state.log_history if "loss" in e] == [1, 2, 3, 4]

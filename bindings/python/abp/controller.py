@@ -33,6 +33,7 @@ import heapq
 import math
 import numbers
 import operator
+import sys
 import warnings
 from dataclasses import dataclass
 from fractions import Fraction
@@ -659,22 +660,29 @@ class CompressionController:
                     "a submodule, none of its parameters has a gradient): it measures nothing and stores every "
                     "tensor as it is (no estimate, no allocation). Was it built on another model object? abp.convert returns "
                     "a converted copy; build the controller on the model you train", RuntimeWarning, stacklevel=3)
-            elif probing and self._ran and self._stats.get("tensors", 0) and not self._warned_unrecorded and \
+            elif probing and self._ran and self._stats.get("tensors", 0) and \
                     any(p.grad is not None for p in self._model.parameters()):
-                self._warned_unrecorded = True  # once per controller
-                warnings.warn(
-                    f"CompressionController: step {self._step} ran the model and its backward, but no call of it "
-                    "could be recorded for the sensitivity estimate: a torch.compile'd model runs its graph without "
-                    "the controller's hooks (so does a model trained through another method than its forward). "
-                    "Nothing is estimated, every tensor is stored as it is (a controller's widths never reach a "
-                    "compiled graph's saves) and average_bits() stays 32. For a compiled model use "
-                    "compress_saved(bits=4) or abp.convert(model, 'compress'), whose uniform width compiled graphs "
-                    "take (docs/python.md, torch.compile)", RuntimeWarning, stacklevel=3)
+                self._warn_unmeasured()
             # A probe step without a differentiable model call (an evaluation block): estimate at
             # the next step instead.
         finally:
             self._finish_probe()
             self._step += 1
+
+    def _warn_unmeasured(self) -> None:
+        """Once per controller: the step ran the model and its backward, but not so that the
+        controller could measure it."""
+        if self._warned_unrecorded:
+            return
+        self._warned_unrecorded = True
+        warnings.warn(
+            f"CompressionController: step {self._step} ran the model and its backward, but no call of it "
+            "could be recorded for the sensitivity estimate, or none of its saved tensors reached the controller: "
+            "a torch.compile'd model runs its graph without the controller's hooks (so does a model trained "
+            "through another method than its forward). Nothing is estimated, every tensor is stored as it is (a "
+            "controller's widths never reach a compiled graph's saves) and average_bits() stays 32. For a "
+            "compiled model use compress_saved(bits=4) or abp.convert(model, 'compress'), whose uniform width "
+            "compiled graphs take (docs/python.md, torch.compile)", RuntimeWarning, stacklevel=4)
 
     def _never_ran(self) -> bool:
         """True if nothing of the model ran in the step: no module's pre-hook (the model's own
@@ -803,6 +811,10 @@ class CompressionController:
         return max(self._floors.get(key, 1), self._min_bits)
 
     def _estimate(self, calls: List[_replay.Call], step_keys: Dict[TensorKey, int]) -> None:
+        with _unsharded(self._model):
+            self._estimate_unsharded(calls, step_keys)
+
+    def _estimate_unsharded(self, calls: List[_replay.Call], step_keys: Dict[TensorKey, int]) -> None:
         model = self._model
         params = [p for p in model.parameters() if p.requires_grad]
         modules = list(model.modules())
@@ -810,6 +822,13 @@ class CompressionController:
         after_modes = [m.training for m in modules]
         try:
             exact, replayed = self._replay(calls, params, modules, None)
+            if replayed and not step_keys:
+                # The calls were recorded at the model's edge (a hooked step's pre-hook runs
+                # eagerly around a compiled call), and their eager replay saves tensors the
+                # step's own saves never offered: those were a compiled graph's, which widths
+                # estimated here would never reach.
+                self._warn_unmeasured()
+                return
             probed = [k for k in step_keys if k in replayed]
             sensitivity: Dict[TensorKey, float] = {}
             for key in probed:
@@ -871,7 +890,7 @@ class CompressionController:
         self._replaying, self._target = True, target
         self._counts, self._seen, self._stack = {}, {}, []
         self._replay_generator.manual_seed(0)
-        with self._replay_saver:
+        with self._replay_saver, _unsharded(self._model):
             # The model's own path: the root's pre-hook does not run when forward is called
             # directly (and calling it through __call__ would rerun the user's pre-hooks).
             grads = _replay.replay(calls, self._original_forward, params, modules, self._at_root)
@@ -902,6 +921,28 @@ class CompressionController:
         # controller must not keep the original model alive through them.
         self._model = None  # type: ignore[assignment]
         self._modules = {}
+
+
+@contextlib.contextmanager
+def _unsharded(model: torch.nn.Module) -> Iterator[None]:
+    """FSDP2 (fully_shard): the replays call the model's forward directly, so the root's
+    pre-forward, which gathers its parameters, does not run. Every sharded module is gathered
+    around the estimate, so that model.parameters() are the whole parameters the replays read
+    and differentiate (FSDP2 keeps one such object per parameter), and around each replay, whose
+    backward frees them again; resharded after, as after a training step. Each rank gathers as
+    many times as the others where their steps saved the same tensors (the same keys)."""
+    # A model sharded so was sharded by code that imported FSDP2: nothing to import here (torch
+    # 1.13's fsdp does not even import on Python 3.11).
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    kind = getattr(fsdp, "FSDPModule", None)
+    sharded = [m for m in model.modules() if isinstance(m, kind)] if kind is not None else []
+    for module in sharded:
+        module.unshard()
+    try:
+        yield
+    finally:
+        for module in sharded:
+            module.reshard()
 
 
 def trainer_callback(controller: CompressionController) -> Any:

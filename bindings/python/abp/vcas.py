@@ -423,8 +423,11 @@ class Controller:
         params = [p for p in self.model.parameters() if p.requires_grad]
         saved_grads = [p.grad for p in params]
         keys = torch.Generator().manual_seed(draw_seed(self.generator))
-        picks = [torch.randperm(p.numel(), generator=keys)[: max(1, round(self.param_sample_ratio * p.numel()))]
-                 .to(p.device) for p in params]
+        # Entries are picked from what this rank holds of each parameter: all of it, or its shard
+        # under FSDP2 (its gradients are the shard's, reduced over the ranks).
+        local = [_local(p) for p in params]
+        picks = [torch.randperm(t.numel(), generator=keys)[: max(1, round(self.param_sample_ratio * t.numel()))]
+                 .to(t.device) for t in local]
         # Each parameter's sampled sum, scaled to all its entries by the fraction really picked.
         scale = [p.numel() / len(i) for p, i in zip(params, picks)]
         layer_params = {id(layer.weight): layer for layer in self.linears}
@@ -438,7 +441,8 @@ class Controller:
             for p in params:
                 p.grad = None
             loss_fn(batch).backward()
-            return [(p.grad.flatten()[i].double() if p.grad is not None else torch.zeros(len(i), dtype=torch.float64, device=p.device))
+            return [(_local(p.grad).flatten()[i].double() if p.grad is not None
+                     else torch.zeros(len(i), dtype=torch.float64, device=i.device))
                     for p, i in zip(params, picks)]
 
         exact: List[List[torch.Tensor]] = []
@@ -504,6 +508,12 @@ class Controller:
             lower.active = lower.ratio < upper.ratio
         self.samplers[-1].active = True
         self.s = s_new
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What this process holds of `t`: its local shard where it is a DTensor (FSDP2), else itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
 
 
 def _rng_state() -> Tuple[torch.Tensor, List[torch.Tensor]]:
