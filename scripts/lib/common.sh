@@ -96,7 +96,7 @@ abp_venv() {
 
 # The torch 2.x lane (~5 GB from PyPI, once); sets ABP_TORCH2_PYTHON.
 abp_torch2_venv() {
-  abp_venv "$ABP_VENV" "$ABP_TORCH2_REQUIREMENTS" "torch, transformers, timm, peft, accelerate, numpy, pytest" \
+  abp_venv "$ABP_VENV" "$ABP_TORCH2_REQUIREMENTS" "torch, transformers, timm, peft, accelerate, numpy, pytest, matplotlib" \
     "torch 2.x (downloads ~5 GB)"
   export ABP_TORCH2_PYTHON="$ABP_VENV/bin/python"
 }
