@@ -89,6 +89,33 @@ def test_compiling_again_is_idempotent(cube: str) -> None:
     assert abp.compile_operators(CUBE_IR, origin="cube.mlir") == [cube]
 
 
+def test_a_compiled_operator_runs_as_a_module(cube: str) -> None:
+    """abp.nn.Apply: an IR operator (or a library one) as a stateless module in a model, its
+    parameters fixed by position or by name and checked against the manifest's."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), abp.nn.Apply(cube), torch.nn.Linear(8, 2))
+    assert list(model.state_dict()) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    x = torch.randn(4, 8)
+    model(x).square().sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model[2](abp.functional.apply(cube, model[0](x))).square().sum().backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, model.parameters()))
+    two = LEAKY_IR.replace("PARAMS", '["slope", "shift"]').replace("%s: f32)", "%s: f32, %t: f32)")
+    names = abp.compile_operators(two.replace("@test_leaky_params", "@test_two_params"), origin="two.mlir")
+    named = abp.nn.Apply(names[0], 0.5, shift=2)
+    assert named.params == (0.5, 2.0) and repr(named) == f"Apply('{names[0]}', slope=0.5, shift=2)"
+    assert torch.equal(named(x), x)
+    for args, kwargs, message in [((), {}, r"expected 2 \(slope, shift\) parameter\(s\), got 0"),
+                                  ((1.0,), {"slop": 2}, "no parameter named 'slop'; its parameters: 2 \\(slope, shift\\)"),
+                                  ((1.0, 2.0), {"slope": 1}, "parameter 'slope' given by position and by name"),
+                                  ((1.0, "a"), {}, "shift: expected a number, got str")]:
+        with pytest.raises(TypeError, match=message):
+            abp.nn.Apply(names[0], *args, **kwargs)
+    with pytest.raises(AbpError, match="abp has no operator 'no_such_op'"):
+        abp.nn.Apply("no_such_op")
+
+
 def test_bad_ir_reports_origin_line_and_column() -> None:
     compiler_or_skip()
     bad = CUBE_IR.replace("@test_cube", "@test_bad").replace("levels = [3.0, 0.5, 0.25, 3.0]", "levels = [3.0, 0.5, 0.25]")

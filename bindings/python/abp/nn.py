@@ -49,6 +49,7 @@ __all__ = [
     "MSLayerNorm",
     "MSRMSNorm",
     "SampledLinear",
+    "Apply",
 ]
 
 
@@ -533,3 +534,40 @@ class SampledLinear(NotScriptable, torch.nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, method={self.method!r}, keep={self.keep}" + (", transposed=True" if self.transposed else "")
+
+
+class Apply(NotScriptable, torch.nn.Module):
+    """An nn.Module running the manifest operator `operator` (the op library's, or one compiled at
+    run time by ``abp.compile_operators``) with its parameters fixed, by position or by their
+    manifest names: ``Apply("my_act", 0.1)`` or ``Apply("my_act", slope=0.1)``. forward takes the
+    operator's tensor inputs in order and returns ``abp.functional.apply``'s result. No
+    parameters or buffers of its own, so it drops into a model and its state dict unchanged."""
+
+    operator: str
+    params: Tuple[float, ...]
+
+    def __init__(self, operator: str, *params: Any, **named: Any) -> None:
+        super().__init__()
+        if not isinstance(operator, str):
+            raise TypeError(f"operator: expected an operator's name (a str), got {type(operator).__name__}")
+        names = _lib.kernel_library().operator(operator).params  # unknown: the list of known ones
+        wanted = f"{len(names)} ({', '.join(names)})" if names else "none"
+        unknown = [n for n in named if n not in names]
+        if unknown:
+            raise TypeError(f"{operator}: no parameter named {unknown[0]!r}; its parameters: {wanted}")
+        given = dict(zip(names, params))
+        twice = [n for n in named if n in given]
+        if twice:
+            raise TypeError(f"{operator}: parameter {twice[0]!r} given by position and by name")
+        given.update(named)
+        if len(params) > len(names) or len(given) != len(names):
+            raise TypeError(f"{operator}: expected {wanted} parameter(s), got {len(params) + len(named)}")
+        self.operator = operator
+        self.params = tuple(check_param(f"{operator}: {n}", given[n]) for n in names)
+
+    def forward(self, *inputs: Tensor) -> Any:
+        return functional.apply(self.operator, inputs[0] if len(inputs) == 1 else inputs, self.params)
+
+    def extra_repr(self) -> str:
+        names = _lib.kernel_library().operator(self.operator).params
+        return ", ".join([repr(self.operator)] + [f"{n}={v:g}" for n, v in zip(names, self.params)])
