@@ -435,8 +435,8 @@ class CompressionController:
         self._pending: List[Optional[_replay.Call]] = []
 
         self._handles: List[Any] = []
-        # name -> module: the hooks act for these modules only, not for a copy's (copy.deepcopy of
-        # the model copies the hooks, which report to this controller: __deepcopy__).
+        # name -> module: the hooks act for these modules only (a copy of the model gets inert
+        # ones: _Hook).
         self._modules: Dict[str, torch.nn.Module] = dict(model.named_modules())
         for name, module in self._modules.items():
             enter, leave = _Hook(self._enter_module, name), _Hook(self._leave_module, name)
@@ -505,9 +505,8 @@ class CompressionController:
         return sum(b * self._numels[k] for k, b in self._bits.items()) / total
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "CompressionController":
-        """The controller itself: copying a model copies the hooks this controller put on it,
-        which report to it and do nothing for the copy's modules (abp.convert copies a model; a
-        controller holds a generator, which torch 1.13 cannot copy)."""
+        """The controller itself: it belongs to the model it was built on (a copy of that model
+        gets inert hooks, _Hook; a controller holds a generator, which torch 1.13 cannot copy)."""
         return self
 
     def __repr__(self) -> str:
@@ -917,8 +916,8 @@ class CompressionController:
         self._handles = []
         self._finish_probe()
         self._removed = True
-        # A copy of the model (copy.deepcopy) keeps hooks that report to this controller: the
-        # controller must not keep the original model alive through them.
+        # A controller kept after remove() (a user's variable, a Trainer's callback) must not keep
+        # the model alive.
         self._model = None  # type: ignore[assignment]
         self._modules = {}
 
