@@ -1763,6 +1763,56 @@ class InPlaceAfterNorm(nn.Module):
         return self.fc2(nn.functional.relu(self.norm(self.fc1(x)), inplace=True))
 
 
+class NoisyRouter(nn.Module):
+    """A norm read by a router that multiplies its input by noise in place in training only, as
+    SwitchTransformers' router does (router_jitter_noise)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.router, self.fc = nn.LayerNorm(8), nn.Linear(8, 2), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        if self.training:
+            h *= torch.empty_like(h).uniform_(0.9, 1.1)
+        return self.router(h) + self.fc(h)
+
+
+def test_a_norm_whose_output_is_modified_in_place_in_training_only_is_refused():
+    """The example call runs in eval mode (dropout aside); where the model is in training mode,
+    a second call in its own modes finds the in-place writes training makes."""
+    x = torch.randn(4, 8)
+    converted, changes = abp.convert(NoisyRouter(), example_inputs=x)
+    assert "its output is modified in place (`mul_`)" in by_action(changes, "refused")["norm"]
+    converted(x).sum().backward()  # failed: the norm's saved output was modified
+    evaluated, changes = abp.convert(NoisyRouter().eval(), example_inputs=x)
+    assert "norm" in by_action(changes, "replaced")  # never written in place in eval mode
+
+
+class GatedNorm(nn.Module):
+    """RMSNorm with an optional gate, as Mamba2's MambaRMSNormGated: with gate=None it is RMSNorm."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x: torch.Tensor, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if gate is not None:
+            x = x * nn.functional.silu(gate)
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+
+
+def test_a_module_whose_forward_takes_more_than_its_input_is_not_replaced():
+    """Probed with its input alone a gated norm computes RMSNorm; the model passes the gate too,
+    which a one-input replacement would refuse (Mamba2's first forward failed)."""
+    model = nn.Sequential(nn.Linear(8, 8), GatedNorm(8), nn.Linear(8, 2))
+    converted, changes = abp.convert(model)
+    assert by_action(changes, "refused")["1"].endswith("its forward takes `gate` besides its input, which abp's "
+                                                       "replacement would not take")
+    assert type(converted[1]) is GatedNorm
+
+
 def test_a_norm_whose_output_is_modified_in_place_is_refused():
     """The memory-sharing backward reads the output: an in-place op on it would fail backward."""
     x = torch.randn(4, 8)

@@ -24,6 +24,7 @@ shape are probed as norms, so an embedding table is not.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple, Union
@@ -341,6 +342,16 @@ def _may_be_norm(module: nn.Module, params: Dict[str, nn.Parameter]) -> bool:
     return (len(shape) == 1 or shape == declared) and 0 < math.prod(shape) <= _MAX_NORM_FEATURES
 
 
+def _other_arguments(module: nn.Module) -> List[str]:
+    """The named parameters of `module`'s forward besides its first (the input), defaults or not."""
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (a builtin): nothing to say
+        return []
+    named = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return [p.name for p in named[1:]]
+
+
 def recognise(module: nn.Module) -> Optional[Recognised]:
     """What the leaf `module` computes, or None if it is none of the functions abp knows.
 
@@ -348,6 +359,12 @@ def recognise(module: nn.Module) -> Optional[Recognised]:
     the random state (a module may draw, e.g. Dropout)."""
     if not is_leaf(module):
         return None
+    extra = _other_arguments(module)
+    if extra:
+        # Probed with its input alone it may compute a known function (a gated norm with gate=None),
+        # but the model may pass the others, which a replacement taking one input would refuse or drop.
+        return Unknown(f"its forward takes {', '.join(f'`{n}`' for n in extra)} besides its input, which abp's "
+                       "replacement would not take")
     params = dict(module.named_parameters(recurse=False))
     if type(module) is nn.Linear and "forward" not in vars(module):
         # torch's own Linear runs F.linear(x, weight, bias): nothing to probe (and no weight to copy).

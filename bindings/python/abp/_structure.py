@@ -122,13 +122,15 @@ class _Recorder(TorchFunctionMode):
         return result
 
 
-def record(model: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any], watch: Sequence[str]) -> Structure:
+def record(model: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any], watch: Sequence[str],
+           as_trained: bool = False) -> Structure:
     """Runs ``model(*args, **kwargs)`` once and returns its Structure; ``watch`` names the modules
     whose output uses are wanted. Gradients are off and every module but the dropout modules is
     in eval mode for the call (LayerDrop and stochastic depth would leave out a random set of
-    layers, and a checkpointed layer would take its checkpointing branch); the RNG state, the
-    buffers and the modes are restored. Every tensor of the call stays alive until it returns:
-    pass a small example (one short sequence) for a large model."""
+    layers, and a checkpointed layer would take its checkpointing branch), or with `as_trained`
+    in its own mode (what training runs: a router's noise multiplied in place in training only);
+    the RNG state, the buffers and the modes are restored. Every tensor of the call stays alive
+    until it returns: pass a small example (one short sequence) for a large model."""
     recorder = _Recorder()
     structure = Structure()
     names = {id(m): n for n, m in model.named_modules()}
@@ -174,7 +176,7 @@ def record(model: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any], watch:
         # Dropout modules keep their mode: in training they make a new tensor, which eval's
         # identity would turn into a direct read of their input (their draws come from the fork).
         for m, training in modes:
-            m.training = training and isinstance(m, nn.modules.dropout._DropoutNd)
+            m.training = training and (as_trained or isinstance(m, nn.modules.dropout._DropoutNd))
         with torch.random.fork_rng(devices=devices), torch.no_grad(), recorder:
             returned = model(*args, **kwargs)
     finally:

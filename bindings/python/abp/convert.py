@@ -852,9 +852,23 @@ def _dummy_call(model: nn.Module) -> Optional[Tuple[Tuple[Any, ...], Dict[str, A
 
 def _record(model: nn.Module, call: Tuple[Tuple[Any, ...], Dict[str, Any]], watch: List[str]) -> _structure.Structure:
     try:
-        return _structure.record(model, call[0], call[1], watch)
+        structure = _structure.record(model, call[0], call[1], watch)
     except Exception as e:
         raise RuntimeError(f"example_inputs/example_kwargs: the example call failed ({type(e).__name__}: {e})") from e
+    if watch and any(m.training for m in model.modules()):
+        # In-place writes to a watched output that the model makes in training only (a router's
+        # noise, SwitchTransformers'): one more call in the model's own modes finds them. A
+        # failure or a warning of that call (a checkpointing branch without gradients) is its own.
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                trained = _structure.record(model, call[0], call[1], watch, as_trained=True)
+        except Exception:
+            return structure
+        for name, where in trained.modified.items():
+            known = structure.modified.setdefault(name, [])
+            known.extend(w for w in where if w not in known)
+    return structure
 
 
 def _norm_names(model: nn.Module, recognised: Dict[int, Any]) -> List[str]:
