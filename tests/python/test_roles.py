@@ -273,3 +273,44 @@ def test_the_example_call_runs_every_layer_whatever_the_random_state() -> None:
         assert sorted(c.module for c in changes if c.action == "replaced") == want, seed
         assert torch.equal(torch.get_rng_state(), state)  # the call drew from a fork
         assert all(m.training for m in model.modules()) and all(m.training for m in converted.modules())
+
+
+class SparseRouter(nn.Module):
+    """Top-1 routing that runs each expert on its tokens only: an expert no token is routed to
+    does not run (here the third, whose router bias is -100)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.chooser = nn.Linear(d, 3)
+        self.experts = nn.ModuleList([nn.Linear(d, d) for _ in range(3)])
+        with torch.no_grad():
+            self.chooser.bias.copy_(torch.tensor([0.0, 0.0, -100.0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        choice = self.chooser(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            routed = choice == i
+            if bool(routed.any()):
+                out[routed] = expert(x[routed])
+        return out
+
+
+class SparseLayer(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.moe = SparseRouter(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.moe(self.norm(x))
+
+
+def test_an_expert_the_example_routes_nothing_to_is_sampled_like_the_others() -> None:
+    """Which experts run depends on the example batch; one that did not run stands where the
+    others stand and is sampled too (it was left exact, unmentioned)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Sequential(SparseLayer(8), SparseLayer(8)), nn.Linear(8, 3))
+    got = _sampled(model, example_inputs=_example())
+    # The chooser feeds argmax (it scores) and stays exact.
+    assert got == [f"1.{i}.moe.experts.{e}" for i in range(2) for e in range(3)]

@@ -21,6 +21,7 @@ This module finds those roles from a recorded call (``abp._structure``), not fro
 """
 from __future__ import annotations
 
+import re
 from typing import Dict, List, Optional, Set
 
 from torch import nn
@@ -155,4 +156,24 @@ def sampled_linear_maps(model: nn.Module, structure: Structure, recognised: Dict
         if any(scores(a, block) is not None for a in owners):
             continue
         chosen[name] = f"in block `{block}`" if block else "in the model (no layer stack found)"
-    return chosen
+    return {**chosen, **_like_chosen(modules, linear - set(first), chosen)}
+
+
+def _pattern(name: str) -> str:
+    """`name` with its numbers blanked: the same layer in another block or another expert."""
+    return re.sub(r"\d+", "#", name)
+
+
+def _like_chosen(modules: Dict[str, nn.Module], idle: Set[str], chosen: Dict[str, str]) -> Dict[str, str]:
+    """The linear maps the call never ran (a mixture of experts' experts that the example batch
+    routed no token to) that stand where a chosen one stands in another block or expert, and
+    are of its class: chosen too, saying after which."""
+    like: Dict[str, str] = {}
+    for name, why in chosen.items():
+        like.setdefault((_pattern(name), type(modules[name])), name)
+    found: Dict[str, str] = {}
+    for name in sorted(idle):
+        model = like.get((_pattern(name), type(modules[name])))
+        if model is not None:
+            found[name] = f"as `{model}` ({chosen[model]}): the example call did not run this one"
+    return found
