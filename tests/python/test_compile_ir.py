@@ -106,9 +106,10 @@ def test_a_compiled_operator_runs_as_a_module(cube: str) -> None:
     named = abp.nn.Apply(names[0], 0.5, shift=2)
     assert named.params == (0.5, 2.0) and repr(named) == f"Apply('{names[0]}', slope=0.5, shift=2)"
     assert torch.equal(named(x), x)
-    for args, kwargs, message in [((), {}, r"expected 2 \(slope, shift\) parameter\(s\), got 0"),
-                                  ((1.0,), {"slop": 2}, "no parameter named 'slop'; its parameters: 2 \\(slope, shift\\)"),
-                                  ((1.0, 2.0), {"slope": 1}, "parameter 'slope' given by position and by name"),
+    for args, kwargs, message in [((), {}, r"missing \['slope', 'shift'\]; its parameters are \['slope', 'shift'\]"),
+                                  ((1.0,), {"slop": 2}, r"unexpected keyword argument 'slop'; its arguments are \['slope', 'shift'\]"),
+                                  ((1.0, 2.0), {"slope": 1}, "got 'slope' both by position and by keyword"),
+                                  ((1.0, 2.0, 3.0), {}, r"takes \['slope', 'shift'\], got 3 positional argument\(s\)"),
                                   ((1.0, "a"), {}, "shift: expected a number, got str")]:
         with pytest.raises(TypeError, match=message):
             abp.nn.Apply(names[0], *args, **kwargs)

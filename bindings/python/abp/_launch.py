@@ -107,6 +107,27 @@ def check_inputs(
             )
 
 
+def bind_arguments(names: Sequence[str], args: Sequence[Any], kwargs: Dict[str, Any], what: str,
+                   defaults: Optional[Dict[str, Any]] = None, takes: str = "") -> List[Any]:
+    """`args` and `kwargs` as one value per name of `names`, in order, as Python binds a call
+    (names not given take their `defaults`); a TypeError naming `what` and the mistake otherwise,
+    `takes` saying what the callee takes where an argument is missing."""
+    defaults = defaults or {}
+    if len(args) > len(names):
+        raise TypeError(f"{what}: takes {list(names)}, got {len(args)} positional argument(s)")
+    bound = dict(zip(names, args))
+    for key, value in kwargs.items():
+        if key not in names:
+            raise TypeError(f"{what}: unexpected keyword argument {key!r}; its arguments are {list(names)}")
+        if key in bound:
+            raise TypeError(f"{what}: got {key!r} both by position and by keyword")
+        bound[key] = value
+    missing = [n for n in names if n not in bound and n not in defaults]
+    if missing:
+        raise TypeError(f"{what}: missing {missing}" + (f"; {takes}" if takes else ""))
+    return [bound[n] if n in bound else defaults[n] for n in names]
+
+
 def check_param(name: str, value: Any) -> float:
     """A float parameter (a Python or 0-d tensor number); TypeError naming `name` otherwise."""
     if isinstance(value, torch.Tensor):

@@ -656,22 +656,10 @@ class Operator:
                                  + (f"shape {got[0]}, dtype {got[1]}, on {got[2]}" if got else type(t).__name__))
 
     def _bind(self, names: Sequence[str], args: Sequence[Any], kwargs: Dict[str, Any], what: str) -> List[Any]:
-        """`args` and `kwargs` as one value per name of `names`, in order, as Python binds a call
-        (parameters not given take their defaults); a TypeError naming what is wrong otherwise."""
-        if len(args) > len(names):
-            raise TypeError(f"{what}: takes {list(names)}, got {len(args)} positional argument(s)")
-        bound = dict(zip(names, args))
-        for key, value in kwargs.items():
-            if key not in names:
-                raise TypeError(f"{what}: unexpected keyword argument {key!r}; its arguments are {list(names)}")
-            if key in bound:
-                raise TypeError(f"{what}: got {key!r} both by position and by keyword")
-            bound[key] = value
-        missing = [n for n in names if n not in bound and n not in self.defaults]
-        if missing:
-            raise TypeError(f"{what}: missing {missing}; it takes {self.inputs} tensor(s) "
-                            f"{list(self.input_names)} and the parameters {list(self.params)}")
-        return [bound[n] if n in bound else self.defaults[n] for n in names]
+        """`args` and `kwargs` bound to `names` as Python binds a call, with the signature's defaults."""
+        return _launch.bind_arguments(names, args, kwargs, what, self.defaults,
+                                      f"it takes {self.inputs} tensor(s) {list(self.input_names)} and the "
+                                      f"parameters {list(self.params)}")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from .autograd import apply_eager

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from . import _lib, functional, sampling
 from .autograd import NotScriptable
-from ._launch import check_param
+from ._launch import bind_arguments, check_param
 from ._manifest import Operator
 
 __all__ = [
@@ -551,19 +551,9 @@ class Apply(NotScriptable, torch.nn.Module):
         if not isinstance(operator, str):
             raise TypeError(f"operator: expected an operator's name (a str), got {type(operator).__name__}")
         names = _lib.kernel_library().operator(operator).params  # unknown: the list of known ones
-        wanted = f"{len(names)} ({', '.join(names)})" if names else "none"
-        unknown = [n for n in named if n not in names]
-        if unknown:
-            raise TypeError(f"{operator}: no parameter named {unknown[0]!r}; its parameters: {wanted}")
-        given = dict(zip(names, params))
-        twice = [n for n in named if n in given]
-        if twice:
-            raise TypeError(f"{operator}: parameter {twice[0]!r} given by position and by name")
-        given.update(named)
-        if len(params) > len(names) or len(given) != len(names):
-            raise TypeError(f"{operator}: expected {wanted} parameter(s), got {len(params) + len(named)}")
+        given = bind_arguments(names, params, named, operator, takes=f"its parameters are {list(names)}")
         self.operator = operator
-        self.params = tuple(check_param(f"{operator}: {n}", given[n]) for n in names)
+        self.params = tuple(check_param(f"{operator}: {n}", v) for n, v in zip(names, given))
 
     def forward(self, *inputs: Tensor) -> Any:
         return functional.apply(self.operator, inputs[0] if len(inputs) == 1 else inputs, self.params)
