@@ -169,7 +169,7 @@ def _like_chosen(modules: Dict[str, nn.Module], idle: Set[str], chosen: Dict[str
     routed no token to) that stand where a chosen one stands in another block or expert, and
     are of its class: chosen too, saying after which."""
     like: Dict[str, str] = {}
-    for name, why in chosen.items():
+    for name in chosen:
         like.setdefault((_pattern(name), type(modules[name])), name)
     found: Dict[str, str] = {}
     for name in sorted(idle):

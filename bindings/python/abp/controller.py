@@ -55,11 +55,15 @@ def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
     return _Hook(disable(fn)) if disable is not None else _Hook(fn)
 
 
+#: What abp.convert reads off a hook to name who put it there (it refuses to replace hooked modules).
+_OWNER = "abp.CompressionController"
+
+
 class _Inert:
     """What a controller's hook is in a copy of the model: nothing, still owned (abp.convert
     names the controller where its hooks keep a module from being replaced)."""
 
-    abp_owner = "abp.CompressionController"
+    abp_owner = _OWNER
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
         return None
@@ -69,6 +73,8 @@ class _Hook(partial):
     """A hook the controller puts on the model. It acts for the model object it was made for
     only: copied with the model (copy.deepcopy, torch.save of the whole model) it becomes
     `_Inert`, as the controller does not train the copy; a new controller on the copy would."""
+
+    abp_owner = _OWNER
 
     def __reduce__(self) -> Any:
         return (_Inert, ())
@@ -442,7 +448,6 @@ class CompressionController:
             enter, leave = _Hook(self._enter_module, name), _Hook(self._leave_module, name)
             if module is model:  # seen even around a compiled call: the model ran (_never_ran)
                 enter, leave = _eager(enter), _eager(leave)
-            enter.abp_owner = leave.abp_owner = "abp.CompressionController"  # type: ignore[attr-defined]
             self._handles.append(module.register_forward_pre_hook(enter))
             self._handles.append(module.register_forward_hook(leave))
         self._removed = False
