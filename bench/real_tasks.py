@@ -123,10 +123,6 @@ class PatchTransformer(nn.Module):
             x = x + self.drop1(self.attn(h, h, h, need_weights=False)[0])
             return x + self.mlp(self.ln2(x))
 
-    #: What recipe "sampled" samples: the FFN's Linears (MultiheadAttention reads its out_proj's
-    #: weight directly, so that one could not be sampled).
-    SAMPLED = ("blocks.*.mlp.0", "blocks.*.mlp.2")
-
     def __init__(self, d: int = 64, heads: int = 4, blocks: int = 2, p: float = 0.0) -> None:
         super().__init__()
         self.embed = nn.Linear(4, d)
@@ -154,8 +150,6 @@ class TimmViT(nn.Module):
         self.vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=8, patch_size=2, in_chans=1,
                                      embed_dim=d, depth=blocks, num_heads=heads, num_classes=10)
         self.Block = type(self.vit.blocks[0])
-        #: What recipe "sampled" samples: the MLP's Linears.
-        self.SAMPLED = ("vit.blocks.*.mlp.fc1", "vit.blocks.*.mlp.fc2")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (N, 16, 4) row-major 2x2 patches back to (N, 1, 8, 8) images (digits' reshape, inverted).
@@ -179,7 +173,8 @@ class DigitsCNN(nn.Module):
         self.body = nn.Sequential(*[ConvLayer(1 if i == 0 else width, width) for i in range(depth)])
         self.head = nn.Linear(width, 10)
         self.Block = ConvLayer
-        #: What recipe "sampled" samples: the head (the only Linear).
+        #: What recipe "sampled" samples: the head (the only Linear; no layer stands where abp._roles
+        #: looks, in attention-output or feed-forward position).
         self.SAMPLED = ("head",)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -235,9 +230,6 @@ class TinyLlama(nn.Module):
             h = self.mlp_norm(x)
             return x + self.down(self.act(self.gate(h)) * self.up(h))
 
-    #: What recipe "sampled" samples: the attention output and the SwiGLU projections.
-    SAMPLED = ("blocks.*.o", "blocks.*.gate", "blocks.*.up", "blocks.*.down")
-
     def __init__(self, vocab: int = 256, d: int = 64, heads: int = 4, blocks: int = 2, context: int = 64) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
@@ -272,20 +264,24 @@ SETTINGS = ("exact", "compress-8", "compress-4", "compress-2", "compress-4-no-re
 @dataclasses.dataclass
 class Task:
     """What a setting may use of the task being trained: its name, the model's block class, a
-    batch's loss under the model, and fresh training batches drawn apart from the training order
-    (their own generator, so a setting that draws some leaves the training data as it was)."""
+    batch's loss under the model, fresh training batches drawn apart from the training order
+    (their own generator, so a setting that draws some leaves the training data as it was), and a
+    small input of held-out data: abp.convert's example call (it finds the sampled layers by role
+    and counts what each replacement saves)."""
 
     name: str
     block_type: type
     loss: Callable[[Any], torch.Tensor]
     draw: Callable[[], Any]
+    example: torch.Tensor
 
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     """A way to train. `convert`: abp.convert's recipe and its options ({"recipe": ..., ...}),
-    applied in place before the optimizer is built (recipe "sampled"'s ``layers=`` defaults to the
-    model's SAMPLED); `context`: given the model and the Task, a factory of the context manager
+    applied in place before the optimizer is built, with the task's example call (recipe "sampled"'s
+    ``layers=`` is the model's SAMPLED where it names them, else found by role); `context`: given
+    the model and the Task, a factory of the context manager
     that wraps each step's forward and backward (its time counts in the step time). Either, both
     or neither (exact training). A factory may have ``before_step()``, run before each step's
     context (timed, but outside the saved-bytes count: VCAS's calibration), and ``summary()``,
@@ -405,8 +401,9 @@ def _prepare(setting: Setting, model: nn.Module, task: Task) -> Tuple[str, Calla
     if r.convert is not None:
         options = dict(r.convert)
         name = options.pop("recipe")
-        if "sampled" in ([name] if isinstance(name, str) else name) or name == "all":
+        if ("sampled" in ([name] if isinstance(name, str) else name) or name == "all") and hasattr(model, "SAMPLED"):
             options.setdefault("layers", model.SAMPLED)
+        options.setdefault("example_inputs", task.example)
         _, changes = abp.convert(model, name, inplace=True, **options)
         # A CNN's channel norms are refused by design (lowmembp replaces LayerNorm and RMSNorm only).
         refused = [c for c in changes if c.action == "refused" and not isinstance(
@@ -496,7 +493,8 @@ def train(task: str, setting: Setting, seed: int, *, steps: Optional[int] = None
     else:
         raise ValueError(f"task: expected 'digits', 'digits-vit', 'digits-cnn' or 'charlm', got {task!r}")
 
-    spec = Task(task, model.Block, lambda b: loss_of(model(b[0]), b[1]), draw)
+    example = xte[:8] if task != "charlm" else val[:4, :-1]
+    spec = Task(task, model.Block, lambda b: loss_of(model(b[0]), b[1]), draw, example)
     name, context_of = _prepare(setting, model, spec)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     data = batches()

@@ -80,7 +80,8 @@ def fine_tune(base: nn.Module, setting: str, seed: int, steps: int, lr: float) -
     model = copy.deepcopy(base)
     torch.manual_seed(3000 + seed)  # the sampled layers' seeds draw from here
     extra = torch.Generator().manual_seed(2000 + seed)
-    spec = real_tasks.Task("charlm", model.Block, lambda b: loss_of(model, *b), lambda: windows(train, extra))
+    spec = real_tasks.Task("charlm", model.Block, lambda b: loss_of(model, *b), lambda: windows(train, extra),
+                           val[:4, :-1])
     _, context_of = real_tasks._prepare(setting, model, spec)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     gen = torch.Generator().manual_seed(4000 + seed)

@@ -29,6 +29,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import real_tasks  # noqa: E402
 
+#: The TinyLlama linear maps WTA-CRS samples (abp._roles finds them): attention output and SwiGLU.
+PROJECTIONS = ("o", "gate", "up", "down")
+
 
 def variance_ratios(x: torch.Tensor, g: torch.Tensor) -> Dict[str, float]:
     """k · E‖dW_est − dW‖² / ‖dW‖² of i.i.d. row sampling under three probability choices."""
@@ -53,7 +56,7 @@ def main(report_at: List[int]) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     gen = torch.Generator().manual_seed(1000)
     sampled = [n for n, m in model.named_modules()
-               if isinstance(m, nn.Linear) and any(n.endswith(s[len("blocks.*"):]) for s in model.SAMPLED)]
+               if isinstance(m, nn.Linear) and n.rpartition(".")[2] in PROJECTIONS]
     rows: Dict[str, Dict[str, torch.Tensor]] = {n: {} for n in sampled}
     for name in sampled:
         layer = model.get_submodule(name)

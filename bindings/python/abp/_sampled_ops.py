@@ -33,7 +33,7 @@ def _seed(key: torch.Tensor) -> int:
 
 
 def _count(n: int, method: str, keep: float) -> int:
-    return selection.keep_count(n, keep, minimum=sampling.MINIMUM_KEPT[method])
+    return selection.keep_count(n, keep, minimum=sampling.minimum_kept(method))
 
 
 @torch.library.custom_op("abp::sampled_linear_save", mutates_args=())

@@ -17,14 +17,15 @@ only metadata (``.shape``, ``.size()``) is no use.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Event", "Structure", "Use", "record"]
+__all__ = ["Event", "Structure", "Use", "record", "untouched"]
 
 # Tensor methods and properties that read metadata only.
 _METADATA = {"size", "dim", "numel", "stride", "is_floating_point", "is_contiguous", "data_ptr",
@@ -122,6 +123,22 @@ class _Recorder(TorchFunctionMode):
         return result
 
 
+@contextlib.contextmanager
+def untouched(model: nn.Module) -> Iterator[None]:
+    """Runs its body with the RNG state forked (CPU and the model's CUDA devices) and puts back
+    every buffer of `model` afterwards (a call may update BatchNorm's running statistics): a call
+    of the model inside it leaves no trace on the model or on the caller's random streams."""
+    devices = [d.index for d in {p.device for p in model.parameters()} if d.type == "cuda" and d.index is not None]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+
+
 def record(model: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any], watch: Sequence[str],
            as_trained: bool = False) -> Structure:
     """Runs ``model(*args, **kwargs)`` once and returns its Structure; ``watch`` names the modules
@@ -168,25 +185,19 @@ def record(model: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any], watch:
     for module in model.modules():
         handles.append(module.register_forward_pre_hook(pre))
         handles.append(module.register_forward_hook(post))
-    devices = [d.index for d in {p.device for p in model.parameters()} if d.type == "cuda" and d.index is not None]
-    # Buffers the call may update (BatchNorm's running statistics) are put back afterwards.
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
     modes = [(m, m.training) for m in model.modules()]
     try:
         # Dropout modules keep their mode: in training they make a new tensor, which eval's
         # identity would turn into a direct read of their input (their draws come from the fork).
         for m, training in modes:
             m.training = training and (as_trained or isinstance(m, nn.modules.dropout._DropoutNd))
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), recorder:
+        with untouched(model), torch.no_grad(), recorder:
             returned = model(*args, **kwargs)
     finally:
         for h in handles:
             h.remove()
         for m, training in modes:
             m.training = training
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
     _attribute_uses(model, recorder, structure, outputs, created_at)
     # A tensor the model returns is read by the caller: a use no fold may change.
     returned_ids = {id(t) for t in _tensors(_plain(returned))}

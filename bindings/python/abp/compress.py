@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Un
 
 import torch
 
-from . import _derived, _guard, _launch, _lib, _save_rules, memory
+from . import _derived, _guard, _launch, _lib, _save_rules, _scale, memory
 from ._manifest import packed_bytes
 
 __all__ = [
@@ -430,7 +430,9 @@ def _marked_activation(t: torch.Tensor) -> bool:
 
 def _compressible(t: torch.Tensor, min_numel: int, row_statistics: bool = False) -> bool:
     """`eligible` without the parameter test (which compress_saved makes first, once)."""
-    if t.layout != torch.strided or t.device.type not in ("cpu", "cuda") or t.numel() < max(min_numel, 1):
+    # abp.convert's count of an example call leaves no small tensor raw (abp._scale).
+    smallest = max(min_numel, 1) if _scale.apply() else 1
+    if t.layout != torch.strided or t.device.type not in ("cpu", "cuda") or t.numel() < smallest:
         return False
     if t.dtype == torch.bool:
         return True

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from . import _compiled_saves, _custom_ops, _dataflow, _derived, _recognise, _stale_optimizer, _structure, compress, sampling
+from . import _compiled_saves, _composition, _custom_ops, _dataflow, _derived, _recognise, _stale_optimizer, _structure, compress, sampling
 from . import nn as abp_nn
 from ._recognise import Activation, LinearMap, Norm, Unknown
 from ._roles import sampled_linear_maps as _roles_of
@@ -83,7 +83,8 @@ _CONVERT_KEYWORDS: Tuple[str, ...] = ("inplace", "example_inputs", "example_kwar
 
 @dataclass(frozen=True)
 class Change:
-    """One thing ``convert`` did or refused: ``action`` is "replaced", "folded", "wrapped" or "refused"."""
+    """One thing ``convert`` did or refused: ``action`` is "replaced", "folded", "wrapped", "refused" or
+    "kept" (replaced, then put back because the replacement saved no memory: abp._composition)."""
 
     module: str
     action: str
@@ -803,6 +804,60 @@ def _convert_compress(model: nn.Module, options: Dict[str, Any]) -> List[Change]
 # ---------------------------------------------------------------------------------------------
 
 
+def _keep_what_saves(model: nn.Module, changes: List[Change], before: Dict[str, nn.Module], recipes: Tuple[str, ...],
+                     options: Dict[str, Any], chosen: Set[str], recognised: Dict[int, Any],
+                     call: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]) -> List[Change]:
+    """Puts back what saves no memory (abp._composition), counted on the example call (else the
+    model's dummy_inputs call; with neither, every replacement stays): with recipe compress every
+    replacement abp chose, else recipe sampled's layers found by role. What the caller named
+    (``layers=``, ``gelu=``, ``silu=``) stays."""
+    candidates: List[_composition.Candidate] = []
+    for c in changes:
+        if c.action != "replaced" or c.module not in before:
+            continue
+        original, new = before[c.module], model.get_submodule(c.module)
+        sampled = isinstance(new, abp_nn.SampledLinear)
+        spec = recognised.get(id(original))
+        named = (options["layers"] is not None) if sampled else \
+            isinstance(spec, Activation) and ("silu" if spec.kind == "silu" else "gelu") in chosen
+        if named or not (sampled or "compress" in recipes):
+            continue
+        paths = tuple(p for p, m in before.items() if m is original)
+        candidates.append(_composition.Candidate(c.module, paths, original, new, "sampled" if sampled else "lowmembp"))
+    if not candidates:
+        return changes
+    explicit = call is not None
+    call = call if explicit else _dummy_call(model)
+    if call is None:
+        return changes
+    # Sampling costs the most accuracy: its groups are tried first.
+    candidates.sort(key=lambda c: c.recipe != "sampled")
+
+    def count() -> int:
+        try:
+            return _composition.saved_bytes_of_call(model, call)
+        except Exception as e:
+            if not explicit:
+                raise _DummyCallFailed() from e
+            raise RuntimeError(f"example_inputs/example_kwargs: the converted model's example call failed "
+                               f"({type(e).__name__}: {e})") from e
+
+    try:
+        reverted = _composition.keep_what_saves(model, candidates, count)
+    except _DummyCallFailed:  # the model's own dummy call does not fit this configuration
+        return changes
+    under = f" under compress_saved(bits={options['bits']})" if "compress" in recipes else ""
+    why = {c.name: (f"{type(c.original).__name__} kept as it was: the {'example' if explicit else 'dummy_inputs'} call "
+                    f"saves {without} bytes for backward{under} without {type(c.new).__name__} at "
+                    f"{c.group()[3]}, {with_} with it (recipe {c.recipe} keeps a replacement only where it saves memory)")
+           for c, with_, without in reverted}
+    return [Change(c.module, "kept", why[c.module]) if c.action == "replaced" and c.module in why else c for c in changes]
+
+
+class _DummyCallFailed(Exception):
+    pass
+
+
 def _recognise_all(model: nn.Module) -> Dict[int, Any]:
     """id(module) -> what each leaf module computes (abp's own modules are left out, and so are
     parametrized modules and their parametrization modules: what they compute is not their own)."""
@@ -985,12 +1040,14 @@ def convert(
     # The call also shows which activations no residual add bypasses (_compounding_path).
     structure = _record(model, call, norms) if call is not None and (norms or by_role or "lowmembp" in recipes) else None
     roles = _roles(model, recognised, structure) if by_role else None
+    before = dict(model.named_modules(remove_duplicate=False))
     changes: List[Change] = []
+    chosen = {k for k in ("gelu", "silu") if k in overrides}
     if "lowmembp" in recipes:
-        chosen = {k for k in ("gelu", "silu") if k in overrides}
         changes += _convert_lowmembp(model, options, recognised, call, structure, chosen)
     if "sampled" in recipes:
         changes += _convert_sampled(model, options, recognised, roles)
     if "compress" in recipes:
         changes += _convert_compress(model, options)
+    changes = _keep_what_saves(model, changes, before, recipes, options, chosen, recognised, call)
     return model, changes

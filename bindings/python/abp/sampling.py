@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from . import _custom_ops, autograd
+from . import _custom_ops, _scale, autograd
 from . import _sample_kernels as kernels
 from . import _selection as selection
 from ._launch import compute_dtype
@@ -41,6 +41,12 @@ METHODS: Tuple[str, ...] = ("wtacrs", "crs", "uniform", "gaussian", "rademacher"
 _ROW_METHODS = ("wtacrs", "crs", "uniform")
 #: Smallest keep counts (docs/algorithms.md §8.2: 10 rows; §3: sketches of at least 3 rows).
 MINIMUM_KEPT = {"wtacrs": 10, "crs": 10, "uniform": 10, "gaussian": 3, "rademacher": 3}
+
+
+def minimum_kept(method: str) -> int:
+    """MINIMUM_KEPT[method], or 1 while abp.convert counts an example call's saved bytes as a large
+    batch would save them (abp._scale)."""
+    return MINIMUM_KEPT[method] if _scale.apply() else 1
 
 
 def check_method(method: Any) -> str:
@@ -81,7 +87,7 @@ def sampled_residuals(x2: torch.Tensor, method: str, keep: float, seed: int,
     slots' rows weighted, their indices]) or ("sketch", [S·x2 / k]). The shapes depend on N and
     keep alone."""
     n = x2.shape[0]
-    k = selection.keep_count(n, keep, minimum=MINIMUM_KEPT[method])
+    k = selection.keep_count(n, keep, minimum=minimum_kept(method))
     if k >= n:
         return "exact", [x2.contiguous()]
     if method in _ROW_METHODS:

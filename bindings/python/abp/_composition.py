@@ -1,0 +1,97 @@
+"""Which of convert's replacements really save memory, counted on the example call (abp.convert).
+
+A replacement lowers what one layer stores on its own, but what a model keeps depends on its
+neighbours and on the other recipes:
+
+- under ``compress_saved`` an exact SiLU's output is recomputed from its stored input, while
+  ReSiLU2's output must be stored (its backward keeps only 2-bit codes of the input), so a
+  SwiGLU block stores more with ReSiLU2 than without it;
+- a sampled linear map stores a fraction of its input's rows, which saves nothing where another
+  operation keeps the whole input anyway (an expert beside a router, a projection whose input a
+  norm's backward reads), and under ``compress_saved`` its output can no longer be recomputed.
+
+So each group of like replacements (one class replaced by one class at one path up to layer
+numbers) is tried without: the example call's saved bytes (abp.memory's accounting, compressed
+codes as stored) are counted with the group and without it, and the group stays only where it
+counts fewer bytes. An approximate backward that saves nothing costs accuracy and time for
+nothing. Groups are tried one after another against the model as it then stands, so neighbours'
+interactions are counted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from . import _scale, _structure, memory
+
+__all__ = ["Candidate", "keep_what_saves", "saved_bytes_of_call"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One replacement convert made: the module `new` stands at `paths` where `original` stood."""
+
+    name: str
+    paths: Tuple[str, ...]
+    original: nn.Module
+    new: nn.Module
+    recipe: str
+
+    def revertible(self) -> bool:
+        """Whether putting the original back restores the model's function: it must hold nothing the
+        replacement took away (a folded norm's affine now lives in the linear layers after it)."""
+        kept = {id(p) for p in self.new.parameters()}
+        return all(id(p) in kept for p in self.original.parameters())
+
+    def group(self) -> Tuple[str, type, type, str]:
+        pattern = ".".join("*" if part.isdigit() else part for part in self.name.split("."))
+        return self.recipe, type(self.original), type(self.new), pattern
+
+
+def _put(model: nn.Module, paths: Sequence[str], module: nn.Module) -> None:
+    for path in paths:
+        parent_name, _, attr = path.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, module)
+
+
+def saved_bytes_of_call(model: nn.Module, call: Tuple[Tuple[Any, ...], Dict[str, Any]]) -> int:
+    """The bytes ``model(*args, **kwargs)`` saves for backward (parameters and buffers left out),
+    with gradients on and the model in its own modes, as a large batch would save them in
+    proportion (abp._scale: no floor on sampled rows, no small tensor left raw); the RNG state and
+    the buffers are restored."""
+    with _structure.untouched(model), _scale.ignored(), torch.enable_grad(), memory.SavedTensorsCounter() as counter:
+        output = model(*call[0], **call[1])
+        del output  # the graph and what it saved go now
+    return counter.activation_bytes(model)
+
+
+def keep_what_saves(model: nn.Module, candidates: Sequence[Candidate], count: Callable[[], int]
+                    ) -> List[Tuple[Candidate, int, int]]:
+    """Puts back the originals of every group of `candidates` whose replacement does not lower
+    `count()` (the model's saved bytes on the example call); returns each candidate put back with
+    the bytes counted with its group and without."""
+    groups: Dict[Tuple[str, type, type, str], List[Candidate]] = {}
+    for c in candidates:
+        if c.revertible():
+            groups.setdefault(c.group(), []).append(c)
+    if not groups:
+        return []
+    current = count()
+    if current == 0:  # the call saves nothing (no gradients anywhere): nothing to decide by
+        return []
+    reverted: List[Tuple[Candidate, int, int]] = []
+    for members in groups.values():
+        for c in members:
+            _put(model, c.paths, c.original)
+        without = count()
+        if without <= current:
+            reverted += [(c, current, without) for c in members]
+            current = without
+        else:
+            for c in members:
+                _put(model, c.paths, c.new)
+    return reverted

@@ -1,0 +1,168 @@
+"""abp.convert keeps a replacement only where it saves memory, counted on the example call
+(abp._composition), with the size thresholds off while it counts (abp._scale)."""
+from __future__ import annotations
+
+from typing import List
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import abp
+from abp import _composition, _scale, compress, sampling
+from abp_reference import library_or_skip
+
+
+@pytest.fixture(autouse=True)
+def library() -> None:
+    library_or_skip()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(d) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class GatedBlock(nn.Module):
+    """A LLaMA-style feed-forward block (names no list knows): norm, SwiGLU, residual."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = RMSNorm(d)
+        self.gate = nn.Linear(d, 2 * d, bias=False)
+        self.up = nn.Linear(d, 2 * d, bias=False)
+        self.act = nn.SiLU()
+        self.down = nn.Linear(2 * d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return x + self.down(self.act(self.gate(h)) * self.up(h))
+
+
+class PlainBlock(nn.Module):
+    """A pre-LN feed-forward block whose first linear map reads the norm's output."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.widen = nn.Linear(d, 2 * d)
+        self.narrow = nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.narrow(F.gelu(self.widen(self.norm(x))))
+
+
+def _net(block: type, d: int = 16, layers: int = 2) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, d), *[block(d) for _ in range(layers)], nn.Linear(d, 3))
+
+
+def _example(rows: int = 6) -> torch.Tensor:
+    return torch.randn(2, rows, 4, generator=torch.Generator().manual_seed(1))
+
+
+def _count(model: nn.Module, x: torch.Tensor) -> int:
+    return _composition.saved_bytes_of_call(model, ((x,), {}))
+
+
+def _actions(changes: List[abp.convert_.Change], action: str) -> List[str]:
+    return sorted(c.module for c in changes if c.action == action)
+
+
+def test_the_combined_recipe_stores_no_more_than_compress_alone_and_each_kept_back_group_would_store_more() -> None:
+    model, x = _net(GatedBlock), _example()
+    combined, changes = abp.convert(model, ["lowmembp", "compress"], example_inputs=x)
+    alone, _ = abp.convert(model, "compress")
+    assert _count(combined, x) <= _count(alone, x)
+    kept = [c for c in changes if c.action == "kept"]
+    if torch.__version__ >= "2":  # compress_saved recomputes the exact SiLU's output from its input
+        assert {"1.act", "2.act"} <= set(_actions(changes, "kept")), changes
+        assert all("ReSiLU2" in c.detail and "under compress_saved(bits=8)" in c.detail for c in kept if "act" in c.module)
+    # The activations put back would store more if they were replaced again (the count that decided).
+    if any("act" in c.module for c in kept):
+        again, _ = abp.convert(combined, "lowmembp", norms=False)
+        assert isinstance(again.get_submodule("1.act"), abp.nn.ReSiLU2)
+        assert _count(again, x) > _count(combined, x)
+    torch.testing.assert_close(combined(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_layer_whose_input_another_op_keeps_is_not_sampled_unless_named() -> None:
+    # `widen` reads the memory-sharing norm's output, which that norm's backward keeps whole.
+    model, x = _net(PlainBlock), _example()
+    converted, changes = abp.convert(model, ["lowmembp", "sampled"], example_inputs=x)
+    assert _actions(changes, "kept") == ["1.widen", "2.widen"]
+    assert isinstance(converted.get_submodule("1.narrow"), abp.nn.SampledLinear)
+    sampled_too, named = abp.convert(model, ["lowmembp", "sampled"], example_inputs=x, layers=["*.widen", "*.narrow"])
+    assert not _actions(named, "kept") and isinstance(sampled_too.get_submodule("1.widen"), abp.nn.SampledLinear)
+    assert _count(sampled_too, x) > _count(converted, x)
+
+
+def test_an_activation_named_by_the_caller_stays_replaced() -> None:
+    model, x = _net(GatedBlock), _example()
+    _, changes = abp.convert(model, ["lowmembp", "compress"], example_inputs=x, silu="resilu2")
+    assert "1.act" in _actions(changes, "replaced")
+
+
+def test_without_a_call_to_count_every_replacement_stays() -> None:
+    model = _net(GatedBlock)
+    _, changes = abp.convert(model, ["lowmembp", "compress"])
+    assert not _actions(changes, "kept") and "1.act" in _actions(changes, "replaced")
+
+
+def test_the_decision_does_not_depend_on_the_example_being_small() -> None:
+    # 2 x 3 = 6 token rows: fewer than WTA-CRS's floor of 10, which would keep every row (and save
+    # nothing) outside the count; 2 x 64 rows are past it. Both decide the same.
+    model = _net(PlainBlock)
+    small = abp.convert(model, ["lowmembp", "sampled", "compress"], example_inputs=_example(3))[1]
+    large = abp.convert(model, ["lowmembp", "sampled", "compress"], example_inputs=_example(64))[1]
+    assert [(c.module, c.action) for c in small] == [(c.module, c.action) for c in large]
+
+
+def test_size_thresholds_are_off_inside_ignored_only() -> None:
+    x = torch.randn(8, 8)
+    assert sampling.minimum_kept("wtacrs") == 10
+    kind, kept = sampling.sampled_residuals(x, "wtacrs", 0.3, 1, None)
+    assert kind == "exact"  # 8 rows: the floor of 10 keeps them all
+    with _scale.ignored():
+        assert sampling.minimum_kept("wtacrs") == 1
+        kind, kept = sampling.sampled_residuals(x, "wtacrs", 0.3, 1, None)
+        assert kind == "rows" and kept[0].shape[0] == 2  # floor(8 x 0.3)
+        small = x.requires_grad_() * 1.0  # an activation of 64 elements
+        assert compress.eligible(small, 1024)
+    assert not compress.eligible(small, 1024)
+
+
+def test_counting_leaves_no_trace_on_the_model_or_the_random_streams() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), GatedBlock(16), nn.Linear(16, 3))
+    x = torch.randn(8, 4)
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    converted, changes = abp.convert(model, "all", example_inputs=x)
+    assert torch.equal(torch.get_rng_state(), before)
+    bn = converted.get_submodule("1")
+    assert torch.equal(bn.running_mean, torch.zeros(16)) and int(bn.num_batches_tracked) == 0
+    assert any(c.action == "kept" for c in changes) or torch.__version__ < "2"
+
+
+def test_the_count_runs_with_gradients_even_when_convert_does_not() -> None:
+    model, x = _net(PlainBlock), _example()
+    want = abp.convert(model, ["lowmembp", "sampled"], example_inputs=x)[1]
+    with torch.no_grad():
+        got = abp.convert(model, ["lowmembp", "sampled"], example_inputs=x)[1]
+    assert [(c.module, c.action) for c in got] == [(c.module, c.action) for c in want]
+
+
+def test_a_folded_norm_is_never_put_back() -> None:
+    norm = nn.LayerNorm(8)
+    folded = abp.nn.MSLayerNorm(8)  # no affine: gamma and beta went into the next linear maps
+    assert not _composition.Candidate("n", ("n",), norm, folded, "lowmembp").revertible()
+    kept = abp.nn.MSLayerNorm(8, elementwise_affine=True)
+    kept.weight, kept.bias = norm.weight, norm.bias
+    assert _composition.Candidate("n", ("n",), norm, kept, "lowmembp").revertible()
+    assert _composition.Candidate("a.3.b", ("a.3.b",), nn.GELU(), abp.nn.ReGELU2(), "lowmembp").group()[3] == "a.*.b"
