@@ -108,10 +108,41 @@ def test_an_activation_named_by_the_caller_stays_replaced() -> None:
     assert "1.act" in _actions(changes, "replaced")
 
 
-def test_without_a_call_to_count_every_replacement_stays() -> None:
+def test_without_a_call_to_count_every_replacement_stays_and_convert_says_so() -> None:
     model = _net(GatedBlock)
     _, changes = abp.convert(model, ["lowmembp", "compress"])
     assert not _actions(changes, "kept") and "1.act" in _actions(changes, "replaced")
+    assert any(c.action == "refused" and "no call to count what each replacement saves" in c.detail for c in changes)
+
+
+def test_a_model_in_eval_mode_is_counted_as_it_will_train() -> None:
+    # from_pretrained returns a model in eval mode, where a sampled layer is a plain Linear.
+    model, x = _net(PlainBlock), _example()
+    trained = abp.convert(model, ["lowmembp", "sampled"], example_inputs=x)[1]
+    evaluated, changes = abp.convert(model.eval(), ["lowmembp", "sampled"], example_inputs=x)
+    assert [(c.module, c.action) for c in changes] == [(c.module, c.action) for c in trained]
+    assert not any(m.training for m in evaluated.modules())
+
+
+def test_an_example_that_cannot_train_leaves_the_replacements_and_says_why() -> None:
+    # One image: BatchNorm in training mode needs more than one value per channel after pooling.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.AdaptiveAvgPool2d(1), nn.BatchNorm2d(8), nn.SiLU(), nn.Flatten(),
+                          nn.Linear(8, 3))
+    converted, changes = abp.convert(model, "all", example_inputs=torch.randn(1, 3, 8, 8))
+    notes = [c.detail for c in changes if c.action == "refused" and "in training mode, failed" in c.detail]
+    assert len(notes) == 1 and "Expected more than 1 value per channel" in notes[0], changes
+    assert isinstance(converted.get_submodule("3"), abp.nn.SiLU)  # replaced, not counted
+    converted(torch.randn(4, 3, 8, 8)).sum().backward()
+
+
+def test_an_example_made_under_inference_mode_is_counted() -> None:
+    model = _net(PlainBlock)
+    with torch.inference_mode():
+        x = _example()
+    want = abp.convert(model, ["lowmembp", "sampled"], example_inputs=_example())[1]
+    got = abp.convert(model, ["lowmembp", "sampled"], example_inputs=x)[1]
+    assert [(c.module, c.action) for c in got] == [(c.module, c.action) for c in want]
 
 
 def test_the_decision_does_not_depend_on_the_example_being_small() -> None:

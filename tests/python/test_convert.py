@@ -1643,11 +1643,13 @@ def test_torch_export_of_a_compress_recipe_model_exports_its_function_and_leaves
 def test_recipe_lists_and_all():
     model = make(lambda: GPT2Block(act=nn.SiLU()), torch.float32)
     converted, changes = abp.convert(model, ["compress", "lowmembp", "lowmembp"])
-    assert [c.action for c in changes] == ["replaced", "replaced", "wrapped"], "recipes run in RECIPES order"
+    # No call to count on: the replacements stay, and a last line says so (abp._composition).
+    assert [c.action for c in changes] == ["replaced", "replaced", "wrapped", "refused"], "recipes run in RECIPES order"
+    assert "no call to count" in changes[-1].detail
     converted, changes = abp.convert(model, "all")
     actions = [(c.module, c.action) for c in changes]
     assert actions == [("ln_2", "replaced"), ("mlp.act", "replaced"), ("mlp.c_fc", "replaced"),
-                       ("mlp.c_proj", "replaced"), ("", "wrapped")]
+                       ("mlp.c_proj", "replaced"), ("", "wrapped"), ("", "refused")]
     assert type(converted.ln_2) is abp.nn.MSLayerNorm and type(converted.mlp.act) is abp.nn.ReSiLU2
     assert type(converted.mlp.c_fc) is abp.nn.SampledLinear
     assert list(converted.state_dict()) == list(model.state_dict())

@@ -713,3 +713,17 @@ def test_compress_saved_codes_a_sampled_layers_kept_rows() -> None:
     assert block.stats["bytes_compressed"] == packed_bytes(8, k * 64) + k * 2 * 4
     error = float((grads[8] - grads[None]).norm() / grads[None].norm())
     assert 0 < error < 0.02, error
+
+
+def test_a_sampled_layer_that_keeps_every_row_trains_inside_compress_saved() -> None:
+    """4 rows, under WTA-CRS's floor of 10: the layer saves its input whole (a view of it made with
+    grad off), which compress_saved codes; on torch 1.13 giving that view back to backward failed
+    ("No grad accumulator for a saved leaf")."""
+    torch.manual_seed(0)
+    w = torch.randn(3, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    with abp.compress_saved(bits=8, min_numel=1):
+        y = abp.sampling.sampled_linear(x * 1.0, w, keep=0.3, seed=1)
+    y.square().sum().backward()
+    want = 2 * (x @ w.t()).detach().t() @ x.detach()
+    assert float((w.grad - want).norm() / want.norm()) < 0.02  # dW from 8-bit codes of x

@@ -19,8 +19,9 @@ interactions are counted.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -58,40 +59,73 @@ def _put(model: nn.Module, paths: Sequence[str], module: nn.Module) -> None:
         setattr(parent, attr, module)
 
 
+def _trainable(value: Any) -> Any:
+    """`value` with every inference tensor in it cloned (a convert under torch.inference_mode gets
+    its example made there; autograd cannot save such a tensor)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone() if value.is_inference() else value
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_trainable(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _trainable(v) for k, v in value.items()}
+    return value
+
+
 def saved_bytes_of_call(model: nn.Module, call: Tuple[Tuple[Any, ...], Dict[str, Any]]) -> int:
     """The bytes ``model(*args, **kwargs)`` saves for backward (parameters and buffers left out),
-    with gradients on and the model in its own modes, as a large batch would save them in
-    proportion (abp._scale: no floor on sampled rows, no small tensor left raw); the RNG state and
-    the buffers are restored."""
-    with _structure.untouched(model), _scale.ignored(), torch.enable_grad(), memory.SavedTensorsCounter() as counter:
-        output = model(*call[0], **call[1])
-        del output  # the graph and what it saved go now
+    as training would save them: gradients on, every module in training mode (a model fresh from
+    ``from_pretrained`` is in eval mode, where a sampled layer is a plain Linear), and as a large
+    batch would save them in proportion (abp._scale: no floor on sampled rows, no small tensor
+    left raw). The RNG state, the buffers and the modes are put back; the autocast state is the
+    caller's; warnings are not shown."""
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        for m, _ in modes:
+            m.training = True
+        # Its warnings are the count's own (compress_saved's about a call that failed half-way).
+        with _structure.untouched(model), _scale.ignored(), torch.inference_mode(False), torch.enable_grad(), \
+                warnings.catch_warnings(), memory.SavedTensorsCounter() as counter:
+            warnings.simplefilter("ignore")
+            output = model(*_trainable(call[0]), **_trainable(call[1]))
+            del output  # the graph and what it saved go now
+    finally:
+        for m, training in modes:
+            m.training = training
     return counter.activation_bytes(model)
 
 
 def keep_what_saves(model: nn.Module, candidates: Sequence[Candidate], count: Callable[[], int]
-                    ) -> List[Tuple[Candidate, int, int]]:
+                    ) -> Tuple[List[Tuple[Candidate, int, int]], Optional[Exception]]:
     """Puts back the originals of every group of `candidates` whose replacement does not lower
-    `count()` (the model's saved bytes on the example call); returns each candidate put back with
-    the bytes counted with its group and without."""
+    `count()` (the model's saved bytes on the example call). Returns each candidate put back with
+    the bytes counted with its group and without, and the error of a count that failed: the
+    groups not yet decided then stay replaced."""
     groups: Dict[Tuple[str, type, type, str], List[Candidate]] = {}
     for c in candidates:
         if c.revertible():
             groups.setdefault(c.group(), []).append(c)
-    if not groups:
-        return []
-    current = count()
-    if current == 0:  # the call saves nothing (no gradients anywhere): nothing to decide by
-        return []
     reverted: List[Tuple[Candidate, int, int]] = []
+    if not groups:
+        return reverted, None
+    try:
+        current = count()
+    except Exception as e:
+        return reverted, e
+    if current == 0:  # the call saves nothing (no gradients anywhere): nothing to decide by
+        return reverted, None
     for members in groups.values():
         for c in members:
             _put(model, c.paths, c.original)
-        without = count()
+        try:
+            without = count()
+        except Exception as e:
+            for c in members:
+                _put(model, c.paths, c.new)
+            return reverted, e
         if without <= current:
             reverted += [(c, current, without) for c in members]
             current = without
         else:
             for c in members:
                 _put(model, c.paths, c.new)
-    return reverted
+    return reverted, None

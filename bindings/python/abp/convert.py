@@ -828,34 +828,28 @@ def _keep_what_saves(model: nn.Module, changes: List[Change], before: Dict[str, 
         return changes
     explicit = call is not None
     call = call if explicit else _dummy_call(model)
+    names = " and ".join(sorted({c.recipe for c in candidates}))
     if call is None:
-        return changes
+        if "compress" not in recipes:  # recipe sampled alone: its layers were chosen by name
+            return changes
+        return changes + [Change("", "refused", f"recipe {names}: no call to count what each replacement saves on (no "
+                                 "example_inputs/example_kwargs, no dummy_inputs): every replacement stays, though some "
+                                 "may store more than they save; pass example_inputs= to keep only what saves")]
     # Sampling costs the most accuracy: its groups are tried first.
     candidates.sort(key=lambda c: c.recipe != "sampled")
-
-    def count() -> int:
-        try:
-            return _composition.saved_bytes_of_call(model, call)
-        except Exception as e:
-            if not explicit:
-                raise _DummyCallFailed() from e
-            raise RuntimeError(f"example_inputs/example_kwargs: the converted model's example call failed "
-                               f"({type(e).__name__}: {e})") from e
-
-    try:
-        reverted = _composition.keep_what_saves(model, candidates, count)
-    except _DummyCallFailed:  # the model's own dummy call does not fit this configuration
-        return changes
+    reverted, error = _composition.keep_what_saves(model, candidates, lambda: _composition.saved_bytes_of_call(model, call))
+    source = "example" if explicit else "dummy_inputs"
+    if error is not None:
+        changes = changes + [Change("", "refused", f"recipe {names}: the {source} call with gradients, in training mode, "
+                                    f"failed ({type(error).__name__}: {error}), so what each replacement saves was not "
+                                    "counted and the replacements not yet decided stay; pass an example the model can "
+                                    "train on (e.g. a batch of two or more for BatchNorm)")]
     under = f" under compress_saved(bits={options['bits']})" if "compress" in recipes else ""
-    why = {c.name: (f"{type(c.original).__name__} kept as it was: the {'example' if explicit else 'dummy_inputs'} call "
-                    f"saves {without} bytes for backward{under} without {type(c.new).__name__} at "
-                    f"{c.group()[3]}, {with_} with it (recipe {c.recipe} keeps a replacement only where it saves memory)")
+    why = {c.name: (f"{type(c.original).__name__} kept as it was: the {source} call saves {without} bytes for "
+                    f"backward{under} without {type(c.new).__name__} at {c.group()[3]}, {with_} with it (recipe "
+                    f"{c.recipe} keeps a replacement only where it saves memory)")
            for c, with_, without in reverted}
     return [Change(c.module, "kept", why[c.module]) if c.action == "replaced" and c.module in why else c for c in changes]
-
-
-class _DummyCallFailed(Exception):
-    pass
 
 
 def _recognise_all(model: nn.Module) -> Dict[int, Any]:

@@ -127,6 +127,10 @@ class _SampledLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             # The input as the product used it (autocast may have cast it): what backward needs.
             ctx.mode, saved = sampled_residuals(x.reshape(-1, x.shape[-1]).to(y.dtype), method, keep, seed, gamma)
+            # Detached: with k = N the residual is a view of x made here with grad off, which on
+            # torch 1.13 a saved-tensor hook (compress_saved's) could not give back to backward
+            # ("No grad accumulator for a saved leaf").
+            saved = [t.detach() for t in saved]
             # The kept rows (or the sketch, or x) are an activation's values, computed here with grad
             # off: compress_saved may code them. An input that requires no grad (the batch) is
             # a constant of backward, kept as it is.
