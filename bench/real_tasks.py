@@ -356,7 +356,7 @@ RECIPES: Dict[str, Recipe] = {r.name: r for r in (
            {"recipe": "lowmembp", "norms": False, "gelu": "gelu_b3", "silu": "silu_b3"}),
     Recipe("sampled-0.3", "WTA-CRS keep 0.3 (convert sampled)", {"recipe": "sampled", "keep": 0.3}),
     Recipe("vcas", "VCAS (abp.vcas.Controller, calibrated every 20 steps)", context=_vcas),
-    Recipe("all", "convert all (lowmembp + sampled 0.3 + compress 8 bits)", {"recipe": "all"}),
+    Recipe("all", "convert all (lowmembp + sampled 0.3 + compress 8 bits, each kept where it saves)", {"recipe": "all"}),
 )}
 
 

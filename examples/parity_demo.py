@@ -19,9 +19,11 @@ weights and batches as exact training:
   compress-2    abp.compress_saved(bits=2, allow_low_bits=True): refused by default, shown anyway
   controller-4  abp.CompressionController(model, avg_bits=4)
   controller-2  abp.CompressionController(model, avg_bits=2)
-  sampled-0.3   abp.convert(recipe="sampled", keep=0.3): WTA-CRS on the FFN (and attention output)
+  sampled-0.3   abp.convert(recipe="sampled", keep=0.3): WTA-CRS on the FFN and attention-output
+                projections, where sampling lowers the saved bytes
   vcas          abp.vcas.Controller, calibrated every 20 steps
-  all           abp.convert(recipe="all"): lowmembp + sampled 0.3 + compress_saved(bits=8)
+  all           abp.convert(recipe="all"): lowmembp + sampled 0.3 + compress_saved(bits=8), each
+                replacement kept only where it lowers the bytes the example call saves
 
 It prints a table (metric mean and per seed, the gap to exact, whether it is within the target,
 the bytes a step saves for backward by abp.memory's accounting, the step time) and writes a PNG
