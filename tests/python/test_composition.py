@@ -197,3 +197,27 @@ def test_a_folded_norm_is_never_put_back() -> None:
     kept.weight, kept.bias = norm.weight, norm.bias
     assert _composition.Candidate("n", ("n",), norm, kept, "lowmembp").revertible()
     assert _composition.Candidate("a.3.b", ("a.3.b",), nn.GELU(), abp.nn.ReGELU2(), "lowmembp").group()[3] == "a.*.b"
+
+
+class Checkpointed(nn.Module):
+    """Each block under torch.utils.checkpoint: forward saves only the blocks' inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _net(GatedBlock)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.net[0](x)
+        for block in list(self.net)[1:-1]:
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+        return self.net[-1](h)
+
+
+def test_a_tie_keeps_the_replacement_as_inside_checkpointed_blocks() -> None:
+    import torch.utils.checkpoint  # noqa: F401
+
+    model, x = Checkpointed(), _example()
+    converted, changes = abp.convert(model, ["lowmembp", "compress"], example_inputs=x)
+    assert not _actions(changes, "kept"), changes
+    assert isinstance(converted.get_submodule("net.1.act"), abp.nn.ReSiLU2)
+    assert _count(converted, x) == _count(abp.convert(model, "compress")[0], x)

@@ -12,10 +12,12 @@ neighbours and on the other recipes:
 
 So each group of like replacements (one class replaced by one class at one path up to layer
 numbers) is tried without: the example call's saved bytes (abp.memory's accounting, compressed
-codes as stored) are counted with the group and without it, and the group stays only where it
-counts fewer bytes. An approximate backward that saves nothing costs accuracy and time for
-nothing. Groups are tried one after another against the model as it then stands, so neighbours'
-interactions are counted.
+codes as stored) are counted with the group and without it, and the group is put back where the
+model stores fewer bytes without it: an approximate backward that stores more costs accuracy and
+time for nothing. A tie keeps the group: inside a checkpointed block (torch.utils.checkpoint,
+transformers' gradient_checkpointing_enable) forward saves nothing the count could see, and the
+replacements there lower the peak of the block's recompute. Groups are tried one after another
+against the model as it then stands, so neighbours' interactions are counted.
 """
 from __future__ import annotations
 
@@ -96,8 +98,8 @@ def saved_bytes_of_call(model: nn.Module, call: Tuple[Tuple[Any, ...], Dict[str,
 
 def keep_what_saves(model: nn.Module, candidates: Sequence[Candidate], count: Callable[[], int]
                     ) -> Tuple[List[Tuple[Candidate, int, int]], Optional[Exception]]:
-    """Puts back the originals of every group of `candidates` whose replacement does not lower
-    `count()` (the model's saved bytes on the example call). Returns each candidate put back with
+    """Puts back the originals of every group of `candidates` without which `count()` (the model's
+    saved bytes on the example call) is lower. Returns each candidate put back with
     the bytes counted with its group and without, and the error of a count that failed: the
     groups not yet decided then stay replaced."""
     groups: Dict[Tuple[str, type, type, str], List[Candidate]] = {}
@@ -122,7 +124,7 @@ def keep_what_saves(model: nn.Module, candidates: Sequence[Candidate], count: Ca
             for c in members:
                 _put(model, c.paths, c.new)
             return reverted, e
-        if without <= current:
+        if without < current:
             reverted += [(c, current, without) for c in members]
             current = without
         else:

@@ -84,7 +84,7 @@ _CONVERT_KEYWORDS: Tuple[str, ...] = ("inplace", "example_inputs", "example_kwar
 @dataclass(frozen=True)
 class Change:
     """One thing ``convert`` did or refused: ``action`` is "replaced", "folded", "wrapped", "refused" or
-    "kept" (replaced, then put back because the replacement saved no memory: abp._composition)."""
+    "kept" (replaced, then put back because the model stored more with it: abp._composition)."""
 
     module: str
     action: str
@@ -847,7 +847,7 @@ def _keep_what_saves(model: nn.Module, changes: List[Change], before: Dict[str, 
     under = f" under compress_saved(bits={options['bits']})" if "compress" in recipes else ""
     why = {c.name: (f"{type(c.original).__name__} kept as it was: the {source} call saves {without} bytes for "
                     f"backward{under} without {type(c.new).__name__} at {c.group()[3]}, {with_} with it (recipe "
-                    f"{c.recipe} keeps a replacement only where it saves memory)")
+                    f"{c.recipe} puts back a replacement that stores more than it saves)")
            for c, with_, without in reverted}
     return [Change(c.module, "kept", why[c.module]) if c.action == "replaced" and c.module in why else c for c in changes]
 
