@@ -196,7 +196,7 @@ def test_a_folded_norm_is_never_put_back() -> None:
     kept = abp.nn.MSLayerNorm(8, elementwise_affine=True)
     kept.weight, kept.bias = norm.weight, norm.bias
     assert _composition.Candidate("n", ("n",), norm, kept, "lowmembp").revertible()
-    assert _composition.Candidate("a.3.b", ("a.3.b",), nn.GELU(), abp.nn.ReGELU2(), "lowmembp").group()[3] == "a.*.b"
+    assert _composition.Candidate("a.3.b", ("a.3.b",), nn.GELU(), abp.nn.ReGELU2(), "lowmembp").pattern == "a.*.b"
 
 
 class Checkpointed(nn.Module):

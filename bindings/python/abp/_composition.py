@@ -49,9 +49,13 @@ class Candidate:
         kept = {id(p) for p in self.new.parameters()}
         return all(id(p) in kept for p in self.original.parameters())
 
+    @property
+    def pattern(self) -> str:
+        """The path with its layer numbers as ``*``: ``blocks.*.mlp.act``."""
+        return ".".join("*" if part.isdigit() else part for part in self.name.split("."))
+
     def group(self) -> Tuple[str, type, type, str]:
-        pattern = ".".join("*" if part.isdigit() else part for part in self.name.split("."))
-        return self.recipe, type(self.original), type(self.new), pattern
+        return self.recipe, type(self.original), type(self.new), self.pattern
 
 
 def _put(model: nn.Module, paths: Sequence[str], module: nn.Module) -> None:

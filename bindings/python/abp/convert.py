@@ -807,10 +807,10 @@ def _convert_compress(model: nn.Module, options: Dict[str, Any]) -> List[Change]
 def _keep_what_saves(model: nn.Module, changes: List[Change], before: Dict[str, nn.Module], recipes: Tuple[str, ...],
                      options: Dict[str, Any], chosen: Set[str], recognised: Dict[int, Any],
                      call: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]) -> List[Change]:
-    """Puts back what saves no memory (abp._composition), counted on the example call (else the
-    model's dummy_inputs call; with neither, every replacement stays): with recipe compress every
-    replacement abp chose, else recipe sampled's layers found by role. What the caller named
-    (``layers=``, ``gelu=``, ``silu=``) stays."""
+    """Puts back what stores more than it saves (abp._composition), counted on the example call
+    (else the model's dummy_inputs call; with neither, every replacement stays): with recipe
+    compress every replacement abp chose, else recipe sampled's layers found by role. What the
+    caller named (``layers=``, ``gelu=``, ``silu=``) stays."""
     candidates: List[_composition.Candidate] = []
     for c in changes:
         if c.action != "replaced" or c.module not in before:
@@ -846,7 +846,7 @@ def _keep_what_saves(model: nn.Module, changes: List[Change], before: Dict[str, 
                                     "train on (e.g. a batch of two or more for BatchNorm)")]
     under = f" under compress_saved(bits={options['bits']})" if "compress" in recipes else ""
     why = {c.name: (f"{type(c.original).__name__} kept as it was: the {source} call saves {without} bytes for "
-                    f"backward{under} without {type(c.new).__name__} at {c.group()[3]}, {with_} with it (recipe "
+                    f"backward{under} without {type(c.new).__name__} at {c.pattern}, {with_} with it (recipe "
                     f"{c.recipe} puts back a replacement that stores more than it saves)")
            for c, with_, without in reverted}
     return [Change(c.module, "kept", why[c.module]) if c.action == "replaced" and c.module in why else c for c in changes]
