@@ -143,6 +143,12 @@ def test_an_example_made_under_inference_mode_is_counted() -> None:
     want = abp.convert(model, ["lowmembp", "sampled"], example_inputs=_example())[1]
     got = abp.convert(model, ["lowmembp", "sampled"], example_inputs=x)[1]
     assert [(c.module, c.action) for c in got] == [(c.module, c.action) for c in want]
+    # Converted under inference_mode, too: the copy's parameters are ordinary tensors, and it trains.
+    with torch.inference_mode():
+        converted, inside = abp.convert(model, ["lowmembp", "sampled"], example_inputs=x)
+    assert [(c.module, c.action) for c in inside] == [(c.module, c.action) for c in want]
+    assert not any(p.is_inference() for p in converted.parameters())
+    converted(_example()).sum().backward()
 
 
 def test_the_decision_does_not_depend_on_the_example_being_small() -> None:
@@ -221,3 +227,29 @@ def test_a_tie_keeps_the_replacement_as_inside_checkpointed_blocks() -> None:
     assert not _actions(changes, "kept"), changes
     assert isinstance(converted.get_submodule("net.1.act"), abp.nn.ReSiLU2)
     assert _count(converted, x) == _count(abp.convert(model, "compress")[0], x)
+
+
+class BySize(nn.Module):
+    """Other blocks for batches of more than 4 (the example's batch of 2 never runs them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.small = _net(GatedBlock)
+        self.big = _net(GatedBlock)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.big if x.shape[0] > 4 else self.small)(x)
+
+
+def test_a_group_the_example_never_runs_follows_the_groups_of_its_classes_that_ran() -> None:
+    model = BySize()
+    converted, changes = abp.convert(model, ["lowmembp", "compress"], example_inputs=_example())
+    kept = {c.module: c.detail for c in changes if c.action == "kept"}
+    if torch.__version__ >= "2":  # the ReSiLU2 that ran are put back (see the first test)
+        assert {"small.1.act", "small.2.act", "big.1.act", "big.2.act"} <= set(kept), changes
+        assert "did not run big.*.act" in kept["big.1.act"] and "at small.*.act" in kept["big.1.act"]
+    ran = {n for n in kept if n.startswith("small")}
+    idle = {n for n in kept if n.startswith("big")}
+    assert idle == {n.replace("small", "big") for n in ran}
+    large = torch.randn(8, 6, 4)
+    assert _count(converted, large) <= _count(abp.convert(model, "compress")[0], large)

@@ -30,7 +30,7 @@ from torch import nn
 
 from . import _scale, _structure, memory
 
-__all__ = ["Candidate", "keep_what_saves", "saved_bytes_of_call"]
+__all__ = ["Candidate", "PutBack", "keep_what_saves", "saved_bytes_of_call"]
 
 
 @dataclass(frozen=True)
@@ -100,26 +100,54 @@ def saved_bytes_of_call(model: nn.Module, call: Tuple[Tuple[Any, ...], Dict[str,
     return counter.activation_bytes(model)
 
 
+@dataclass(frozen=True)
+class PutBack:
+    """A candidate put back: the bytes counted with its group and without, or, for a group the
+    example call never ran, the pattern of the group of the same classes whose decision it took."""
+
+    candidate: Candidate
+    with_bytes: int
+    without_bytes: int
+    like: Optional[str] = None
+
+
+def _ran(candidates: Sequence[Candidate], count: Callable[[], int]) -> Tuple[int, set]:
+    """count(), and the ids of the candidates' new modules that ran in it."""
+    ran: set = set()
+    handles = [c.new.register_forward_pre_hook(lambda module, args: ran.add(id(module))) for c in candidates]
+    try:
+        return count(), ran
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def keep_what_saves(model: nn.Module, candidates: Sequence[Candidate], count: Callable[[], int]
-                    ) -> Tuple[List[Tuple[Candidate, int, int]], Optional[Exception]]:
+                    ) -> Tuple[List[PutBack], Optional[Exception]]:
     """Puts back the originals of every group of `candidates` without which `count()` (the model's
-    saved bytes on the example call) is lower. Returns each candidate put back with
-    the bytes counted with its group and without, and the error of a count that failed: the
-    groups not yet decided then stay replaced."""
+    saved bytes on the example call) is lower. A group the call never ran (a branch another batch
+    size takes) counts the same either way; it follows the groups of its classes that ran, put
+    back if they all were, else it stays. Returns what was put back, and the error of a count
+    that failed: the groups not yet decided then stay replaced."""
     groups: Dict[Tuple[str, type, type, str], List[Candidate]] = {}
     for c in candidates:
         if c.revertible():
             groups.setdefault(c.group(), []).append(c)
-    reverted: List[Tuple[Candidate, int, int]] = []
+    put_back: List[PutBack] = []
     if not groups:
-        return reverted, None
+        return put_back, None
     try:
-        current = count()
+        current, ran = _ran([c for members in groups.values() for c in members], count)
     except Exception as e:
-        return reverted, e
+        return put_back, e
     if current == 0:  # the call saves nothing (no gradients anywhere): nothing to decide by
-        return reverted, None
-    for members in groups.values():
+        return put_back, None
+    decided: Dict[Tuple[str, type, type], List[Tuple[str, bool]]] = {}  # classes -> (pattern, put back)
+    idle = []
+    for key, members in groups.items():
+        if not any(id(c.new) in ran for c in members):
+            idle.append((key, members))
+            continue
         for c in members:
             _put(model, c.paths, c.original)
         try:
@@ -127,11 +155,19 @@ def keep_what_saves(model: nn.Module, candidates: Sequence[Candidate], count: Ca
         except Exception as e:
             for c in members:
                 _put(model, c.paths, c.new)
-            return reverted, e
-        if without < current:
-            reverted += [(c, current, without) for c in members]
+            return put_back, e
+        back = without < current
+        decided.setdefault(key[:3], []).append((key[3], back))
+        if back:
+            put_back += [PutBack(c, current, without) for c in members]
             current = without
         else:
             for c in members:
                 _put(model, c.paths, c.new)
-    return reverted, None
+    for key, members in idle:
+        like = decided.get(key[:3], [])
+        if like and all(back for _, back in like):
+            for c in members:
+                _put(model, c.paths, c.original)
+            put_back += [PutBack(c, current, current, like[0][0]) for c in members]
+    return put_back, None

@@ -845,10 +845,15 @@ def _keep_what_saves(model: nn.Module, changes: List[Change], before: Dict[str, 
                                     "counted and the replacements not yet decided stay; pass an example the model can "
                                     "train on (e.g. a batch of two or more for BatchNorm)")]
     under = f" under compress_saved(bits={options['bits']})" if "compress" in recipes else ""
-    why = {c.name: (f"{type(c.original).__name__} kept as it was: the {source} call saves {without} bytes for "
-                    f"backward{under} without {type(c.new).__name__} at {c.pattern}, {with_} with it (recipe "
-                    f"{c.recipe} puts back a replacement that stores more than it saves)")
-           for c, with_, without in reverted}
+    why: Dict[str, str] = {}
+    for b in reverted:
+        c = b.candidate
+        kept = f"{type(c.original).__name__} kept as it was: "
+        why[c.name] = kept + (
+            f"the {source} call saves {b.without_bytes} bytes for backward{under} without {type(c.new).__name__} at "
+            f"{c.pattern}, {b.with_bytes} with it (recipe {c.recipe} puts back a replacement that stores more than it "
+            "saves)" if b.like is None else
+            f"the {source} call did not run {c.pattern}; {type(c.new).__name__} was put back where it ran, at {b.like}")
     return [Change(c.module, "kept", why[c.module]) if c.action == "replaced" and c.module in why else c for c in changes]
 
 
@@ -1017,31 +1022,34 @@ def convert(
         raise TypeError(f"inplace: expected True or False, got {inplace!r}")
     options = _check_overrides(recipes, overrides)
     call = _example_call(example_inputs, example_kwargs)
-    if not inplace:
-        try:
-            original, model = model, copy.deepcopy(model)
-        except Exception as e:  # e.g. old-style weight_norm keeps a non-leaf weight tensor
-            raise RuntimeError(f"model: could not be deep-copied ({type(e).__name__}: {e}); "
-                               "pass inplace=True to convert it in place") from e
-        _stale_optimizer.note_copied(original)  # an optimizer built before would step the original
-    devices = [d.index for d in {p.device for p in model.parameters()} if d.type == "cuda" and d.index is not None]
-    with torch.random.fork_rng(devices=devices):  # probes may draw (a Dropout in training mode)
-        recognised = _recognise_all(model) if ("lowmembp" in recipes or "sampled" in recipes) else {}
-    # One recorded call serves the folds and the sampled layers' roles; it runs on the model as the
-    # caller gave it, before any module is replaced.
-    norms = _norm_names(model, recognised) if "lowmembp" in recipes and options["norms"] else []
-    by_role = "sampled" in recipes and options["layers"] is None
-    # The call also shows which activations no residual add bypasses (_compounding_path).
-    structure = _record(model, call, norms) if call is not None and (norms or by_role or "lowmembp" in recipes) else None
-    roles = _roles(model, recognised, structure) if by_role else None
-    before = dict(model.named_modules(remove_duplicate=False))
-    changes: List[Change] = []
-    chosen = {k for k in ("gelu", "silu") if k in overrides}
-    if "lowmembp" in recipes:
-        changes += _convert_lowmembp(model, options, recognised, call, structure, chosen)
-    if "sampled" in recipes:
-        changes += _convert_sampled(model, options, recognised, roles)
-    if "compress" in recipes:
-        changes += _convert_compress(model, options)
-    changes = _keep_what_saves(model, changes, before, recipes, options, chosen, recognised, call)
-    return model, changes
+    # Under torch.inference_mode the copy's parameters would be inference tensors, which no
+    # training can use (nor convert's count of saved bytes).
+    with torch.inference_mode(False):
+        if not inplace:
+            try:
+                original, model = model, copy.deepcopy(model)
+            except Exception as e:  # e.g. old-style weight_norm keeps a non-leaf weight tensor
+                raise RuntimeError(f"model: could not be deep-copied ({type(e).__name__}: {e}); "
+                                   "pass inplace=True to convert it in place") from e
+            _stale_optimizer.note_copied(original)  # an optimizer built before would step the original
+        devices = [d.index for d in {p.device for p in model.parameters()} if d.type == "cuda" and d.index is not None]
+        with torch.random.fork_rng(devices=devices):  # probes may draw (a Dropout in training mode)
+            recognised = _recognise_all(model) if ("lowmembp" in recipes or "sampled" in recipes) else {}
+        # One recorded call serves the folds and the sampled layers' roles; it runs on the model as the
+        # caller gave it, before any module is replaced.
+        norms = _norm_names(model, recognised) if "lowmembp" in recipes and options["norms"] else []
+        by_role = "sampled" in recipes and options["layers"] is None
+        # The call also shows which activations no residual add bypasses (_compounding_path).
+        structure = _record(model, call, norms) if call is not None and (norms or by_role or "lowmembp" in recipes) else None
+        roles = _roles(model, recognised, structure) if by_role else None
+        before = dict(model.named_modules(remove_duplicate=False))
+        changes: List[Change] = []
+        chosen = {k for k in ("gelu", "silu") if k in overrides}
+        if "lowmembp" in recipes:
+            changes += _convert_lowmembp(model, options, recognised, call, structure, chosen)
+        if "sampled" in recipes:
+            changes += _convert_sampled(model, options, recognised, roles)
+        if "compress" in recipes:
+            changes += _convert_compress(model, options)
+        changes = _keep_what_saves(model, changes, before, recipes, options, chosen, recognised, call)
+        return model, changes
