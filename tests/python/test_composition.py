@@ -253,3 +253,12 @@ def test_a_group_the_example_never_runs_follows_the_groups_of_its_classes_that_r
     assert idle == {n.replace("small", "big") for n in ran}
     large = torch.randn(8, 6, 4)
     assert _count(converted, large) <= _count(abp.convert(model, "compress")[0], large)
+
+
+def test_a_model_already_under_compress_counts_a_later_recipe_there() -> None:
+    model, x = _net(GatedBlock), _example()
+    compressed, _ = abp.convert(model, "compress")
+    _, changes = abp.convert(compressed, "lowmembp", example_inputs=x)
+    _, together = abp.convert(model, ["lowmembp", "compress"], example_inputs=x)
+    assert [(c.module, c.action) for c in changes] == [(c.module, c.action) for c in together if c.module]
+    assert all("under compress_saved(bits=8)" in c.detail for c in changes if c.action == "kept")

@@ -804,13 +804,17 @@ def _convert_compress(model: nn.Module, options: Dict[str, Any]) -> List[Change]
 # ---------------------------------------------------------------------------------------------
 
 
-def _keep_what_saves(model: nn.Module, changes: List[Change], before: Dict[str, nn.Module], recipes: Tuple[str, ...],
+def _keep_what_saves(model: nn.Module, changes: List[Change], before: Dict[str, nn.Module],
                      options: Dict[str, Any], chosen: Set[str], recognised: Dict[int, Any],
                      call: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]) -> List[Change]:
     """Puts back what stores more than it saves (abp._composition), counted on the example call
-    (else the model's dummy_inputs call; with neither, every replacement stays): with recipe
-    compress every replacement abp chose, else recipe sampled's layers found by role. What the
-    caller named (``layers=``, ``gelu=``, ``silu=``) stays."""
+    (else the model's dummy_inputs call; with neither, every replacement stays): where the model
+    runs inside compress_saved (recipe compress, now or from an earlier convert) every
+    replacement abp chose, else recipe sampled's layers found by role. What the caller named
+    (``layers=``, ``gelu=``, ``silu=``) stays."""
+    # The model runs inside compress_saved by this convert or an earlier one.
+    hooks = _compress_hooks_of(model)
+    compressing = hooks is not None
     candidates: List[_composition.Candidate] = []
     for c in changes:
         if c.action != "replaced" or c.module not in before:
@@ -820,7 +824,7 @@ def _keep_what_saves(model: nn.Module, changes: List[Change], before: Dict[str, 
         spec = recognised.get(id(original))
         named = (options["layers"] is not None) if sampled else \
             isinstance(spec, Activation) and ("silu" if spec.kind == "silu" else "gelu") in chosen
-        if named or not (sampled or "compress" in recipes):
+        if named or not (sampled or compressing):
             continue
         paths = tuple(p for p, m in before.items() if m is original)
         candidates.append(_composition.Candidate(c.module, paths, original, new, "sampled" if sampled else "lowmembp"))
@@ -830,7 +834,7 @@ def _keep_what_saves(model: nn.Module, changes: List[Change], before: Dict[str, 
     call = call if explicit else _dummy_call(model)
     names = " and ".join(sorted({c.recipe for c in candidates}))
     if call is None:
-        if "compress" not in recipes:  # recipe sampled alone: its layers were chosen by name
+        if not compressing:  # recipe sampled alone: its layers were chosen by name
             return changes
         return changes + [Change("", "refused", f"recipe {names}: no call to count what each replacement saves on (no "
                                  "example_inputs/example_kwargs, no dummy_inputs): every replacement stays, though some "
@@ -844,7 +848,7 @@ def _keep_what_saves(model: nn.Module, changes: List[Change], before: Dict[str, 
                                     f"failed ({type(error).__name__}: {error}), so what each replacement saves was not "
                                     "counted and the replacements not yet decided stay; pass an example the model can "
                                     "train on (e.g. a batch of two or more for BatchNorm)")]
-    under = f" under compress_saved(bits={options['bits']})" if "compress" in recipes else ""
+    under = f" under compress_saved(bits={hooks.bits})" if hooks is not None else ""
     why: Dict[str, str] = {}
     for b in reverted:
         c = b.candidate
@@ -1051,5 +1055,5 @@ def convert(
             changes += _convert_sampled(model, options, recognised, roles)
         if "compress" in recipes:
             changes += _convert_compress(model, options)
-        changes = _keep_what_saves(model, changes, before, recipes, options, chosen, recognised, call)
+        changes = _keep_what_saves(model, changes, before, options, chosen, recognised, call)
         return model, changes
