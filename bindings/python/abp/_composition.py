@@ -30,7 +30,7 @@ from torch import nn
 
 from . import _scale, _structure, memory
 
-__all__ = ["Candidate", "PutBack", "keep_what_saves", "saved_bytes_of_call"]
+__all__ = ["Candidate", "PutBack", "keep_what_saves", "put", "saved_bytes_of_call"]
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,9 @@ class Candidate:
         return self.recipe, type(self.original), type(self.new), self.pattern
 
 
-def _put(model: nn.Module, paths: Sequence[str], module: nn.Module) -> None:
+def put(model: nn.Module, paths: Sequence[str], module: nn.Module) -> None:
+    """Puts `module` at every path of one module (convert's replacements and their undoing), so a
+    module registered twice is not left half-converted."""
     for path in paths:
         parent_name, _, attr = path.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -70,7 +72,7 @@ def _trainable(value: Any) -> Any:
     its example made there; autograd cannot save such a tensor)."""
     if isinstance(value, torch.Tensor):
         return value.clone() if value.is_inference() else value
-    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+    if type(value) in (list, tuple):
         return type(value)(_trainable(v) for v in value)
     if isinstance(value, dict):
         return {k: _trainable(v) for k, v in value.items()}
@@ -149,12 +151,12 @@ def keep_what_saves(model: nn.Module, candidates: Sequence[Candidate], count: Ca
             idle.append((key, members))
             continue
         for c in members:
-            _put(model, c.paths, c.original)
+            put(model, c.paths, c.original)
         try:
             without = count()
         except Exception as e:
             for c in members:
-                _put(model, c.paths, c.new)
+                put(model, c.paths, c.new)
             return put_back, e
         back = without < current
         decided.setdefault(key[:3], []).append((key[3], back))
@@ -163,11 +165,11 @@ def keep_what_saves(model: nn.Module, candidates: Sequence[Candidate], count: Ca
             current = without
         else:
             for c in members:
-                _put(model, c.paths, c.new)
+                put(model, c.paths, c.new)
     for key, members in idle:
         like = decided.get(key[:3], [])
         if like and all(back for _, back in like):
             for c in members:
-                _put(model, c.paths, c.original)
+                put(model, c.paths, c.original)
             put_back += [PutBack(c, current, current, like[0][0]) for c in members]
     return put_back, None

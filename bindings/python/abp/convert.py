@@ -247,14 +247,6 @@ def _paths(model: nn.Module) -> Dict[int, List[str]]:
     return paths
 
 
-def _replace(model: nn.Module, paths: List[str], new: nn.Module) -> None:
-    """Puts `new` at every path of one module, so a module registered twice is not left half-converted."""
-    for name in paths:
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, new)
-
-
 def _also_at(paths: List[str]) -> str:
     return f" (also registered as {', '.join(f'`{p}`' for p in paths[1:])})" if len(paths) > 1 else ""
 
@@ -403,7 +395,7 @@ def _convert_norm(
         changes = [Change(t, "folded", f"{_fold_into(modules[t], recognised[id(modules[t])], gamma, beta, beta_trainable)} "
                           f"from `{name}`") for t in targets]
         folded = _ms_norm(spec, affine=False, autocast_output=True)
-        _replace(model, paths, folded)
+        _composition.put(model, paths, folded)
         changes.append(Change(name, "replaced", f"{kind} -> {type(folded).__name__} ({label}, eps={spec.eps:g}, affine folded "
                               f"into {', '.join(targets)}){_also_at(paths)}"))
         return changes
@@ -420,7 +412,7 @@ def _convert_norm(
         if spec.bias != "bias":
             renamed.append(f"{spec.bias} -> bias")
     replacement.train(module.training)
-    _replace(model, paths, replacement)
+    _composition.put(model, paths, replacement)
     detail = f"{kind} -> {type(replacement).__name__} ({label}, eps={spec.eps:g}"
     detail += ", affine kept: backward recovers the normalised value from the output)" if gamma is not None or beta is not None else ")"
     if gamma is not None and gamma.device.type == "meta":
@@ -537,7 +529,7 @@ def _convert_activation(model: nn.Module, name: str, module: nn.Module, spec: An
     if _hooks_of(module):
         return [Change(name, "refused", f"{kind} not replaced: it has {_hooks_phrase(module)}")]
     replacement.train(module.training)
-    _replace(model, paths, replacement)
+    _composition.put(model, paths, replacement)
     idle_note = "; it did not run in the example call, so the replacement may change nothing" if idle else ""
     return [Change(name, "replaced",
                    f"{kind} ({spec.kind}) -> {type(replacement).__name__} ({what}){_also_at(paths)}{idle_note}")]
@@ -564,7 +556,7 @@ def _sample_one(model: nn.Module, name: str, module: nn.Module, spec: LinearMap,
     if why is not None:
         return Change(name, "refused", why)
     replacement = abp_nn.SampledLinear.from_linear(module, method=method, keep=keep, transposed=spec.transposed)
-    _replace(model, paths, replacement)
+    _composition.put(model, paths, replacement)
     layout = ", x @ W layout" if spec.transposed else ""
     return Change(name, "replaced", f"{type(module).__name__} -> SampledLinear (method={method!r}, keep={keep}{layout}){_also_at(paths)}")
 
