@@ -102,6 +102,11 @@ def _activation_names(kind: str) -> Tuple[str, ...]:
     return (fixed,) + fewbit
 
 
+def _option_of(spec: Activation) -> str:
+    """The option ("gelu" or "silu") that chooses the replacement of an activation of this kind."""
+    return "silu" if spec.kind == "silu" else "gelu"
+
+
 def _activation_module(kind: str, name: str, approximate: str = "none") -> nn.Module:
     """The abp module for option value `name` ("regelu2", "gelu_b3", ...) on a GELU of form `approximate`."""
     if name == "regelu2":
@@ -512,7 +517,7 @@ def _convert_activation(model: nn.Module, name: str, module: nn.Module, spec: An
         replacement: nn.Module = abp_nn.LeakyReLU(spec.slope)
         what = f"LeakyReLU(negative_slope={spec.slope:g}), exact 1-bit"
     else:
-        family = "silu" if spec.kind == "silu" else "gelu"
+        family = _option_of(spec)
         choice = options[family]
         if choice is None:
             return []
@@ -815,7 +820,7 @@ def _keep_what_saves(model: nn.Module, changes: List[Change], before: Dict[str, 
         sampled = isinstance(new, abp_nn.SampledLinear)
         spec = recognised.get(id(original))
         named = (options["layers"] is not None) if sampled else \
-            isinstance(spec, Activation) and ("silu" if spec.kind == "silu" else "gelu") in chosen
+            isinstance(spec, Activation) and _option_of(spec) in chosen
         if named or not (sampled or compressing):
             continue
         paths = tuple(p for p, m in before.items() if m is original)
@@ -980,7 +985,7 @@ def _convert_lowmembp(
                                      owners, paths[id(module)])
         elif isinstance(spec, (Activation, Unknown)):
             automatic = isinstance(spec, Activation) and spec.kind in ("gelu", "gelu_tanh", "silu") and \
-                ("silu" if spec.kind == "silu" else "gelu") not in chosen
+                _option_of(spec) not in chosen
             chain = _compounding_path(model, name, modules, dataflow, replaceable) if automatic else None
             idle = dataflow is not None and not any(dataflow.calls.get(p) for p in paths[id(module)])
             changes += _convert_activation(model, name, module, spec, options, paths[id(module)], activations_refused, chain,
