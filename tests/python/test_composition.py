@@ -262,3 +262,22 @@ def test_a_model_already_under_compress_counts_a_later_recipe_there() -> None:
     _, together = abp.convert(model, ["lowmembp", "compress"], example_inputs=x)
     assert [(c.module, c.action) for c in changes] == [(c.module, c.action) for c in together if c.module]
     assert all("under compress_saved(bits=8)" in c.detail for c in changes if c.action == "kept")
+
+
+def test_a_narrow_layers_kept_rows_are_coded_when_its_input_would_be() -> None:
+    # A rank-4 layer (a LoRA B) on 512 rows: its input has 2048 elements, over min_numel = 1024,
+    # and is coded; 30 % of its rows (153 x 4 = 612 elements) are under it. The kept rows are
+    # tested on the input's size, as the count (thresholds off) assumed: coded too.
+    torch.manual_seed(0)
+    layer = abp.nn.SampledLinear(4, 8, bias=False, keep=0.3)
+    x = torch.randn(512, 4, requires_grad=True) * 1.0
+    with compress.compress_saved(bits=4) as block:
+        layer(x).sum().backward()
+    kept_rows = int(0.3 * 512) * 4
+    assert block.stats["compressed"] == 1
+    assert block.stats["bytes_compressed"] < kept_rows * 4 / 4  # 4-bit codes and group headers, not fp32
+    # Rows sampled from an input under min_numel stay raw, as that input would.
+    small = torch.randn(200, 4, requires_grad=True) * 1.0
+    with compress.compress_saved(bits=4) as block:
+        layer(small).sum().backward()
+    assert block.stats["compressed"] == 0

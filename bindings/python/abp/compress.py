@@ -410,29 +410,37 @@ DERIVE_ROW_STATISTICS = False
 
 
 # Activations that abp's own autograd Functions computed inside their forward (where grad is
-# off, so they do not require grad): id -> weak reference, dropped with the tensor.
-_ACTIVATIONS: Dict[int, "weakref.ref[torch.Tensor]"] = {}
+# off, so they do not require grad): id -> (weak reference, the elements min_numel is tested on),
+# dropped with the tensor.
+_ACTIVATIONS: Dict[int, Tuple["weakref.ref[torch.Tensor]", int]] = {}
 
 
-def mark_activation(t: torch.Tensor) -> torch.Tensor:
+def mark_activation(t: torch.Tensor, sampled_from: int = 0) -> torch.Tensor:
     """Marks `t`, computed from activations inside an autograd Function's forward (a sampled
     layer's kept rows), as an activation for compress_saved, which otherwise keeps a tensor that
-    requires no grad as a constant of backward. Returns `t`."""
+    requires no grad as a constant of backward. `sampled_from`: the elements of the activation
+    `t` was sampled from; `min_numel` is tested on that size, so that kept rows are coded exactly
+    when the whole input would be (a narrow layer's 30 % of rows may fall under `min_numel` where
+    its input does not: kept raw, they would cost more than the input's codes). Returns `t`."""
     key = id(t)
-    _ACTIVATIONS[key] = weakref.ref(t, lambda _, key=key: _ACTIVATIONS.pop(key, None))
+    _ACTIVATIONS[key] = (weakref.ref(t, lambda _, key=key: _ACTIVATIONS.pop(key, None)), max(t.numel(), sampled_from))
     return t
 
 
-def _marked_activation(t: torch.Tensor) -> bool:
-    ref = _ACTIVATIONS.get(id(t))
-    return ref is not None and ref() is t
+def _marked_numel(t: torch.Tensor) -> Optional[int]:
+    """The elements `min_numel` is tested on for a tensor mark_activation marked; None if unmarked."""
+    entry = _ACTIVATIONS.get(id(t))
+    return entry[1] if entry is not None and entry[0]() is t else None
 
 
 def _compressible(t: torch.Tensor, min_numel: int, row_statistics: bool = False) -> bool:
     """`eligible` without the parameter test (which compress_saved makes first, once)."""
     # abp.convert's count of an example call leaves no small tensor raw (abp._scale).
     smallest = max(min_numel, 1) if _scale.apply() else 1
-    if t.layout != torch.strided or t.device.type not in ("cpu", "cuda") or t.numel() < smallest:
+    if t.layout != torch.strided or t.device.type not in ("cpu", "cuda") or t.numel() < 1:
+        return False
+    marked = _marked_numel(t) if _ACTIVATIONS else None
+    if (t.numel() if marked is None else marked) < smallest:
         return False
     if t.dtype == torch.bool:
         return True
@@ -441,7 +449,7 @@ def _compressible(t: torch.Tensor, min_numel: int, row_statistics: bool = False)
     # holds it anyway, and it may hold values group codes cannot carry (a mask's -inf decodes to
     # NaN). As GACT does, only tensors that require grad are compressed, and what abp's own
     # Functions mark as activations (mark_activation).
-    if not t.requires_grad and not (_ACTIVATIONS and _marked_activation(t)):
+    if not t.requires_grad and marked is None:
         return False
     return t.dtype in _FLOAT_DTYPES and (row_statistics or not row_statistic_shape(t.shape))
 
@@ -878,7 +886,7 @@ class compress_saved:
             return t  # kept by its module anyway: neither compressed nor counted in stats
         self._count_saved(t)
         wanted = _compressible(t, self.min_numel) and (self.filter is None or bool(self.filter(t)))
-        if not wanted and not t.requires_grad and t.dtype in _FLOAT_DTYPES:
+        if not wanted and not t.requires_grad and t.dtype in _FLOAT_DTYPES and _marked_numel(t) is None:
             self._constant_bytes += t.numel() * t.element_size()
         if wanted and t.dtype == torch.bool:
             return self._count_compressed(_pack_mask(t))

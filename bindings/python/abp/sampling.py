@@ -132,12 +132,13 @@ class _SampledLinear(torch.autograd.Function):
             # ("No grad accumulator for a saved leaf").
             saved = [t.detach() for t in saved]
             # The kept rows (or the sketch, or x) are an activation's values, computed here with grad
-            # off: compress_saved may code them. An input that requires no grad (the batch) is
-            # a constant of backward, kept as it is.
+            # off: compress_saved may code them, when it would code x itself (its min_numel is
+            # tested on x's size). An input that requires no grad (the batch) is a constant of
+            # backward, kept as it is.
             if x.requires_grad:
                 for t in saved:
                     if t.is_floating_point():
-                        mark_activation(t)
+                        mark_activation(t, sampled_from=x.numel())
         ctx.save_for_backward(weight, *saved)
         return y
 
