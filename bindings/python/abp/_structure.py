@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Event", "Structure", "Use", "record", "untouched"]
+__all__ = ["Event", "Structure", "Use", "own_rng", "record", "untouched"]
 
 # Tensor methods and properties that read metadata only.
 _METADATA = {"size", "dim", "numel", "stride", "is_floating_point", "is_contiguous", "data_ptr",
@@ -123,15 +123,21 @@ class _Recorder(TorchFunctionMode):
         return result
 
 
+def own_rng(model: nn.Module) -> "contextlib.AbstractContextManager[None]":
+    """torch.random.fork_rng over the CPU and the CUDA devices `model`'s parameters are on: what
+    its body draws leaves the caller's random streams as they were."""
+    devices = [d.index for d in {p.device for p in model.parameters()} if d.type == "cuda" and d.index is not None]
+    return torch.random.fork_rng(devices=devices)
+
+
 @contextlib.contextmanager
 def untouched(model: nn.Module) -> Iterator[None]:
-    """Runs its body with the RNG state forked (CPU and the model's CUDA devices) and puts back
-    every buffer of `model` afterwards (a call may update BatchNorm's running statistics): a call
-    of the model inside it leaves no trace on the model or on the caller's random streams."""
-    devices = [d.index for d in {p.device for p in model.parameters()} if d.type == "cuda" and d.index is not None]
+    """Runs its body with the RNG state forked (own_rng) and puts back every buffer of `model`
+    afterwards (a call may update BatchNorm's running statistics): a call of the model inside it
+    leaves no trace on the model or on the caller's random streams."""
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     try:
-        with torch.random.fork_rng(devices=devices):
+        with own_rng(model):
             yield
     finally:
         with torch.no_grad():

@@ -1033,8 +1033,7 @@ def convert(
                 raise RuntimeError(f"model: could not be deep-copied ({type(e).__name__}: {e}); "
                                    "pass inplace=True to convert it in place") from e
             _stale_optimizer.note_copied(original)  # an optimizer built before would step the original
-        devices = [d.index for d in {p.device for p in model.parameters()} if d.type == "cuda" and d.index is not None]
-        with torch.random.fork_rng(devices=devices):  # probes may draw (a Dropout in training mode)
+        with _structure.own_rng(model):  # probes may draw (a Dropout in training mode)
             recognised = _recognise_all(model) if ("lowmembp" in recipes or "sampled" in recipes) else {}
         # One recorded call serves the folds and the sampled layers' roles; it runs on the model as the
         # caller gave it, before any module is replaced.
