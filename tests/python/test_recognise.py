@@ -95,9 +95,9 @@ class ScaleShift(nn.Module):
 
 
 class LayerScale(nn.Module):
-    def __init__(self, d: int) -> None:
+    def __init__(self, d: int, init: float = 1e-5) -> None:
         super().__init__()
-        self.gamma = nn.Parameter(torch.full((d,), 1e-5))
+        self.gamma = nn.Parameter(torch.full((d,), init))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.gamma
@@ -200,10 +200,48 @@ def test_eps_is_estimated_when_no_attribute_holds_it():
     assert isinstance(found, Norm) and found.bias is None and found.eps == pytest.approx(1e-5, rel=1e-3)
 
 
-@pytest.mark.parametrize("module", [ScaleShift(16), LayerScale(16)], ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("module", [ScaleShift(16), LayerScale(16), LayerScale(16, 1e-6)],
+                         ids=["ScaleShift", "LayerScale", "LayerScale-1e-6"])
 def test_a_one_dimensional_parameter_is_not_enough_for_a_norm(module):
+    # A LayerScale at DeiT-III's 1e-6 scales x and 10x to outputs within any absolute tolerance
+    # of each other: it is not a normalisation (and no line in convert's report says it is).
     assert not isinstance(recognise(module), Norm)
     assert recognise(module) is None
+
+
+class Rotary(nn.Module):
+    """A rotary embedding's shape: forward needs the positions besides its input."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d), persistent=False)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return (position_ids[..., None].float() * self.inv_freq).cos().to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm with an optional gate (Mamba2's MambaRMSNormGated): with gate=None it is RMSNorm."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor = None) -> torch.Tensor:  # type: ignore[assignment]
+        if gate is not None:
+            x = x * F.silu(gate)
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def test_a_module_that_needs_more_than_its_input_computes_nothing_abp_knows():
+    assert recognise(Rotary(8)) is None  # no "refused" line for every rotary embedding
+
+
+def test_a_module_that_computes_a_known_function_alone_but_takes_more_says_what_it_computes():
+    found = recognise(GatedRMSNorm(8))
+    assert isinstance(found, Unknown)
+    assert found.reason == ("with its input alone it computes RMSNorm, but its forward takes `gate` besides its input, "
+                            "which abp's replacement would not take")
 
 
 def test_a_normalisation_abp_cannot_replace_is_unknown_with_the_reason():

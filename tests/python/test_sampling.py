@@ -396,8 +396,11 @@ def test_lower_precision_and_autocast(dtype: torch.dtype) -> None:
 
 def test_bad_arguments_raise_clear_errors() -> None:
     x, w, b = torch.randn(5, 4), torch.randn(3, 4), torch.randn(3)
-    for keep in (0, 1.5, -0.1, True, "0.3"):
-        with pytest.raises(ValueError, match=r"keep must be in \(0, 1\]"):
+    for keep in (0, 1.5, -0.1, float("nan")):
+        with pytest.raises(ValueError, match=r"keep: expected a float in \(0, 1\], got"):
+            sampling.sampled_linear(x, w, b, keep=keep)
+    for keep in (True, "0.3", None, [0.3]):
+        with pytest.raises(TypeError, match=r"keep: expected a float in \(0, 1\], got (bool|str|NoneType|list)"):
             sampling.sampled_linear(x, w, b, keep=keep)
     with pytest.raises(ValueError, match="method: expected one of wtacrs, crs, uniform, gaussian, rademacher, got 'dct'"):
         sampling.sampled_linear(x, w, b, method="dct")
@@ -429,7 +432,7 @@ def test_sampled_linear_module() -> None:
     layer.eval()
     got, _ = _saved_bytes(lambda: layer(x), (base.weight, base.bias))
     assert got == 3 * 20 * 8 * 4  # eval mode: a plain Linear (saves its input)
-    with pytest.raises(ValueError, match=r"keep must be in \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"keep: expected a float in \(0, 1\]"):
         abp.nn.SampledLinear(8, 5, keep=0.0)
     with pytest.raises(TypeError, match="linear: expected a torch.nn.Linear \\(or a module with a 2-D weight Parameter\\), got Conv1d"):
         abp.nn.SampledLinear.from_linear(torch.nn.Conv1d(2, 2, 1))
@@ -564,7 +567,7 @@ def test_convert_sampled_options_and_refusals() -> None:
     assert [c.module for c in refused] == ["0.SelfAttention.o"] and "forward hooks" in refused[0].detail
     with pytest.raises(TypeError, match="unknown override\\(s\\) gelu for recipe\\(s\\) sampled; valid keywords are method, keep, layers"):
         abp.convert(model, recipe="sampled", gelu="regelu2")
-    with pytest.raises(ValueError, match=r"keep must be in \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"keep: expected a float in \(0, 1\]"):
         abp.convert(model, recipe="sampled", keep=2)
     with pytest.raises(TypeError, match="layers: expected a sequence of fnmatch patterns"):
         abp.convert(model, recipe="sampled", layers="*.o")

@@ -640,7 +640,7 @@ def test_keep_count() -> None:
     assert S.keep_count(64, 0.25, minimum=0) == 16
     assert S.keep_count(3, 0.5, minimum=0) == 1
     for keep in (0.0, -0.1, 1.5, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match=r"keep must be in \(0, 1\], got"):
+        with pytest.raises(ValueError, match=r"keep: expected a float in \(0, 1\], got"):
             S.keep_count(100, keep)
     with pytest.raises(ValueError, match="n: expected an int >= 0"):
         S.keep_count(-1, 0.3)

@@ -322,7 +322,12 @@ def _normalises(module: nn.Module) -> bool:
     for shape in ((6, c), (2, c, 3, 3)):
         x = torch.randn(shape, generator=g, dtype=torch.float64) + 0.3
         y, y10 = _run(probe, x), _run(probe, 10 * x)
-        if y is not None and y10 is not None and y.shape == x.shape and _close(y10, y, 1e-4) and not _close(y, x, 1e-6):
+        if y is None or y10 is None or y.shape != x.shape:
+            continue
+        # Compared at the output's own scale: a LayerScale initialised at 1e-5 gives outputs
+        # within any absolute tolerance of each other, and scales them by 10 all the same.
+        scale = float(y.abs().max())
+        if scale > 0 and _close(y10 / scale, y / scale, 1e-4) and not _close(y, x, 1e-6):
             return True
     return False
 
@@ -359,12 +364,27 @@ def recognise(module: nn.Module) -> Optional[Recognised]:
     the random state (a module may draw, e.g. Dropout)."""
     if not is_leaf(module):
         return None
+    found = _recognise_leaf(module)
     extra = _other_arguments(module)
-    if extra:
-        # Probed with its input alone it may compute a known function (a gated norm with gate=None),
-        # but the model may pass the others, which a replacement taking one input would refuse or drop.
-        return Unknown(f"its forward takes {', '.join(f'`{n}`' for n in extra)} besides its input, which abp's "
-                       "replacement would not take")
+    if not extra or found is None or isinstance(found, Unknown):
+        return found
+    # Probed with its input alone it computes a known function (a gated norm with gate=None), but
+    # the model may pass the others, which a replacement taking one input would refuse or drop. A
+    # module that needs the others (a rotary embedding's positions) computes nothing alone: None.
+    return Unknown(f"with its input alone it computes {_describe(found)}, but its forward takes "
+                   f"{', '.join(f'`{n}`' for n in extra)} besides its input, which abp's replacement would not take")
+
+
+def _describe(found: Recognised) -> str:
+    if isinstance(found, Activation):
+        return {"gelu": "GELU", "gelu_tanh": "GELU (tanh form)", "silu": "SiLU", "relu": "ReLU"}.get(found.kind, "LeakyReLU")
+    if isinstance(found, Norm):
+        return "LayerNorm" if found.kind == "layer" else "RMSNorm"
+    return "a linear map"
+
+
+def _recognise_leaf(module: nn.Module) -> Optional[Recognised]:
+    """recognise's probes of a leaf, called with its input alone."""
     params = dict(module.named_parameters(recurse=False))
     if type(module) is nn.Linear and "forward" not in vars(module):
         # torch's own Linear runs F.linear(x, weight, bias): nothing to probe (and no weight to copy).

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -283,9 +283,18 @@ def keep_count(n: int, keep: float, minimum: int = 10) -> int:
     """
     _check_count("n", n)
     _check_count("minimum", minimum)
-    if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0.0 < keep <= 1.0:
-        raise ValueError(f"keep must be in (0, 1], got {keep!r}")
+    keep = check_keep(keep)
     return min(max(math.floor(n * keep), minimum), n)
+
+
+def check_keep(keep: Any) -> float:
+    """`keep` as a float, if it is a number in (0, 1]: TypeError for another type, ValueError
+    for a number outside (NaN included)."""
+    if isinstance(keep, bool) or not isinstance(keep, (int, float)):
+        raise TypeError(f"keep: expected a float in (0, 1], got {type(keep).__name__} {keep!r}")
+    if not 0.0 < float(keep) <= 1.0:
+        raise ValueError(f"keep: expected a float in (0, 1], got {keep!r}")
+    return float(keep)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -172,6 +172,9 @@ def _check_overrides(recipes: Tuple[str, ...], overrides: Dict[str, Any]) -> Dic
                 options[kind] = None
                 continue
             allowed = _activation_names(kind)
+            if not isinstance(value, str):
+                raise TypeError(f"{kind}: expected one of {', '.join(allowed)} (a str) or None (off), got "
+                                f"{type(value).__name__} {value!r}")
             if value not in allowed:
                 raise ValueError(f"{kind}: expected one of {', '.join(allowed)} or None (off), got {value!r}")
     return options

@@ -55,10 +55,7 @@ def check_method(method: Any) -> str:
     return method
 
 
-def check_keep(keep: Any) -> float:
-    if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0.0 < float(keep) <= 1.0:
-        raise ValueError(f"keep must be in (0, 1], got {keep!r}")
-    return float(keep)
+check_keep = selection.check_keep
 
 
 def plan_rows(x: torch.Tensor, k: int, method: str, seed: int, offset: int = 0,
