@@ -1669,6 +1669,11 @@ def test_recipe_lists_and_all():
         ({"recipe": "fewbit"}, ValueError, "recipe: expected one of lowmembp, sampled, compress or 'all', got 'fewbit'"),
         ({"recipe": ["lowmembp", "nope"]}, ValueError, "recipe: expected one of .* got 'nope'$"),
         ({"recipe": "lowmemBP"}, ValueError, "got 'lowmemBP'; did you mean 'lowmembp'\\?"),
+        # The methods' own names say which recipe (or tool) is each.
+        ({"recipe": "fewbit"}, ValueError, "got 'fewbit'; FewBit's k-bit .* recipe='lowmembp' with gelu='gelu_b3', silu='silu_b3'"),
+        ({"recipe": "WTA-CRS"}, ValueError, "WTA-CRS is recipe='sampled'"),
+        ({"recipe": ["lowmembp", "GACT"]}, ValueError, "GACT's compressed saved tensors are recipe='compress'"),
+        ({"recipe": "vcas"}, ValueError, "VCAS is not a convert recipe: build abp.vcas.Controller"),
         ({"recipe": "sampeld"}, ValueError, "got 'sampeld'; did you mean 'sampled'\\?"),
         ({"recipe": []}, TypeError, "recipe: expected a recipe name or a list of them, got \\[\\]"),
         ({"recipe": 3}, TypeError, "recipe: expected a recipe name or a list of them, got 3"),

@@ -120,6 +120,29 @@ def _activation_module(kind: str, name: str, approximate: str = "none") -> nn.Mo
     return abp_nn.SiLU(bits=bits, weight=weight)
 
 
+#: The methods' own names (their papers' and libraries'), normalised (lower case, letters and
+#: digits only), and how to ask abp for each: an unknown recipe that names one is told.
+_METHOD_NAMES: Dict[str, str] = {
+    "fewbit": "FewBit's k-bit activation derivatives are recipe='lowmembp' with gelu='gelu_b3', silu='silu_b3' "
+              "(norms=False for the activations alone)",
+    "lowmemorybp": "LowMemoryBP (ReGELU2, ReSiLU2, memory-sharing norms) is recipe='lowmembp'",
+    "regelu2": "ReGELU2 and ReSiLU2 are recipe='lowmembp'",
+    "resilu2": "ReGELU2 and ReSiLU2 are recipe='lowmembp'",
+    "gact": "GACT's compressed saved tensors are recipe='compress' (or abp.CompressionController for adaptive bits)",
+    "actnn": "ActNN's compressed saved tensors are recipe='compress' (or abp.CompressionController for adaptive bits)",
+    "wtacrs": "WTA-CRS is recipe='sampled' (method='wtacrs', keep=0.3)",
+    "crs": "column-row sampling is recipe='sampled' with method='crs'",
+    "randomizedlinear": "RandomizedLinear is recipe='sampled' with method='gaussian' or 'rademacher'",
+    "vcas": "VCAS is not a convert recipe: build abp.vcas.Controller(model, ...) on the model",
+}
+
+
+def _method_hint(name: str) -> str:
+    key = "".join(ch for ch in name.lower() if ch.isalnum())
+    hint = _METHOD_NAMES.get(key)
+    return f"; {hint}" if hint else ""
+
+
 def _recipes(recipe: Union[str, Sequence[str]]) -> Tuple[str, ...]:
     names = [recipe] if isinstance(recipe, str) else recipe
     if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) for n in names):
@@ -130,8 +153,9 @@ def _recipes(recipe: Union[str, Sequence[str]]) -> Tuple[str, ...]:
         for e in expanded:
             if e not in RECIPES:
                 near = difflib.get_close_matches(n.lower(), (*RECIPES, "all"), n=1)
+                hint = _method_hint(n)
                 raise ValueError(f"recipe: expected one of {', '.join(RECIPES)} or 'all', got {n!r}"
-                                 + (f"; did you mean {near[0]!r}?" if near else ""))
+                                 + (hint or (f"; did you mean {near[0]!r}?" if near else "")))
             if e not in out:
                 out.append(e)
     return tuple(r for r in RECIPES if r in out)
