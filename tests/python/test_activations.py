@@ -291,3 +291,53 @@ def test_softshrink_refuses_a_negative_lambda_as_torch_does(lambd):
         abp.functional.softshrink(torch.randn(4), lambd)
     with pytest.raises(ValueError, match="lambd: expected a value >= 0"):
         abp.nn.Softshrink(lambd)
+
+
+# In-place: abp's activations honour inplace=True as torch's do. (module, torch module, args, exact
+# derivative): the piecewise ones' 1-bit derivative is torch's, so their gradients must be too.
+_IN_PLACE = [
+    (abp.nn.ReLU, torch.nn.ReLU, (), True),
+    (abp.nn.ReLU6, torch.nn.ReLU6, (), True),
+    (abp.nn.Hardsigmoid, torch.nn.Hardsigmoid, (), True),
+    (abp.nn.LeakyReLU, torch.nn.LeakyReLU, (0.2,), True),
+    (abp.nn.Threshold, torch.nn.Threshold, (0.1, -1.0), True),
+    (abp.nn.Hardtanh, torch.nn.Hardtanh, (), True),
+    (abp.nn.ReSiLU2, torch.nn.SiLU, (), False),
+    (abp.nn.SiLU, torch.nn.SiLU, (), False),
+    (abp.nn.CELU, torch.nn.CELU, (), False),
+    (abp.nn.ELU, torch.nn.ELU, (), False),
+    (abp.nn.Hardswish, torch.nn.Hardswish, (), False),
+    (abp.nn.Mish, torch.nn.Mish, (), False),
+    (abp.nn.SELU, torch.nn.SELU, (), False),
+]
+
+
+@pytest.mark.parametrize("mine, theirs, args, exact", _IN_PLACE, ids=lambda v: getattr(v, "__name__", None))
+def test_inplace_writes_the_input_as_torchs_module_does(mine, theirs, args, exact) -> None:
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0), requires_grad=True)
+
+    def run(act: torch.nn.Module) -> Tuple[torch.Tensor, torch.Tensor]:
+        h = x * 2.0  # not a leaf: an in-place op may write it
+        y = act(h)
+        assert y is h  # returned as torch's in-place modules return it: the input, written
+        return y + h, torch.autograd.grad((y + h).sum(), x)[0]
+
+    out, grad = run(mine(*args, inplace=True))
+    want, want_grad = run(theirs(*args, inplace=True))
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    if exact:
+        torch.testing.assert_close(grad, want_grad, rtol=0, atol=0)
+    assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+    assert mine(*args).inplace is False  # the default writes nothing
+
+
+def test_inplace_functions_and_their_errors() -> None:
+    h = torch.tensor([-1.0, 2.0])
+    assert abp.functional.leaky_relu(h, 0.5, inplace=True) is h and h.tolist() == [-0.5, 2.0]
+    leaf = torch.tensor([-1.0, 2.0], requires_grad=True)
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):  # as torch's in-place ops
+        abp.nn.ReLU(inplace=True)(leaf)
+    with pytest.raises(TypeError, match="inplace: expected True or False, got 1"):
+        abp.nn.SiLU(inplace=1)
+    with pytest.raises(TypeError, match="inplace: expected True or False, got 'yes'"):
+        abp.functional.relu(h, inplace="yes")

@@ -248,7 +248,7 @@ def test_gelu_tanh_modules_and_functions_pick_the_tanh_tables(bits, weight):
     "make,borders,levels,torch_module",
     [
         (lambda: abp.nn.ReLU(), [0.0], [0.0, 1.0], torch.nn.ReLU()),
-        (lambda: abp.nn.ReLU6(inplace=True), [0.0, 6.0], [0.0, 1.0], torch.nn.ReLU6()),
+        (lambda: abp.nn.ReLU6(), [0.0, 6.0], [0.0, 1.0], torch.nn.ReLU6()),
         (lambda: abp.nn.Hardsigmoid(), [-3.0, 3.0], [0.0, 1.0 / 6.0], torch.nn.Hardsigmoid()),
         (lambda: abp.nn.LeakyReLU(0.2), [0.0], [0.2, 1.0], torch.nn.LeakyReLU(0.2)),
         (lambda: abp.nn.Threshold(0.5, -1.0), [0.5], [0.0, 1.0], torch.nn.Threshold(0.5, -1.0)),
@@ -273,14 +273,19 @@ def test_piecewise_modules_match_torch_and_document_their_bit(make, borders, lev
     assert repr(module).startswith(type(module).__name__ + "(")
 
 
-def test_inplace_is_accepted_and_never_writes_the_input():
+def test_inplace_writes_the_input_and_the_default_does_not():
     x = torch.randn(100)
     before = x.clone()
-    for module in (abp.nn.ReLU(inplace=True), abp.nn.SiLU(True), abp.nn.ELU(1.0, True), abp.nn.Hardswish(inplace=True)):
+    for module in (abp.nn.ReLU(), abp.nn.SiLU(), abp.nn.ELU(1.0), abp.nn.Hardswish()):
         y = module(x)
         assert torch.equal(x, before) and y.data_ptr() != x.data_ptr()
+    for module, ref in ((abp.nn.ReLU(inplace=True), F.relu), (abp.nn.ELU(1.0, True), F.elu),
+                        (abp.nn.Hardswish(inplace=True), F.hardswish)):
+        x = before.clone()
+        assert module(x) is x and torch.allclose(x, ref(before), rtol=1e-6, atol=1e-7)
+    x = before.clone()
     y = abp.functional.leaky_relu(x, 0.1, inplace=True)
-    assert torch.equal(x, before) and torch.equal(y, F.leaky_relu(before, 0.1))
+    assert y is x and torch.equal(y, F.leaky_relu(before, 0.1))
 
 
 def test_modules_have_no_state_and_load_a_torch_state_dict():

@@ -2083,3 +2083,27 @@ def test_torchscript_refusals_name_what_to_use_and_a_compress_model_traces_as_it
         traced = torch.jit.trace(converted, x)
     assert abp.compress.open_block() is None
     torch.testing.assert_close(traced(x), model(x))
+
+
+class ReadsTheInputAgain(nn.Module):
+    """An in-place activation whose input the model reads after it (`y = act(h); y + h`)."""
+
+    def __init__(self, act: nn.Module) -> None:
+        super().__init__()
+        self.fc, self.act = nn.Linear(8, 8), act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        y = self.act(h)
+        return y + h
+
+
+@pytest.mark.parametrize("act", [nn.LeakyReLU(0.2, inplace=True), nn.SiLU(inplace=True)], ids=["LeakyReLU", "SiLU"])
+def test_an_in_place_activation_stays_in_place(act):
+    torch.manual_seed(0)
+    model, x = ReadsTheInputAgain(act), torch.randn(4, 8)
+    converted, changes = abp.convert(model, "lowmembp", example_inputs=(x,), leaky_relu=True)
+    assert by_action(changes, "replaced").keys() == {"act"} and converted.act.inplace is True
+    torch.testing.assert_close(converted(x), model(x), rtol=1e-6, atol=1e-6)
+    converted(x).sum().backward()  # the write is recorded: backward runs
+    assert torch.isfinite(converted.fc.weight.grad).all()

@@ -561,6 +561,8 @@ def _convert_activation(model: nn.Module, name: str, module: nn.Module, spec: An
     if _hooks_of(module):
         return [Change(name, "refused", f"{kind} not replaced: it has {_hooks_phrase(module)}")]
     replacement.train(module.training)
+    # An in-place original writes its input, which the model may read again (`y = act(h); y + h`).
+    replacement.inplace = getattr(module, "inplace", False) is True
     _composition.put(model, paths, replacement)
     idle_note = "; it did not run in the example call, so the replacement may change nothing" if idle else ""
     return [Change(name, "replaced",

@@ -14,8 +14,9 @@ packed codes for the backward (docs/algorithms.md §2, §4):
 - Piecewise-linear activations (``relu``, ``relu6``, ``hardsigmoid``, ``leaky_relu``, ``threshold``,
   ``hardtanh``, ``hardshrink``, ``softshrink``): their exact derivative in 1 bit per element.
 
-``inplace=`` is accepted for signature compatibility with torch and ignored: abp never writes its
-input (the forward reads x once to produce both y and the codes, and x may have other users).
+``inplace=True`` writes the result into the input and returns the input, as torch's functions do
+(the codes are taken from the input before it is written; an input that is a leaf requiring grad
+raises, as torch's in-place ops do).
 
 Memory-sharing norms (docs/algorithms.md §5): ``ms_layer_norm`` and ``ms_rms_norm`` normalize over the
 trailing ``normalized_shape`` dimensions without affine parameters and save only their own output
@@ -65,6 +66,8 @@ __all__ = [
     "ms_rms_norm",
     "check_normalized_shape",
     "check_eps",
+    "check_inplace",
+    "in_place",
 ]
 
 #: FewBit continuous activations: operators ``<name>_b<bits>`` and ``<name>_b<bits>_uniform``.
@@ -124,6 +127,18 @@ def fewbit_operator(activation: str, bits: int, weight: str = "normal") -> str:
     if weight not in _WEIGHTS:
         raise ValueError(f"weight: expected 'normal' or 'uniform' (the table's fitting weight), got {weight!r}")
     return f"{activation}_b{bits}" + ("_uniform" if weight == "uniform" else "")
+
+
+def check_inplace(inplace: Any) -> bool:
+    if not isinstance(inplace, bool):
+        raise TypeError(f"inplace: expected True or False, got {inplace!r}")
+    return inplace
+
+
+def in_place(input: Tensor, output: Tensor, inplace: bool) -> Tensor:
+    """`output`, or with `inplace` the input with `output` written into it (torch's in-place
+    semantics: a caller reading the input afterwards sees the result; autograd records the write)."""
+    return input.copy_(output) if inplace else output
 
 
 def apply(
@@ -257,24 +272,28 @@ def gelu(input: Tensor, approximate: str = "none", *, bits: int = 3, weight: str
 
 def silu(input: Tensor, inplace: bool = False, *, bits: int = 3, weight: str = "normal") -> Tensor:
     """SiLU; FewBit ``bits``-bit backward."""
-    return apply(fewbit_operator("silu", bits, weight), input)
+    output = apply(fewbit_operator("silu", bits, weight), input)
+    return in_place(input, output, check_inplace(inplace))
 
 
 def celu(input: Tensor, alpha: float = 1.0, inplace: bool = False, *, bits: int = 3, weight: str = "normal") -> Tensor:
     """CELU with alpha=1 (the tables' parameter); FewBit ``bits``-bit backward."""
     _require_default("celu", "alpha", alpha, 1.0)
-    return apply(fewbit_operator("celu", bits, weight), input)
+    output = apply(fewbit_operator("celu", bits, weight), input)
+    return in_place(input, output, check_inplace(inplace))
 
 
 def elu(input: Tensor, alpha: float = 1.0, inplace: bool = False, *, bits: int = 3, weight: str = "normal") -> Tensor:
     """ELU with alpha=1 (the tables' parameter); FewBit ``bits``-bit backward."""
     _require_default("elu", "alpha", alpha, 1.0)
-    return apply(fewbit_operator("elu", bits, weight), input)
+    output = apply(fewbit_operator("elu", bits, weight), input)
+    return in_place(input, output, check_inplace(inplace))
 
 
 def hardswish(input: Tensor, inplace: bool = False, *, bits: int = 3, weight: str = "normal") -> Tensor:
     """Hardswish; FewBit ``bits``-bit backward."""
-    return apply(fewbit_operator("hardswish", bits, weight), input)
+    output = apply(fewbit_operator("hardswish", bits, weight), input)
+    return in_place(input, output, check_inplace(inplace))
 
 
 def logsigmoid(input: Tensor, *, bits: int = 3, weight: str = "normal") -> Tensor:
@@ -284,12 +303,14 @@ def logsigmoid(input: Tensor, *, bits: int = 3, weight: str = "normal") -> Tenso
 
 def mish(input: Tensor, inplace: bool = False, *, bits: int = 3, weight: str = "normal") -> Tensor:
     """Mish; FewBit ``bits``-bit backward."""
-    return apply(fewbit_operator("mish", bits, weight), input)
+    output = apply(fewbit_operator("mish", bits, weight), input)
+    return in_place(input, output, check_inplace(inplace))
 
 
 def selu(input: Tensor, inplace: bool = False, *, bits: int = 3, weight: str = "normal") -> Tensor:
     """SELU; FewBit ``bits``-bit backward."""
-    return apply(fewbit_operator("selu", bits, weight), input)
+    output = apply(fewbit_operator("selu", bits, weight), input)
+    return in_place(input, output, check_inplace(inplace))
 
 
 def sigmoid(input: Tensor, *, bits: int = 3, weight: str = "normal") -> Tensor:
@@ -323,29 +344,34 @@ def tanhshrink(input: Tensor, *, bits: int = 3, weight: str = "normal") -> Tenso
 
 def relu(input: Tensor, inplace: bool = False) -> Tensor:
     """ReLU; exact backward from 1-bit codes."""
-    return apply("relu", input)
+    output = apply("relu", input)
+    return in_place(input, output, check_inplace(inplace))
 
 
 def relu6(input: Tensor, inplace: bool = False) -> Tensor:
     """ReLU6; exact backward from 1-bit codes."""
-    return apply("relu6", input)
+    output = apply("relu6", input)
+    return in_place(input, output, check_inplace(inplace))
 
 
 def hardsigmoid(input: Tensor, inplace: bool = False) -> Tensor:
     """Hardsigmoid; exact backward from 1-bit codes."""
-    return apply("hardsigmoid", input)
+    output = apply("hardsigmoid", input)
+    return in_place(input, output, check_inplace(inplace))
 
 
 def leaky_relu(input: Tensor, negative_slope: float = 0.01, inplace: bool = False) -> Tensor:
     """LeakyReLU; exact backward from 1-bit codes (the slope is saved as one scalar)."""
-    return apply("leaky_relu", input, (_launch.check_param("negative_slope", negative_slope),))
+    output = apply("leaky_relu", input, (_launch.check_param("negative_slope", negative_slope),))
+    return in_place(input, output, check_inplace(inplace))
 
 
 def threshold(input: Tensor, threshold: float, value: float, inplace: bool = False) -> Tensor:
     """Threshold (y = x if x > threshold else value); exact backward from 1-bit codes."""
-    return apply(
+    output = apply(
         "threshold", input, (_launch.check_param("threshold", threshold), _launch.check_param("value", value))
     )
+    return in_place(input, output, check_inplace(inplace))
 
 
 def hardtanh(input: Tensor, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False) -> Tensor:
@@ -354,7 +380,8 @@ def hardtanh(input: Tensor, min_val: float = -1.0, max_val: float = 1.0, inplace
     hi = _launch.check_param("max_val", max_val)
     if lo > hi:
         raise ValueError(f"min_val: expected min_val <= max_val, got min_val={min_val!r} > max_val={max_val!r}")
-    return apply("hardtanh", input, (lo, hi))
+    output = apply("hardtanh", input, (lo, hi))
+    return in_place(input, output, check_inplace(inplace))
 
 
 def hardshrink(input: Tensor, lambd: float = 0.5) -> Tensor:

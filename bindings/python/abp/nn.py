@@ -8,7 +8,9 @@ Each module runs one manifest operator (``.operator``) and exposes the derivativ
   breakpoints that define it and ``.levels`` are ``[derivative where the bit is 0, where it is 1]``;
   see each class for the bit.
 
-``inplace=`` is accepted like torch's modules and ignored: abp never writes its input.
+``inplace=True`` writes the result into the input, as torch's modules do (the codes backward
+keeps are taken from the input before it is written), so a model that reads the input after the
+call sees what it saw with torch's module.
 """
 from __future__ import annotations
 
@@ -73,11 +75,15 @@ class AbpActivation(NotScriptable, torch.nn.Module):
     def _record(self) -> Operator:
         return _lib.kernel_library().operator(self.operator)
 
+    #: Write the result into the input, as torch's ``inplace=True`` activations do.
+    inplace: bool = False
+
     def forward(self, input: Tensor) -> Tensor:
         try:
-            return functional.apply(self.operator, input, self.params)
+            output = functional.apply(self.operator, input, self.params)
         except TypeError as e:  # a wrong dtype or type: say which module of the user's model it is
             raise TypeError(f"{type(self).__name__} ({self.operator}): {e}") from e
+        return functional.in_place(input, output, self.inplace)
 
     @property
     def saved_bits_per_element(self) -> float:
@@ -117,8 +123,9 @@ class ReGELU2(AbpActivation):
 class ReSiLU2(AbpActivation):
     """Exact SiLU forward; ReSiLU2 backward (2-bit codes, LowMemoryBP; docs/algorithms.md §4)."""
 
-    def __init__(self) -> None:
+    def __init__(self, inplace: bool = False) -> None:
         super().__init__("resilu2")
+        self.inplace = functional.check_inplace(inplace)
 
 
 class _FewBit(AbpActivation):
@@ -167,6 +174,7 @@ class SiLU(_FewBit):
 
     def __init__(self, inplace: bool = False, *, bits: int = 3, weight: str = "normal") -> None:
         super().__init__(bits=bits, weight=weight)
+        self.inplace = functional.check_inplace(inplace)
 
 
 class CELU(_FewBit):
@@ -177,6 +185,7 @@ class CELU(_FewBit):
     def __init__(self, alpha: float = 1.0, inplace: bool = False, *, bits: int = 3, weight: str = "normal") -> None:
         _require_default("CELU", "alpha", alpha, 1.0)
         super().__init__(bits=bits, weight=weight)
+        self.inplace = functional.check_inplace(inplace)
 
 
 class ELU(_FewBit):
@@ -187,6 +196,7 @@ class ELU(_FewBit):
     def __init__(self, alpha: float = 1.0, inplace: bool = False, *, bits: int = 3, weight: str = "normal") -> None:
         _require_default("ELU", "alpha", alpha, 1.0)
         super().__init__(bits=bits, weight=weight)
+        self.inplace = functional.check_inplace(inplace)
 
 
 class Hardswish(_FewBit):
@@ -196,6 +206,7 @@ class Hardswish(_FewBit):
 
     def __init__(self, inplace: bool = False, *, bits: int = 3, weight: str = "normal") -> None:
         super().__init__(bits=bits, weight=weight)
+        self.inplace = functional.check_inplace(inplace)
 
 
 class LogSigmoid(_FewBit):
@@ -211,6 +222,7 @@ class Mish(_FewBit):
 
     def __init__(self, inplace: bool = False, *, bits: int = 3, weight: str = "normal") -> None:
         super().__init__(bits=bits, weight=weight)
+        self.inplace = functional.check_inplace(inplace)
 
 
 class SELU(_FewBit):
@@ -220,6 +232,7 @@ class SELU(_FewBit):
 
     def __init__(self, inplace: bool = False, *, bits: int = 3, weight: str = "normal") -> None:
         super().__init__(bits=bits, weight=weight)
+        self.inplace = functional.check_inplace(inplace)
 
 
 class Sigmoid(_FewBit):
@@ -283,6 +296,7 @@ class ReLU(_Piecewise):
 
     def __init__(self, inplace: bool = False) -> None:
         super().__init__("relu")
+        self.inplace = functional.check_inplace(inplace)
 
     def _table(self) -> Tuple[List[float], List[float]]:
         return [0.0], [0.0, 1.0]
@@ -293,6 +307,7 @@ class ReLU6(_Piecewise):
 
     def __init__(self, inplace: bool = False) -> None:
         super().__init__("relu6")
+        self.inplace = functional.check_inplace(inplace)
 
     def _table(self) -> Tuple[List[float], List[float]]:
         return [0.0, 6.0], [0.0, 1.0]
@@ -303,6 +318,7 @@ class Hardsigmoid(_Piecewise):
 
     def __init__(self, inplace: bool = False) -> None:
         super().__init__("hardsigmoid")
+        self.inplace = functional.check_inplace(inplace)
 
     def _table(self) -> Tuple[List[float], List[float]]:
         return [-3.0, 3.0], [0.0, 1.0 / 6.0]
@@ -313,6 +329,7 @@ class LeakyReLU(_Piecewise):
 
     def __init__(self, negative_slope: float = 0.01, inplace: bool = False) -> None:
         super().__init__("leaky_relu", (check_param("negative_slope", negative_slope),))
+        self.inplace = functional.check_inplace(inplace)
         self.negative_slope = negative_slope
 
     def _table(self) -> Tuple[List[float], List[float]]:
@@ -324,6 +341,7 @@ class Threshold(_Piecewise):
 
     def __init__(self, threshold: float, value: float, inplace: bool = False) -> None:
         super().__init__("threshold", (check_param("threshold", threshold), check_param("value", value)))
+        self.inplace = functional.check_inplace(inplace)
         self.threshold = threshold
         self.value = value
 
@@ -339,6 +357,7 @@ class Hardtanh(_Piecewise):
         if lo > hi:
             raise ValueError(f"min_val: expected min_val <= max_val, got min_val={min_val!r} > max_val={max_val!r}")
         super().__init__("hardtanh", (lo, hi))
+        self.inplace = functional.check_inplace(inplace)
         self.min_val = min_val
         self.max_val = max_val
 
