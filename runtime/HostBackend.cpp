@@ -5,7 +5,9 @@
 #include "runtime/Error.h"
 
 #include <algorithm>
+#include <atomic>
 #include <dlfcn.h>
+#include <pthread.h>
 
 namespace abp::rt {
 
@@ -49,14 +51,50 @@ ThreadPool::~ThreadPool() {
     t.join();
 }
 
+namespace {
+// The process's pool, made at first use. Never destroyed: joining threads from a static destructor
+// can deadlock at exit, and a forked child's copy has no threads to join.
+std::atomic<ThreadPool *> globalPool{nullptr};
+std::mutex creating; // held while the pool is made, and across fork()
+} // namespace
+
+// fork() copies only the calling thread: a lock another thread holds would stay held in the child
+// forever, and the pool's workers would not exist there. So fork waits for the launch in flight
+// (launchMutex_) and takes the pool's locks; the child releases them and forgets the parent's pool
+// (its thread objects are left, never joined), so that its first launch makes a pool of its own.
+void prepareFork() {
+  creating.lock();
+  if (ThreadPool *pool = globalPool.load(std::memory_order_acquire)) {
+    pool->launchMutex_.lock();
+    pool->mutex_.lock();
+  }
+}
+
+void resumeAfterFork(bool child) {
+  if (ThreadPool *pool = globalPool.load(std::memory_order_acquire)) {
+    pool->mutex_.unlock();
+    pool->launchMutex_.unlock();
+    if (child)
+      globalPool.store(nullptr, std::memory_order_release);
+  }
+  creating.unlock();
+}
+
 ThreadPool &ThreadPool::global() {
-  static ThreadPool *pool = [] {
-    int64_t threads = env::getInt(EnvVar::ABP_HOST_THREADS);
-    if (threads <= 0)
-      threads = std::max(1u, std::thread::hardware_concurrency());
-    // Never destroyed: joining threads from a static destructor can deadlock at exit.
-    return new ThreadPool(static_cast<unsigned>(std::min<int64_t>(threads, 1024)));
-  }();
+  if (ThreadPool *pool = globalPool.load(std::memory_order_acquire))
+    return *pool;
+  std::lock_guard<std::mutex> lock(creating);
+  if (ThreadPool *pool = globalPool.load(std::memory_order_acquire))
+    return *pool;
+  static std::once_flag handlers;
+  std::call_once(handlers, [] {
+    ::pthread_atfork(prepareFork, [] { resumeAfterFork(false); }, [] { resumeAfterFork(true); });
+  });
+  int64_t threads = env::getInt(EnvVar::ABP_HOST_THREADS);
+  if (threads <= 0)
+    threads = std::max(1u, std::thread::hardware_concurrency());
+  auto *pool = new ThreadPool(static_cast<unsigned>(std::min<int64_t>(threads, 1024)));
+  globalPool.store(pool, std::memory_order_release);
   return *pool;
 }
 

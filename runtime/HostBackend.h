@@ -45,7 +45,8 @@ public:
   ThreadPool &operator=(const ThreadPool &) = delete;
 
   /// The process-wide pool: ABP_HOST_THREADS threads (0 = hardware_concurrency), created at
-  /// first use.
+  /// first use. A child made by fork() has none of the parent's threads: its first launch makes
+  /// it a pool of its own (fork waits for a launch in flight, so no lock is copied held).
   static ThreadPool &global();
 
   unsigned size() const { return static_cast<unsigned>(workers_.size()) + 1; }
@@ -57,6 +58,9 @@ public:
 
 private:
   void workerLoop(unsigned index);
+  // pthread_atfork's handlers (HostBackend.cpp).
+  friend void prepareFork();
+  friend void resumeAfterFork(bool child);
 
   std::vector<std::thread> workers_;
   std::mutex launchMutex_; ///< one launch at a time; busy -> the caller runs inline

@@ -11,6 +11,9 @@
 #include <set>
 #include <thread>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 using namespace abp::rt;
 
 namespace {
@@ -99,6 +102,45 @@ TEST(ThreadPool, GlobalPoolExists) {
   ThreadPool &pool = ThreadPool::global();
   EXPECT_EQ(&pool, &ThreadPool::global());
   EXPECT_GE(pool.size(), 1u);
+}
+
+// fork() copies only the calling thread: a child (a DataLoader worker) must not wait on the
+// parent's workers or on a lock one of them held. Launches run on another thread all along, so
+// that forks land during launches.
+TEST(ThreadPool, AForkedChildLaunchesOnAPoolOfItsOwn) {
+  ThreadPool &parent = ThreadPool::global();
+  std::atomic<bool> stop{false};
+  std::thread launcher([&] {
+    while (!stop) {
+      Recorder r(1000);
+      void *args[] = {&r};
+      ThreadPool::global().run(recordingEntry, args, 1000, 32);
+    }
+  });
+  for (int fork_ = 0; fork_ < 5; ++fork_) {
+    pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      ::alarm(20); // a hang dies of SIGALRM, which the parent sees
+      ThreadPool &pool = ThreadPool::global();
+      Recorder r(1000);
+      void *args[] = {&r};
+      pool.run(recordingEntry, args, 1000, 32);
+      bool once = true;
+      for (const auto &count : r.runs)
+        once = once && count.load() == 1;
+      bool split = pool.size() == 1 || r.threads.size() > 1;
+      ::_exit(once && split && &pool != &parent && pool.size() == parent.size() ? 0 : 1);
+    }
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+        << "child " << fork_ << ": " << (WIFSIGNALED(status) ? "killed by signal " + std::to_string(WTERMSIG(status))
+                                                              : "exit status " + std::to_string(WEXITSTATUS(status)));
+  }
+  stop = true;
+  launcher.join();
+  EXPECT_EQ(&parent, &ThreadPool::global()); // the parent keeps its pool
 }
 
 // Run by ctest with ABP_HOST_THREADS=3 at process start (tests/unit/CMakeLists.txt).
