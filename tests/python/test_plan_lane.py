@@ -388,11 +388,13 @@ def test_negative_bit_views_are_read_as_their_values(lane, monkeypatch):
 
 def test_every_gradient_of_an_abp_backward_refuses_a_second_differentiation():
     # backward(create_graph=True) through abp: the gradients it gives are marked, so a gradient
-    # penalty built on them raises instead of being silently constant (torch's
-    # once_differentiable marks them only when an incoming gradient requires grad).
+    # penalty built on them raises instead of being silently constant, through .backward() and
+    # through autograd.grad towards what the incoming gradient depends on (`c`); with a constant
+    # incoming gradient (a Hessian of f) it raises at once instead of giving a zero Hessian.
     _lane()
     x = torch.randn(3, 8, requires_grad=True)
     w = torch.randn(8, requires_grad=True)
+    c = torch.randn(8, requires_grad=True)
     cases = {
         "activation, C++ lane": lambda t: abp.nn.SiLU()(t),
         "activation, Python lane": lambda t: autograd.OperatorFunction.apply("silu_b3", (), None, t),
@@ -400,12 +402,19 @@ def test_every_gradient_of_an_abp_backward_refuses_a_second_differentiation():
         "affine norm, Python lane": lambda t: _affine_python("ms_layernorm", t, 1e-5, w, None, 0.0, None, None),
     }
     for name, f in cases.items():
-        (gx,) = torch.autograd.grad(f(x).sum(), x, create_graph=True)  # a constant upstream gradient
+        (gx,) = torch.autograd.grad((f(x) * c).sum(), x, create_graph=True)  # an incoming gradient c
         assert gx.requires_grad, name
         with pytest.raises(RuntimeError, match="differentiate twice"):
             gx.pow(2).sum().backward()
-        # Without create_graph nothing changes: plain gradients.
-        (plain,) = torch.autograd.grad(f(x).sum(), x)
+        (gx,) = torch.autograd.grad((f(x) * c).sum(), x, create_graph=True)
+        with pytest.raises(RuntimeError, match="differentiate twice"):
+            torch.autograd.grad(gx.pow(2).sum(), c, allow_unused=True)
+        with pytest.raises(RuntimeError, match="differentiate twice.*constant incoming gradient"):
+            torch.autograd.grad(f(x).sum(), x, create_graph=True)
+        with pytest.raises(RuntimeError, match="differentiate twice"):
+            torch.autograd.functional.hessian(lambda t: (f(t) * c.detach()).sum(), x.detach())
+        # Without create_graph nothing changes: plain gradients, equal to the marked ones.
+        (plain,) = torch.autograd.grad((f(x) * c).sum(), x)
         assert not plain.requires_grad and torch.equal(plain, gx.detach()), name
 
 

@@ -105,12 +105,22 @@ def _backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Tuple[Optional[torch.
     return (None, None, None) + shaped
 
 
+_TWICE = ("trying to differentiate twice an abp operator: its backward kernels are not differentiable, so no "
+          "second derivative (a Hessian, a gradient penalty, a meta-learning step) can be taken through it; "
+          "use torch's op where second derivatives are needed")
+
+
 def once_only(backward: Any) -> Any:
     """`backward` (ctx, *grads) -> gradients, for backward(create_graph=True): run without
-    recording, its gradients marked so that differentiating them raises. torch's
-    once_differentiable marks them only when an incoming gradient requires grad; otherwise it
-    returns plain tensors, and a gradient penalty built on them is silently a constant. abp's
-    kernels are not differentiable, so every gradient they give is marked."""
+    recording, its gradients marked so that differentiating them again raises.
+
+    The mark is an error node whose inputs are the gradients and every incoming gradient that
+    requires grad, so that autograd reaches it on any path a second derivative takes: through
+    ``.backward()``, and through ``autograd.grad(..., inputs)`` towards what the incoming
+    gradients depend on (torch's once_differentiable joins only the gradients, which such a
+    call never visits). With no incoming gradient that requires grad (a Hessian of a function
+    linear after this operator), the gradients could only be differentiated again through this
+    operator itself, which no node can express: that raises at once, instead of a silent zero."""
     @functools.wraps(backward)
     def wrapper(ctx: Any, *grads: Any) -> Any:
         with torch.no_grad():
@@ -121,8 +131,11 @@ def once_only(backward: Any) -> Any:
         outs = (outputs,) if single else outputs
         if not any(isinstance(o, torch.Tensor) for o in outs):
             return outputs
-        error = torch._C._functions.DelayedError(
-            b"trying to differentiate twice an abp operator: its backward kernels are not differentiable", len(outs))
+        upstream = [g for g in grads if isinstance(g, torch.Tensor) and g.requires_grad]
+        if not upstream:
+            raise RuntimeError(f"{_TWICE} (backward(create_graph=True) reached it with a constant incoming gradient: "
+                               "the gradient it gives could only be differentiated again through this operator)")
+        error = torch._C._functions.DelayedError(_TWICE.encode(), len(outs) + len(upstream))
 
         def marked(value: Any) -> Any:
             if not isinstance(value, torch.Tensor):
@@ -130,7 +143,7 @@ def once_only(backward: Any) -> Any:
             value = value.detach()
             value.requires_grad = value.is_floating_point()
             return value
-        wrapped = error(*[marked(o) for o in outs])
+        wrapped = error(*[marked(o) for o in outs], *upstream)
         wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
         # DelayedError returns a tensor per input; a None given keeps its place as None.
         result = tuple(w if isinstance(o, torch.Tensor) else o for w, o in zip(wrapped, outs))
