@@ -14,12 +14,14 @@ call sees what it saw with torch's module.
 """
 from __future__ import annotations
 
+import warnings
+
 from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from . import _lib, functional, sampling
+from . import _custom_ops, _lib, functional, sampling
 from .autograd import NotScriptable
 from ._launch import bind_arguments, check_param
 from ._manifest import Operator
@@ -431,6 +433,27 @@ class _MSNorm(NotScriptable, torch.nn.Module):
             self.register_parameter("weight", None)
             self.register_parameter("bias", None)
 
+    def _check_gamma(self) -> None:
+        """At the first training call, one host read: features whose gamma (weight + weight_offset)
+        is 0 lose their gradients (abp._affine_norm), so a weight set to 0 there would never leave
+        it. Warns once, naming them."""
+        weight = self.weight
+        if self.__dict__.get("_gamma_checked") or weight is None or not self.training or not weight.requires_grad \
+                or not torch.is_grad_enabled() or weight.device.type == "meta" or _custom_ops.compiling():
+            return
+        self._gamma_checked = True
+        zero = (weight.detach() + self.weight_offset) == 0
+        count = int(zero.sum())
+        if count:
+            where = zero.flatten().nonzero().flatten()[:8].tolist()
+            warnings.warn(
+                f"{type(self).__name__}: gamma (weight + weight_offset) is 0 at {count} of {zero.numel()} features "
+                f"(flat indices {where}{', ...' if count > 8 else ''}). The memory-sharing backward recovers the "
+                "normalised value as (y - bias) / gamma, so there it is lost: the gradients of the input and of "
+                "the weight at those features are wrong (the weight's is 0, so a weight initialised at 0 never "
+                "leaves it). Initialise the weight non-zero, or use torch's norm for this layer (abp.convert "
+                "refuses such norms)", RuntimeWarning, stacklevel=2)
+
     @property
     def saved_bits_per_row(self) -> float:
         """Bits this module saves per row beyond its output (one fp32 statistic: 32)."""
@@ -459,6 +482,7 @@ class MSLayerNorm(_MSNorm):
         super().__init__(normalized_shape, eps, elementwise_affine, bias, weight_offset, device, dtype, autocast_output)
 
     def forward(self, input: Tensor) -> Tensor:
+        self._check_gamma()
         return functional.ms_layer_norm(input, self.normalized_shape, self.eps, weight=self.weight,
                                         bias=self.bias, weight_offset=self.weight_offset,
                                         autocast_output=self.autocast_output)
@@ -478,6 +502,7 @@ class MSRMSNorm(_MSNorm):
         super().__init__(normalized_shape, eps, elementwise_affine, bias, weight_offset, device, dtype, autocast_output)
 
     def forward(self, input: Tensor) -> Tensor:
+        self._check_gamma()
         return functional.ms_rms_norm(input, self.normalized_shape, self.eps, weight=self.weight,
                                       bias=self.bias, weight_offset=self.weight_offset,
                                       autocast_output=self.autocast_output)
