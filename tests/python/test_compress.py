@@ -372,6 +372,9 @@ def test_non_finite_groups_decode_to_nan_and_constant_groups_exactly():
     ((2, 40), 32, 32),        # a group_size below 64 is its own floor: 40 has none in [32, 32]
     ((2, 48), 16, 16),
     ((2, 3, 64), 128, 64),
+    ((2, 1000), 1 << 24, 1000),  # a longest group far beyond the row: the search starts at the row
+    ((2, 1016), 1 << 24, 1016),
+    ((2, 1004), 1 << 24, 1 << 24),  # no multiple of 8 divides it
 ])
 def test_row_group_size_divides_rows_where_it_can(shape, group_size, want):
     assert C.row_group_size(shape, group_size) == want
@@ -492,8 +495,10 @@ def test_bad_arguments_name_what_was_wrong():
     x = torch.randn(10)
     with pytest.raises(ValueError, match="bits: expected one of 1, 2, 4, 8, got 3"):
         C.quantize(x, 3)
-    with pytest.raises(ValueError, match="group_size: expected a positive multiple of 8, got 12"):
+    with pytest.raises(ValueError, match="group_size: expected a positive multiple of 8 of at most 16777216, got 12"):
         C.quantize(x, 2, 12)
+    with pytest.raises(ValueError, match="group_size: expected a positive multiple of 8 of at most 16777216, got 9223372036854775800"):
+        C.compress_saved(group_size=2**63 - 8)  # once accepted, then searched for a divisor 8 at a time
     with pytest.raises(TypeError, match=r"x: expected dtype .*got torch.int64"):
         C.quantize(torch.arange(10), 2)
     with pytest.raises(TypeError, match="x: expected a torch.Tensor"):

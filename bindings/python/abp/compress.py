@@ -153,9 +153,14 @@ def _check_bits(bits: Any, name: str = "bits", raw: bool = False) -> int:
     return bits
 
 
+#: The longest group: one scale for 16M elements already codes a whole activation at once.
+MAX_GROUP_SIZE = 1 << 24
+
+
 def _check_group_size(group_size: Any) -> int:
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0 or group_size % 8:
-        raise ValueError(f"group_size: expected a positive multiple of 8, got {group_size!r}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or not 0 < group_size <= MAX_GROUP_SIZE \
+            or group_size % 8:
+        raise ValueError(f"group_size: expected a positive multiple of 8 of at most {MAX_GROUP_SIZE}, got {group_size!r}")
     return group_size
 
 
@@ -277,7 +282,8 @@ def row_group_size(shape: Sequence[Any], group_size: int) -> int:
     if len(shape) < 2 or not isinstance(shape[-1], int) or shape[-1] % group_size == 0:
         return group_size
     row = shape[-1]
-    for size in range(group_size, min(MIN_ROW_GROUP, group_size) - 1, -8):
+    # No divisor of the row is longer than the row: the search starts there.
+    for size in range(min(group_size, row // 8 * 8), min(MIN_ROW_GROUP, group_size) - 1, -8):
         if row % size == 0:
             return size
     return group_size
