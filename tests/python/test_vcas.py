@@ -267,6 +267,22 @@ def test_ratios_move_down_when_the_added_variance_is_planted_low() -> None:
     assert all(r <= 1.0 for r in ratios) and ratios == sorted(ratios)  # monotone, bottom to top
 
 
+def test_a_non_finite_calibration_leaves_the_ratios_and_says_so() -> None:
+    # A NaN compares as small: the ratios would fall (more sampling) on a batch that says nothing.
+    net = _net()
+    controller = vcas.Controller(net, Block, cal_var_freq=1, param_sample_ratio=0.5)
+    controller.s = 0.8
+    for sampler in controller.samplers:
+        sampler.ratio = 0.7
+    data = _data()[:2]
+    data[0][0][0, 0, 0] = float("nan")
+    before = (controller.s, controller.activation_ratios, controller.weight_ratios)
+    with pytest.warns(RuntimeWarning, match=r"variances are not finite \(v_sgd=nan, v_act=nan\).*left as they were"):
+        controller.calibrate(lambda b: F.cross_entropy(net(b[0]), b[1]), data)
+    assert (controller.s, controller.activation_ratios, controller.weight_ratios) == before
+    assert controller.calibrations == 1 and math.isnan(controller.last["v_sgd"])
+
+
 def test_calibration_restores_grads_and_is_deterministic() -> None:
     a = _calibrated(tau=0.025, s=0.8, rho=0.7, nu=0.6)
     b = _calibrated(tau=0.025, s=0.8, rho=0.7, nu=0.6)

@@ -23,6 +23,7 @@ from the shared Philox stream, keyed per call from torch's default generator (or
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type, Union
@@ -468,15 +469,24 @@ class Controller:
                      for j in range(len(params))]
         v_sgd = sum(sgd_param)
         v_act /= m * m
-        self._update_activation_ratios(v_act, v_sgd)
         v_w: Dict[str, float] = {}
+        too_noisy: List[Tuple[_LinearState, bool]] = []
         for j, p in enumerate(params):
             layer = layer_params.get(id(p))
             if layer is None:
                 continue
             key = f"{layer.state.depth}.{layer.state.name}"
             v_w[key] = layer.state.variance / (m * m)
-            self._update_weight_ratio(layer.state, v_w[key] > self.w_var_tau * sgd_param[j])
+            too_noisy.append((layer.state, v_w[key] > self.w_var_tau * sgd_param[j]))
+        if all(math.isfinite(v) for v in (v_sgd, v_act, *v_w.values())):
+            self._update_activation_ratios(v_act, v_sgd)
+            for state, noisy in too_noisy:
+                self._update_weight_ratio(state, noisy)
+        else:
+            # A NaN compares as small: the ratios would fall (more sampling) on a batch that says nothing.
+            warnings.warn(f"abp.vcas.Controller.calibrate: the measured variances are not finite (v_sgd={v_sgd:g}, "
+                          f"v_act={v_act:g}): a calibration batch gave a non-finite gradient. The sampling ratios "
+                          "are left as they were", RuntimeWarning, stacklevel=2)
         self.calibrations += 1
         self.last = {"v_sgd": v_sgd, "v_act": v_act, "v_w": v_w, "s": self.s}
         return self.last
