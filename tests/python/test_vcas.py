@@ -206,8 +206,12 @@ def test_controller_wraps_block_linears_only_and_starts_exact() -> None:
     for a, b in zip(net.parameters(), reference.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-14)
     assert controller.flops_ratio() == 1.0 and controller.due()
+    # A second controller would hook every block again and sample each activation gradient twice.
+    with pytest.raises(RuntimeError, match="model: already has an abp.vcas.Controller.*remove\\(\\)"):
+        vcas.Controller(net, Block)
     controller.remove()
     assert type(net.blocks[0].fc1) is torch.nn.Linear
+    vcas.Controller(net, Block).remove()  # once removed, another may come
 
 
 def test_a_model_with_its_samplers_pickles_with_its_controller() -> None:

@@ -244,6 +244,13 @@ def _is_plain_linear(module: torch.nn.Module) -> bool:
     return type(module) is torch.nn.Linear
 
 
+def _controlled(block: torch.nn.Module) -> bool:
+    """Whether a live Controller samples in `block`: its gradient hook, or one of its Linears."""
+    hooked = any(isinstance(h, partial) and getattr(h.func, "__func__", None) is Controller._block_output
+                 for h in block._forward_hooks.values())
+    return hooked or any(isinstance(m, _VcasLinear) for m in block.modules())
+
+
 class Controller:
     """Inserts VCAS's samplers into `model` and adapts their ratios (docs/algorithms.md §7).
 
@@ -306,6 +313,10 @@ class Controller:
         self.blocks: List[torch.nn.Module] = [m for m in model.modules() if isinstance(m, block_type)]
         if not self.blocks:
             raise ValueError(f"block_type: model has no module of type {block_type}")
+        if any(_controlled(block) for block in self.blocks):
+            raise RuntimeError("model: already has an abp.vcas.Controller (its blocks hold its samplers); a second one "
+                               "would sample every activation gradient twice. Call the first one's remove() before "
+                               "making another")
         self.samplers = [_Sampler(depth) for depth in range(len(self.blocks))]
         self.linears: List[_VcasLinear] = []
         self._hooks = []
