@@ -659,6 +659,9 @@ class compress_saved:
         #: The last block's bits_for call indices whose tensor was recomputed instead (no width).
         self.derived_choices: Set[int] = set()
         self._hooks: Optional[Any] = None
+        #: Warn when a block compressed nothing because what it saw were constants (a compiled
+        #: model's saves); off for blocks abp runs itself (the controller's replays).
+        self.explains_constants = True
         self._reset()
 
     def _reset(self) -> None:
@@ -1126,7 +1129,7 @@ class compress_saved:
         hooks.__exit__(*exc)
         self._flush()
         failed = bool(exc) and exc[0] is not None  # the block's own error says what went wrong
-        if not failed and not self.stats["compressed"] and self._constant_bytes and \
+        if not failed and self.explains_constants and not self.stats["compressed"] and self._constant_bytes and \
                 self._constant_bytes * 2 >= self.stats["bytes_in"]:
             _warn_once("constants", f"{self.label} saw {self.stats['tensors']} saved tensors and compressed none: most "
                        "were floating tensors that do not require grad, which it keeps as they are (constants of "

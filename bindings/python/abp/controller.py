@@ -396,6 +396,8 @@ class CompressionController:
         self._replay_saver = compress_saved(self._initial, group_size, min_numel=min_numel, filter=filter,
                                             bits_for=self._bits_for, generator=self._replay_generator,
                                             exact_relu=False, guard=False, recompute=recompute)
+        # A replay stores what it does not probe as it is: "compressed none" says nothing to the user.
+        self._replay_saver.explains_constants = False
 
         self._bits: Dict[TensorKey, int] = {}
         # The widths of the last estimate by position, for keys of other shapes (_bits_for).
