@@ -523,3 +523,10 @@ def test_f32_parameters_travel_as_their_bits_and_overflow_to_infinity():
     assert _f32_bits(1e39) == 0x7F800000 and _f32_bits(-1e39) == 0xFF800000
     y = abp.functional.apply("leaky_relu", torch.tensor([-1.0, 2.0]), (0.25,))
     assert torch.equal(y, torch.tensor([-0.25, 2.0]))
+
+
+def test_inspect_and_compile_operators_name_a_wrong_type():
+    with pytest.raises(TypeError, match="op_name: expected an operator's name as a str .*got NoneType"):
+        abp.inspect(None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="origin: expected a str naming where the IR comes from .*got int"):
+        abp.compile_operators("module {}", origin=5)  # type: ignore[arg-type]

@@ -189,3 +189,13 @@ def test_convert_compress_recipe_is_counted_by_report():
         broken(torch.randn(3, 5))
     t = torch.randn(4096, requires_grad=True)
     assert torch.equal((t * t).grad_fn._saved_self, t)
+
+def test_a_counter_used_out_of_order_says_so() -> None:
+    counter = abp.memory.SavedTensorsCounter()
+    with pytest.raises(RuntimeError, match="exited, but it is not counting"):
+        counter.__exit__(None, None, None)
+    with counter:
+        with pytest.raises(RuntimeError, match="already counting"):
+            counter.__enter__()
+    (torch.randn(3, requires_grad=True) * 2).sin()  # the hooks are gone: nothing is counted after
+    assert counter.tensors == []

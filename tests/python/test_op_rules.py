@@ -503,5 +503,5 @@ def test_guard_warns_by_default_and_can_be_turned_off() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", abp.DivergenceWarning)
         assert _blow_up_training(False) == -1
-    with pytest.raises(ValueError, match="guard: expected 'warn', 'raise' or False, got 'loud'"):
+    with pytest.raises(ValueError, match="guard: expected 'warn', 'raise', or False or None \\(off\\), got 'loud'"):
         C.compress_saved(guard="loud")

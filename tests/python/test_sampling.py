@@ -730,3 +730,23 @@ def test_a_sampled_layer_that_keeps_every_row_trains_inside_compress_saved() -> 
     y.square().sum().backward()
     want = 2 * (x @ w.t()).detach().t() @ x.detach()
     assert float((w.grad - want).norm() / want.norm()) < 0.02  # dW from 8-bit codes of x
+
+
+def test_a_wrong_generator_is_named_wherever_it_is_given() -> None:
+    x, w = torch.randn(32, 16), torch.randn(8, 16, requires_grad=True)
+    for make in (lambda: sampling.sampled_linear(x, w, generator=3), lambda: abp.nn.SampledLinear(16, 8, generator="g"),
+                 lambda: abp.compress_saved(generator=5), lambda: abp.CompressionController(torch.nn.Linear(2, 2), generator=5),
+                 lambda: abp.vcas.Controller(torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.nn.Sequential, generator=5)):
+        with pytest.raises(TypeError, match="generator: expected a torch.Generator or None, got (int|str)"):
+            make()
+
+
+def test_a_layer_without_features_computes_what_torchs_does() -> None:
+    # reshape(-1, 0) cannot infer the rows: a layer of in_features 0 (or out_features 0) failed.
+    for shape in ((0, 8), (8, 0)):
+        layer = abp.nn.SampledLinear(shape[1], shape[0], keep=0.5)
+        x = torch.randn(4, shape[1], requires_grad=True)
+        y = layer(x)
+        torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias))
+        y.sum().backward()
+        assert layer.weight.grad.shape == layer.weight.shape and x.grad.shape == x.shape

@@ -510,3 +510,16 @@ def test_trainer_callback_calibrates_when_due(monkeypatch: pytest.MonkeyPatch) -
         callback.on_step_begin(None, None, "control", model=model, train_dataloader=loader)
         callback.on_step_end(None, None, "control")
     assert controller.steps == 3 and controller.calibrations == 2 and controller.s == pytest.approx(0.98)
+
+
+def test_wrong_arguments_are_named() -> None:
+    with pytest.raises(TypeError, match="act_var_tau: expected a number, got str 'a'"):
+        vcas.Controller(_net(), Block, act_var_tau="a")  # type: ignore[arg-type]
+    for ratio in (0.0, 2.0, float("nan")):
+        with pytest.raises(ValueError, match=r"ratio: expected the kept fraction of samples in \(0, 1\]"):
+            vcas.sample_activation_grad(torch.randn(8, 4), ratio, 1)
+    net = _net()
+    vcas.Controller(net, Block, batch_dim=5)
+    x, y = _data(1)[0]
+    with pytest.raises(ValueError, match=r"batch_dim: 5 counts the samples, but the output of Block .* has 3 dimension"):
+        net(x)

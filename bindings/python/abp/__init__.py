@@ -89,6 +89,9 @@ def inspect(op_name: str) -> Dict[str, Any]:
       time keeps it beside its source; None if none has it).
     Raises AbpError (status NOT_FOUND) for an unknown operator.
     """
+    if not isinstance(op_name, str):
+        raise TypeError(f"op_name: expected an operator's name as a str (abp.operators() lists them), "
+                        f"got {type(op_name).__name__}")
     library = _lib.kernel_library()
     op = library.operator(op_name)
     where = op.raw["manifest"]  # the files as the runtime resolved them when it read the manifest
@@ -133,6 +136,9 @@ def compile_operators(ir: str, origin: Optional[str] = None) -> List[str]:
     """
     if not isinstance(ir, str):
         raise TypeError(f"ir: expected the IR as a str, got {type(ir).__name__}")
+    if origin is not None and not isinstance(origin, str):
+        raise TypeError(f"origin: expected a str naming where the IR comes from (a file, or file:line), or None, "
+                        f"got {type(origin).__name__}")
     if origin is None:
         caller = sys._getframe(1)
         origin = f"{caller.f_code.co_filename}:{caller.f_lineno}"

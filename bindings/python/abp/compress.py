@@ -115,6 +115,18 @@ class CompressedTensor:
         return tuple(out)
 
 
+def check_generator(generator: Any, name: str = "generator") -> Optional[torch.Generator]:
+    """`generator` if it is None or a torch.Generator of the CPU or a CUDA device (where abp's keys
+    are drawn); TypeError or ValueError naming `name` otherwise."""
+    if generator is None:
+        return None
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"{name}: expected a torch.Generator or None, got {type(generator).__name__}")
+    if generator.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}: expected a generator of the CPU or a CUDA device, got one of {generator.device}")
+    return generator
+
+
 def draw_seed(generator: Optional[torch.Generator] = None) -> int:
     """A 63-bit Philox key from `generator` (torch's default CPU generator if None), as torch's own
     random ops draw theirs: torch.manual_seed(s) makes every draw reproducible. Under
@@ -237,7 +249,7 @@ def quantize(
     bits = _check_bits(bits)
     group_size = _check_group_size(group_size)
     if seed is None:
-        seed = draw_seed(generator)
+        seed = draw_seed(check_generator(generator))
     elif isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise ValueError(f"seed: expected an int in [0, 2**63), got {seed!r}")
     if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < 2**63:
@@ -631,8 +643,7 @@ class compress_saved:
             raise ValueError(f"min_numel: expected an int >= 0, got {min_numel!r}")
         if filter is not None and not callable(filter):
             raise TypeError(f"filter: expected a callable taking a tensor, got {type(filter).__name__}")
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}")
+        check_generator(generator)
         if bits_for is not None and not callable(bits_for):
             raise TypeError(f"bits_for: expected a callable taking a tensor, got {type(bits_for).__name__}")
         self.min_numel = min_numel
@@ -645,7 +656,7 @@ class compress_saved:
         if guard is True:
             guard = "warn"
         if guard not in (False, None, "warn", "raise"):
-            raise ValueError(f"guard: expected 'warn', 'raise' or False, got {guard!r}")
+            raise ValueError(f"guard: expected 'warn', 'raise', or False or None (off), got {guard!r}")
         self.guard: Union[bool, str] = guard or False
         #: What the guard's message calls this block.
         self.label = f"abp.compress_saved(bits={self.bits})" if bits_for is None else "abp.compress_saved(bits_for=...)"

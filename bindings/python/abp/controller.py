@@ -43,7 +43,7 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Se
 import torch
 
 from . import _replay
-from .compress import MIN_UNIFORM_BITS, _compiling, compress_saved
+from .compress import MIN_UNIFORM_BITS, _compiling, check_generator, compress_saved
 
 __all__ = ["CompressionController", "TensorKey", "allocate_bits", "RUNGS", "trainer_callback"]
 
@@ -372,8 +372,7 @@ class CompressionController:
             raise TypeError(f"interval: expected an int >= 1, got {type(interval).__name__}")
         if interval < 1:
             raise ValueError(f"interval: expected an int >= 1, got {interval}")
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}")
+        check_generator(generator)
         self._model = model
         self._avg_bits = avg
         self._interval = interval

@@ -70,13 +70,17 @@ class SavedTensorsCounter:
         return t
 
     def __enter__(self) -> "SavedTensorsCounter":
+        if self._hooks is not None:
+            raise RuntimeError("SavedTensorsCounter: already counting (a `with` block of the same counter cannot be "
+                               "entered again before it exits)")
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         _active.append(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        assert self._hooks is not None
+        if self._hooks is None:
+            raise RuntimeError("SavedTensorsCounter: exited, but it is not counting (exited twice, or never entered)")
         _active.remove(self)
         self._hooks.__exit__(*exc)
         self._hooks = None

@@ -24,6 +24,7 @@ from torch import Tensor
 from . import _custom_ops, _lib, functional, sampling
 from .autograd import NotScriptable
 from ._launch import bind_arguments, check_param
+from .compress import check_generator
 from ._manifest import Operator
 
 __all__ = [
@@ -532,7 +533,7 @@ class SampledLinear(NotScriptable, torch.nn.Linear):
         self.method: str = sampling.check_method(method)
         self.keep: float = sampling.check_keep(keep)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.generator = generator
+        self.generator = check_generator(generator)
         # (cache, slot) once a sampling.GradNormCache is attached: p ∝ ‖x_t‖·‖dY_t‖ of the last visit.
         self.grad_norm_cache: Optional[Tuple[Any, int]] = None
         # True when the weight is stored (in_features, out_features), as transformers' Conv1D keeps it.

@@ -23,6 +23,7 @@ ops/sample/sample.mlir; the plan over the N scores is abp._selection's; the prod
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -32,7 +33,7 @@ from . import _custom_ops, _scale, autograd
 from . import _sample_kernels as kernels
 from . import _selection as selection
 from ._launch import compute_dtype
-from .compress import draw_seed, mark_activation
+from .compress import check_generator, draw_seed, mark_activation
 
 __all__ = ["METHODS", "sampled_linear", "plan_rows", "sketch_product", "GradNormCache"]
 
@@ -111,6 +112,12 @@ def sampled_weight_grad(mode: str, saved: List[torch.Tensor], g: torch.Tensor, m
     return sketch_product(method, projected.shape[0], seed, g).t() @ projected
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """`t` as (token rows, features); also with no features (a layer of in_features 0), where
+    reshape(-1, 0) cannot infer the rows."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
 class _SampledLinear(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -123,7 +130,7 @@ class _SampledLinear(torch.autograd.Function):
         ctx.mode, saved = "none", []
         if ctx.needs_input_grad[1]:
             # The input as the product used it (autocast may have cast it): what backward needs.
-            ctx.mode, saved = sampled_residuals(x.reshape(-1, x.shape[-1]).to(y.dtype), method, keep, seed, gamma)
+            ctx.mode, saved = sampled_residuals(_rows(x).to(y.dtype), method, keep, seed, gamma)
             # Detached: with k = N the residual is a view of x made here with grad off, which on
             # torch 1.13 a saved-tensor hook (compress_saved's) could not give back to backward
             # ("No grad accumulator for a saved leaf").
@@ -142,7 +149,7 @@ class _SampledLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
         weight, *saved = ctx.saved_tensors
-        g = grad.reshape(-1, grad.shape[-1])
+        g = _rows(grad)
         if ctx.record is not None:  # ‖dY_t‖ for the next visit of these examples (§8.2)
             ctx.record(kernels.row_norms(g.contiguous()))
         dx = dw = db = None
@@ -196,6 +203,7 @@ def sampled_linear(
     """
     method = check_method(method)
     keep = check_keep(keep)
+    check_generator(generator)
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError("x and weight must be tensors")
     if weight.dim() != 2:

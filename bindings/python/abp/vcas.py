@@ -35,7 +35,7 @@ from . import _sample_kernels as kernels
 from . import _selection as selection
 from ._launch import compute_dtype
 from .autograd import NotScriptable
-from .compress import draw_seed
+from .compress import check_generator, draw_seed
 
 __all__ = [
     "Controller",
@@ -69,6 +69,8 @@ def sample_activation_grad(grad: torch.Tensor, ratio: float, seed: int, batch_di
     Exact (the gradient itself) when the budget reaches N or when the norms are not finite or all
     zero.
     """
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+        raise ValueError(f"ratio: expected the kept fraction of samples in (0, 1], got {ratio!r}")
     n = grad.shape[batch_dim] if grad.dim() else 0
     k = activation_budget(n, ratio)
     if n == 0 or k >= n:
@@ -279,6 +281,11 @@ class Controller:
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        for name, value in (("act_var_tau", act_var_tau), ("w_var_tau", w_var_tau), ("s_update_step", s_update_step),
+                            ("w_ratio_mul", w_ratio_mul), ("act_sched_decay", act_sched_decay),
+                            ("param_sample_ratio", param_sample_ratio)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
         for name, value in (("act_var_tau", act_var_tau), ("w_var_tau", w_var_tau)):
             if not value > 0:
                 raise ValueError(f"{name}: expected a positive variance fraction, got {value!r}")
@@ -294,6 +301,7 @@ class Controller:
             raise ValueError(f"act_sched_decay: expected a value in [0, 1), got {act_sched_decay!r}")
         if not 0 < param_sample_ratio <= 1:
             raise ValueError(f"param_sample_ratio: expected a value in (0, 1], got {param_sample_ratio!r}")
+        check_generator(generator)
         if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
             raise ValueError(f"batch_dim: expected the samples' dimension as an int >= 0, got {batch_dim!r}")
         self.model = model
@@ -341,6 +349,10 @@ class Controller:
         # A gradient hook on the block's output (not a new autograd node), so the model may still
         # modify that output in place.
         first = output[0] if isinstance(output, tuple) and output else output
+        if isinstance(first, torch.Tensor) and first.dim() <= self.batch_dim:
+            raise ValueError(f"batch_dim: {self.batch_dim} counts the samples, but the output of "
+                             f"{type(module).__name__} (a block_type module) has {first.dim()} dimension(s), shape "
+                             f"{tuple(first.shape)}")
         if torch.is_grad_enabled() and isinstance(first, torch.Tensor) and first.requires_grad:
             first.register_hook(partial(self._activation_backward, sampler))
 
