@@ -208,12 +208,12 @@ std::string compileIrToKernelDir(const std::string &irText, const std::string &o
   std::string stem = "ir_" + key.substr(0, 16);
   std::string root = irRoot();
   std::string dir = root + "/" + stem;
+  removeStaleTemporaries(root); // on every call: a cached entry's call cleans up after killed compiles too
   if (isDirectory(dir)) {
     if (entryIsIntact(dir, stem))
       return dir;
     removeTree(dir); // truncated, edited or half-written by a killed compile: build it again
   }
-  removeStaleTemporaries(root);
 
   CompilerString source, manifest, diagnostics;
   int rc = compiler.compile(irText.c_str(), origin.c_str(), stem.c_str(), &source.text,

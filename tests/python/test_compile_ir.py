@@ -264,6 +264,13 @@ def test_the_ir_cache_is_private_and_heals(tmp_path: Path) -> None:
     library.write_bytes(b"")  # forces a compile
     _compile_in_a_new_process(cache, ABP_CACHE_MAX_MB="1")
     assert not stale.exists() and not old.exists() and entry.exists()
+    # A call whose IR is cached cleans up too; a live process's folder (this one's) stays.
+    stale.mkdir()
+    live = cache / "ir" / f"tmp-{os.getpid()}-cafef00d"
+    live.mkdir()
+    _compile_in_a_new_process(cache)
+    assert not stale.exists() and live.exists()
+    live.rmdir()
     (cache / "ir").chmod(0o777)  # now anyone could plant a library there
     moved = _compile_in_a_new_process(cache)
     assert Path(moved.splitlines()[0]).parent != cache / "ir"
