@@ -15,17 +15,16 @@ call sees what it saw with torch's module.
 from __future__ import annotations
 
 import warnings
-
 from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from . import _custom_ops, _lib, functional, sampling
-from .autograd import NotScriptable
 from ._launch import bind_arguments, check_param
-from .compress import check_generator
 from ._manifest import Operator
+from .autograd import NotScriptable
+from .compress import check_generator
 
 __all__ = [
     "ReGELU2",
