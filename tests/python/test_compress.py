@@ -7,6 +7,7 @@ groups, masks, parameter exclusion, determinism and argument errors.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -535,6 +536,28 @@ def test_bad_arguments_name_what_was_wrong():
                 mlp()(torch.randn(4, 256)).sum().backward()
     with pytest.raises(TypeError, match="^generator: expected a torch.Generator or None, got str"):
         C.compress_saved(generator="g")
+
+
+@pytest.mark.parametrize("block", [lambda: C.compress_saved(bits=8), lambda: C.compress_saved(bits=8, op_rules=False,
+                                                                                              recompute=False)],
+                         ids=["default", "no-rules"])
+def test_a_kept_tensor_changed_in_place_fails_as_it_does_without_compression(block):
+    # Parameters (and tensors under min_numel) are kept as they are; with saved-tensor hooks torch
+    # checks no versions. An optimizer stepping between a forward and its backward (a GAN's
+    # generator loss through a discriminator stepped since) must fail as torch fails, not give
+    # gradients through the stepped weights.
+    disc = torch.nn.Linear(16, 1)
+    x = torch.randn(4, 16, requires_grad=True)
+    for wrap in (contextlib.nullcontext, block):
+        with wrap():
+            loss = disc(x * 2.0).sum()
+        with torch.no_grad():
+            disc.weight.add_(1.0)
+        with pytest.raises(RuntimeError, match="modified by an in-?place operation"):
+            loss.backward()
+    with block():  # unchanged, the same code trains
+        disc(x * 2.0).sum().backward()
+    assert torch.isfinite(x.grad).all()
 
 
 def test_a_saved_tensor_changed_in_place_fails_as_it_does_without_compression():

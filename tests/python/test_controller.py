@@ -880,3 +880,25 @@ def test_the_estimates_replays_say_nothing_about_constants() -> None:
             with controller:
                 model(torch.randn(32, 64)).pow(2).sum().backward()
     assert controller.stats["compressed"] > 0
+
+
+def test_an_estimate_on_a_batch_with_nothing_to_compress_keeps_the_allocation_and_comes_next_step() -> None:
+    # A short last batch whose saved tensors are all under min_numel: an allocation made of it was
+    # empty, and every tensor went to the initial width until the next estimate (1000 steps on).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    controller = CompressionController(model, avg_bits=4, interval=2)
+
+    def step(rows: int) -> None:
+        model.zero_grad()
+        with controller:
+            model(torch.randn(rows, 32)).pow(2).mean().backward()
+
+    for _ in range(2):
+        step(64)
+    before, estimates = dict(controller.bits), controller.estimates
+    assert before and estimates == 1
+    step(2)  # a probe step; 2 x 64 = 128 elements, under min_numel
+    assert controller.bits == before and controller.estimates == estimates
+    step(64)  # the estimate comes now
+    assert controller.estimates == estimates + 1 and controller.bits

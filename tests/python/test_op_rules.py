@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import pytest
 import torch
@@ -423,6 +423,81 @@ def test_watch_is_quiet_on_a_steady_norm_and_alarms_once_on_growth_or_nan() -> N
     assert "is nan at step 3" in nan.add([1.0, 1.0, 1.0, float("nan")])
     # A norm that settles lower (fine-tuning) or grows 5-fold stays quiet.
     assert _guard.GradientWatch().add([10.0] * 25 + [1.0] * 100 + [5.0] * 100) is None
+
+
+def test_a_scaled_watch_skips_overflow_steps_and_scale_growth_and_alarms_on_lasting_overflow() -> None:
+    # float16 under a GradScaler: an overflow step's norm is inf (skipped by the scaler, which
+    # halves its scale), and the scale doubles after runs of clean steps; neither is divergence.
+    def record(watch: _guard.GradientWatch, norms: List[float]) -> Optional[str]:
+        found = None
+        for value in norms:
+            found = watch.record(torch.tensor(value), scaled=True) or found
+        return found
+
+    scaled = _guard.GradientWatch(window=4)
+    overflows_then_growth = [float("inf")] * 3 + [8.0] * 10 + [16.0] * 10 + [32.0] * 10 + [float("inf")] + [64.0] * 40
+    assert record(scaled, overflows_then_growth) is None
+    assert float("inf") not in scaled.norms and scaled.norms[-1] == 64.0
+    reason = record(scaled, [float("nan")] * 8)  # the scaler cannot rescue it: diverged
+    assert reason is not None and "not finite for 4 steps in a row" in reason
+    # Unscaled, the first overflow and an 8-fold growth alarm as before.
+    assert "is inf at step 0" in (_guard.GradientWatch(window=4).add([float("inf")]) or "")
+
+
+def test_read_at_backward_end_a_float16_block_is_scaled(monkeypatch: pytest.MonkeyPatch) -> None:
+    # No torch.optim optimizer steps these models: after _WITHOUT_STEPS backwards the watch reads
+    # at backward end (its earlier readings kept), where float16 saves make it scaled.
+    library_or_skip()
+    monkeypatch.setattr(_guard, "_WITHOUT_STEPS", 3)
+    halves = (False,) if torch.__version__.startswith("1.") else (False, True)  # 1.13's CPU autocast: bfloat16 only
+    for half in halves:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8))
+        for _ in range(4):
+            with C.compress_saved(bits=8):
+                with torch.autocast("cpu", dtype=torch.float16) if half else contextlib.nullcontext():
+                    loss = model(torch.randn(64, 64)).float().pow(2).mean()
+                loss.backward()
+            model.zero_grad()
+        watch = _guard.watch_for(model[2].weight)  # the first parameter the block sees saved
+        assert watch.mode == "backward"
+        assert len(watch.norms) == 0 and len(watch._pending) == 4  # read every `window` (20) steps
+        assert watch.scaled is half
+
+
+def test_a_loss_scalers_overflow_and_growth_are_not_divergence_and_a_blow_up_still_is() -> None:
+    # Read at the optimizer's step (torch >= 2), after the GradScaler unscaled the gradients; the
+    # steps it skips for overflow never reach the guard. (Read at backward end, the first step's
+    # inf and the scale's growth alarmed.)
+    library_or_skip()
+    if not _guard._STEP_HOOKS:
+        pytest.skip("torch 1.13 runs no global optimizer step hooks: read at backward end")
+    x, y = torch.randn(256, 32), torch.randint(0, 10, (256,))
+
+    def train(steps: int, init_scale: float, growth_interval: int, blow_up: float) -> int:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 10))  # a model of its own: a watch of its own
+        scale = [1.0]
+        for p in model.parameters():
+            p.register_hook(lambda g: g * scale[0])
+        optimizer = torch.optim.SGD(model.parameters(), 1e-3)
+        scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
+        for step in range(steps):
+            scale[0] *= blow_up
+            optimizer.zero_grad()
+            with C.compress_saved(bits=8, guard="raise"):
+                loss = F.cross_entropy(model(x), y)
+                scaler.scale(loss).backward()
+            try:
+                scaler.step(optimizer)
+            except abp.DivergenceError:
+                return step
+            scaler.update()
+        return -1
+
+    assert train(30, 2.0 ** 120, 2000, 1.0) == -1  # overflows first, then halves its way down
+    assert train(70, 16.0, 4, 1.0) == -1  # the scale doubles every 4 steps: 2^17 over the run
+    assert 40 <= train(200, 16.0, 2000, 1.1) < 120  # gradients growing 10 % a step: still caught
 
 
 def test_gradient_norm_is_the_norm_of_every_gradient_in_fp32() -> None:

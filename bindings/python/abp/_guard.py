@@ -8,12 +8,25 @@ the two: after backward, the norm of the gradients of the parameters the compres
 its reference is the median over steps `skip`..`skip + window`; it alarms when a norm is not
 finite or when the median of the last `window` steps exceeds `factor` times the reference.
 
+**When the norm is read.** Under a loss scaler (torch.amp.GradScaler) the gradients a backward
+leaves are scaled: an overflow step's norm is inf (the scaler skips that step and halves its
+scale), and the scale doubles after every run of clean steps. Neither is divergence. So where
+torch runs global optimizer step hooks (torch >= 2), a step's norm is read when the torch.optim
+optimizer holding the parameters steps, after the scaler has unscaled them; a step the scaler
+skips never reaches it, and accumulated micro-batches count as the one step they are. A model
+that no torch.optim optimizer steps within `_WITHOUT_STEPS` backward passes is read at the end of
+each backward instead (its readings so far are kept), as on torch 1.13. Read there, a watch that
+has seen float16 saves (`scaled`: a scaler is likely) leaves non-finite steps out, alarms only
+when `window` steps in a row are not finite (a run no scaler rescues: diverged training
+overflows every step), and drops the growth rule.
+
 The norms stay on the device and are read every `window` steps (one host sync then). A watch
 belongs to a model (found by the first parameter a block sees), so a new ``compress_saved`` per
 step shares it.
 """
 from __future__ import annotations
 
+import importlib
 import math
 import statistics
 import warnings
@@ -22,7 +35,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-__all__ = ["DivergenceError", "DivergenceWarning", "GradientWatch"]
+__all__ = ["DivergenceError", "DivergenceWarning", "GradientWatch", "check_after_backward"]
 
 
 class DivergenceWarning(RuntimeWarning):
@@ -42,9 +55,19 @@ class GradientWatch:
         self._pending: List[torch.Tensor] = []
         self.reference: Optional[float] = None
         self.alarmed = False
+        #: Float16 training, its gradients scaled by a GradScaler (module docstring).
+        self.scaled = False
+        self._not_finite = 0  # steps in a row whose norm was not finite (scaled)
+        #: Where its norms are read: "step" (at the optimizer's step), "backward" (at the end of
+        #: backward), or "undecided" until an optimizer steps the parameters or none has for long.
+        self.mode = "undecided" if _STEP_HOOKS else "backward"
+        self._due: Optional[Tuple[List[torch.Tensor], Callable[[str], None]]] = None
+        self._undecided: List[Tuple[torch.Tensor, bool]] = []  # backward-end norms while undecided
 
-    def record(self, norm: torch.Tensor) -> Optional[str]:
-        """Adds one step's gradient norm (a 0-d tensor); returns the alarm's reason, once."""
+    def record(self, norm: torch.Tensor, scaled: bool = False) -> Optional[str]:
+        """Adds one step's gradient norm (a 0-d tensor); `scaled`: the step saved float16 tensors.
+        Returns the alarm's reason, once."""
+        self.scaled = self.scaled or scaled
         self._pending.append(norm.detach())
         if len(self._pending) < self.window:
             return None
@@ -63,6 +86,16 @@ class GradientWatch:
 
     def _check(self) -> Optional[str]:
         step, value = len(self.norms) - 1, self.norms[-1]
+        if self.scaled:
+            if math.isfinite(value):
+                self._not_finite = 0
+                return None  # a scaler's scale moves the norm by powers of 2: no growth rule
+            self.norms.pop()  # a skipped step: not part of the history
+            self._not_finite += 1
+            if self._not_finite >= self.window:
+                return (f"the gradient norm was not finite for {self._not_finite} steps in a row (a loss scaler "
+                        "skips such steps and lowers its scale; these kept overflowing)")
+            return None
         if not math.isfinite(value):
             return f"the gradient norm is {value} at step {step}"
         start = self.skip
@@ -75,6 +108,63 @@ class GradientWatch:
             return (f"the gradient norm grew from {self.reference:.3g} (median of steps {start}-"
                     f"{start + self.window - 1}) to {recent:.3g} (median of steps {step - self.window + 1}-{step})")
         return None
+
+
+#: torch >= 2 runs global optimizer step pre-hooks, where the guard reads a step's gradients.
+_optimizers = importlib.import_module("torch.optim.optimizer")  # torch.optim hides its submodule's name
+_STEP_HOOKS = hasattr(_optimizers, "register_optimizer_step_pre_hook")
+#: Backward passes without an optimizer step after which a watch reads at backward end.
+_WITHOUT_STEPS = 60
+_step_hook: Optional[Any] = None
+
+
+def check_after_backward(parameters: List[torch.Tensor], half: bool, on_alarm: Callable[[str], None]) -> None:
+    """Called at the end of a backward through a compressed block that saw `parameters` (`half`:
+    in float16): records this step's gradient norm where the module docstring says, and calls
+    `on_alarm(reason)` if the watch alarms."""
+    watch = watch_for(parameters[0])
+    if watch.mode == "backward":
+        _read(watch, parameters, half, on_alarm)
+        return
+    global _step_hook
+    if _step_hook is None:
+        _step_hook = _optimizers.register_optimizer_step_pre_hook(_before_step)
+    watch._due = (parameters, on_alarm)
+    if watch.mode == "undecided":
+        norm = gradient_norm(parameters)
+        if norm is not None:
+            watch._undecided.append((norm.detach(), half))
+        if len(watch._undecided) >= _WITHOUT_STEPS:  # no torch.optim optimizer steps this model
+            watch.mode, undecided, watch._undecided = "backward", watch._undecided, []
+            for norm, was_half in undecided:
+                reason = watch.record(norm, scaled=was_half)
+                if reason is not None:
+                    on_alarm(reason)
+
+
+def _read(watch: "GradientWatch", parameters: List[torch.Tensor], half: bool, on_alarm: Callable[[str], None]) -> None:
+    norm = gradient_norm(parameters)
+    if norm is None:
+        return
+    reason = watch.record(norm, scaled=half and watch.mode == "backward")
+    if reason is not None:
+        on_alarm(reason)
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """The global optimizer step pre-hook: reads the due watches whose parameters `optimizer`
+    steps (a GradScaler has unscaled their gradients by now)."""
+    held: Optional[set] = None
+    for _, watch in list(_watches.values()):
+        if watch._due is None or watch.mode == "backward":
+            continue
+        if held is None:
+            held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        parameters, on_alarm = watch._due
+        if id(parameters[0]) not in held:
+            continue
+        watch._due, watch.mode, watch._undecided = None, "step", []
+        _read(watch, parameters, False, on_alarm)
 
 
 # One watch per model: keyed by the first parameter a compressed block sees (by identity: a

@@ -544,6 +544,28 @@ class _Deferred:
         self.modified = False
 
 
+class _Kept:
+    """What the pack hook returns for a tensor kept as it is (a parameter, a small activation): the
+    tensor and its version when it was saved. With saved-tensor hooks autograd checks no versions,
+    so unpack does: a tensor changed in place before backward reads it (an optimizer stepping a
+    model whose graph another loss still holds) must fail as torch fails without the block."""
+
+    __slots__ = ("value", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.value = t
+        self.version = t._version
+
+
+def _modified_error(version: int, now: Optional[int] = None) -> RuntimeError:
+    at = f"at version {version}" + (f", now {now}" if now is not None else "")
+    return RuntimeError(
+        "compress_saved: one of the tensors needed for gradient computation was modified by an in-place "
+        f"operation after it was saved ({at}); torch raises the same error without "
+        "compress_saved. Use the out-of-place op, clone the tensor before changing it, or (an optimizer step "
+        "between a forward and its backward) run the backward first")
+
+
 #: What unpack returns to `_peek` (which wants the packed object, not a tensor).
 _NOTHING = torch.empty(0)
 
@@ -661,6 +683,9 @@ class compress_saved:
         #: What the guard's message calls this block.
         self.label = f"abp.compress_saved(bits={self.bits})" if bits_for is None else "abp.compress_saved(bits_for=...)"
         self._guarded: Optional[Dict[int, torch.Tensor]] = None
+        # Whether a guarded parameter was saved in float16 (autocast's copy, a half model): a
+        # GradScaler then scales the gradients the guard reads (abp._guard, `scaled`).
+        self._guarded_half = False
         self.stats: Dict[str, int] = {}
         #: The last block's bits_for call index → the width an op's rule raised that tensor to.
         self.floors: Dict[int, int] = {}
@@ -723,8 +748,12 @@ class compress_saved:
         return t if base is None else base
 
     def pack(self, t: torch.Tensor) -> Any:
-        """The saved_tensors_hooks pack hook: a `_Deferred` for a tensor to compress, `t` itself
+        """The saved_tensors_hooks pack hook: a `_Deferred` for a tensor to compress, a `_Kept`
         for one kept as it is, or a CompressedTensor (a mask, or where ops are not told apart)."""
+        packed = self._pack(t)
+        return _Kept(packed) if packed is t else packed
+
+    def _pack(self, t: torch.Tensor) -> Any:
         # A save once backward has begun, by a reentrant checkpoint rerunning its block: kept as
         # it is, as a non-reentrant checkpoint's rerun keeps its saves (torch's own hooks take
         # them). Its block's backward reads it at once: checkpointing's peak is one block's
@@ -789,7 +818,7 @@ class compress_saved:
         if self._recorder is not None:
             self._recorder.recording = True
         if self.guard and self._guarded is None:
-            self._guarded = {}
+            self._guarded, self._guarded_half = {}, False
 
     def _keep_checkpoint_input(self, t: torch.Tensor) -> torch.Tensor:
         """`t`, an activation checkpoint's input, kept as it is: backward reruns the block from it.
@@ -903,6 +932,7 @@ class compress_saved:
         if parameter is not None:
             if self.guard and self._guarded is not None:
                 self._guarded.setdefault(id(parameter), parameter)
+                self._guarded_half = self._guarded_half or t.dtype == torch.float16
             return t  # kept by its module anyway: neither compressed nor counted in stats
         self._count_saved(t)
         wanted = _compressible(t, self.min_numel) and (self.filter is None or bool(self.filter(t)))
@@ -1049,6 +1079,10 @@ class compress_saved:
     def unpack(self, saved: Any, memo: Optional[Dict[int, torch.Tensor]] = None) -> torch.Tensor:
         """The saved_tensors_hooks unpack hook; `memo`: what this unpack has recomputed so far
         (Derived.materialize), when it decodes the stored values a recomputation reads."""
+        if isinstance(saved, _Kept):
+            if self._peeking is None and saved.value._version != saved.version:
+                raise _modified_error(saved.version, saved.value._version)
+            saved = saved.value
         if self._peeking is not None:
             self._peeking.append(saved)
             return _NOTHING
@@ -1059,27 +1093,20 @@ class compress_saved:
         if self._guarded:
             # Backward has begun: check the gradients of the parameters the block saw when it ends.
             parameters, self._guarded = list(self._guarded.values()), None
-            _guard.after_backward(lambda: self._check_gradients(parameters))
+            half = self._guarded_half
+            _guard.after_backward(lambda: self._check_gradients(parameters, half))
         if isinstance(saved, _Deferred):
             if saved.pending:
                 self._flush()  # backward has begun: the forward's last op saved all it saves
             if saved.modified:
-                raise RuntimeError(
-                    "compress_saved: one of the tensors needed for gradient computation was modified by an "
-                    f"in-place operation after it was saved (version {saved.version}); torch raises the same "
-                    "error without compress_saved. Use the out-of-place op, or clone the tensor before changing it")
+                raise _modified_error(saved.version)
             saved = saved.value
         if isinstance(saved, _derived.Derived):
             return saved.materialize(self.unpack, memo)
         return dequantize(saved) if isinstance(saved, CompressedTensor) else saved
 
-    def _check_gradients(self, parameters: List[torch.Tensor]) -> None:
-        norm = _guard.gradient_norm(parameters)
-        if norm is None:
-            return
-        reason = _guard.watch_for(parameters[0]).record(norm)
-        if reason is not None:
-            _guard.alarm(self.guard, self.label, reason)
+    def _check_gradients(self, parameters: List[torch.Tensor], half: bool = False) -> None:
+        _guard.check_after_backward(parameters, half, lambda reason: _guard.alarm(self.guard, self.label, reason))
 
     def __enter__(self) -> "compress_saved":
         if self._hooks is not None:
@@ -1099,6 +1126,7 @@ class compress_saved:
         self.floors, self.rule_floors = {}, {}
         self.derived_choices = set()
         self._guarded = {} if self.guard else None  # id → parameter, until backward reads the first save
+        self._guarded_half = False
         if _compiling():
             _warn_once("traced", f"{self.label} is entered inside code torch.compile traces: the compiled graph "
                        "saves its tensors without these hooks, so nothing is compressed. Open the block around "

@@ -650,7 +650,12 @@ class CompressionController:
             self._finish_probe()
             return
         try:
-            if probing and calls:
+            if probing and calls and not self._last_seen and self._stats.get("tensors", 0):
+                # It saved tensors but none it could compress (a short last batch, every tensor under
+                # min_numel): nothing to measure, and an allocation made of it would be empty.
+                # The last allocation stays; the next step estimates instead.
+                pass
+            elif probing and calls:
                 if not any(g is not None for call in calls for g in call.grads):
                     raise RuntimeError(
                         "CompressionController: the model's outputs got no gradient inside the `with` block "
