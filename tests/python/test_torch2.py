@@ -356,3 +356,24 @@ def test_abp_ops_under_fake_tensor_mode_take_their_fake_implementations():
         warnings.simplefilter("ignore")  # torch warns that a FakeTensor's data_ptr is deprecated
         with pytest.raises(AbpError, match=r"args\[0\]: a NULL data pointer for 10 elements"):
             abp.functional.apply("gelu_b3", stray)
+
+
+@pytest.mark.parametrize("make, what", [
+    (lambda: abp.nn.MSLayerNorm(8, elementwise_affine=True), "abp's memory-sharing norm"),
+    (lambda: abp.nn.ReGELU2(), "abp operator"),
+    (lambda: abp.nn.SampledLinear(8, 8, keep=0.5), "abp's sampled linear layer"),
+], ids=["affine-norm", "activation", "sampled"])
+def test_torch_func_transforms_get_an_error_naming_abp(make, what):
+    # torch's own error asks for a setup_context the Functions do not have; abp's names itself and
+    # says what to use instead (per-sample gradients: the unconverted model).
+    library_or_skip()
+    from torch.func import grad, vmap
+    module, x = make(), torch.randn(4, 8)
+    transforms = [grad(lambda t: module(t).sum())]
+    if "sampled" not in what:  # vmap refuses the sampled layer's random draw first, in its own words
+        transforms.append(vmap(grad(lambda t: module(t).sum())))
+    for transform in transforms:
+        with pytest.raises(RuntimeError, match=f"{what}: torch.func transforms .* are not supported.*loss.backward"):
+            transform(x)
+    module(x.requires_grad_()).sum().backward()  # outside a transform nothing changed
+    assert x.grad is not None

@@ -131,6 +131,7 @@ class _SavedContext:
         self.saved_tensors, self.abp, self.needs_input_grad = saved, abp, needs
 
 
+@autograd.function_transforms_refused("abp's memory-sharing norm")
 def affine_ms_norm(
     op_name: str, x: Tensor, eps: float, weight: Optional[Tensor], bias: Optional[Tensor],
     weight_offset: float, out_dtype: Optional[torch.dtype], save_dtype: Optional[torch.dtype] = None,

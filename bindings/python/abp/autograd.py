@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -154,6 +154,29 @@ def once_only(backward: Any) -> Any:
 _backward_once = once_only(_backward)
 
 
+def function_transforms_refused(what: str) -> Callable[[Any], Any]:
+    """A decorator for the calls that apply abp's autograd Functions: the error torch raises for a
+    Function under torch.func (vmap, grad, jacrev, functional_call with grad), which asks for a
+    `setup_context` the Function does not have, becomes one naming abp and what to do. Only the
+    error path pays."""
+    def decorate(call: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(call)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return call(*args, **kwargs)
+            except RuntimeError as e:
+                if "setup_context" not in str(e) or "functorch" not in str(e):
+                    raise
+                raise RuntimeError(
+                    f"{what}: torch.func transforms (vmap, grad, jacrev, functional_call under grad) are not "
+                    "supported: abp's backward is its own kernels, which those transforms cannot trace. Train with "
+                    "loss.backward() / torch.autograd.grad, or use torch's modules where a transform is needed "
+                    "(per-sample gradients: the unconverted model)") from None
+        return wrapper
+    return decorate
+
+
+@function_transforms_refused("abp operator")
 def apply_eager(
     op_name: str, params: Tuple[float, ...], inputs: Sequence[torch.Tensor], out_dtype: Optional[torch.dtype] = None
 ) -> Any:

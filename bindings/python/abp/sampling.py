@@ -181,6 +181,7 @@ def sketch_product(method: str, k: int, seed: int, mat: torch.Tensor, block: int
     return out
 
 
+@autograd.function_transforms_refused("abp's sampled linear layer")
 def sampled_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
