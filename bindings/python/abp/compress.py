@@ -1171,8 +1171,9 @@ class compress_saved:
         if not failed and self.explains_constants and not self.stats["compressed"] and self._constant_bytes and \
                 self._constant_bytes * 2 >= self.stats["bytes_in"]:
             _warn_once("constants", f"{self.label} saw {self.stats['tensors']} saved tensors and compressed none: most "
-                       "were floating tensors that do not require grad, which it keeps as they are (constants of "
-                       "backward, such as masks). A torch.compile'd model saves its activations so, detached from "
-                       "autograd: a block with bits_for or filter (the controller's) compresses eager saves only; "
-                       "a uniform-width block compresses compiled graphs too (docs/python.md, torch.compile)")
+                       "were floating tensors that do not require grad, which it keeps as they are, as constants of "
+                       "backward (masks, tables). Activations look so too where no gradient reaches them: the input "
+                       "of a trainable layer after frozen ones (a linear probe), or what a torch.compile'd model "
+                       "saves (detached from autograd: a uniform-width block compresses compiled graphs itself, a "
+                       "block with bits_for or filter, the controller's, does not; docs/python.md, torch.compile)")
         self._reset()  # the graph keeps what it saved; this block holds nothing after it
