@@ -377,11 +377,13 @@ class CompressionController:
         self._avg_bits = avg
         self._interval = interval
         self._min_bits = min_bits
-        self._initial = max(b for b in (8, 4, 2, 1) if b <= avg)
+        # At avg_bits=32 (a control run) nothing is compressed, tensors the estimate cannot probe
+        # included (a loss's log-probabilities outside the model).
+        self._initial = 32 if avg >= 32 else max(b for b in (8, 4, 2, 1) if b <= avg)
         # compress_saved validates group_size, min_numel and filter, naming them. Its exact ReLU
         # support would spend a bit per element outside the budget, so the controller stores
         # ReLU outputs as plain codes; the probes measure the bias that costs like any other error.
-        self._saver = compress_saved(self._initial, group_size, min_numel=min_numel, filter=filter,
+        self._saver = compress_saved(min(self._initial, 8), group_size, min_numel=min_numel, filter=filter,
                                      bits_for=self._bits_for, generator=generator, exact_relu=False, guard=guard,
                                      recompute=recompute)
         self._saver.label = f"abp.CompressionController(avg_bits={avg:g})"
@@ -392,7 +394,7 @@ class CompressionController:
         # at least, where the rules would raise it anyway) and scales what it measures by
         # (2^b − 1)²; fused attention recomputes its output and logsumexp from the probed query
         # and key as in training, so the probe sees the damage training would.
-        self._replay_saver = compress_saved(self._initial, group_size, min_numel=min_numel, filter=filter,
+        self._replay_saver = compress_saved(min(self._initial, 8), group_size, min_numel=min_numel, filter=filter,
                                             bits_for=self._bits_for, generator=self._replay_generator,
                                             exact_relu=False, guard=False, recompute=recompute)
         # A replay stores what it does not probe as it is: "compressed none" says nothing to the user.
@@ -468,7 +470,8 @@ class CompressionController:
 
     @property
     def initial_bits(self) -> int:
-        """The width of keys without an allocation: the largest of (8, 4, 2, 1) ≤ avg_bits."""
+        """The width of keys without an allocation: the largest of (8, 4, 2, 1) ≤ avg_bits; 32 (kept as
+        they are) at avg_bits=32."""
         return self._initial
 
     @property
