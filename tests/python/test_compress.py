@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -558,6 +559,23 @@ def test_a_kept_tensor_changed_in_place_fails_as_it_does_without_compression(blo
     with block():  # unchanged, the same code trains
         disc(x * 2.0).sum().backward()
     assert torch.isfinite(x.grad).all()
+
+
+def test_a_constant_held_for_its_op_and_stored_as_it_is_is_checked_when_backward_reads_it():
+    # A buffer (no grad) saved by a product goes through the op's group (recompute) and is stored as
+    # it is at the flush; a copy_ into it before backward must fail as torch fails.
+    torch.manual_seed(0)
+    layer, scale = torch.nn.Linear(64, 64), torch.rand(64)
+    x = torch.randn(32, 64)
+    for wrap in (contextlib.nullcontext, lambda: C.compress_saved(bits=4)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "compressed none": constants only
+            with wrap():
+                loss = (layer(x) * scale).sum()
+        with torch.no_grad():
+            scale.copy_(scale.clone())
+        with pytest.raises(RuntimeError, match="modified by an in-?place operation"):
+            loss.backward()
 
 
 def test_a_saved_tensor_changed_in_place_fails_as_it_does_without_compression():

@@ -500,6 +500,39 @@ def test_a_loss_scalers_overflow_and_growth_are_not_divergence_and_a_blow_up_sti
     assert 40 <= train(200, 16.0, 2000, 1.1) < 120  # gradients growing 10 % a step: still caught
 
 
+def test_a_guard_waiting_for_a_step_that_never_comes_keeps_no_model_alive() -> None:
+    # The last backward of a run, gradients for analysis: no optimizer step reads the watch.
+    library_or_skip()
+    import gc
+    import weakref
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8))
+    with C.compress_saved(bits=8):
+        model(torch.randn(16, 64, requires_grad=True)).sum().backward()
+    weight = weakref.ref(model[0].weight)
+    del model
+    gc.collect()
+    assert weight() is None
+
+
+def test_the_step_of_an_optimizer_of_the_trainable_parameters_reads_the_watch() -> None:
+    # The first parameter a block sees may be frozen (a LoRA base weight, a linear probe's backbone)
+    # and in no optimizer: any trainable one the optimizer holds makes the watch read at its step.
+    library_or_skip()
+    if not _guard._STEP_HOOKS:
+        pytest.skip("torch 1.13 runs no global optimizer step hooks")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8))
+    model[0].weight.requires_grad_(False)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], 1e-3)
+    with C.compress_saved(bits=8):
+        model(torch.randn(16, 64, requires_grad=True)).sum().backward()
+    watch = _guard.watch_for(model[0].weight)  # the first parameter saved: frozen
+    assert watch.mode == "undecided" and watch._due is not None
+    optimizer.step()
+    assert watch.mode == "step" and watch._due is None and len(watch._pending) == 1
+
+
 def test_gradient_norm_is_the_norm_of_every_gradient_in_fp32() -> None:
     """One foreach norm where torch has it (fp32 accumulation of fp32, bf16 and fp16 gradients),
     per-tensor norms elsewhere: the 2-norm of all gradients together; parameters without one skipped."""

@@ -129,13 +129,15 @@ def check_after_backward(parameters: List[torch.Tensor], half: bool, on_alarm: C
     global _step_hook
     if _step_hook is None:
         _step_hook = _optimizers.register_optimizer_step_pre_hook(_before_step)
-    watch._due = (parameters, on_alarm)
+    # Weak references: a step that never comes (the run's last backward, gradients for analysis)
+    # must not keep the model alive through this global table.
+    watch._due = ([weakref.ref(p) for p in parameters], on_alarm)
     if watch.mode == "undecided":
         norm = gradient_norm(parameters)
         if norm is not None:
             watch._undecided.append((norm.detach(), half))
         if len(watch._undecided) >= _WITHOUT_STEPS:  # no torch.optim optimizer steps this model
-            watch.mode, undecided, watch._undecided = "backward", watch._undecided, []
+            watch.mode, undecided, watch._undecided, watch._due = "backward", watch._undecided, [], None
             for norm, was_half in undecided:
                 reason = watch.record(norm, scaled=was_half)
                 if reason is not None:
@@ -160,8 +162,10 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
             continue
         if held is None:
             held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        parameters, on_alarm = watch._due
-        if id(parameters[0]) not in held:
+        references, on_alarm = watch._due
+        parameters = [p for p in (r() for r in references) if p is not None]
+        # Held by this optimizer: any trainable one (the first may be a frozen base weight, LoRA's).
+        if not any(p.requires_grad and id(p) in held for p in parameters):
             continue
         watch._due, watch.mode, watch._undecided = None, "step", []
         _read(watch, parameters, False, on_alarm)
@@ -176,7 +180,9 @@ def watch_for(parameter: torch.Tensor) -> GradientWatch:
     key = id(parameter)
     entry = _watches.get(key)
     if entry is None or entry[0]() is not parameter:
-        entry = _watches[key] = (weakref.ref(parameter, lambda _, key=key: _watches.pop(key, None)), GradientWatch())
+        # The table itself in the callback: at interpreter exit the module's globals may be gone.
+        entry = _watches[key] = (weakref.ref(parameter, lambda _, key=key, table=_watches: table.pop(key, None)),
+                                 GradientWatch())
     return entry[1]
 
 

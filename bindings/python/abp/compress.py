@@ -698,6 +698,9 @@ class compress_saved:
         #: Warn when a block compressed nothing because what it saw were constants (a compiled
         #: model's saves); off for blocks abp runs itself (the controller's replays).
         self.explains_constants = True
+        #: Raise, as torch does, when a tensor kept as it is changed in place before backward read
+        #: it; off for the controller's replays, which put the model's buffers back between calls.
+        self.checks_versions = True
         self._reset()
 
     def _reset(self) -> None:
@@ -1080,7 +1083,7 @@ class compress_saved:
         """The saved_tensors_hooks unpack hook; `memo`: what this unpack has recomputed so far
         (Derived.materialize), when it decodes the stored values a recomputation reads."""
         if isinstance(saved, _Kept):
-            if self._peeking is None and saved.value._version != saved.version:
+            if self._peeking is None and self.checks_versions and saved.value._version != saved.version:
                 raise _modified_error(saved.version, saved.value._version)
             saved = saved.value
         if self._peeking is not None:
@@ -1100,6 +1103,9 @@ class compress_saved:
                 self._flush()  # backward has begun: the forward's last op saved all it saves
             if saved.modified:
                 raise _modified_error(saved.version)
+            # Stored as it is, it may still change before backward reads it.
+            if self.checks_versions and isinstance(saved.value, torch.Tensor) and saved.value._version != saved.version:
+                raise _modified_error(saved.version, saved.value._version)
             saved = saved.value
         if isinstance(saved, _derived.Derived):
             return saved.materialize(self.unpack, memo)

@@ -399,6 +399,7 @@ class CompressionController:
                                             exact_relu=False, guard=False, recompute=recompute)
         # A replay stores what it does not probe as it is: "compressed none" says nothing to the user.
         self._replay_saver.explains_constants = False
+        self._replay_saver.checks_versions = False  # replays copy the recorded buffers back between calls
 
         self._bits: Dict[TensorKey, int] = {}
         # The widths of the last estimate by position, for keys of other shapes (_bits_for).
@@ -653,18 +654,13 @@ class CompressionController:
             self._finish_probe()
             return
         try:
-            if probing and calls and not self._last_seen and self._stats.get("tensors", 0):
-                # It saved tensors but none it could compress (a short last batch, every tensor under
-                # min_numel): nothing to measure, and an allocation made of it would be empty.
-                # The last allocation stays; the next step estimates instead.
-                pass
-            elif probing and calls:
+            if probing and calls:
                 if not any(g is not None for call in calls for g in call.grads):
                     raise RuntimeError(
                         "CompressionController: the model's outputs got no gradient inside the `with` block "
                         f"of step {self._step}, a sensitivity-estimation step: call loss.backward() inside it")
-                self._estimate(calls, self._last_seen)
-                self._next_probe = self._step + self._interval
+                if self._estimate(calls, self._last_seen):
+                    self._next_probe = self._step + self._interval
             elif probing and self._stats.get("tensors", 0) and self._never_ran() and not self._warned_idle:
                 self._warned_idle = True  # once per controller
                 warnings.warn(
@@ -823,11 +819,12 @@ class CompressionController:
         where the allocation can put it. The variance model scales the result to C_l."""
         return max(self._floors.get(key, 1), self._min_bits)
 
-    def _estimate(self, calls: List[_replay.Call], step_keys: Dict[TensorKey, int]) -> None:
+    def _estimate(self, calls: List[_replay.Call], step_keys: Dict[TensorKey, int]) -> bool:
+        """Estimates and allocates; False if the step had nothing to allocate (the next estimates)."""
         with _unsharded(self._model):
-            self._estimate_unsharded(calls, step_keys)
+            return self._estimate_unsharded(calls, step_keys)
 
-    def _estimate_unsharded(self, calls: List[_replay.Call], step_keys: Dict[TensorKey, int]) -> None:
+    def _estimate_unsharded(self, calls: List[_replay.Call], step_keys: Dict[TensorKey, int]) -> bool:
         model = self._model
         params = [p for p in model.parameters() if p.requires_grad]
         modules = list(model.modules())
@@ -841,7 +838,11 @@ class CompressionController:
                 # step's own saves never offered: those were a compiled graph's, which widths
                 # estimated here would never reach.
                 self._warn_unmeasured()
-                return
+                return True
+            if not step_keys:
+                # It saved nothing it could compress (a short last batch, every tensor under
+                # min_numel): an allocation made of it would be empty. The last one stays.
+                return False
             probed = [k for k in step_keys if k in replayed]
             sensitivity: Dict[TensorKey, float] = {}
             for key in probed:
@@ -889,6 +890,7 @@ class CompressionController:
                 stacklevel=3)
         self._sensitivity = sensitivity
         self._estimates += 1
+        return True
 
     def _replay(
         self,
