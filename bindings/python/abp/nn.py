@@ -85,7 +85,8 @@ class AbpActivation(NotScriptable, torch.nn.Module):
             output = functional.apply(self.operator, input, self.params)
         except TypeError as e:  # a wrong dtype or type: say which module of the user's model it is
             raise TypeError(f"{type(self).__name__} ({self.operator}): {e}") from e
-        return functional.in_place(input, output, self.inplace)
+        # functional.in_place, inline: this runs on every call of every activation.
+        return input.copy_(output) if self.inplace else output
 
     @property
     def saved_bits_per_element(self) -> float:
