@@ -131,7 +131,6 @@ class _SavedContext:
         self.saved_tensors, self.abp, self.needs_input_grad = saved, abp, needs
 
 
-@autograd.function_transforms_refused("abp's memory-sharing norm")
 def affine_ms_norm(
     op_name: str, x: Tensor, eps: float, weight: Optional[Tensor], bias: Optional[Tensor],
     weight_offset: float, out_dtype: Optional[torch.dtype], save_dtype: Optional[torch.dtype] = None,
@@ -148,4 +147,5 @@ def affine_ms_norm(
             y = lane[0].affine_norm(lane[1], x, weight, bias, eps, weight_offset, like(out_dtype), like(save_dtype))
             if y is not None:
                 return y
-    return _AffineMSNorm.apply(op_name, eps, weight_offset, out_dtype, save_dtype, x, weight, bias)
+    return autograd.apply_function("abp's memory-sharing norm", _AffineMSNorm, op_name, eps, weight_offset,
+                                   out_dtype, save_dtype, x, weight, bias)

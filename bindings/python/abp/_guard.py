@@ -61,7 +61,8 @@ class GradientWatch:
         #: Where its norms are read: "step" (at the optimizer's step), "backward" (at the end of
         #: backward), or "undecided" until an optimizer steps the parameters or none has for long.
         self.mode = "undecided" if _STEP_HOOKS else "backward"
-        self._due: Optional[Tuple[List[torch.Tensor], Callable[[str], None]]] = None
+        # The parameters (weak references) and alarm of a backward whose step has not come yet.
+        self._due: Optional[Tuple[List["weakref.ref[torch.Tensor]"], Callable[[str], None]]] = None
         self._undecided: List[Tuple[torch.Tensor, bool]] = []  # backward-end norms while undecided
 
     def record(self, norm: torch.Tensor, scaled: bool = False) -> Optional[str]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -154,29 +154,23 @@ def once_only(backward: Any) -> Any:
 _backward_once = once_only(_backward)
 
 
-def function_transforms_refused(what: str) -> Callable[[Any], Any]:
-    """A decorator for the calls that apply abp's autograd Functions: the error torch raises for a
-    Function under torch.func (vmap, grad, jacrev, functional_call with grad), which asks for a
-    `setup_context` the Function does not have, becomes one naming abp and what to do. Only the
-    error path pays."""
-    def decorate(call: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(call)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return call(*args, **kwargs)
-            except RuntimeError as e:
-                if "setup_context" not in str(e) or "functorch" not in str(e):
-                    raise
-                raise RuntimeError(
-                    f"{what}: torch.func transforms (vmap, grad, jacrev, functional_call under grad) are not "
-                    "supported: abp's backward is its own kernels, which those transforms cannot trace. Train with "
-                    "loss.backward() / torch.autograd.grad, or use torch's modules where a transform is needed "
-                    "(per-sample gradients: the unconverted model)") from None
-        return wrapper
-    return decorate
+def apply_function(what: str, function: Any, *args: Any) -> Any:
+    """`function.apply(*args)` for one of abp's autograd Functions (`what` names it), with the error
+    torch raises for it under torch.func (vmap, grad, jacrev, functional_call with grad), which asks
+    for a `setup_context` the Function does not have, made one naming abp and what to do. Called
+    only where the Python Function runs (the C++ lane's calls do not pay the try)."""
+    try:
+        return function.apply(*args)
+    except RuntimeError as e:
+        if "setup_context" not in str(e) or "functorch" not in str(e):
+            raise
+        raise RuntimeError(
+            f"{what}: torch.func transforms (vmap, grad, jacrev, functional_call under grad) are not "
+            "supported: abp's backward is its own kernels, which those transforms cannot trace. Train with "
+            "loss.backward() / torch.autograd.grad, or use torch's modules where a transform is needed "
+            "(per-sample gradients: the unconverted model)") from None
 
 
-@function_transforms_refused("abp operator")
 def apply_eager(
     op_name: str, params: Tuple[float, ...], inputs: Sequence[torch.Tensor], out_dtype: Optional[torch.dtype] = None
 ) -> Any:
@@ -187,7 +181,7 @@ def apply_eager(
         out = run_lane(op_name, inputs[0], params)
         if out is not None:
             return out
-    return OperatorFunction.apply(op_name, params, out_dtype, *inputs)
+    return apply_function("abp operator", OperatorFunction, op_name, params, out_dtype, *inputs)
 
 
 def run_lane(op_name: str, x: torch.Tensor, params: Tuple[float, ...]) -> Any:

@@ -181,7 +181,6 @@ def sketch_product(method: str, k: int, seed: int, mat: torch.Tensor, block: int
     return out
 
 
-@autograd.function_transforms_refused("abp's sampled linear layer")
 def sampled_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -239,7 +238,8 @@ def sampled_linear(
         return CompiledSampledLinear.apply(x, weight, bias, key, method, keep)
     if seed is None:
         seed = draw_seed(generator)
-    return _SampledLinear.apply(x, weight, bias, method, keep, kernels.check_key(seed, 0)[0], gamma, record)
+    return autograd.apply_function("abp's sampled linear layer", _SampledLinear, x, weight, bias, method, keep,
+                                   kernels.check_key(seed, 0)[0], gamma, record)
 
 
 class GradNormCache:
