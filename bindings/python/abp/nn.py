@@ -67,10 +67,11 @@ class AbpActivation(NotScriptable, torch.nn.Module):
     operator: str
     params: Tuple[float, ...]
 
-    def __init__(self, operator: str, params: Tuple[float, ...] = ()) -> None:
+    def __init__(self, operator: str, params: Tuple[float, ...] = (), inplace: bool = False) -> None:
         super().__init__()
         self.operator = operator
         self.params = tuple(float(p) for p in params)
+        self.inplace = functional.check_inplace(inplace)
         # Fails here, with the list of known operators, if the kernel library lacks this one.
         _lib.kernel_library().operator(operator)
 
@@ -127,8 +128,7 @@ class ReSiLU2(AbpActivation):
     """Exact SiLU forward; ReSiLU2 backward (2-bit codes, LowMemoryBP; docs/algorithms.md §4)."""
 
     def __init__(self, inplace: bool = False) -> None:
-        super().__init__("resilu2")
-        self.inplace = functional.check_inplace(inplace)
+        super().__init__("resilu2", inplace=inplace)
 
 
 class _FewBit(AbpActivation):
@@ -136,10 +136,11 @@ class _FewBit(AbpActivation):
 
     activation: str = ""
 
-    def __init__(self, *, bits: int = 3, weight: str = "normal", activation: Optional[str] = None) -> None:
+    def __init__(self, *, bits: int = 3, weight: str = "normal", activation: Optional[str] = None,
+                 inplace: bool = False) -> None:
         # `activation` overrides the class's table family (GELU's tanh form: "gelu_tanh").
         family = activation or self.activation
-        super().__init__(functional.fewbit_operator(family, bits, weight))
+        super().__init__(functional.fewbit_operator(family, bits, weight), inplace=inplace)
         self.activation = family
         self.bits = bits
         self.weight = weight
@@ -176,8 +177,7 @@ class SiLU(_FewBit):
     activation = "silu"
 
     def __init__(self, inplace: bool = False, *, bits: int = 3, weight: str = "normal") -> None:
-        super().__init__(bits=bits, weight=weight)
-        self.inplace = functional.check_inplace(inplace)
+        super().__init__(bits=bits, weight=weight, inplace=inplace)
 
 
 class CELU(_FewBit):
@@ -187,8 +187,7 @@ class CELU(_FewBit):
 
     def __init__(self, alpha: float = 1.0, inplace: bool = False, *, bits: int = 3, weight: str = "normal") -> None:
         _require_default("CELU", "alpha", alpha, 1.0)
-        super().__init__(bits=bits, weight=weight)
-        self.inplace = functional.check_inplace(inplace)
+        super().__init__(bits=bits, weight=weight, inplace=inplace)
 
 
 class ELU(_FewBit):
@@ -198,8 +197,7 @@ class ELU(_FewBit):
 
     def __init__(self, alpha: float = 1.0, inplace: bool = False, *, bits: int = 3, weight: str = "normal") -> None:
         _require_default("ELU", "alpha", alpha, 1.0)
-        super().__init__(bits=bits, weight=weight)
-        self.inplace = functional.check_inplace(inplace)
+        super().__init__(bits=bits, weight=weight, inplace=inplace)
 
 
 class Hardswish(_FewBit):
@@ -208,8 +206,7 @@ class Hardswish(_FewBit):
     activation = "hardswish"
 
     def __init__(self, inplace: bool = False, *, bits: int = 3, weight: str = "normal") -> None:
-        super().__init__(bits=bits, weight=weight)
-        self.inplace = functional.check_inplace(inplace)
+        super().__init__(bits=bits, weight=weight, inplace=inplace)
 
 
 class LogSigmoid(_FewBit):
@@ -224,8 +221,7 @@ class Mish(_FewBit):
     activation = "mish"
 
     def __init__(self, inplace: bool = False, *, bits: int = 3, weight: str = "normal") -> None:
-        super().__init__(bits=bits, weight=weight)
-        self.inplace = functional.check_inplace(inplace)
+        super().__init__(bits=bits, weight=weight, inplace=inplace)
 
 
 class SELU(_FewBit):
@@ -234,8 +230,7 @@ class SELU(_FewBit):
     activation = "selu"
 
     def __init__(self, inplace: bool = False, *, bits: int = 3, weight: str = "normal") -> None:
-        super().__init__(bits=bits, weight=weight)
-        self.inplace = functional.check_inplace(inplace)
+        super().__init__(bits=bits, weight=weight, inplace=inplace)
 
 
 class Sigmoid(_FewBit):
@@ -298,8 +293,7 @@ class ReLU(_Piecewise):
     """ReLU; bit = !(x <= 0) (NaN passes dy, as torch's threshold_backward)."""
 
     def __init__(self, inplace: bool = False) -> None:
-        super().__init__("relu")
-        self.inplace = functional.check_inplace(inplace)
+        super().__init__("relu", inplace=inplace)
 
     def _table(self) -> Tuple[List[float], List[float]]:
         return [0.0], [0.0, 1.0]
@@ -309,8 +303,7 @@ class ReLU6(_Piecewise):
     """ReLU6; bit = !(x <= 0 or x >= 6) (torch's hardtanh_backward)."""
 
     def __init__(self, inplace: bool = False) -> None:
-        super().__init__("relu6")
-        self.inplace = functional.check_inplace(inplace)
+        super().__init__("relu6", inplace=inplace)
 
     def _table(self) -> Tuple[List[float], List[float]]:
         return [0.0, 6.0], [0.0, 1.0]
@@ -320,8 +313,7 @@ class Hardsigmoid(_Piecewise):
     """Hardsigmoid; bit = (-3 < x < 3); dx = dy * (1/6 in fp32) where the bit is set."""
 
     def __init__(self, inplace: bool = False) -> None:
-        super().__init__("hardsigmoid")
-        self.inplace = functional.check_inplace(inplace)
+        super().__init__("hardsigmoid", inplace=inplace)
 
     def _table(self) -> Tuple[List[float], List[float]]:
         return [-3.0, 3.0], [0.0, 1.0 / 6.0]
@@ -331,8 +323,7 @@ class LeakyReLU(_Piecewise):
     """LeakyReLU; bit = (x > 0); dx = dy where set, dy * negative_slope elsewhere."""
 
     def __init__(self, negative_slope: float = 0.01, inplace: bool = False) -> None:
-        super().__init__("leaky_relu", (check_param("negative_slope", negative_slope),))
-        self.inplace = functional.check_inplace(inplace)
+        super().__init__("leaky_relu", (check_param("negative_slope", negative_slope),), inplace=inplace)
         self.negative_slope = negative_slope
 
     def _table(self) -> Tuple[List[float], List[float]]:
@@ -343,8 +334,8 @@ class Threshold(_Piecewise):
     """Threshold (y = x if x > threshold else value); bit = (x > threshold)."""
 
     def __init__(self, threshold: float, value: float, inplace: bool = False) -> None:
-        super().__init__("threshold", (check_param("threshold", threshold), check_param("value", value)))
-        self.inplace = functional.check_inplace(inplace)
+        super().__init__("threshold", (check_param("threshold", threshold), check_param("value", value)),
+                         inplace=inplace)
         self.threshold = threshold
         self.value = value
 
@@ -359,8 +350,7 @@ class Hardtanh(_Piecewise):
         lo, hi = check_param("min_val", min_val), check_param("max_val", max_val)
         if lo > hi:
             raise ValueError(f"min_val: expected min_val <= max_val, got min_val={min_val!r} > max_val={max_val!r}")
-        super().__init__("hardtanh", (lo, hi))
-        self.inplace = functional.check_inplace(inplace)
+        super().__init__("hardtanh", (lo, hi), inplace=inplace)
         self.min_val = min_val
         self.max_val = max_val
 
