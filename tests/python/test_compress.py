@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -673,3 +674,89 @@ def test_an_edited_compressed_tensor_is_refused_not_read_out_of_bounds():
     mask.shape = (1000,)
     with pytest.raises(ValueError, match="does not match its shape"):
         C.dequantize(mask)
+
+
+class _Sentinel:
+    """Lives as long as the autograd node holding it."""
+
+
+class _Marked(torch.autograd.Function):
+    """The identity, whose node holds a _Sentinel: a weak reference to it tells whether the graph
+    the node belongs to is still alive (autograd nodes take no weak references)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sentinel: _Sentinel) -> torch.Tensor:  # type: ignore[override]
+        ctx.sentinel = sentinel
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        return g, None
+
+
+class _SavesItsOutputs(torch.nn.Module):
+    """softmax and rsqrt save their own outputs: what a block keeps of them must not hold their node."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        self.sentinel: Optional["weakref.ref[_Sentinel]"] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import weakref
+
+        sentinel = _Sentinel()
+        self.sentinel = weakref.ref(sentinel)
+        h = torch.softmax(_Marked.apply(self.a(x), sentinel), -1)
+        return self.b(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def _graph_of_a_dropped_forward_is_freed(model: _SavesItsOutputs, run) -> bool:
+    """Runs a forward whose output is dropped before any backward (an evaluation without no_grad,
+    a skipped step) and tells whether its graph was freed."""
+    import gc
+
+    out = run()
+    assert model.sentinel is not None and model.sentinel() is not None
+    del out
+    gc.collect()
+    return model.sentinel() is None
+
+
+@pytest.mark.parametrize("context", ["compress", "compress-no-recompute", "counter", "converted"])
+def test_a_forward_dropped_before_its_backward_leaves_no_graph_alive(context: str) -> None:
+    torch.manual_seed(0)
+    model, x = _SavesItsOutputs(), torch.randn(4, 16)  # small: every save is kept as it is
+    if context == "converted":
+        model, _ = abp.convert(model, recipe="compress", example_inputs=(x,))
+        model.eval()  # its block opens in eval mode too
+        block = contextlib.nullcontext
+    else:
+        block = {"compress": lambda: abp.compress_saved(bits=4),
+                 "compress-no-recompute": lambda: abp.compress_saved(bits=4, recompute=False),
+                 "counter": abp.memory.SavedTensorsCounter}[context]
+
+    def run() -> torch.Tensor:
+        with block():
+            return model(x).sum()
+    assert _graph_of_a_dropped_forward_is_freed(model.module if context == "converted" and hasattr(model, "module")
+                                                else model, run)
+    # What is kept still gives torch's gradient (the saves regain their nodes when unpacked).
+    with block():
+        loss = (model(x) * torch.arange(16.0)).sum()
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    loss = (model(x) * torch.arange(16.0)).sum()
+    for mine, exact in zip(grads, torch.autograd.grad(loss, list(model.parameters()))):
+        torch.testing.assert_close(mine, exact, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("recipe", ["sampled", "all"])
+def test_converts_counting_call_leaves_no_graph_alive(recipe: str) -> None:
+    """convert's example call counts saved bytes and is never backpropagated; a graph it left alive
+    would hold the parameters' gradient accumulators (resize_token_embeddings then broke backward)."""
+    import gc
+
+    torch.manual_seed(0)
+    model, _ = abp.convert(_SavesItsOutputs(), recipe=recipe, example_inputs=(torch.randn(64, 16),))
+    gc.collect()
+    assert model.sentinel is not None and model.sentinel() is None

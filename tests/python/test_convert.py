@@ -1443,11 +1443,12 @@ def test_sampled_recipe_handles_conv1d():
     weight = model.mlp.c_fc.weight
     converted, changes = abp.convert(model, "sampled", inplace=True, keep=1.0)
     assert by_action(changes, "replaced") == {
-        "mlp.c_fc": "Conv1D -> SampledLinear (method='wtacrs', keep=1.0, x @ W layout)",
-        "mlp.c_proj": "Conv1D -> SampledLinear (method='wtacrs', keep=1.0, x @ W layout)",
+        "mlp.c_fc": "Conv1D -> SampledConv1D (method='wtacrs', keep=1.0)",
+        "mlp.c_proj": "Conv1D -> SampledConv1D (method='wtacrs', keep=1.0)",
     }
     c_fc = converted.mlp.c_fc
-    assert type(c_fc) is abp.nn.SampledLinear and c_fc.transposed and c_fc.weight is weight
+    # Not a Linear: its weight is (in, out), which code reading a Linear's (out, in) would misread.
+    assert type(c_fc) is abp.nn.SampledConv1D and not isinstance(c_fc, nn.Linear) and c_fc.weight is weight
     assert (c_fc.in_features, c_fc.out_features) == (16, 32)
     assert sorted(converted.state_dict()) == sorted(GPT2Block().state_dict())
     assert type(converted.ln_2) is nn.LayerNorm and type(converted.mlp.act) is nn.SiLU, "sampled alone touches nothing else"
@@ -1651,7 +1652,7 @@ def test_recipe_lists_and_all():
     assert actions == [("ln_2", "replaced"), ("mlp.act", "replaced"), ("mlp.c_fc", "replaced"),
                        ("mlp.c_proj", "replaced"), ("", "wrapped"), ("", "refused")]
     assert type(converted.ln_2) is abp.nn.MSLayerNorm and type(converted.mlp.act) is abp.nn.ReSiLU2
-    assert type(converted.mlp.c_fc) is abp.nn.SampledLinear
+    assert type(converted.mlp.c_fc) is abp.nn.SampledConv1D
     assert list(converted.state_dict()) == list(model.state_dict())
     x = torch.randn(3, 5, 16)
     converted.eval(), model.eval()

@@ -253,6 +253,26 @@ def test_peft_lora_layers_are_sampled() -> None:
     assert grads and all(g is not None for g in grads)
 
 
+def test_lora_on_a_converted_gpt2_merges_into_the_conv1d_layout() -> None:
+    """peft tells Conv1D (x @ W) from Linear (x @ W.T) by type: the sampled GPT-2 projections must
+    not pass for Linears, or merge_and_unload adds the transposed update (wrong, or a shape error)."""
+    peft = pytest.importorskip("peft")
+    model, x = _model("gpt2")
+    converted, _ = abp.convert(model, "sampled")
+    assert any(type(m) is abp.nn.SampledConv1D for m in converted.modules())
+    converted.eval()
+    targets = ["c_attn", "c_proj", "c_fc"]
+    try:
+        lora = peft.get_peft_model(converted, peft.LoraConfig(r=4, target_modules=targets, init_lora_weights=False))
+    except ValueError as e:  # peft refuses the layer: a clear error, never a wrong merge
+        assert "SampledConv1D" in str(e), e
+        return
+    with torch.no_grad():
+        before = _first(lora(x))
+        merged = lora.merge_and_unload()
+        torch.testing.assert_close(_first(merged(x)), before, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["bert", "llama", "gpt2"])
 def test_all_recipe_stacks_and_counts_compressed_bytes(name: str) -> None:
     model, x = _model(name)

@@ -589,10 +589,13 @@ def _sample_one(model: nn.Module, name: str, module: nn.Module, spec: LinearMap,
         why = f"`{name}` is frozen (its weight needs no gradient): nothing to sample"
     if why is not None:
         return Change(name, "refused", why)
-    replacement = abp_nn.SampledLinear.from_linear(module, method=method, keep=keep, transposed=spec.transposed)
+    if spec.transposed:
+        replacement: nn.Module = abp_nn.SampledConv1D.from_conv1d(module, method=method, keep=keep)
+    else:
+        replacement = abp_nn.SampledLinear.from_linear(module, method=method, keep=keep)
     _composition.put(model, paths, replacement)
-    layout = ", x @ W layout" if spec.transposed else ""
-    return Change(name, "replaced", f"{type(module).__name__} -> SampledLinear (method={method!r}, keep={keep}{layout}){_also_at(paths)}")
+    return Change(name, "replaced", f"{type(module).__name__} -> {type(replacement).__name__} (method={method!r}, "
+                  f"keep={keep}){_also_at(paths)}")
 
 
 def _convert_sampled_by_role(model: nn.Module, options: Dict[str, Any], recognised: Dict[int, Any],
@@ -655,7 +658,7 @@ def _convert_sampled(model: nn.Module, options: Dict[str, Any], recognised: Dict
         if not trainable:
             changes.append(Change(name, "refused", f"{type(module).__name__} matches layers= but holds no trainable linear map"))
         for sub_name, sub in trainable:
-            if id(sub) not in done and not isinstance(sub, abp_nn.SampledLinear):
+            if id(sub) not in done and not isinstance(sub, abp_nn.SAMPLED_LAYERS):
                 done.add(id(sub))
                 changes.append(_sample_one(model, sub_name, sub, recognised[id(sub)], method, keep, paths[id(sub)]))
     if not done and layers:
@@ -846,7 +849,7 @@ def _keep_what_saves(model: nn.Module, changes: List[Change], before: Dict[str, 
         if c.action != "replaced" or c.module not in before:
             continue
         original, new = before[c.module], model.get_submodule(c.module)
-        sampled = isinstance(new, abp_nn.SampledLinear)
+        sampled = isinstance(new, abp_nn.SAMPLED_LAYERS)
         spec = recognised.get(id(original))
         named = (options["layers"] is not None) if sampled else \
             isinstance(spec, Activation) and _option_of(spec) in chosen

@@ -55,7 +55,9 @@ class SavedTensorsCounter:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self._note(t, self.tag)
-        return t
+        # Without its autograd node: a saved output holding its own node would keep a graph that is
+        # never backpropagated alive (abp.compress._without_node).
+        return t if t.grad_fn is None else t.detach()
 
     def _note(self, t: torch.Tensor, tag: Optional[str]) -> None:
         try:

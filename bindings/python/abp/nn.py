@@ -52,6 +52,7 @@ __all__ = [
     "Softshrink",
     "MSLayerNorm",
     "MSRMSNorm",
+    "SampledConv1D",
     "SampledLinear",
     "Apply",
 ]
@@ -504,7 +505,45 @@ class MSRMSNorm(_MSNorm):
                                       autocast_output=self.autocast_output)
 
 
-class SampledLinear(NotScriptable, torch.nn.Linear):
+class _SampledRows:
+    """What both sampled layouts share: the method, keep, generator and gradient-norm cache, and a
+    training forward whose backward estimates dW from a sample of the input's token rows."""
+
+    method: str
+    keep: float
+    generator: Optional[torch.Generator]
+    grad_norm_cache: Optional[Tuple[Any, int]]
+    training: bool
+    bias: Optional[torch.nn.Parameter]
+
+    def _set_sampling(self, method: str, keep: float, generator: Optional[torch.Generator]) -> None:
+        self.method = sampling.check_method(method)
+        self.keep = sampling.check_keep(keep)
+        self.generator = check_generator(generator)
+        # (cache, slot) once a sampling.GradNormCache is attached: p ∝ ‖x_t‖·‖dY_t‖ of the last visit.
+        self.grad_norm_cache = None
+
+    def _sampled(self, input: Tensor, weight: Tensor) -> Tensor:
+        """F.linear(input, weight, bias); in training with gradients on, dW estimated from sampled rows."""
+        if not self.training:
+            return torch.nn.functional.linear(input, weight, self.bias)
+        gamma = record = None
+        if self.grad_norm_cache is not None and torch.is_grad_enabled():
+            cache, slot = self.grad_norm_cache
+            rows = input.numel() // input.shape[-1] if input.dim() and input.shape[-1] else 0
+            gamma, record = cache.lookup(slot, rows, input.device)
+        return sampling.sampled_linear(input, weight, self.bias, method=self.method, keep=self.keep,
+                                       generator=self.generator, gamma=gamma, record=record)
+
+
+def _shared_parameters(linear: torch.nn.Module, want: str) -> Tuple[torch.nn.Parameter, Optional[torch.nn.Parameter]]:
+    weight = getattr(linear, "weight", None)
+    if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 2:
+        raise TypeError(f"linear: expected {want} (or a module with a 2-D weight Parameter), got {type(linear).__name__}")
+    return weight, getattr(linear, "bias", None)
+
+
+class SampledLinear(_SampledRows, NotScriptable, torch.nn.Linear):
     """nn.Linear whose backward estimates dW from a sample (or sketch) of the input's token rows,
     so forward saves about `keep` of the input (abp.sampling; docs/algorithms.md §3, §8).
 
@@ -525,55 +564,88 @@ class SampledLinear(NotScriptable, torch.nn.Linear):
         dtype: Any = None,
         generator: Optional[torch.Generator] = None,
     ) -> None:
-        self.method: str = sampling.check_method(method)
-        self.keep: float = sampling.check_keep(keep)
+        self._set_sampling(method, keep, generator)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.generator = check_generator(generator)
-        # (cache, slot) once a sampling.GradNormCache is attached: p ∝ ‖x_t‖·‖dY_t‖ of the last visit.
-        self.grad_norm_cache: Optional[Tuple[Any, int]] = None
-        # True when the weight is stored (in_features, out_features), as transformers' Conv1D keeps it.
-        self.transposed = False
 
     @classmethod
     def from_linear(
         cls, linear: torch.nn.Module, method: str = "wtacrs", keep: float = 0.3,
-        generator: Optional[torch.Generator] = None, *, transposed: bool = False,
+        generator: Optional[torch.Generator] = None,
     ) -> "SampledLinear":
-        """A SampledLinear sharing `linear`'s weight and bias Parameters (not copies), so an
-        optimizer built on the original keeps updating them.
-
-        `linear` is a torch.nn.Linear or, with ``transposed=True``, a module computing
-        ``x @ weight + bias`` with weight (in_features, out_features) (transformers' Conv1D): the
-        weight is then kept in that layout (same Parameter, same state_dict) and used transposed.
-        """
-        weight = getattr(linear, "weight", None)
-        if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 2:
-            raise TypeError(f"linear: expected a torch.nn.Linear (or a module with a 2-D weight Parameter), got {type(linear).__name__}")
-        if not transposed and not isinstance(linear, torch.nn.Linear):
-            raise TypeError(f"linear: expected a torch.nn.Linear, got {type(linear).__name__} (pass transposed=True for x @ W layouts)")
-        in_f, out_f = (weight.shape[0], weight.shape[1]) if transposed else (weight.shape[1], weight.shape[0])
-        bias = getattr(linear, "bias", None)
-        module = cls(in_f, out_f, bias=bias is not None, method=method, keep=keep, device="meta", generator=generator)
-        module.transposed = transposed
+        """A SampledLinear sharing the torch.nn.Linear `linear`'s weight and bias Parameters (not
+        copies), so an optimizer built on the original keeps updating them."""
+        weight, bias = _shared_parameters(linear, "a torch.nn.Linear")
+        if not isinstance(linear, torch.nn.Linear):
+            raise TypeError(f"linear: expected a torch.nn.Linear, got {type(linear).__name__} "
+                            "(abp.nn.SampledConv1D.from_conv1d takes x @ W layouts)")
+        module = cls(weight.shape[1], weight.shape[0], bias=bias is not None, method=method, keep=keep, device="meta",
+                     generator=generator)
         module.weight = weight
         module.bias = bias
         module.train(linear.training)
         return module
 
     def forward(self, input: Tensor) -> Tensor:
-        weight = self.weight.t() if self.transposed else self.weight
-        if not self.training:
-            return torch.nn.functional.linear(input, weight, self.bias)
-        gamma = record = None
-        if self.grad_norm_cache is not None and torch.is_grad_enabled():
-            cache, slot = self.grad_norm_cache
-            rows = input.numel() // input.shape[-1] if input.dim() and input.shape[-1] else 0
-            gamma, record = cache.lookup(slot, rows, input.device)
-        return sampling.sampled_linear(input, weight, self.bias, method=self.method, keep=self.keep,
-                                       generator=self.generator, gamma=gamma, record=record)
+        return self._sampled(input, self.weight)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, method={self.method!r}, keep={self.keep}" + (", transposed=True" if self.transposed else "")
+        return f"{super().extra_repr()}, method={self.method!r}, keep={self.keep}"
+
+
+class SampledConv1D(_SampledRows, NotScriptable, torch.nn.Module):
+    """SampledLinear for the ``x @ weight + bias`` layout of transformers' Conv1D (GPT-2's
+    projections): weight is (in_features, out_features), as there, so the state_dict is the
+    Conv1D's. Not a torch.nn.Linear: code that reads a Linear's weight as (out, in) (peft's merge,
+    pruning) must not take it for one."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        method: str = "wtacrs",
+        keep: float = 0.3,
+        device: Any = None,
+        dtype: Any = None,
+        generator: Optional[torch.Generator] = None,
+    ) -> None:
+        super().__init__()
+        self._set_sampling(method, keep, generator)
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = torch.nn.Parameter(torch.empty(in_features, out_features, device=device, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
+        if self.weight.device.type != "meta":
+            torch.nn.init.normal_(self.weight, std=0.02)  # as transformers' Conv1D
+
+    @property
+    def nf(self) -> int:
+        """transformers' Conv1D's name for out_features."""
+        return self.out_features
+
+    @classmethod
+    def from_conv1d(
+        cls, conv1d: torch.nn.Module, method: str = "wtacrs", keep: float = 0.3,
+        generator: Optional[torch.Generator] = None,
+    ) -> "SampledConv1D":
+        """A SampledConv1D sharing `conv1d`'s weight (in_features, out_features) and bias Parameters."""
+        weight, bias = _shared_parameters(conv1d, "a module computing x @ weight + bias")
+        module = cls(weight.shape[0], weight.shape[1], bias=bias is not None, method=method, keep=keep, device="meta",
+                     generator=generator)
+        module.weight = weight
+        module.bias = bias
+        module.train(conv1d.training)
+        return module
+
+    def forward(self, input: Tensor) -> Tensor:
+        return self._sampled(input, self.weight.t())
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"method={self.method!r}, keep={self.keep}")
+
+
+#: The modules whose backward samples dW (isinstance checks).
+SAMPLED_LAYERS = (SampledLinear, SampledConv1D)
 
 
 class Apply(NotScriptable, torch.nn.Module):

@@ -274,11 +274,11 @@ class GradNormCache:
         return sum(t.numel() * t.element_size() for t in self.tables.values())
 
     def attach(self, model: torch.nn.Module) -> int:
-        """Makes every SampledLinear of `model` read and update a table of this cache; returns
-        how many layers it attached."""
-        from .nn import SampledLinear  # abp.nn imports this module
+        """Makes every SampledLinear and SampledConv1D of `model` read and update a table of this
+        cache; returns how many layers it attached."""
+        from .nn import SAMPLED_LAYERS  # abp.nn imports this module
 
-        layers = [m for m in model.modules() if isinstance(m, SampledLinear)]
+        layers = [m for m in model.modules() if isinstance(m, SAMPLED_LAYERS)]
         for layer in layers:
             attached = layer.grad_norm_cache
             if attached is None or attached[0] is not self:
