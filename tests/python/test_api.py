@@ -484,7 +484,7 @@ def test_every_name_mirrors_torch():
     for name in abp.nn.__all__:
         assert issubclass(getattr(abp.nn, name), torch.nn.Module)
         # abp's own methods; every other name is torch's.
-        assert name in ("ReGELU2", "ReSiLU2", "MSLayerNorm", "MSRMSNorm", "SampledLinear", "Apply") or hasattr(torch.nn, name), name
+        assert name in ("ReGELU2", "ReSiLU2", "MSLayerNorm", "MSRMSNorm", "SampledLinear", "SampledConv1D", "Apply") or hasattr(torch.nn, name), name
 
 
 def test_manifest_saved_bits_per_element_agrees_with_the_residuals():
