@@ -125,10 +125,12 @@ def test_activations_give_their_defined_derivative(name: str) -> None:
         _assert_same_up_to_rounding(got[key], want[key], f"{name} {key}")
 
 
+@pytest.mark.parametrize("recipe", ["lowmembp", "sampled", "all"])
 @pytest.mark.parametrize("name", ["bert", "llama", "gpt2"])
-def test_state_dict_loads_into_the_original_architecture(name: str) -> None:
+def test_state_dict_loads_into_the_original_architecture(name: str, recipe: str) -> None:
+    """How a trained model is deployed without abp (docs/training.md)."""
     model, x = _model(name)
-    converted, _ = abp.convert(model, "lowmembp")
+    converted, _ = abp.convert(model, recipe)
     assert converted.state_dict().keys() == model.state_dict().keys()
     fresh, _ = _model(name)
     fresh.load_state_dict(converted.state_dict())
