@@ -49,6 +49,11 @@ def _norms() -> List[Tuple[str, Callable[[], torch.nn.Module], Callable[[], torc
     return pairs
 
 
+def _linears() -> List[Tuple[str, Callable[[], torch.nn.Module], Callable[[], torch.nn.Module]]]:
+    """The sampled linear layer (WTA-CRS, keep 0.3) against the Linear it replaces."""
+    return [("SampledLinear (wtacrs)", lambda: abp.nn.SampledLinear(COLS, COLS), lambda: torch.nn.Linear(COLS, COLS))]
+
+
 def _affine(norm: torch.nn.Module) -> torch.nn.Module:
     """The norm with the same non-trivial gamma and beta on both sides (as a trained model has)."""
     with torch.no_grad():
@@ -71,7 +76,7 @@ def pairs() -> List[Tuple[str, Callable[[], torch.nn.Module], Callable[[], torch
         theirs = special.get(name) or getattr(torch.nn, name)
         args: Tuple[float, ...] = (0.5, 0.0) if name == "Threshold" else ()
         out.append((name, (lambda m=mine, a=args: m(*a)), (lambda t=theirs, a=args: t(*a))))
-    return out + _norms()
+    return out + _norms() + _linears()
 
 
 def _step(module: torch.nn.Module, x: torch.Tensor, g: torch.Tensor) -> Callable[[], None]:
@@ -124,6 +129,8 @@ def recipes() -> List[Tuple[str, Callable[[], Callable[[], None]], Callable[[], 
         return run
 
     return [("recipe lowmembp", converted("lowmembp"), exact),
+            ("recipe sampled", converted("sampled"), exact),
+            ("recipe all", converted("all"), exact),
             ("compress_saved(bits=4)", compressed, exact)]
 
 

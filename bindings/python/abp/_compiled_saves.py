@@ -342,7 +342,15 @@ def _graph_module(function: Any, constants: Tuple[Any, ...]) -> torch.fx.GraphMo
     graph = torch.fx.Graph()
     value = graph.placeholder("saved")
     graph.output(graph.call_function(function, (value,) + constants))
-    return torch.fx.GraphModule(torch.nn.Module(), graph)
+    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+    # Eager autograd calls the hook on every save and every read: it goes straight to the function
+    # the graph calls, not through nn.Module.__call__ and the generated forward (a few Python frames
+    # each time). Compiled graphs inline the graph itself. fx gives each GraphModule a class of its
+    # own, so this touches no other; a recompile() would only restore the slower call.
+    cls = type(module)
+    if cls is not torch.fx.GraphModule:
+        cls.__call__ = lambda self, saved: function(saved, *constants)  # type: ignore[method-assign]
+    return module
 
 
 def hooks(bits: int, group_size: int, min_numel: int, op_rules: bool, exact_relu: bool

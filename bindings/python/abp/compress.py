@@ -544,6 +544,12 @@ class _Deferred:
         self.modified = False
 
 
+#: Switches torch function handling off, modes included (torch >= 2; the recorder needs torch >= 2).
+_NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
+#: Tensors whose properties need no torch function (a subclass's may: its hook keeps it on).
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 class _Kept:
     """What the pack hook returns for a tensor kept as it is (a parameter, a small activation): the
     tensor and its version when it was saved. With saved-tensor hooks autograd checks no versions,
@@ -762,6 +768,14 @@ class compress_saved:
     def pack(self, t: torch.Tensor) -> Any:
         """The saved_tensors_hooks pack hook: a `_Deferred` for a tensor to compress, a `_Kept`
         for one kept as it is, or a CompressedTensor (a mask, or where ops are not told apart)."""
+        if self._recorder is not None and type(t) in _PLAIN_TENSORS and not _derived._compiling():
+            # The recorder's torch function mode would see every tensor property this hook reads
+            # (a Python call each, some 30 per save), although it records nothing while packing.
+            with _NO_TORCH_FUNCTION():
+                return self._pack_kept(t)
+        return self._pack_kept(t)
+
+    def _pack_kept(self, t: torch.Tensor) -> Any:
         packed = self._pack(t)
         return _Kept(packed) if packed is t else packed
 
