@@ -51,7 +51,16 @@ def _norms() -> List[Tuple[str, Callable[[], torch.nn.Module], Callable[[], torc
 
 def _linears() -> List[Tuple[str, Callable[[], torch.nn.Module], Callable[[], torch.nn.Module]]]:
     """The sampled linear layer (WTA-CRS, keep 0.3) against the Linear it replaces."""
-    return [("SampledLinear (wtacrs)", lambda: abp.nn.SampledLinear(COLS, COLS), lambda: torch.nn.Linear(COLS, COLS))]
+    return [("SampledLinear (wtacrs)", lambda: abp.nn.SampledLinear.from_linear(_linear()), _linear)]
+
+
+def _linear() -> torch.nn.Linear:
+    """A Linear with the same weight and bias each time, so both sides compute the same forward."""
+    linear = torch.nn.Linear(COLS, COLS)
+    with torch.no_grad():
+        linear.weight.copy_(torch.linspace(-0.5, 0.5, COLS * COLS).reshape(COLS, COLS))
+        linear.bias.copy_(torch.linspace(-0.25, 0.25, COLS))
+    return linear
 
 
 def _affine(norm: torch.nn.Module) -> torch.nn.Module:
