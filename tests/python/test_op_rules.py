@@ -425,6 +425,36 @@ def test_watch_is_quiet_on_a_steady_norm_and_alarms_once_on_growth_or_nan() -> N
     assert _guard.GradientWatch().add([10.0] * 25 + [1.0] * 100 + [5.0] * 100) is None
 
 
+def test_a_watch_restarts_when_other_parameters_train_and_keeps_no_long_history() -> None:
+    # Gradual unfreezing: the norm over more parameters is another quantity, not divergence.
+    def record(watch: _guard.GradientWatch, norms: List[float], contributors: int) -> Optional[str]:
+        found = None
+        for value in norms:
+            found = watch.record(torch.tensor(value), contributors=contributors) or found
+        return found
+
+    watch = _guard.GradientWatch(window=4)
+    assert record(watch, [0.01] * 40, contributors=1) is None
+    assert record(watch, [0.4] * 40, contributors=30) is None  # unfrozen: a new reference
+    assert watch.reference == pytest.approx(0.4)
+    assert "grew from" in (record(watch, [40.0] * 40, contributors=30) or "")  # growth at the same set alarms
+    same = _guard.GradientWatch(window=4)
+    assert "grew from" in (record(same, [0.01] * 40 + [0.4] * 40, contributors=1) or "")
+    # A long run keeps the readings the rule needs, not one per step.
+    steady = _guard.GradientWatch()
+    assert steady.add([1.0] * 5000) is None
+    assert len(steady.norms) == steady.window and steady.steps == 5000
+
+
+def test_the_alarm_of_an_eight_bit_block_does_not_advise_more_bits() -> None:
+    with pytest.warns(_guard.DivergenceWarning) as caught:
+        _guard.alarm("warn", "abp.compress_saved(bits=8)", "the gradient norm is nan at step 3", widest=True)
+        _guard.alarm("warn", "abp.compress_saved(bits=4)", "the gradient norm is nan at step 3")
+    widest, narrower = (str(w.message) for w in caught)
+    assert "stores 8 bits already" in widest and "more bits" not in widest
+    assert "more bits" in narrower
+
+
 def test_a_scaled_watch_skips_overflow_steps_and_scale_growth_and_alarms_on_lasting_overflow() -> None:
     # float16 under a GradScaler: an overflow step's norm is inf (skipped by the scaler, which
     # halves its scale), and the scale doubles after runs of clean steps; neither is divergence.
@@ -593,7 +623,7 @@ def _blow_up_training(guard) -> int:
                 loss.backward()
             except abp.DivergenceError as e:
                 assert "abp.compress_saved(bits=8): the gradient norm grew from" in str(e)
-                assert "more bits than this setting" in str(e) and "guard=False" in str(e)
+                assert "stores 8 bits already" in str(e) and "guard=False" in str(e)
                 return step
     return -1
 
@@ -605,7 +635,7 @@ def test_guard_raises_when_training_blows_up() -> None:
 
 def test_guard_warns_by_default_and_can_be_turned_off() -> None:
     library_or_skip()
-    advice = r"^abp\.compress_saved\(bits=8\): .*the gradient norm grew.*more bits than this setting.*exact training diverges too"
+    advice = r"^abp\.compress_saved\(bits=8\): .*the gradient norm grew.*stores 8 bits already.*diverges too"
     with pytest.warns(abp.DivergenceWarning, match=advice):
         _blow_up_training("warn")
     with warnings.catch_warnings():

@@ -51,9 +51,15 @@ class GradientWatch:
 
     def __init__(self, *, skip: int = 5, window: int = 20, factor: float = 8.0) -> None:
         self.skip, self.window, self.factor = skip, window, factor
-        self.norms: List[float] = []  # one per step, read from the device every `window` steps
+        #: The readings the rule still needs (read from the device every `window` steps): every
+        #: one until the reference is set, then the last `window` (a long run keeps no history).
+        self.norms: List[float] = []
+        self.steps = 0  # readings so far (the step a reading is, in messages)
         self._pending: List[torch.Tensor] = []
         self.reference: Optional[float] = None
+        #: How many of the parameters trained at the last reading: a norm over other parameters
+        #: (layers unfrozen or frozen) is another quantity, so the history restarts.
+        self.contributors: Optional[int] = None
         self.alarmed = False
         #: Float16 training, its gradients scaled by a GradScaler (module docstring).
         self.scaled = False
@@ -65,33 +71,46 @@ class GradientWatch:
         self._due: Optional[Tuple[List["weakref.ref[torch.Tensor]"], Callable[[str], None]]] = None
         self._undecided: List[Tuple[torch.Tensor, bool]] = []  # backward-end norms while undecided
 
-    def record(self, norm: torch.Tensor, scaled: bool = False) -> Optional[str]:
-        """Adds one step's gradient norm (a 0-d tensor); `scaled`: the step saved float16 tensors.
-        Returns the alarm's reason, once."""
+    def record(self, norm: torch.Tensor, scaled: bool = False, contributors: Optional[int] = None) -> Optional[str]:
+        """Adds one step's gradient norm (a 0-d tensor); `scaled`: the step saved float16 tensors;
+        `contributors`: how many parameters it is the norm of. Returns the alarm's reason, once."""
+        if contributors is not None and self.contributors is not None and contributors != self.contributors:
+            self._restart()
+        if contributors is not None:
+            self.contributors = contributors
         self.scaled = self.scaled or scaled
         self._pending.append(norm.detach())
         if len(self._pending) < self.window:
             return None
         return self.add([float(v) for v in torch.stack(self._pending).cpu().tolist()])
 
+    def _restart(self) -> None:
+        """Forgets the readings and the reference (the alarm, once raised, stays raised)."""
+        self.norms, self._pending, self.steps, self.reference, self._not_finite = [], [], 0, None, 0
+
     def add(self, norms: Iterable[float]) -> Optional[str]:
         """Adds gradient norms read on the host; returns the alarm's reason, once."""
         self._pending = []
+        found = None
         for value in norms:
             self.norms.append(value)
+            self.steps += 1
             reason = self._check()
+            if (self.reference is not None or self.scaled) and len(self.norms) > self.window:
+                del self.norms[:-self.window]
             if reason is not None and not self.alarmed:
                 self.alarmed = True
-                return reason
-        return None
+                found = found or reason
+        return found
 
     def _check(self) -> Optional[str]:
-        step, value = len(self.norms) - 1, self.norms[-1]
+        step, value = self.steps - 1, self.norms[-1]
         if self.scaled:
             if math.isfinite(value):
                 self._not_finite = 0
                 return None  # a scaler's scale moves the norm by powers of 2: no growth rule
             self.norms.pop()  # a skipped step: not part of the history
+            self.steps -= 1
             self._not_finite += 1
             if self._not_finite >= self.window:
                 return (f"the gradient norm was not finite for {self._not_finite} steps in a row (a loss scaler "
@@ -100,9 +119,9 @@ class GradientWatch:
         if not math.isfinite(value):
             return f"the gradient norm is {value} at step {step}"
         start = self.skip
-        if self.reference is None and len(self.norms) >= start + self.window:
+        if self.reference is None and self.steps >= start + self.window:
             self.reference = statistics.median(self.norms[start:start + self.window])
-        if self.reference is None or len(self.norms) < start + 2 * self.window:
+        if self.reference is None or self.steps < start + 2 * self.window:
             return None
         recent = statistics.median(self.norms[-self.window:])
         if recent > self.factor * self.reference:
@@ -136,20 +155,26 @@ def check_after_backward(parameters: List[torch.Tensor], half: bool, on_alarm: C
     if watch.mode == "undecided":
         norm = gradient_norm(parameters)
         if norm is not None:
-            watch._undecided.append((norm.detach(), half))
+            watch._undecided.append((norm.detach(), half, _contributors(parameters)))
         if len(watch._undecided) >= _WITHOUT_STEPS:  # no torch.optim optimizer steps this model
             watch.mode, undecided, watch._undecided, watch._due = "backward", watch._undecided, [], None
-            for norm, was_half in undecided:
-                reason = watch.record(norm, scaled=was_half)
+            for norm, was_half, contributors in undecided:
+                reason = watch.record(norm, scaled=was_half, contributors=contributors)
                 if reason is not None:
                     on_alarm(reason)
+
+
+def _contributors(parameters: List[torch.Tensor]) -> int:
+    """How many of `parameters` train: unfreezing changes it; a mixture of experts' unrouted
+    experts, whose gradients are None for a step, do not."""
+    return sum(1 for p in parameters if p.requires_grad)
 
 
 def _read(watch: "GradientWatch", parameters: List[torch.Tensor], half: bool, on_alarm: Callable[[str], None]) -> None:
     norm = gradient_norm(parameters)
     if norm is None:
         return
-    reason = watch.record(norm, scaled=half and watch.mode == "backward")
+    reason = watch.record(norm, scaled=half and watch.mode == "backward", contributors=_contributors(parameters))
     if reason is not None:
         on_alarm(reason)
 
@@ -221,11 +246,14 @@ def after_backward(callback: Callable[[], Any]) -> bool:
     return True
 
 
-def alarm(mode: str, who: str, reason: str) -> None:
-    message = (f"{who}: {reason}, as compressed training that diverges does. Store the saved "
-               "activations at more bits than this setting does (compress_saved(bits=8) is the widest); if "
-               "exact training diverges too, the cause is not compression (the learning rate, for one). "
-               "guard=False silences this check")
+def alarm(mode: str, who: str, reason: str, widest: bool = False) -> None:
+    """Warns (or raises, `mode` "raise") that training under `who` diverges; `widest`: it stores
+    every compressed tensor at 8 bits already, so more bits is no advice."""
+    advice = ("It stores 8 bits already, the widest: train exactly on the same schedule to compare; if that "
+              "diverges too, the cause is not compression (the learning rate, for one)" if widest else
+              "Store the saved activations at more bits than this setting does (compress_saved(bits=8) is the "
+              "widest); if exact training diverges too, the cause is not compression (the learning rate, for one)")
+    message = f"{who}: {reason}, as compressed training that diverges does. {advice}. guard=False silences this check"
     if mode == "raise":
         raise DivergenceError(message)
     warnings.warn(message, DivergenceWarning, stacklevel=2)

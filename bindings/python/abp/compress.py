@@ -1136,7 +1136,9 @@ class compress_saved:
         return dequantize(saved) if isinstance(saved, CompressedTensor) else saved
 
     def _check_gradients(self, parameters: List[torch.Tensor], half: bool = False) -> None:
-        _guard.check_after_backward(parameters, half, lambda reason: _guard.alarm(self.guard, self.label, reason))
+        widest = self.bits_for is None and self.bits == 8
+        _guard.check_after_backward(parameters, half,
+                                    lambda reason: _guard.alarm(self.guard, self.label, reason, widest=widest))
 
     def __enter__(self) -> "compress_saved":
         if self._hooks is not None:
