@@ -331,3 +331,31 @@ def test_the_controller_at_two_bits_trains_under_checkpointing_as_without() -> N
     checkpointed = train_tiny_llama(controller=True, checkpointed=True)
     assert plain < 1.04 * exact, (exact, plain)
     assert checkpointed < 1.04 * exact and checkpointed < 1.02 * plain, (exact, plain, checkpointed)
+
+
+def test_a_block_opened_inside_a_non_reentrant_checkpoint_leaves_it_its_saves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module converted with recipe compress, checkpointed (non-reentrant): its block would take
+    every save from the checkpoint's hooks (the innermost win), which then neither kept only its
+    inputs nor recomputed. The block compresses nothing there and says so; the checkpoint works."""
+    monkeypatch.setattr(abp.compress, "_WARNED", set())  # said once per process
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    converted, _ = abp.convert(block, "compress", bits=4)
+    calls = [0]
+    converted.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    x = torch.randn(8, 16, 64, requires_grad=True)
+
+    def grads(model: nn.Module) -> List[torch.Tensor]:
+        model.zero_grad()
+        x.grad = None
+        checkpoint(model, x, use_reentrant=False).pow(2).mean().backward()
+        return [x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+
+    with pytest.warns(RuntimeWarning, match="inside a non-reentrant activation checkpoint"):
+        got = grads(converted)
+    assert calls[0] == 2, "recomputed in backward"
+    for mine, exact in zip(got, grads(block)):
+        assert torch.equal(mine, exact)  # nothing compressed: the checkpoint's exact gradients
+    with abp.compress_saved(bits=4) as outside:  # around the checkpointed call it compresses
+        checkpoint(block, x, use_reentrant=False).pow(2).mean().backward()
+    assert outside.stats["tensors"] > 0

@@ -99,6 +99,39 @@ def _torch_checkpoint_codes() -> Tuple[Tuple[Any, ...], Tuple[Any, ...]]:
 
 _CHECKPOINT_CODE, _RECOMPUTATION_CODE = _torch_checkpoint_codes()
 
+
+def _nested_codes(function_name: str, inner: str) -> Tuple[Any, ...]:
+    """The code of the function `inner` defined inside torch.utils.checkpoint's `function_name`."""
+    import torch.utils.checkpoint as checkpoint
+
+    outer = getattr(getattr(checkpoint, function_name, None), "__code__", None)
+    if outer is None:
+        return ()
+    return tuple(c for c in outer.co_consts if getattr(c, "co_name", None) == inner)
+
+
+# torch 1.13's non-reentrant checkpoint recomputes inside its unpack hook.
+_NONREENTRANT_RECOMPUTATION_CODE = _nested_codes("_checkpoint_without_reentrant", "unpack")
+# The innermost saved-tensor hooks (torch >= 2.1); torch 1.13 cannot say.
+_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def inside_checkpoint_hooks(depth: int = 128) -> bool:
+    """True where a non-reentrant activation checkpoint's saved-tensor hooks are the innermost:
+    its forward, or its recomputation in backward. Hooks opened there would take every save from
+    it (the innermost win), so it would neither keep only its inputs nor recompute. Where torch
+    cannot name the innermost hooks (1.13), the stack says: torch.utils.checkpoint.checkpoint (a
+    reentrant checkpoint's forward runs without grad, so it saves nothing anyway) or 1.13's
+    non-reentrant recomputation, within `depth` frames."""
+    if _TOP_HOOKS is not None:
+        try:
+            top = _TOP_HOOKS(False)
+        except TypeError:  # pragma: no cover - an older signature
+            top = None
+        else:
+            return top is not None and getattr(top[0], "__module__", None) == "torch.utils.checkpoint"
+    return _on_stack(_CHECKPOINT_CODE + _NONREENTRANT_RECOMPUTATION_CODE, depth)
+
 # The graph task backward is running, -1 outside backward (torch >= 2.0; absent on 1.13).
 _GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", None)
 

@@ -13,6 +13,7 @@ that do not span rows where a row allows it (`row_group_size`).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import warnings
@@ -1159,6 +1160,16 @@ class compress_saved:
         self.derived_choices = set()
         self._guarded = {} if self.guard else None  # id → parameter, until backward reads the first save
         self._guarded_half = False
+        if _save_rules.inside_checkpoint_hooks():
+            _warn_once("checkpoint", f"{self.label} is opened inside a non-reentrant activation checkpoint (its forward "
+                       "or its recomputation in backward): it compresses nothing there, so that the checkpoint keeps "
+                       "only its inputs and recomputes the rest. To compress what the checkpoint keeps, open the block "
+                       "around the checkpointed call (a model converted with recipe compress or all, checkpointed "
+                       "inside, does so)")
+            self._hooks = contextlib.nullcontext()
+            self._hooks.__enter__()
+            _OPEN.block = self
+            return self
         if _compiling():
             _warn_once("traced", f"{self.label} is entered inside code torch.compile traces: the compiled graph "
                        "saves its tensors without these hooks, so nothing is compressed. Open the block around "
