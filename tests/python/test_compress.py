@@ -760,3 +760,26 @@ def test_converts_counting_call_leaves_no_graph_alive(recipe: str) -> None:
     model, _ = abp.convert(_SavesItsOutputs(), recipe=recipe, example_inputs=(torch.randn(64, 16),))
     gc.collect()
     assert model.sentinel is not None and model.sentinel() is None
+
+
+def test_one_block_over_several_steps_works_as_a_block_per_step() -> None:
+    """docs/python.md: a forward starting after a backward reuses nothing the last forward packed
+    and is watched by the guard (torch 1.13 cannot say when backward runs: the block notes when
+    one through it ends)."""
+    library_or_skip()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.randn(32, 64)
+    held = []
+    with pytest.raises(abp.DivergenceError, match="not finite|is nan"):
+        with abp.compress_saved(bits=4, guard="raise") as block:
+            for step in range(40):
+                if step == 2:
+                    with torch.no_grad():
+                        model[0].weight[0, 0] = float("nan")
+                optimizer.zero_grad()
+                model(x).pow(2).mean().backward()
+                held.append(len(block._packed))
+                optimizer.step()
+    assert len(held) >= 2 and len(set(held)) == 1, held  # each forward starts afresh

@@ -153,6 +153,11 @@ def outside_backward() -> bool:
     return _GRAPH_TASK is not None and _GRAPH_TASK() == -1
 
 
+def cannot_tell_backward() -> bool:
+    """True where torch does not say whether backward runs (1.13: outside_backward is always False)."""
+    return _GRAPH_TASK is None
+
+
 def is_reentrant_checkpoint(node: Any) -> bool:
     """Whether an autograd node is a reentrant checkpoint's (CheckpointFunction: its backward
     reruns the block and runs a backward of its own, which torch allows only under .backward())."""

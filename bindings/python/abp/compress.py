@@ -738,6 +738,9 @@ class compress_saved:
         self._group_rule: Optional[Tuple[Any, _save_rules.Floors]] = None
         # Set by the first unpack: a save after it is a rerun's (a reentrant checkpoint's).
         self._backward_begun = False
+        # Where torch cannot say whether backward runs (1.13): set when a backward through this
+        # block has ended, so that the next save is the next step's forward.
+        self._backward_ended = False
         # True if the op saving now is fused attention whose output and logsumexp are recomputed.
         self._group_attention = False
         # Set while the block reads an autograd node's saves (_peek): unpack hands back what it gets.
@@ -786,7 +789,8 @@ class compress_saved:
         # them). Its block's backward reads it at once: checkpointing's peak is one block's
         # tensors either way, and codes would add their error where the two kinds should agree
         # (a T5 under the controller at 2 bits: 2.24 reentrant, 1.91 non-reentrant and exact).
-        if self._backward_begun and _save_rules.outside_backward():
+        if self._backward_begun and (_save_rules.outside_backward() or (
+                self._backward_ended and not _save_rules.recomputing_checkpoint())):
             self._forward_again()
         if self._backward_begun and self.op_rules and _save_rules.recomputing_checkpoint():
             return t  # neither counted nor offered: a non-reentrant rerun's saves are not seen either
@@ -840,7 +844,7 @@ class compress_saved:
         records again (the tensors it makes are recomputed, not stored) and the guard watches
         the parameters this forward saves (what the last forward packed is not reused: its
         codes belong to that step's graph)."""
-        self._backward_begun = False
+        self._backward_begun = self._backward_ended = False
         self._packed = {}
         if self._recorder is not None:
             self._recorder.recording = True
@@ -1114,6 +1118,8 @@ class compress_saved:
         if self._peeking is not None:
             self._peeking.append(saved)
             return _NOTHING
+        if not self._backward_begun and _save_rules.cannot_tell_backward():
+            _guard.after_backward(self._note_backward_ended)
         self._backward_begun = True
         if self._recorder is not None and self._recorder.recording:
             self._recorder.recording = False  # backward has begun: nothing more is recorded
@@ -1135,6 +1141,9 @@ class compress_saved:
         if isinstance(saved, _derived.Derived):
             return saved.materialize(self.unpack, memo)
         return dequantize(saved) if isinstance(saved, CompressedTensor) else saved
+
+    def _note_backward_ended(self) -> None:
+        self._backward_ended = True
 
     def _check_gradients(self, parameters: List[torch.Tensor], half: bool = False) -> None:
         widest = self.bits_for is None and self.bits == 8
