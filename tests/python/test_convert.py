@@ -2065,23 +2065,31 @@ def test_an_optimizer_built_before_a_copying_convert_is_warned_about_once():
 
 
 def test_torchscript_refusals_name_what_to_use_and_a_compress_model_traces_as_its_function():
-    """torch.jit.script of any abp module, and torch.jit.trace of a sampled layer in training, say
-    what to use instead (they failed on an annotation deep inside, or on a traced count); a
-    compress-recipe model traces as the model's function (its block is no part of it)."""
+    """torch.jit.script of any abp module or compress-recipe model, and torch.jit.trace of a sampled
+    layer in training, say what to use instead, on this torch (they failed on an annotation deep
+    inside, or on a traced count; torch 1.13 has no torch.compile to advise); a compress-recipe
+    model traces as the model's function (its block is no part of it), with a warning that the
+    traced module trains without compression."""
     import warnings
     modules = [abp.nn.GELU(), abp.nn.ReGELU2(), abp.nn.ReLU(), abp.nn.MSLayerNorm(8),
                abp.nn.SampledLinear(8, 8), abp.convert(nn.Sequential(nn.Linear(8, 8), nn.GELU()))[0]]
+    alternative = "torch.compile or torch.export" if hasattr(torch, "compile") else "on this torch, script or trace the unconverted"
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+    converted, _ = abp.convert(model, "compress", bits=4)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch >= 2.9 calls TorchScript deprecated
         for module in modules:
-            with pytest.raises(RuntimeError, match="torch.jit.script cannot compile abp modules.*torch.compile"):
+            with pytest.raises(RuntimeError, match=f"torch.jit.script cannot compile abp modules.*{alternative}"):
                 torch.jit.script(module)
+        with pytest.raises(RuntimeError, match=f"runs inside compress_saved.*TorchScript cannot compile.*{alternative}"):
+            torch.jit.script(converted)
         with pytest.raises(RuntimeError, match="sampled_linear: torch.jit.trace cannot record abp operators"):
             torch.jit.trace(abp.nn.SampledLinear(8, 8).train(), torch.randn(4, 3, 8))
-        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
-        converted, _ = abp.convert(model, "compress", bits=4)
         x = torch.randn(4, 8)
-        traced = torch.jit.trace(converted, x)
+        abp.compress._WARNED.discard("jit-trace")  # said once per process
+        warnings.simplefilter("always", RuntimeWarning)
+        with pytest.warns(RuntimeWarning, match="trains without compression"):
+            traced = torch.jit.trace(converted, x)
     assert abp.compress.open_block() is None
     torch.testing.assert_close(traced(x), model(x))
 

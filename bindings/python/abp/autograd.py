@@ -69,6 +69,16 @@ class OperatorFunction(torch.autograd.Function):
         return _backward(ctx, *grads)
 
 
+def jit_alternative() -> str:
+    """What to use instead of TorchScript, on this torch (1.13 has neither torch.compile nor
+    torch.export)."""
+    if hasattr(torch, "compile") and hasattr(torch, "export"):
+        return ("use torch.compile or torch.export, which keep them, or script or trace the unconverted model "
+                "(the converted model's state_dict loads into it)")
+    return ("on this torch, script or trace the unconverted model (the converted model's state_dict loads into "
+            "it); torch >= 2 compiles and exports abp's operators")
+
+
 class NotScriptable:
     """Mixin of abp's modules: torch.jit.script asks each module to prepare itself before it
     compiles, and abp's forwards launch kernels from Python, which TorchScript cannot compile;
@@ -76,8 +86,17 @@ class NotScriptable:
 
     def __prepare_scriptable__(self) -> Any:
         raise RuntimeError(f"{type(self).__name__}: torch.jit.script cannot compile abp modules (their kernels are "
-                           "launched from Python, outside TorchScript); use torch.compile or torch.export, which keep "
-                           "them")
+                           f"launched from Python, outside TorchScript); {jit_alternative()}")
+
+
+class RefuseScripting:
+    """Set on a model (instance attribute ``__prepare_scriptable__``) whose forward runs inside a
+    compress_saved block by abp.convert: the block's hooks are Python, which TorchScript cannot
+    compile. Picklable, and no part of the state_dict."""
+
+    def __call__(self) -> Any:
+        raise RuntimeError("abp: this model's forward runs inside compress_saved (abp.convert's compress or all "
+                           f"recipe), whose hooks TorchScript cannot compile; {jit_alternative()}")
 
 
 def refuse_jit_trace(op_name: str) -> None:
@@ -85,7 +104,7 @@ def refuse_jit_trace(op_name: str) -> None:
     graph would replay without them, or fail on the sizes it turned into values)."""
     if torch._C._get_tracing_state() is not None:
         raise RuntimeError(f"{op_name}: torch.jit.trace cannot record abp operators (their kernels are launched "
-                           "outside torch's dispatcher); use torch.compile or torch.export, which keep them")
+                           f"outside torch's dispatcher); {jit_alternative()}")
 
 
 def _backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:

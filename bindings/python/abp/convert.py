@@ -44,7 +44,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from . import _compiled_saves, _composition, _custom_ops, _dataflow, _derived, _recognise, _stale_optimizer, _structure, compress, sampling
+from . import (_compiled_saves, _composition, _custom_ops, _dataflow, _derived, _recognise, _stale_optimizer, _structure,
+               autograd, compress, sampling)
 from . import nn as abp_nn
 from ._recognise import Activation, LinearMap, Norm, Unknown
 from ._roles import sampled_linear_maps as _roles_of
@@ -748,6 +749,10 @@ class CompressSavedHooks:
             # torch.export and make_fx trace the model's function with tensors that hold no data, and
             # torch.jit.trace records its ops: the block's own work is no part of the model's
             # function, so no block (None keeps enter and leave paired).
+            if torch._C._get_tracing_state() is not None:
+                compress._warn_once("jit-trace", "abp: torch.jit.trace records this model without its compress_saved "
+                                    "block (the recipe's hooks are Python): the traced module computes the same "
+                                    "values, but trains without compression")
             opened.append(None)
             return
         if not torch.is_grad_enabled():
@@ -824,6 +829,8 @@ def _convert_compress(model: nn.Module, options: Dict[str, Any]) -> List[Change]
                              "convert cannot keep it, use `with abp.compress_saved(...)` around the forward instead")
         model.forward = functools.partial(hooks.wrap, type(model).forward, model)  # type: ignore[assignment]
         how = "forward wrapped"
+    # torch.jit.script asks each module to prepare itself: this one says why it cannot be scripted.
+    model.__prepare_scriptable__ = autograd.RefuseScripting()  # type: ignore[method-assign]
     return [Change("", "wrapped", f"forward runs inside compress_saved(bits={options['bits']}, group_size={options['group_size']}) "
                    f"({how})")]
 
