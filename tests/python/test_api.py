@@ -530,3 +530,27 @@ def test_inspect_and_compile_operators_name_a_wrong_type():
         abp.inspect(None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="origin: expected a str naming where the IR comes from .*got int"):
         abp.compile_operators("module {}", origin=5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: abp.nn.ReGELU2(), lambda: abp.nn.MSLayerNorm(8), lambda: abp.nn.MSLayerNorm(8, elementwise_affine=True),
+], ids=["activation", "norm", "affine-norm"])
+def test_a_vectorized_jacobian_gets_an_error_naming_abp(make):
+    """jacobian(vectorize=True) vmaps backward: a batched gradient reached a kernel launch
+    ("Cannot access data pointer of Tensor that doesn't have storage"). Both lanes say what it is.
+    (The sampled layer's dX is torch's product: its vectorized jacobian works.)"""
+    library_or_skip()
+    module, x = make(), torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match=r": its backward got a gradient that holds no memory.*vectorize=False"):
+        torch.autograd.functional.jacobian(module, x, vectorize=True)
+    assert torch.autograd.functional.jacobian(module, x).shape == (4, 8, 4, 8)  # not vectorized: works
+
+
+def test_a_transform_over_an_abp_op_gets_an_error_naming_abp_on_every_torch():
+    """torch.func's vmap and grad (functorch's on torch 1.13, whose message only says it does not
+    support autograd.Function) over an abp op: the error names abp and says what to use."""
+    library_or_skip()
+    func = pytest.importorskip("torch.func") if hasattr(torch, "func") else pytest.importorskip("functorch")
+    for transform in (func.vmap(abp.functional.regelu2), func.grad(lambda t: abp.nn.MSLayerNorm(8)(t).pow(2).sum())):
+        with pytest.raises(RuntimeError, match=r"abp operator: torch.func transforms .* are not supported.*loss.backward"):
+            transform(torch.randn(3, 8))

@@ -84,7 +84,13 @@ class _AffineMSNorm(torch.autograd.Function):
     def backward(ctx: Any, dy: Tensor) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
         # Under backward(create_graph=True) the gradients are marked not differentiable (the
         # norm kernels' backward is not), as every abp operator's are (abp.autograd.once_only).
-        return (_backward_once if torch.is_grad_enabled() else _backward)(ctx, dy)
+        try:
+            return (_backward_once if torch.is_grad_enabled() else _backward)(ctx, dy)
+        except RuntimeError as e:
+            batched = autograd.batched_gradient_error(ctx.abp[0], e)
+            if batched is None:
+                raise
+            raise batched from None
 
 
 def _backward(ctx: Any, dy: Tensor) -> Tuple[Optional[Tensor], ...]:

@@ -146,6 +146,19 @@ bool deviceAndStream(const torch::Tensor &t, int *device, void **stream) {
 // Launches and, on a failed status, raises the runtime's error (its AbpError) through Python.
 // Re-raises a Python error from backward so that torch's engine hands it to the caller as it is
 // (its type included), as it does for a Python autograd.Function.
+// A gradient without storage is a batched one (jacobian or hessian with vectorize=True vmaps the
+// backward): abp's kernels read memory, so say so instead of "Cannot access data pointer".
+// abp/autograd.py's check_gradients says the same for the Python lane.
+void checkGradients(const std::string &op, const variable_list &grads) {
+  for (const auto &g : grads)
+    if (g.defined() && g.layout() == torch::kStrided && !g.has_storage())
+      throw std::runtime_error(
+          op + ": its backward got a gradient that holds no memory (a batched tensor: jacobian or hessian with "
+               "vectorize=True, or a torch.func / functorch transform over the backward); abp's backward runs its own "
+               "kernels, which such transforms cannot batch. Use vectorize=False (the default), or torch's modules "
+               "where a transform is needed");
+}
+
 [[noreturn]] void rethrow(py::error_already_set &e) {
   e.restore();
   throw python_error();
@@ -398,6 +411,7 @@ struct PlanFunction : public torch::autograd::Function<PlanFunction> {
   static variable_list backward(AutogradContext *ctx, variable_list grads) {
     const NodeState &state = stateOf(ctx);
     const Plan &plan = *state.plan;
+    checkGradients(plan.op, grads);
     std::vector<Residual> residuals = residualsOf(ctx, state);
     const std::vector<int64_t> &shape = state.shape;
     const c10::Device device = state.device;
@@ -576,6 +590,7 @@ struct AffineNormFunction : public torch::autograd::Function<AffineNormFunction>
 
   static variable_list backward(AutogradContext *ctx, variable_list grads) {
     const auto &state = *static_cast<const AffineState *>(ctx->saved_data.at("abp").toCapsule().get());
+    checkGradients(state.plan->op, grads);
     if (torch::GradMode::is_enabled())  // backward(create_graph=True): the Python lane's, marked
       return createGraphBackward(ctx, state, grads);
     const Plan &plan = *state.plan;

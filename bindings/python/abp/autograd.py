@@ -64,9 +64,15 @@ class OperatorFunction(torch.autograd.Function):
         # Grad mode is on only under backward(create_graph=True): the kernels are not
         # differentiable, so once_only makes a second backward fail loudly. It is applied only
         # then: its no_grad context costs more than the launch itself.
-        if torch.is_grad_enabled():
-            return _backward_once(ctx, *grads)
-        return _backward(ctx, *grads)
+        try:
+            if torch.is_grad_enabled():
+                return _backward_once(ctx, *grads)
+            return _backward(ctx, *grads)
+        except RuntimeError as e:
+            batched = batched_gradient_error(ctx.abp_op, e)
+            if batched is None:
+                raise
+            raise batched from None
 
 
 def jit_alternative() -> str:
@@ -173,21 +179,39 @@ def once_only(backward: Any) -> Any:
 _backward_once = once_only(_backward)
 
 
+def batched_gradient_error(what: str, error: RuntimeError) -> Optional[RuntimeError]:
+    """The error to raise for `error`, raised by the backward of `what`, if a batched gradient caused
+    it (jacobian or hessian with vectorize=True vmaps backward: a tensor without memory reached a
+    launch); None otherwise. abp/_plan_lane.cpp's checkGradients says the same in the C++ lane."""
+    if "doesn't have storage" not in str(error):
+        return None
+    return RuntimeError(
+        f"{what}: its backward got a gradient that holds no memory (a batched tensor: jacobian or hessian with "
+        "vectorize=True, or a torch.func / functorch transform over the backward); abp's backward runs its own "
+        "kernels, which such transforms cannot batch. Use vectorize=False (the default), or torch's modules where a "
+        "transform is needed")
+
+
 def apply_function(what: str, function: Any, *args: Any) -> Any:
     """`function.apply(*args)` for one of abp's autograd Functions (`what` names it), with the error
     torch raises for it under torch.func (vmap, grad, jacrev, functional_call with grad), which asks
-    for a `setup_context` the Function does not have, made one naming abp and what to do. Called
+    for a `setup_context` the Function does not have (torch 1.13's functorch: refuses any Function;
+    a vectorized jacobian: a batched tensor without storage at a launch), made one naming abp and
+    what to do. Called
     only where the Python Function runs (the C++ lane's calls do not pay the try)."""
     try:
         return function.apply(*args)
     except RuntimeError as e:
-        if "setup_context" not in str(e) or "functorch" not in str(e):
+        text = str(e)
+        transform = ("functorch" in text and ("setup_context" in text or "autograd.Function" in text)) \
+            or "doesn't have storage" in text  # a batched tensor reached a launch (jacobian(vectorize=True))
+        if not transform:
             raise
         raise RuntimeError(
-            f"{what}: torch.func transforms (vmap, grad, jacrev, functional_call under grad) are not "
-            "supported: abp's backward is its own kernels, which those transforms cannot trace. Train with "
-            "loss.backward() / torch.autograd.grad, or use torch's modules where a transform is needed "
-            "(per-sample gradients: the unconverted model)") from None
+            f"{what}: torch.func transforms (vmap, grad, jacrev, functional_call under grad; functorch's on torch "
+            "1.13; jacobian and hessian with vectorize=True) are not supported: abp's backward is its own kernels, "
+            "which those transforms cannot trace. Train with loss.backward() / torch.autograd.grad, or use torch's "
+            "modules where a transform is needed (per-sample gradients: the unconverted model)") from None
 
 
 def apply_eager(

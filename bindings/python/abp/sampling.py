@@ -148,6 +148,16 @@ class _SampledLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
+        try:
+            return _SampledLinear._backward(ctx, grad)
+        except RuntimeError as e:
+            batched = autograd.batched_gradient_error("sampled_linear", e)
+            if batched is None:
+                raise
+            raise batched from None
+
+    @staticmethod
+    def _backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
         weight, *saved = ctx.saved_tensors
         g = _rows(grad)
         if ctx.record is not None:  # ‖dY_t‖ for the next visit of these examples (§8.2)
