@@ -924,3 +924,58 @@ def test_an_average_of_32_bits_is_exact_training() -> None:
         for a, b in zip(model.parameters(), reference.parameters()):
             assert torch.equal(a.grad, b.grad)
     assert all(b == 32 for b in controller.bits.values()) and controller.bits
+
+
+def _resumable_run(steps: int, state: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """`steps` steps of a small model under a controller (estimating every 3 steps, dropout on),
+    from `state` (what this returns) if given; returns everything a checkpoint holds."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    controller = CompressionController(model, avg_bits=4, interval=3, min_numel=64)
+    data = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(16, 32, generator=data), torch.randint(0, 4, (16,), generator=data)) for _ in range(12)]
+    start = 0
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        controller.load_state_dict(state["controller"])
+        torch.set_rng_state(state["rng"])
+        start = state["step"]
+    for step in range(start, start + steps):
+        x, y = batches[step]
+        with controller:
+            F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"model": copy.deepcopy(model.state_dict()), "optimizer": copy.deepcopy(optimizer.state_dict()),
+            "controller": controller.state_dict(), "rng": torch.get_rng_state(), "step": start + steps}
+
+
+def test_a_run_resumed_from_the_controllers_state_dict_continues_as_the_uninterrupted_one(tmp_path: Any) -> None:
+    library_or_skip()
+    whole = _resumable_run(8)
+    path = tmp_path / "checkpoint.pt"
+    torch.save(_resumable_run(4), path)  # through a file: plain values, weights_only loads them
+    load = {"weights_only": True} if not torch.__version__.startswith("1.") else {}  # 1.13's refuses floats
+    resumed = _resumable_run(4, torch.load(path, **load))
+    assert whole["controller"]["estimates"] == resumed["controller"]["estimates"] == 3
+    for name, value in whole["model"].items():
+        assert torch.equal(resumed["model"][name], value), name
+    # Without the controller's state the allocation restarts (stored as it is, then re-estimated).
+    fresh = _resumable_run(4, {**torch.load(path, **load), "controller": CompressionController(nn.Linear(1, 1)).state_dict()})
+    assert any(not torch.equal(fresh["model"][n], v) for n, v in whole["model"].items())
+
+
+def test_the_controller_refuses_pickling_and_a_wrong_state() -> None:
+    import pickle
+
+    model = nn.Sequential(nn.Linear(8, 8))
+    controller = CompressionController(model, avg_bits=4)
+    with pytest.raises(TypeError, match="cannot be pickled.*state_dict"):
+        pickle.dumps({"controller": controller})
+    pickle.loads(pickle.dumps(model))  # the model itself still pickles (its hooks go inert)
+    with pytest.raises(ValueError, match="avg_bits=2.*avg_bits=4"):
+        controller.load_state_dict(CompressionController(nn.Linear(1, 1), avg_bits=2).state_dict())
+    with pytest.raises(ValueError, match="state: expected what CompressionController.state_dict"):
+        controller.load_state_dict({"step": 3})

@@ -662,6 +662,26 @@ def test_grad_norm_cache_fills_on_the_first_visit_and_is_used_on_the_next() -> N
         sampling.plan_rows = original
 
 
+def test_grad_norm_cache_state_dict_resumes_the_tables() -> None:
+    """A resumed run attaches a new cache to the resumed model and loads the tables: the next
+    visit of an example samples by the ‖dY_t‖ its last visit stored, as without the pause."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(abp.nn.SampledLinear(6, 5, keep=0.5), torch.nn.ReLU(), abp.nn.SampledLinear(5, 4, keep=0.5))
+    cache = abp.sampling.GradNormCache(num_examples=10, tokens=8)
+    cache.attach(model)
+    with cache.batch(torch.tensor([7, 2, 4])):
+        model(torch.randn(3, 8, 6)).sum().backward()
+    state = cache.state_dict()
+    resumed = abp.sampling.GradNormCache(num_examples=10, tokens=8)
+    resumed.attach(model)  # the same slots: the model's layers in the same order
+    resumed.load_state_dict(state)
+    assert resumed.tables.keys() == cache.tables.keys()
+    for slot, table in cache.tables.items():
+        assert torch.equal(resumed.tables[slot].nan_to_num(-1), table.nan_to_num(-1))
+    with pytest.raises(ValueError, match="saved for 10 examples x 8 tokens.*holds 10 x 4"):
+        abp.sampling.GradNormCache(num_examples=10, tokens=4).load_state_dict(state)
+
+
 def test_grad_norm_cache_errors() -> None:
     cache = abp.sampling.GradNormCache(num_examples=4, tokens=2)
     with pytest.raises(ValueError, match=r"ids: every index must lie in \[0, 4\), got \[0, 4\]"):

@@ -226,7 +226,8 @@ def test_a_model_with_its_samplers_pickles_with_its_controller() -> None:
     torch.save(net, buffer)
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
-    twin = loaded.blocks[0].fc1._controller
+    twin = vcas.Controller.attached(loaded)  # the public handle on the unpickled controller
+    assert twin is loaded.blocks[0].fc1._controller and vcas.Controller.attached(net) is controller
     assert twin is not controller and twin.activation_ratios == controller.activation_ratios
     assert twin.weight_ratios == controller.weight_ratios and twin.model is loaded
     x, y = _data(1)[0]
@@ -523,3 +524,42 @@ def test_wrong_arguments_are_named() -> None:
     x, y = _data(1)[0]
     with pytest.raises(ValueError, match=r"batch_dim: 5 counts the samples, but the output of Block .* has 3 dimension"):
         net(x)
+
+
+def _vcas_run(steps: int, state: Any = None) -> Any:
+    """`steps` steps under a VCAS controller calibrating every 2 steps, resumed from `state` (what
+    this returns) if given."""
+    net = _net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
+    controller = vcas.Controller(net, Block, cal_var_freq=2, param_sample_ratio=0.5, generator=torch.Generator().manual_seed(3))
+    data = _data(8)
+    start = 0
+    if state is not None:
+        net.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        controller.load_state_dict(state["vcas"])
+        controller.generator.set_state(state["generator"])
+        torch.set_rng_state(state["rng"])
+        start = state["step"]
+    loss = lambda batch: F.cross_entropy(net(batch[0]), batch[1])  # noqa: E731
+    for step in range(start, start + steps):
+        if controller.due():
+            controller.calibrate(loss, data[step % 8: step % 8 + 2] if step % 8 < 7 else data[:2])
+        loss(data[step % 8]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        controller.step()
+    return {"model": {k: v.clone() for k, v in net.state_dict().items()}, "optimizer": optimizer.state_dict(),
+            "vcas": controller.state_dict(), "generator": controller.generator.get_state(), "rng": torch.get_rng_state(),
+            "step": start + steps, "ratios": (controller.activation_ratios, controller.weight_ratios)}
+
+
+def test_a_run_resumed_from_the_controllers_state_dict_continues_as_the_uninterrupted_one() -> None:
+    whole = _vcas_run(7)
+    resumed = _vcas_run(3, _vcas_run(4))
+    assert resumed["ratios"] == whole["ratios"] and whole["vcas"]["calibrations"] == 4
+    for name, value in whole["model"].items():
+        assert torch.equal(resumed["model"][name], value), name
+    other = vcas.Controller(Net(depth=2).double(), Block)
+    with pytest.raises(ValueError, match="saved for 3 blocks.*this controller has 2 blocks"):
+        other.load_state_dict(whole["vcas"])

@@ -270,6 +270,22 @@ class TensorKey:
         return f"{self.module}:{self.shape}:{self.dtype}#{self.index}"
 
 
+def _key_tuple(key: TensorKey) -> Tuple[Any, ...]:
+    return (key.module, tuple(key.shape), str(key.dtype), key.index)
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.rpartition(".")[2], None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"state: {name!r} names no torch dtype")
+    return dtype
+
+
+def _tensor_key(entry: Tuple[Any, ...]) -> TensorKey:
+    module, shape, dtype, index = entry
+    return TensorKey(str(module), tuple(int(n) for n in shape), _dtype(dtype), int(index))
+
+
 def _squared_distance(a: Sequence[Optional[torch.Tensor]], b: Sequence[Optional[torch.Tensor]]) -> float:
     """Σ ‖a_i − b_i‖² in fp64; None (an unused parameter) counts as zero."""
     total = 0.0
@@ -513,6 +529,64 @@ class CompressionController:
         if total == 0:
             return 32.0 if not self._estimates else float(self._initial)
         return sum(b * self._numels[k] for k, b in self._bits.items()) / total
+
+    # -- resuming ----------------------------------------------------------------------------------
+
+    def state_dict(self) -> Dict[str, Any]:
+        """What a resumed run needs to continue as the uninterrupted one: the step count, the
+        schedule, the allocation and what it was made of, and the replays' generator. Plain values
+        (keys as (module, shape, dtype name, index) tuples), so ``torch.save`` and
+        ``torch.load(weights_only=True)`` take it; save it with the model's and optimizer's."""
+        def keyed(table: Dict[TensorKey, Any]) -> List[Tuple[Tuple[Any, ...], Any]]:
+            return [(_key_tuple(k), v) for k, v in table.items()]
+
+        return {
+            "version": 1,
+            "avg_bits": self._avg_bits,
+            "step": self._step,
+            "estimates": self._estimates,
+            "next_probe": self._next_probe,
+            "bits": keyed(self._bits),
+            "bits_by_position": [((p.place[0], str(p.place[1]), p.place[2], p.ordinal), b)
+                                 for p, b in self._bits_by_position.items()],
+            "numels": keyed(self._numels),
+            "sensitivity": keyed(self._sensitivity),
+            "floors": keyed(self._floors),
+            "numel_at_zero_bits": self._numel_at_zero_bits,
+            "replay_generator": self._replay_generator.get_state(),
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restores what `state_dict` returned, into a controller built on the resumed model (with
+        the same settings; a state saved at another avg_bits is refused). Call it before the first
+        step."""
+        if self._removed:
+            raise RuntimeError("CompressionController: used after remove()")
+        if self._active:
+            raise RuntimeError("CompressionController.load_state_dict: called inside a `with controller:` block")
+        if not isinstance(state, dict) or state.get("version") != 1:
+            raise ValueError("state: expected what CompressionController.state_dict() returned (a dict with version 1), "
+                             f"got {type(state).__name__}")
+        if state["avg_bits"] != self._avg_bits:
+            raise ValueError(f"state: saved by a controller with avg_bits={state['avg_bits']:g}, this one has "
+                             f"avg_bits={self._avg_bits:g}; build it with the saved setting to resume")
+
+        def table(entries: List[Tuple[Tuple[Any, ...], Any]]) -> Dict[TensorKey, Any]:
+            return {_tensor_key(k): v for k, v in entries}
+
+        self._step, self._estimates, self._next_probe = int(state["step"]), int(state["estimates"]), int(state["next_probe"])
+        self._bits, self._numels = table(state["bits"]), table(state["numels"])
+        self._sensitivity, self._floors = table(state["sensitivity"]), table(state["floors"])
+        self._bits_by_position = {_Position((m, _dtype(d), rank), ordinal): b
+                                  for (m, d, rank, ordinal), b in state["bits_by_position"]}
+        self._numel_at_zero_bits = int(state["numel_at_zero_bits"])
+        self._replay_generator.set_state(state["replay_generator"])
+
+    def __reduce__(self) -> Any:
+        raise TypeError("CompressionController cannot be pickled: its hooks belong to the model object it was built "
+                        "on, and an unpickled copy would measure nothing. Save controller.state_dict() with the "
+                        "model's and optimizer's, and after loading build a controller on the model and call "
+                        "load_state_dict (docs/training.md, resuming)")
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "CompressionController":
         """The controller itself: it belongs to the model it was built on (a copy of that model

@@ -312,6 +312,22 @@ class GradNormCache:
         finally:
             self._ids = previous
 
+    def state_dict(self) -> Dict[str, Any]:
+        """The tables (‖dY_t‖ of every example's last visit, per attached layer), for a resumed run
+        to sample as the uninterrupted one; attach a new cache to the resumed model in the same
+        order (the model's modules, as attach takes them), then load_state_dict."""
+        return {"version": 1, "num_examples": self.num_examples, "tokens": self.tokens, "dtype": str(self.dtype),
+                "tables": dict(self.tables)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if not isinstance(state, dict) or state.get("version") != 1:
+            raise ValueError("state: expected what GradNormCache.state_dict() returned (a dict with version 1), "
+                             f"got {type(state).__name__}")
+        if (state["num_examples"], state["tokens"], state["dtype"]) != (self.num_examples, self.tokens, str(self.dtype)):
+            raise ValueError(f"state: saved for {state['num_examples']} examples x {state['tokens']} tokens in "
+                             f"{state['dtype']}; this cache holds {self.num_examples} x {self.tokens} in {self.dtype}")
+        self.tables = {int(slot): table.to(self.dtype) for slot, table in state["tables"].items()}
+
     def _table(self, slot: int, device: torch.device) -> torch.Tensor:
         table = self.tables.get(slot)
         if table is None:  # NaN: not visited yet

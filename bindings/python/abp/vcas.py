@@ -368,6 +368,46 @@ class Controller:
                         setattr(parent, child_name, child.original)
         self.linears.clear()
 
+    @staticmethod
+    def attached(model: torch.nn.Module) -> Optional["Controller"]:
+        """The Controller whose samplers `model` holds (one unpickled with it: ``torch.save(model)``
+        saves it), or None."""
+        for module in model.modules():
+            if isinstance(module, _VcasLinear):
+                return module._controller
+            for hook in module._forward_hooks.values():  # a block's sampler (blocks without Linears)
+                if isinstance(hook, partial) and getattr(hook.func, "__func__", None) is Controller._block_output:
+                    return hook.func.__self__
+        return None
+
+    # --- resuming ---
+
+    def state_dict(self) -> Dict[str, Any]:
+        """What a resumed run needs to continue as the uninterrupted one: the step count, the
+        schedule's s and every sampler's ratio (activations bottom block first, weights by layer
+        name). Plain values; save it with the model's and optimizer's."""
+        return {"version": 1, "s": self.s, "steps": self.steps, "calibrations": self.calibrations,
+                "activations": [(sampler.ratio, sampler.active) for sampler in self.samplers],
+                "weights": {f"{layer.state.depth}.{layer.state.name}": (layer.state.ratio, layer.state.tokens)
+                            for layer in self.linears}}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restores what `state_dict` returned, into a Controller built on the resumed model (the
+        same blocks and Linears)."""
+        if not isinstance(state, dict) or state.get("version") != 1:
+            raise ValueError("state: expected what abp.vcas.Controller.state_dict() returned (a dict with version 1), "
+                             f"got {type(state).__name__}")
+        mine = {f"{layer.state.depth}.{layer.state.name}": layer.state for layer in self.linears}
+        if len(state["activations"]) != len(self.samplers) or set(state["weights"]) != set(mine):
+            raise ValueError(f"state: saved for {len(state['activations'])} blocks and the Linears "
+                             f"{sorted(state['weights'])}; this controller has {len(self.samplers)} blocks and "
+                             f"{sorted(mine)}: build it on the same model to resume")
+        self.s, self.steps, self.calibrations = float(state["s"]), int(state["steps"]), int(state["calibrations"])
+        for sampler, (ratio, active) in zip(self.samplers, state["activations"]):
+            sampler.ratio, sampler.active = float(ratio), bool(active)
+        for name, (ratio, tokens) in state["weights"].items():
+            mine[name].ratio, mine[name].tokens = float(ratio), int(tokens)
+
     # --- the samplers' backward ---
 
     def _seed(self) -> int:
