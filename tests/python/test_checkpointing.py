@@ -359,3 +359,9 @@ def test_a_block_opened_inside_a_non_reentrant_checkpoint_leaves_it_its_saves(mo
     with abp.compress_saved(bits=4) as outside:  # around the checkpointed call it compresses
         checkpoint(block, x, use_reentrant=False).pow(2).mean().backward()
     assert outside.stats["tensors"] > 0
+    # As the warning advises, around the checkpointed converted module too: its own block, inert
+    # inside the checkpoint, does not count as nested, and the outer one is open again after it.
+    with abp.compress_saved(bits=4) as outside:
+        checkpoint(converted, x, use_reentrant=False).pow(2).mean().backward()
+        assert abp.compress.open_block() is outside
+    assert abp.compress.open_block() is None

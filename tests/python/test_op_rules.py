@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -425,25 +425,59 @@ def test_watch_is_quiet_on_a_steady_norm_and_alarms_once_on_growth_or_nan() -> N
     assert _guard.GradientWatch().add([10.0] * 25 + [1.0] * 100 + [5.0] * 100) is None
 
 
-def test_a_watch_restarts_when_other_parameters_train_and_keeps_no_long_history() -> None:
-    # Gradual unfreezing: the norm over more parameters is another quantity, not divergence.
-    def record(watch: _guard.GradientWatch, norms: List[float], contributors: int) -> Optional[str]:
+def test_a_watch_restarts_when_its_parameters_are_unfrozen_not_when_others_appear() -> None:
+    # Gradual unfreezing: the norm over more parameters is another quantity, not divergence. A
+    # parameter seen for the first time (a mixture of experts' expert routed to at last) is no flip.
+    def record(watch: _guard.GradientWatch, norms: List[float], trains: Dict[int, bool]) -> Optional[str]:
         found = None
         for value in norms:
-            found = watch.record(torch.tensor(value), contributors=contributors) or found
+            found = watch.record(torch.tensor(value), trains=trains) or found
         return found
 
     watch = _guard.GradientWatch(window=4)
-    assert record(watch, [0.01] * 40, contributors=1) is None
-    assert record(watch, [0.4] * 40, contributors=30) is None  # unfrozen: a new reference
+    assert record(watch, [0.01] * 40, {1: True, 2: False}) is None
+    assert record(watch, [0.4] * 40, {1: True, 2: True}) is None  # 2 unfrozen: a new reference
     assert watch.reference == pytest.approx(0.4)
-    assert "grew from" in (record(watch, [40.0] * 40, contributors=30) or "")  # growth at the same set alarms
-    same = _guard.GradientWatch(window=4)
-    assert "grew from" in (record(same, [0.01] * 40 + [0.4] * 40, contributors=1) or "")
+    assert "grew from" in (record(watch, [40.0] * 40, {1: True, 2: True}) or "")  # growth at the same set alarms
+    routed = _guard.GradientWatch(window=4)
+    assert record(routed, [0.01] * 40, {1: True}) is None
+    assert "grew from" in (record(routed, [0.4] * 40, {1: True, 3: True}) or "")  # 3 newly seen: no restart
     # A long run keeps the readings the rule needs, not one per step.
     steady = _guard.GradientWatch()
     assert steady.add([1.0] * 5000) is None
     assert len(steady.norms) == steady.window and steady.steps == 5000
+
+
+def test_the_guard_still_alarms_on_a_model_whose_saved_parameters_vary_by_step() -> None:
+    """A mixture of experts saves the weights of the experts a step routes to: the parameters the
+    block sees change every step, which must not keep restarting the watch (it never alarmed)."""
+    library_or_skip()
+    torch.manual_seed(0)
+
+    class Routed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(32, 32)
+            self.experts = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+
+        def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+            h = torch.relu(self.inp(x))
+            out = self.experts[step % 4](h)  # one expert or two: the saved set varies in size too
+            return out + self.experts[(step + 1) % 4](h) if step % 3 else out
+
+    model = Routed()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.randn(64, 32)
+    with pytest.raises(abp.DivergenceError):
+        for step in range(200):
+            if step == 30:
+                with torch.no_grad():
+                    model.inp.weight[0, 0] = float("nan")
+            with C.compress_saved(bits=8, guard="raise"):
+                loss = model(x, step).pow(2).mean()
+                optimizer.zero_grad()
+                loss.backward()
+            optimizer.step()
 
 
 def test_the_alarm_of_an_eight_bit_block_does_not_advise_more_bits() -> None:

@@ -770,3 +770,22 @@ def test_a_layer_without_features_computes_what_torchs_does() -> None:
         torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias))
         y.sum().backward()
         assert layer.weight.grad.shape == layer.weight.shape and x.grad.shape == x.shape
+
+
+def test_a_transposed_sampled_linear_pickled_before_sampled_conv1d_loads_as_one() -> None:
+    """Models saved whole (torch.save(model)) when GPT-2's sampled projections were SampledLinear
+    with transposed=True (weight (in, out)) load as SampledConv1D: the flag would otherwise be
+    ignored, and a square layer silently compute x @ W.T."""
+    import pickle
+
+    layer = abp.nn.SampledLinear(4, 4)
+    weight = torch.randn(4, 4)
+    layer.weight = torch.nn.Parameter(weight.clone())  # (in, out), as Conv1D keeps it
+    layer.__dict__["transposed"] = True  # what the earlier class set
+    loaded = pickle.loads(pickle.dumps(layer))
+    assert type(loaded) is abp.nn.SampledConv1D and "transposed" not in vars(loaded)
+    assert (loaded.nx, loaded.nf) == (4, 4)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(loaded.eval()(x), x @ weight + layer.bias.detach())
+    plain = pickle.loads(pickle.dumps(abp.nn.SampledLinear(4, 4)))
+    assert type(plain) is abp.nn.SampledLinear

@@ -57,9 +57,11 @@ class GradientWatch:
         self.steps = 0  # readings so far (the step a reading is, in messages)
         self._pending: List[torch.Tensor] = []
         self.reference: Optional[float] = None
-        #: How many of the parameters trained at the last reading: a norm over other parameters
-        #: (layers unfrozen or frozen) is another quantity, so the history restarts.
-        self.contributors: Optional[int] = None
+        #: requires_grad of every parameter read so far, by id: when one of them flips (layers
+        #: unfrozen or frozen) the norm is over other parameters, another quantity, and the history
+        #: restarts. A parameter first seen late (an expert routed to for the first time, a layer
+        #: LayerDrop skipped) is no flip: which parameters a step saves varies by itself.
+        self._trains: Dict[int, bool] = {}
         self.alarmed = False
         #: Float16 training, its gradients scaled by a GradScaler (module docstring).
         self.scaled = False
@@ -71,13 +73,15 @@ class GradientWatch:
         self._due: Optional[Tuple[List["weakref.ref[torch.Tensor]"], Callable[[str], None]]] = None
         self._undecided: List[Tuple[torch.Tensor, bool]] = []  # backward-end norms while undecided
 
-    def record(self, norm: torch.Tensor, scaled: bool = False, contributors: Optional[int] = None) -> Optional[str]:
+    def record(self, norm: torch.Tensor, scaled: bool = False, trains: Optional[Dict[int, bool]] = None) -> Optional[str]:
         """Adds one step's gradient norm (a 0-d tensor); `scaled`: the step saved float16 tensors;
-        `contributors`: how many parameters it is the norm of. Returns the alarm's reason, once."""
-        if contributors is not None and self.contributors is not None and contributors != self.contributors:
-            self._restart()
-        if contributors is not None:
-            self.contributors = contributors
+        `trains`: requires_grad of the parameters it is the norm of, by id (trainable_flags).
+        Returns the alarm's reason, once."""
+        if trains is not None:
+            known = self._trains
+            if any(known.get(key, flag) != flag for key, flag in trains.items()):
+                self._restart()
+            known.update(trains)
         self.scaled = self.scaled or scaled
         self._pending.append(norm.detach())
         if len(self._pending) < self.window:
@@ -155,26 +159,25 @@ def check_after_backward(parameters: List[torch.Tensor], half: bool, on_alarm: C
     if watch.mode == "undecided":
         norm = gradient_norm(parameters)
         if norm is not None:
-            watch._undecided.append((norm.detach(), half, _contributors(parameters)))
+            watch._undecided.append((norm.detach(), half, trainable_flags(parameters)))
         if len(watch._undecided) >= _WITHOUT_STEPS:  # no torch.optim optimizer steps this model
             watch.mode, undecided, watch._undecided, watch._due = "backward", watch._undecided, [], None
-            for norm, was_half, contributors in undecided:
-                reason = watch.record(norm, scaled=was_half, contributors=contributors)
+            for norm, was_half, trains in undecided:
+                reason = watch.record(norm, scaled=was_half, trains=trains)
                 if reason is not None:
                     on_alarm(reason)
 
 
-def _contributors(parameters: List[torch.Tensor]) -> int:
-    """How many of `parameters` train: unfreezing changes it; a mixture of experts' unrouted
-    experts, whose gradients are None for a step, do not."""
-    return sum(1 for p in parameters if p.requires_grad)
+def trainable_flags(parameters: List[torch.Tensor]) -> Dict[int, bool]:
+    """requires_grad of each of `parameters`, by id (GradientWatch.record)."""
+    return {id(p): p.requires_grad for p in parameters}
 
 
 def _read(watch: "GradientWatch", parameters: List[torch.Tensor], half: bool, on_alarm: Callable[[str], None]) -> None:
     norm = gradient_norm(parameters)
     if norm is None:
         return
-    reason = watch.record(norm, scaled=half and watch.mode == "backward", contributors=_contributors(parameters))
+    reason = watch.record(norm, scaled=half and watch.mode == "backward", trains=trainable_flags(parameters))
     if reason is not None:
         on_alarm(reason)
 

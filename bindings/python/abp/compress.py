@@ -711,6 +711,7 @@ class compress_saved:
         #: The last block's bits_for call indices whose tensor was recomputed instead (no width).
         self.derived_choices: Set[int] = set()
         self._hooks: Optional[Any] = None
+        self._outer: Optional["compress_saved"] = None  # an outer block, open again when an inert one exits
         #: Warn when a block compressed nothing because what it saw were constants (a compiled
         #: model's saves); off for blocks abp runs itself (the controller's replays).
         self.explains_constants = True
@@ -1155,7 +1156,8 @@ class compress_saved:
             raise RuntimeError("compress_saved: this block is already open (a `with` block of the same object "
                                "cannot be entered again before it exits)")
         outer = open_block()
-        if outer is not None:
+        inert = torch.is_grad_enabled() and _save_rules.inside_checkpoint_hooks()
+        if outer is not None and not inert:
             # saved_tensors_hooks nest with the innermost winning: the outer block would see nothing
             # and its stats, guard and (a controller's) allocation would silently be void.
             raise RuntimeError(
@@ -1167,9 +1169,13 @@ class compress_saved:
         self._reset()
         self.floors, self.rule_floors = {}, {}
         self.derived_choices = set()
-        self._guarded = {} if self.guard else None  # id → parameter, until backward reads the first save
+        self._guarded = {} if self.guard and not inert else None  # id → parameter, until backward reads the first save
         self._guarded_half = False
-        if _save_rules.inside_checkpoint_hooks():
+        self._outer = None
+        if inert:
+            # Inside a non-reentrant checkpoint (its forward or its recomputation) hooks of this
+            # block would take every save from the checkpoint's. With grad off (a reentrant
+            # checkpoint's forward) nothing is saved, and this is no concern.
             _warn_once("checkpoint", f"{self.label} is opened inside a non-reentrant activation checkpoint (its forward "
                        "or its recomputation in backward): it compresses nothing there, so that the checkpoint keeps "
                        "only its inputs and recomputes the rest. To compress what the checkpoint keeps, open the block "
@@ -1177,7 +1183,7 @@ class compress_saved:
                        "inside, does so)")
             self._hooks = contextlib.nullcontext()
             self._hooks.__enter__()
-            _OPEN.block = self
+            self._outer, _OPEN.block = outer, self  # an outer block (around the checkpoint) is open again after
             return self
         if _compiling():
             _warn_once("traced", f"{self.label} is entered inside code torch.compile traces: the compiled graph "
@@ -1212,7 +1218,7 @@ class compress_saved:
         hooks, self._hooks = self._hooks, None
         if hooks is None:
             raise RuntimeError(f"{self.label}: exited, but this block is not open (exited twice, or never entered)")
-        _OPEN.block = None
+        _OPEN.block, self._outer = self._outer, None
         recorder, self._recorder = self._recorder, None
         if recorder is not None:
             recorder.clear()

@@ -588,6 +588,13 @@ class SampledLinear(_SampledRows, NotScriptable, torch.nn.Linear):
     def forward(self, input: Tensor) -> Tensor:
         return self._sampled(input, self.weight)
 
+    def __setstate__(self, state: Any) -> None:
+        super().__setstate__(state)
+        # A model pickled before SampledConv1D existed holds a SampledLinear with transposed=True
+        # (the weight kept as (in, out)): it loads as the SampledConv1D it is.
+        if self.__dict__.pop("transposed", False):
+            self.__class__ = SampledConv1D  # type: ignore[assignment]
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, method={self.method!r}, keep={self.keep}"
 
@@ -621,6 +628,11 @@ class SampledConv1D(_SampledRows, NotScriptable, torch.nn.Module):
     def nf(self) -> int:
         """transformers' Conv1D's name for out_features."""
         return self.out_features
+
+    @property
+    def nx(self) -> int:
+        """transformers' Conv1D's name for in_features."""
+        return self.in_features
 
     @classmethod
     def from_conv1d(

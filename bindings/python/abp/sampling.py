@@ -333,6 +333,8 @@ class GradNormCache:
         if table is None:  # NaN: not visited yet
             table = torch.full((self.num_examples, self.tokens), float("nan"), dtype=self.dtype, device=device)
             self.tables[slot] = table
+        elif table.device != device:  # loaded elsewhere (torch.load's map_location): moved once
+            table = self.tables[slot] = table.to(device)
         return table
 
     def lookup(self, slot: int, rows: int, device: torch.device) -> Tuple[Optional[torch.Tensor], Optional[Callable[[torch.Tensor], None]]]:
