@@ -536,11 +536,20 @@ class _SampledRows:
                                        generator=self.generator, gamma=gamma, record=record)
 
 
-def _shared_parameters(linear: torch.nn.Module, want: str) -> Tuple[torch.nn.Parameter, Optional[torch.nn.Parameter]]:
-    weight = getattr(linear, "weight", None)
+def _sharing(cls: Any, source: torch.nn.Module, want: str, transposed: bool, method: str, keep: float,
+             generator: Optional[torch.Generator]) -> Any:
+    """A `cls` (a sampled layout) sharing `source`'s weight and bias Parameters (not copies), so an
+    optimizer built on the original keeps updating them; `transposed`: the weight is (in, out)."""
+    weight = getattr(source, "weight", None)
     if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 2:
-        raise TypeError(f"linear: expected {want} (or a module with a 2-D weight Parameter), got {type(linear).__name__}")
-    return weight, getattr(linear, "bias", None)
+        raise TypeError(f"linear: expected {want} (or a module with a 2-D weight Parameter), got {type(source).__name__}")
+    bias = getattr(source, "bias", None)
+    in_f, out_f = (weight.shape[0], weight.shape[1]) if transposed else (weight.shape[1], weight.shape[0])
+    module = cls(in_f, out_f, bias=bias is not None, method=method, keep=keep, device="meta", generator=generator)
+    module.weight = weight
+    module.bias = bias
+    module.train(source.training)
+    return module
 
 
 class SampledLinear(_SampledRows, NotScriptable, torch.nn.Linear):
@@ -574,16 +583,11 @@ class SampledLinear(_SampledRows, NotScriptable, torch.nn.Linear):
     ) -> "SampledLinear":
         """A SampledLinear sharing the torch.nn.Linear `linear`'s weight and bias Parameters (not
         copies), so an optimizer built on the original keeps updating them."""
-        weight, bias = _shared_parameters(linear, "a torch.nn.Linear")
-        if not isinstance(linear, torch.nn.Linear):
+        weight = getattr(linear, "weight", None)
+        if isinstance(weight, torch.nn.Parameter) and weight.dim() == 2 and not isinstance(linear, torch.nn.Linear):
             raise TypeError(f"linear: expected a torch.nn.Linear, got {type(linear).__name__} "
                             "(abp.nn.SampledConv1D.from_conv1d takes x @ W layouts)")
-        module = cls(weight.shape[1], weight.shape[0], bias=bias is not None, method=method, keep=keep, device="meta",
-                     generator=generator)
-        module.weight = weight
-        module.bias = bias
-        module.train(linear.training)
-        return module
+        return _sharing(cls, linear, "a torch.nn.Linear", False, method, keep, generator)
 
     def forward(self, input: Tensor) -> Tensor:
         return self._sampled(input, self.weight)
@@ -640,13 +644,7 @@ class SampledConv1D(_SampledRows, NotScriptable, torch.nn.Module):
         generator: Optional[torch.Generator] = None,
     ) -> "SampledConv1D":
         """A SampledConv1D sharing `conv1d`'s weight (in_features, out_features) and bias Parameters."""
-        weight, bias = _shared_parameters(conv1d, "a module computing x @ weight + bias")
-        module = cls(weight.shape[0], weight.shape[1], bias=bias is not None, method=method, keep=keep, device="meta",
-                     generator=generator)
-        module.weight = weight
-        module.bias = bias
-        module.train(conv1d.training)
-        return module
+        return _sharing(cls, conv1d, "a module computing x @ weight + bias", True, method, keep, generator)
 
     def forward(self, input: Tensor) -> Tensor:
         return self._sampled(input, self.weight.t())
