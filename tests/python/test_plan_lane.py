@@ -152,18 +152,16 @@ def test_a_second_backward_through_the_lane_fails_as_the_python_lanes_does():
     lane = _lane()
     native = _eager.native_plan(_lib.kernel_library().operator("silu_b3"), torch.float32)
     x = torch.randn(5, requires_grad=True)
-    # The output gradient 2y depends on x, so a second backward would have to differentiate the
-    # kernel's result: both lanes refuse it as once_differentiable does.
+    # A second backward would have to differentiate the kernel's result: both lanes refuse
+    # backward(create_graph=True) through an activation at once, in the same words.
     for y in (lane.run(native, x, ()), _python_lane("silu_b3", (), x)):
-        (gx,) = torch.autograd.grad((y * y).sum(), x, create_graph=True)
-        assert gx.requires_grad
-        with pytest.raises(RuntimeError, match="differentiate twice"):
-            gx.sum().backward()
+        with pytest.raises(RuntimeError, match="differentiate twice.*through the codes it saved"):
+            torch.autograd.grad((y * y).sum(), x, create_graph=True)
     a = lane.run(native, x, ())
     b = _python_lane("silu_b3", (), x)
-    ga = torch.autograd.grad((a * a).sum(), x, create_graph=True)[0]
-    gb = torch.autograd.grad((b * b).sum(), x, create_graph=True)[0]
-    assert _same_bytes(ga.detach(), gb.detach())
+    ga = torch.autograd.grad((a * a).sum(), x)[0]
+    gb = torch.autograd.grad((b * b).sum(), x)[0]
+    assert _same_bytes(ga, gb)
 
 
 def test_compress_saved_and_checkpointing_see_the_lanes_residuals():
@@ -395,13 +393,24 @@ def test_every_gradient_of_an_abp_backward_refuses_a_second_differentiation():
     x = torch.randn(3, 8, requires_grad=True)
     w = torch.randn(8, requires_grad=True)
     c = torch.randn(8, requires_grad=True)
-    cases = {
+    activations = {
         "activation, C++ lane": lambda t: abp.nn.SiLU()(t),
         "activation, Python lane": lambda t: autograd.OperatorFunction.apply("silu_b3", (), None, t),
+    }
+    for name, f in activations.items():  # codes carry no graph: refused at once (see test_launcher)
+        with pytest.raises(RuntimeError, match="differentiate twice.*through the codes it saved"):
+            torch.autograd.grad((f(x) * c).sum(), x, create_graph=True)
+    cases = {
+        "norm, C++ lane": lambda t: abp.nn.MSLayerNorm(8)(t),
         "affine norm, C++ lane": lambda t: abp.functional.ms_layer_norm(t, (8,), weight=w),
         "affine norm, Python lane": lambda t: _affine_python("ms_layernorm", t, 1e-5, w, None, 0.0, None, None),
     }
+    head = torch.randn(8, 4, requires_grad=True)
     for name, f in cases.items():
+        # A Hessian of sum(f(x) @ head): the incoming gradient depends on head, not on x; the
+        # mark joins the norm's saved output, so the path towards x passes it (it was zero).
+        with pytest.raises(RuntimeError, match="differentiate twice"):
+            torch.autograd.functional.hessian(lambda t: (f(t) @ head).sum(), x.detach())
         (gx,) = torch.autograd.grad((f(x) * c).sum(), x, create_graph=True)  # an incoming gradient c
         assert gx.requires_grad, name
         with pytest.raises(RuntimeError, match="differentiate twice"):

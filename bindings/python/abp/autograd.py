@@ -145,7 +145,13 @@ def once_only(backward: Any) -> Any:
     gradients depend on (torch's once_differentiable joins only the gradients, which such a
     call never visits). With no incoming gradient that requires grad (a Hessian of a function
     linear after this operator), the gradients could only be differentiated again through this
-    operator itself, which no node can express: that raises at once, instead of a silent zero."""
+    operator itself, which no node can express: that raises at once, instead of a silent zero.
+
+    The gradients also depend on the operator's input, through what it saved. The node joins the
+    saved tensors that carry the operator's graph (a norm's output, its weight), so a second
+    derivative towards the input passes through it. An operator that saved none (an activation's
+    codes) has no tensor to join: a Hessian whose incoming gradient does not depend on the input
+    (sum(W·act(x))) would find no path and be silently zero, so such an operator raises at once."""
     @functools.wraps(backward)
     def wrapper(ctx: Any, *grads: Any) -> Any:
         with torch.no_grad():
@@ -160,6 +166,11 @@ def once_only(backward: Any) -> Any:
         if not upstream:
             raise RuntimeError(f"{_TWICE} (backward(create_graph=True) reached it with a constant incoming gradient: "
                                "the gradient it gives could only be differentiated again through this operator)")
+        own = [t for t in ctx.saved_tensors if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not own:
+            raise RuntimeError(f"{_TWICE} (backward(create_graph=True) reached it: its gradient depends on its input "
+                               "through the codes it saved, which no second derivative can follow)")
+        upstream += own
         error = torch._C._functions.DelayedError(_TWICE.encode(), len(outs) + len(upstream))
 
         def marked(value: Any) -> Any:
