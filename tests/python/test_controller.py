@@ -963,7 +963,8 @@ def test_a_run_resumed_from_the_controllers_state_dict_continues_as_the_uninterr
     for name, value in whole["model"].items():
         assert torch.equal(resumed["model"][name], value), name
     # Without the controller's state the allocation restarts (stored as it is, then re-estimated).
-    fresh = _resumable_run(4, {**torch.load(path, **load), "controller": CompressionController(nn.Linear(1, 1)).state_dict()})
+    unmeasured = CompressionController(nn.Linear(1, 1), avg_bits=4, interval=3, min_numel=64).state_dict()
+    fresh = _resumable_run(4, {**torch.load(path, **load), "controller": unmeasured})
     assert any(not torch.equal(fresh["model"][n], v) for n, v in whole["model"].items())
 
 
@@ -975,7 +976,15 @@ def test_the_controller_refuses_pickling_and_a_wrong_state() -> None:
     with pytest.raises(TypeError, match="cannot be pickled.*state_dict"):
         pickle.dumps({"controller": controller})
     pickle.loads(pickle.dumps(model))  # the model itself still pickles (its hooks go inert)
-    with pytest.raises(ValueError, match="avg_bits=2.*avg_bits=4"):
+    with pytest.raises(ValueError, match="other settings: avg_bits=2.0 \\(this one 4.0\\)"):
         controller.load_state_dict(CompressionController(nn.Linear(1, 1), avg_bits=2).state_dict())
+    with pytest.raises(ValueError, match="other settings: interval=5 \\(this one 1000\\)"):
+        controller.load_state_dict(CompressionController(nn.Linear(1, 1), interval=5).state_dict())
     with pytest.raises(ValueError, match="state: expected what CompressionController.state_dict"):
         controller.load_state_dict({"step": 3})
+    state = _resumable_run(1)["controller"]
+    with pytest.raises(ValueError, match="state: expected what .*does not read as such \\(KeyError"):
+        controller.load_state_dict({k: v for k, v in state.items() if k != "bits"})
+    other = CompressionController(nn.Sequential(nn.Conv1d(2, 2, 3)), avg_bits=4, interval=3, min_numel=64)
+    with pytest.raises(ValueError, match="saved on another model: its tensors were saved in"):
+        other.load_state_dict(state)

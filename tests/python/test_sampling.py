@@ -680,6 +680,15 @@ def test_grad_norm_cache_state_dict_resumes_the_tables() -> None:
         assert torch.equal(resumed.tables[slot].nan_to_num(-1), table.nan_to_num(-1))
     with pytest.raises(ValueError, match="saved for 10 examples x 8 tokens.*holds 10 x 4"):
         abp.sampling.GradNormCache(num_examples=10, tokens=4).load_state_dict(state)
+    with pytest.raises(ValueError, match="tables for layer slots \\[0, 1\\], but 0 layers are attached"):
+        abp.sampling.GradNormCache(num_examples=10, tokens=8).load_state_dict(state)
+    # A snapshot: training on does not change a state taken, nor a cache loaded from it.
+    for table in cache.tables.values():
+        table.fill_(7.0)
+    assert all(not bool((t == 7.0).any()) for t in state["tables"].values())
+    assert all(not bool((t == 7.0).any()) for t in resumed.tables.values())
+    with pytest.raises(TypeError, match="got a torch.nn.Linear.*SampledLinear.from_linear"):
+        abp.nn.SampledConv1D.from_conv1d(torch.nn.Linear(8, 12))
 
 
 def test_grad_norm_cache_errors() -> None:

@@ -563,3 +563,12 @@ def test_a_run_resumed_from_the_controllers_state_dict_continues_as_the_uninterr
     other = vcas.Controller(Net(depth=2).double(), Block)
     with pytest.raises(ValueError, match="saved for 3 blocks.*this controller has 2 blocks"):
         other.load_state_dict(whole["vcas"])
+    mine = vcas.Controller(_net(), Block)
+    with pytest.raises(ValueError, match="does not read as such \\(KeyError"):
+        mine.load_state_dict({k: v for k, v in whole["vcas"].items() if k != "s"})
+    with pytest.raises(ValueError, match="every ratio in \\(0, 1\\]"):
+        mine.load_state_dict({**whole["vcas"], "activations": [(-1.0, True)] * 3})
+    with pytest.raises(ValueError, match="s must lie in"):
+        mine.load_state_dict({**whole["vcas"], "s": float("nan")})
+    with pytest.raises(TypeError, match="model: expected a torch.nn.Module, got NoneType"):
+        vcas.Controller.attached(None)

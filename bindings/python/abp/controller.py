@@ -543,6 +543,7 @@ class CompressionController:
         return {
             "version": 1,
             "avg_bits": self._avg_bits,
+            "settings": self._settings(),
             "step": self._step,
             "estimates": self._estimates,
             "next_probe": self._next_probe,
@@ -567,20 +568,43 @@ class CompressionController:
         if not isinstance(state, dict) or state.get("version") != 1:
             raise ValueError("state: expected what CompressionController.state_dict() returned (a dict with version 1), "
                              f"got {type(state).__name__}")
-        if state["avg_bits"] != self._avg_bits:
-            raise ValueError(f"state: saved by a controller with avg_bits={state['avg_bits']:g}, this one has "
-                             f"avg_bits={self._avg_bits:g}; build it with the saved setting to resume")
+        try:
+            saved = {"avg_bits": float(state["avg_bits"]), **state["settings"]}
 
-        def table(entries: List[Tuple[Tuple[Any, ...], Any]]) -> Dict[TensorKey, Any]:
-            return {_tensor_key(k): v for k, v in entries}
+            def table(entries: List[Tuple[Tuple[Any, ...], Any]]) -> Dict[TensorKey, Any]:
+                return {_tensor_key(k): v for k, v in entries}
 
-        self._step, self._estimates, self._next_probe = int(state["step"]), int(state["estimates"]), int(state["next_probe"])
-        self._bits, self._numels = table(state["bits"]), table(state["numels"])
-        self._sensitivity, self._floors = table(state["sensitivity"]), table(state["floors"])
-        self._bits_by_position = {_Position((m, _dtype(d), rank), ordinal): b
-                                  for (m, d, rank, ordinal), b in state["bits_by_position"]}
-        self._numel_at_zero_bits = int(state["numel_at_zero_bits"])
-        self._replay_generator.set_state(state["replay_generator"])
+            step, estimates, next_probe = int(state["step"]), int(state["estimates"]), int(state["next_probe"])
+            bits, numels = table(state["bits"]), table(state["numels"])
+            sensitivity, floors = table(state["sensitivity"]), table(state["floors"])
+            by_position = {_Position((m, _dtype(d), int(rank)), int(ordinal)): int(b)
+                           for (m, d, rank, ordinal), b in state["bits_by_position"]}
+            numel_at_zero_bits = int(state["numel_at_zero_bits"])
+            generator_state = state["replay_generator"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"state: expected what CompressionController.state_dict() returned; this one does not "
+                             f"read as such ({type(e).__name__}: {e})") from None
+        mine = {"avg_bits": self._avg_bits, **self._settings()}
+        differ = [f"{k}={saved.get(k)!r} (this one {v!r})" for k, v in mine.items() if saved.get(k) != v]
+        if differ:
+            raise ValueError(f"state: saved by a controller with other settings: {', '.join(differ)}; build it with "
+                             "the saved settings to resume")
+        # Keys name the model's modules: a state saved on another model names others.
+        names = set(self._modules) | {OUTSIDE}
+        foreign = sorted({k.module for k in bits} - names)
+        if foreign:
+            raise ValueError(f"state: saved on another model: its tensors were saved in {foreign[:3]}"
+                             f"{' ...' if len(foreign) > 3 else ''}, which this controller's model does not have")
+        self._step, self._estimates, self._next_probe = step, estimates, next_probe
+        self._bits, self._numels, self._sensitivity, self._floors = bits, numels, sensitivity, floors
+        self._bits_by_position, self._numel_at_zero_bits = by_position, numel_at_zero_bits
+        self._replay_generator.set_state(generator_state)
+
+    def _settings(self) -> Dict[str, Any]:
+        """The settings a state belongs to (the schedule and the keys depend on them)."""
+        saver = self._saver
+        return {"interval": self._interval, "min_bits": self._min_bits, "group_size": saver.group_size,
+                "min_numel": saver.min_numel}
 
     def __reduce__(self) -> Any:
         raise TypeError("CompressionController cannot be pickled: its hooks belong to the model object it was built "

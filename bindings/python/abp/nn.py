@@ -644,6 +644,9 @@ class SampledConv1D(_SampledRows, NotScriptable, torch.nn.Module):
         generator: Optional[torch.Generator] = None,
     ) -> "SampledConv1D":
         """A SampledConv1D sharing `conv1d`'s weight (in_features, out_features) and bias Parameters."""
+        if isinstance(conv1d, torch.nn.Linear):  # its weight is (out, in): read as (in, out) it would be transposed
+            raise TypeError("conv1d: got a torch.nn.Linear, whose weight is (out_features, in_features); "
+                            "use abp.nn.SampledLinear.from_linear")
         return _sharing(cls, conv1d, "a module computing x @ weight + bias", True, method, keep, generator)
 
     def forward(self, input: Tensor) -> Tensor:

@@ -317,7 +317,7 @@ class GradNormCache:
         to sample as the uninterrupted one; attach a new cache to the resumed model in the same
         order (the model's modules, as attach takes them), then load_state_dict."""
         return {"version": 1, "num_examples": self.num_examples, "tokens": self.tokens, "dtype": str(self.dtype),
-                "tables": dict(self.tables)}
+                "tables": {slot: table.clone() for slot, table in self.tables.items()}}  # a snapshot
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if not isinstance(state, dict) or state.get("version") != 1:
@@ -326,7 +326,11 @@ class GradNormCache:
         if (state["num_examples"], state["tokens"], state["dtype"]) != (self.num_examples, self.tokens, str(self.dtype)):
             raise ValueError(f"state: saved for {state['num_examples']} examples x {state['tokens']} tokens in "
                              f"{state['dtype']}; this cache holds {self.num_examples} x {self.tokens} in {self.dtype}")
-        self.tables = {int(slot): table.to(self.dtype) for slot, table in state["tables"].items()}
+        beyond = sorted(int(slot) for slot in state["tables"] if not 0 <= int(slot) < self._slots)
+        if beyond:
+            raise ValueError(f"state: holds tables for layer slots {beyond}, but {self._slots} layers are attached to "
+                             "this cache: attach it to the resumed model (the same sampled layers) before loading")
+        self.tables = {int(slot): table.to(self.dtype, copy=True) for slot, table in state["tables"].items()}
 
     def _table(self, slot: int, device: torch.device) -> torch.Tensor:
         table = self.tables.get(slot)

@@ -372,6 +372,8 @@ class Controller:
     def attached(model: torch.nn.Module) -> Optional["Controller"]:
         """The Controller whose samplers `model` holds (one unpickled with it: ``torch.save(model)``
         saves it), or None."""
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         for module in model.modules():
             if isinstance(module, _VcasLinear):
                 return module._controller
@@ -397,16 +399,27 @@ class Controller:
         if not isinstance(state, dict) or state.get("version") != 1:
             raise ValueError("state: expected what abp.vcas.Controller.state_dict() returned (a dict with version 1), "
                              f"got {type(state).__name__}")
+        try:
+            s, steps, calibrations = float(state["s"]), int(state["steps"]), int(state["calibrations"])
+            activations = [(float(ratio), bool(active)) for ratio, active in state["activations"]]
+            weights = {name: (float(ratio), int(tokens)) for name, (ratio, tokens) in state["weights"].items()}
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"state: expected what abp.vcas.Controller.state_dict() returned; this one does not read "
+                             f"as such ({type(e).__name__}: {e})") from None
         mine = {f"{layer.state.depth}.{layer.state.name}": layer.state for layer in self.linears}
-        if len(state["activations"]) != len(self.samplers) or set(state["weights"]) != set(mine):
-            raise ValueError(f"state: saved for {len(state['activations'])} blocks and the Linears "
-                             f"{sorted(state['weights'])}; this controller has {len(self.samplers)} blocks and "
-                             f"{sorted(mine)}: build it on the same model to resume")
-        self.s, self.steps, self.calibrations = float(state["s"]), int(state["steps"]), int(state["calibrations"])
-        for sampler, (ratio, active) in zip(self.samplers, state["activations"]):
-            sampler.ratio, sampler.active = float(ratio), bool(active)
-        for name, (ratio, tokens) in state["weights"].items():
-            mine[name].ratio, mine[name].tokens = float(ratio), int(tokens)
+        if len(activations) != len(self.samplers) or set(weights) != set(mine):
+            raise ValueError(f"state: saved for {len(activations)} blocks and the Linears {sorted(weights)}; this "
+                             f"controller has {len(self.samplers)} blocks and {sorted(mine)}: build it on the same "
+                             "model to resume")
+        ratios = [r for r, _ in activations] + [r for r, _ in weights.values()]
+        if not 0 <= s <= 1 or not all(0 < r <= 1 for r in ratios):
+            raise ValueError(f"state: s must lie in [0, 1] and every ratio in (0, 1]; got s={s!r}, ratios from "
+                             f"{min(ratios, default=1)!r} to {max(ratios, default=1)!r}")
+        self.s, self.steps, self.calibrations = s, steps, calibrations
+        for sampler, (ratio, active) in zip(self.samplers, activations):
+            sampler.ratio, sampler.active = ratio, active
+        for name, (ratio, tokens) in weights.items():
+            mine[name].ratio, mine[name].tokens = ratio, tokens
 
     # --- the samplers' backward ---
 
