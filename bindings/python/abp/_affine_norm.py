@@ -87,10 +87,7 @@ class _AffineMSNorm(torch.autograd.Function):
         try:
             return (_backward_once if torch.is_grad_enabled() else _backward)(ctx, dy)
         except RuntimeError as e:
-            batched = autograd.batched_gradient_error(ctx.abp[0], e)
-            if batched is None:
-                raise
-            raise batched from None
+            autograd.raise_naming_batched(ctx.abp[0], e)
 
 
 def _backward(ctx: Any, dy: Tensor) -> Tuple[Optional[Tensor], ...]:

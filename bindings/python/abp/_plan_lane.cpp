@@ -148,7 +148,7 @@ bool deviceAndStream(const torch::Tensor &t, int *device, void **stream) {
 // (its type included), as it does for a Python autograd.Function.
 // A gradient without storage is a batched one (jacobian or hessian with vectorize=True vmaps the
 // backward): abp's kernels read memory, so say so instead of "Cannot access data pointer".
-// abp/autograd.py's check_gradients says the same for the Python lane.
+// abp/autograd.py's raise_naming_batched says the same for the Python lane.
 void checkGradients(const std::string &op, const variable_list &grads) {
   for (const auto &g : grads)
     if (g.defined() && g.layout() == torch::kStrided && !g.has_storage())

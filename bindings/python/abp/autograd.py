@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, NoReturn, Optional, Sequence, Tuple
 
 import torch
 
@@ -69,10 +69,7 @@ class OperatorFunction(torch.autograd.Function):
                 return _backward_once(ctx, *grads)
             return _backward(ctx, *grads)
         except RuntimeError as e:
-            batched = batched_gradient_error(ctx.abp_op, e)
-            if batched is None:
-                raise
-            raise batched from None
+            raise_naming_batched(ctx.abp_op, e)
 
 
 def jit_alternative() -> str:
@@ -190,17 +187,18 @@ def once_only(backward: Any) -> Any:
 _backward_once = once_only(_backward)
 
 
-def batched_gradient_error(what: str, error: RuntimeError) -> Optional[RuntimeError]:
-    """The error to raise for `error`, raised by the backward of `what`, if a batched gradient caused
-    it (jacobian or hessian with vectorize=True vmaps backward: a tensor without memory reached a
-    launch); None otherwise. abp/_plan_lane.cpp's checkGradients says the same in the C++ lane."""
+def raise_naming_batched(what: str, error: RuntimeError) -> NoReturn:
+    """Raises `error`, raised by the backward of `what`, or where a batched gradient caused it
+    (jacobian or hessian with vectorize=True vmaps backward: a tensor without memory reached a
+    launch) an error that says so. abp/_plan_lane.cpp's checkGradients says the same in the C++
+    lane. Called from the backwards' `except RuntimeError` (a try costs nothing until it raises)."""
     if "doesn't have storage" not in str(error):
-        return None
-    return RuntimeError(
+        raise error
+    raise RuntimeError(
         f"{what}: its backward got a gradient that holds no memory (a batched tensor: jacobian or hessian with "
         "vectorize=True, or a torch.func / functorch transform over the backward); abp's backward runs its own "
         "kernels, which such transforms cannot batch. Use vectorize=False (the default), or torch's modules where a "
-        "transform is needed")
+        "transform is needed") from None
 
 
 def apply_function(what: str, function: Any, *args: Any) -> Any:

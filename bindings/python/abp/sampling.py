@@ -151,10 +151,7 @@ class _SampledLinear(torch.autograd.Function):
         try:
             return _SampledLinear._backward(ctx, grad)
         except RuntimeError as e:
-            batched = autograd.batched_gradient_error("sampled_linear", e)
-            if batched is None:
-                raise
-            raise batched from None
+            autograd.raise_naming_batched("sampled_linear", e)
 
     @staticmethod
     def _backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
