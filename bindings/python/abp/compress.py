@@ -560,17 +560,8 @@ class _Kept:
     __slots__ = ("value", "version")
 
     def __init__(self, t: torch.Tensor) -> None:
-        self.value = _without_node(t)
+        self.value = memory.without_node(t)
         self.version = t._version
-
-
-def _without_node(t: torch.Tensor) -> torch.Tensor:
-    """`t` as a packed object may hold it: an alias without its autograd node (the same storage and
-    version counter). An op that saves its own output (softmax, rsqrt, a memory-sharing norm) would
-    otherwise hold itself through what it saved, a cycle Python's collector cannot see into, so a
-    forward dropped before its backward (an evaluation without no_grad) would keep its whole graph
-    alive. Unpacking gives autograd the node back: it re-attaches what it recorded at the save."""
-    return t if t.grad_fn is None else t.detach()
 
 
 def _modified_error(version: int, now: Optional[int] = None) -> RuntimeError:
@@ -1103,7 +1094,7 @@ class compress_saved:
                 continue
             box.modified = box.value._version != box.version
             stored = self._store(box.value, box.bits)
-            box.value = _without_node(stored) if isinstance(stored, torch.Tensor) else stored
+            box.value = memory.without_node(stored) if isinstance(stored, torch.Tensor) else stored
             box.pending = False
             memory.note_saved(_kept_tensors(box.value), box.tags)
         if attention_reads:

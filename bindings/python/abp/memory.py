@@ -39,6 +39,15 @@ class SavedTensor:
     tag: Optional[str] = None
 
 
+def without_node(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a pack hook may keep it: an alias without its autograd node (the same storage and
+    version counter). An op that saves its own output (softmax, rsqrt, a memory-sharing norm) would
+    otherwise hold itself through what it saved, a cycle Python's collector cannot see into, so a
+    forward dropped before its backward (an evaluation without no_grad) would keep its whole graph
+    alive. Unpacking gives autograd the node back: it re-attaches what it recorded at the save."""
+    return t if t.grad_fn is None else t.detach()
+
+
 class SavedTensorsCounter:
     """A context manager that records every tensor saved for backward inside it (no references kept).
 
@@ -55,9 +64,7 @@ class SavedTensorsCounter:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self._note(t, self.tag)
-        # Without its autograd node: a saved output holding its own node would keep a graph that is
-        # never backpropagated alive (abp.compress._without_node).
-        return t if t.grad_fn is None else t.detach()
+        return without_node(t)
 
     def _note(self, t: torch.Tensor, tag: Optional[str]) -> None:
         try:
