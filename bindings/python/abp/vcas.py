@@ -246,11 +246,19 @@ def _is_plain_linear(module: torch.nn.Module) -> bool:
     return type(module) is torch.nn.Linear
 
 
+def _controller_of(module: torch.nn.Module) -> Optional["Controller"]:
+    """The Controller sampling in `module` itself: as one of its Linears, or by a block's gradient hook."""
+    if isinstance(module, _VcasLinear):
+        return module._controller
+    for hook in module._forward_hooks.values():
+        if isinstance(hook, partial) and getattr(hook.func, "__func__", None) is Controller._block_output:
+            return hook.func.__self__
+    return None
+
+
 def _controlled(block: torch.nn.Module) -> bool:
     """Whether a live Controller samples in `block`: its gradient hook, or one of its Linears."""
-    hooked = any(isinstance(h, partial) and getattr(h.func, "__func__", None) is Controller._block_output
-                 for h in block._forward_hooks.values())
-    return hooked or any(isinstance(m, _VcasLinear) for m in block.modules())
+    return any(_controller_of(m) is not None for m in block.modules())
 
 
 class Controller:
@@ -374,13 +382,7 @@ class Controller:
         saves it), or None."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-        for module in model.modules():
-            if isinstance(module, _VcasLinear):
-                return module._controller
-            for hook in module._forward_hooks.values():  # a block's sampler (blocks without Linears)
-                if isinstance(hook, partial) and getattr(hook.func, "__func__", None) is Controller._block_output:
-                    return hook.func.__self__
-        return None
+        return next((c for c in map(_controller_of, model.modules()) if c is not None), None)
 
     # --- resuming ---
 
