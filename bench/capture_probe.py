@@ -121,7 +121,7 @@ def _reads_values(name: str, args: tuple, kwargs: dict, target: Optional[torch.T
 def cases(device: torch.device = CUDA) -> List[Tuple[str, Callable[[], Step], bool]]:
     """(name, step factory, deterministic) on `device`; nothing touches it until a factory is called."""
     out: List[Tuple[str, Callable[[], Step], bool]] = []
-    for name, mine, _ in host_overhead.pairs():
+    for name, mine, _, _ in host_overhead.pairs():
         out.append((name, lambda m=mine: _module_step(m().to(device)), True))
     out.append(("SampledLinear (wtacrs 0.3)",
                 lambda: _module_step(abp.nn.SampledLinear(COLS, COLS, device=device)), False))

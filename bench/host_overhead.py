@@ -33,25 +33,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import commit_id  # noqa: E402
 
 ROWS, COLS = 4, 32  # tiny: the host path dominates
+# Rows of the sampled layer's input and of the recipe blocks' batch: enough that WTA-CRS at keep 0.3
+# keeps fewer rows than there are (19 of 64; of 4 rows it keeps all, and backward is the exact
+# product with no plan made) and that compress_saved's min_numel (1024 elements) lets it code the
+# block's activations (4x32 inputs are all kept as they are). Still small: the host path dominates.
+ROWS_SAMPLED = 64
 DEVICE = torch.device("cpu")  # --device cuda: the same rows on GPU tensors (host time of async launches)
 
 
-def _norms() -> List[Tuple[str, Callable[[], torch.nn.Module], Callable[[], torch.nn.Module]]]:
-    pairs = [("MSLayerNorm", lambda: abp.nn.MSLayerNorm(COLS),
-              lambda: torch.nn.LayerNorm(COLS, elementwise_affine=False)),
-             ("MSLayerNorm (affine)", lambda: _affine(abp.nn.MSLayerNorm(COLS, elementwise_affine=True)),
-              lambda: _affine(torch.nn.LayerNorm(COLS)))]
+#: (name, abp module factory, torch module factory, rows of the input both are timed on).
+Pair = Tuple[str, Callable[[], torch.nn.Module], Callable[[], torch.nn.Module], int]
+
+
+def _norms() -> List[Pair]:
+    pairs: List[Pair] = [
+        ("MSLayerNorm", lambda: abp.nn.MSLayerNorm(COLS), lambda: torch.nn.LayerNorm(COLS, elementwise_affine=False),
+         ROWS),
+        ("MSLayerNorm (affine)", lambda: _affine(abp.nn.MSLayerNorm(COLS, elementwise_affine=True)),
+         lambda: _affine(torch.nn.LayerNorm(COLS)), ROWS)]
     if hasattr(torch.nn, "RMSNorm"):  # torch >= 2.4
         pairs.append(("MSRMSNorm", lambda: abp.nn.MSRMSNorm(COLS),
-                      lambda: torch.nn.RMSNorm(COLS, eps=1e-6, elementwise_affine=False)))
+                      lambda: torch.nn.RMSNorm(COLS, eps=1e-6, elementwise_affine=False), ROWS))
         pairs.append(("MSRMSNorm (affine)", lambda: _affine(abp.nn.MSRMSNorm(COLS, elementwise_affine=True)),
-                      lambda: _affine(torch.nn.RMSNorm(COLS, eps=1e-6))))
+                      lambda: _affine(torch.nn.RMSNorm(COLS, eps=1e-6)), ROWS))
     return pairs
 
 
-def _linears() -> List[Tuple[str, Callable[[], torch.nn.Module], Callable[[], torch.nn.Module]]]:
-    """The sampled linear layer (WTA-CRS, keep 0.3) against the Linear it replaces."""
-    return [("SampledLinear (wtacrs)", lambda: abp.nn.SampledLinear.from_linear(_linear()), _linear)]
+def _linears() -> List[Pair]:
+    """The sampled linear layer (WTA-CRS, keep 0.3) against the Linear it replaces, on an input of
+    ROWS_SAMPLED rows, so that backward estimates dW from a plan of 19 rows."""
+    return [("SampledLinear (wtacrs)", lambda: abp.nn.SampledLinear.from_linear(_linear()), _linear, ROWS_SAMPLED)]
 
 
 def _linear() -> torch.nn.Linear:
@@ -72,10 +83,10 @@ def _affine(norm: torch.nn.Module) -> torch.nn.Module:
     return norm
 
 
-def pairs() -> List[Tuple[str, Callable[[], torch.nn.Module], Callable[[], torch.nn.Module]]]:
-    """(name, abp module factory, torch module factory) for every module of abp.nn with a torch
-    counterpart: the activations (same name in torch.nn; ReGELU2 and ReSiLU2 replace GELU and
-    SiLU) and the memory-sharing norms."""
+def pairs() -> List[Pair]:
+    """(name, abp module factory, torch module factory, input rows) for every module of abp.nn with
+    a torch counterpart: the activations (same name in torch.nn; ReGELU2 and ReSiLU2 replace GELU
+    and SiLU), the memory-sharing norms and the sampled linear layer."""
     special = {"ReGELU2": torch.nn.GELU, "ReSiLU2": torch.nn.SiLU}
     out = []
     for name in abp.nn.__all__:
@@ -84,7 +95,7 @@ def pairs() -> List[Tuple[str, Callable[[], torch.nn.Module], Callable[[], torch
             continue
         theirs = special.get(name) or getattr(torch.nn, name)
         args: Tuple[float, ...] = (0.5, 0.0) if name == "Threshold" else ()
-        out.append((name, (lambda m=mine, a=args: m(*a)), (lambda t=theirs, a=args: t(*a))))
+        out.append((name, (lambda m=mine, a=args: m(*a)), (lambda t=theirs, a=args: t(*a)), ROWS))
     return out + _norms() + _linears()
 
 
@@ -104,8 +115,9 @@ def _recipe_block() -> torch.nn.Module:
 def recipes() -> List[Tuple[str, Callable[[], Callable[[], None]], Callable[[], Callable[[], None]]]]:
     """(name, abp step factory, exact step factory): one forward and backward of a small
     LayerNorm-Linear-GELU-Linear block, converted by a recipe (or under compress_saved) against
-    the original."""
-    x = torch.randn(ROWS, COLS, device=DEVICE)
+    the original, on a batch of ROWS_SAMPLED rows (where the sampled layers plan and compress_saved
+    codes)."""
+    x = torch.randn(ROWS_SAMPLED, COLS, device=DEVICE)
 
     # Gradients are dropped before each step, as an optimizer step would: accumulated without
     # end, they would grow like a diverging run's (and compress_saved's guard would say so).
@@ -200,9 +212,9 @@ def side_by_side(mine: Callable[[], None], theirs: Callable[[], None], rounds: i
 def measure(rounds: int, calls: int) -> List[Dict[str, object]]:
     rows = []
     torch.manual_seed(0)
-    for name, mine, theirs in pairs():
-        x = torch.randn(ROWS, COLS, device=DEVICE, requires_grad=True)
-        g = torch.randn(ROWS, COLS, device=DEVICE)
+    for name, mine, theirs, rows_of_input in pairs():
+        x = torch.randn(rows_of_input, COLS, device=DEVICE, requires_grad=True)
+        g = torch.randn(rows_of_input, COLS, device=DEVICE)
         a, b = side_by_side(_step(mine().to(DEVICE), x, g), _step(theirs().to(DEVICE), x, g), rounds, calls)
         rows.append({"op": name, "abp_us": a * 1e6, "torch_us": b * 1e6, "ratio": a / b})
     if DEVICE.type == "cpu":  # the floor launches on the CPU path
@@ -231,6 +243,7 @@ def main() -> None:
     from abp import _plan_lane
     lane = _plan_lane.status()
     print(f"host overhead per call, forward + backward on {ROWS}x{COLS} {DEVICE.type.upper()} tensors "
+          f"({ROWS_SAMPLED}x{COLS} for the sampled layer and the recipe blocks) "
           f"(torch {torch.__version__}, best of {args.rounds} rounds of {args.calls} calls, thread CPU time; "
           f"abp's {lane})")
     print(f"{'op':<24} {'torch us':>9} {'abp us':>9} {'ratio':>6}")

@@ -126,7 +126,9 @@ def _uniforms(u: Tensor, needed: int, device: torch.device) -> Tensor:
     _check_vector("u", u)
     if u.numel() < needed:
         raise ValueError(f"u: expected at least {needed} uniform draws, got {u.numel()}")
-    return u[:needed].to(device=device, dtype=torch.float64)
+    u = u if u.numel() == needed else u[:needed]
+    # No op call where u already is float64 on `device` (the sampled layers' per-call path).
+    return u if u.dtype == torch.float64 and u.device == device else u.to(device=device, dtype=torch.float64)
 
 
 def _empty_plan(device: torch.device, draws: int = 0, winners: int = 0) -> Plan:
@@ -346,12 +348,14 @@ def integer_masses(scores: Tensor, other: Optional[Tensor] = None, floor: float 
     if n == 0:
         raise ValueError("scores: expected at least one row, got none")
     scale = float(2 ** (48 - n.bit_length()))
-    usable = ~(torch.isnan(x).any() | (x < 0).any())
-    x = torch.where(torch.isinf(x), torch.full_like(x, torch.finfo(torch.float64).max), x)
+    usable = (x >= 0).all()  # False where a score is NaN or negative
+    largest = torch.finfo(torch.float64).max
+    x = torch.nan_to_num(x, nan=math.nan, posinf=largest, neginf=largest)  # an infinity counts as the largest value
 
     def masses(v: Tensor) -> Tensor:
         top = v.max()
-        return torch.where(top > 0, torch.ceil(v / torch.where(top > 0, top, 1.0) * scale), torch.ones_like(v))
+        positive = top > 0
+        return torch.where(positive, torch.ceil(v / torch.where(positive, top, 1.0) * scale), 1.0)
 
     a = masses(x)
     if other is None:
@@ -381,7 +385,8 @@ def _draw(masses: Tensor, u: Tensor) -> Tensor:
     cumulative mass exceeds it. With 48-bit uniforms every unit of mass is reached: row j's
     probability is within one unit of masses_j/Σ (with coarser uniforms, within Σ·2^-bits)."""
     cdf = torch.cumsum(masses, 0)
-    j = torch.searchsorted(cdf, torch.floor(u.to(torch.float64) * cdf[-1]), right=True)
+    u = u if u.dtype == torch.float64 else u.to(torch.float64)
+    j = torch.searchsorted(cdf, torch.floor(u * cdf[-1]), right=True)
     rows = torch.arange(masses.numel(), device=masses.device)
     return torch.minimum(j, (rows * (masses > 0)).max())  # a sum of 0: row 0, weight 0 at the caller
 
@@ -391,7 +396,9 @@ def _winners(sorted_masses: Tensor, total: Tensor, k: int) -> Tensor:
     tensor: the first c in [0, k) minimising (Σm − Q_c)/(k − c), ties within a relative 1e-12 to
     the smaller c (Q_c: the c largest masses; both exact)."""
     top = sorted_masses[: min(k, sorted_masses.numel())]
-    q = torch.cat([top.new_zeros(1), torch.cumsum(top, 0)])[:k]
+    q = torch.cumsum(top, 0) - top  # Q_c, the c largest before c: whole numbers below 2^48, exact
+    if top.numel() < k:  # fewer rows than slots: every row may win, c = N too (Q_N = Σm)
+        q = torch.cat([q, total.reshape(1)])
     c = torch.arange(q.numel(), dtype=torch.float64, device=q.device)
     objective = (total - q) / (k - c)
     near = objective <= objective.min() * (1.0 + 1e-12)
@@ -428,20 +435,20 @@ def plan_slots(masses: Tensor, usable: Tensor, k: int, u: Tensor, method: str,
             count = torch.tensor(winners, dtype=torch.int64, device=device)
         rank = torch.empty_like(order)
         rank[order] = torch.arange(n, device=device)
-        rest = torch.where(rank < count, torch.zeros_like(masses), masses)
+        rest = torch.where(rank < count, 0.0, masses)
         mass = rest.sum()
         j = _draw(rest, draws[(slots - count).clamp(min=0)])
-        drawn = torch.where(mass > 0, mass / ((k - count) * rest[j]), torch.zeros_like(mass))
+        drawn = torch.where(mass > 0, mass / ((k - count) * rest[j]), 0.0)
         won = slots < count
         index = torch.where(won, order[slots.clamp(max=n - 1)], j)
-        weight = torch.where(won, torch.ones_like(drawn), drawn)
+        weight = torch.where(won, 1.0, drawn)
     elif method in ("crs", "uniform"):
         count = torch.zeros((), dtype=torch.int64, device=device)
         index = _draw(masses, draws)
-        weight = torch.where(total > 0, total / (k * masses[index]), torch.zeros_like(total))
+        weight = torch.where(total > 0, total / (k * masses[index]), 0.0)
     else:
         raise ValueError(f"method: expected 'wtacrs', 'crs' or 'uniform', got {method!r}")
-    weight = torch.where(usable, weight, torch.full_like(weight, float("nan")))
+    weight = torch.where(usable, weight, math.nan)
     return Slots(index.to(torch.int32), weight, count)
 
 

@@ -98,15 +98,15 @@ def sampled_residuals(x2: torch.Tensor, method: str, keep: float, seed: int,
 def sampled_weight_grad(mode: str, saved: List[torch.Tensor], g: torch.Tensor, method: str, seed: int) -> torch.Tensor:
     """dW from the 2-d output gradient g and what sampled_residuals saved in `mode`."""
     if mode == "exact":
-        return g.t() @ saved[0].to(g.dtype)
+        return g.t() @ _as(saved[0], g.dtype)
     if mode == "rows":
         kept, index = saved
-        g = g.to(kept.dtype).contiguous()
-        ones = torch.ones(index.numel(), dtype=compute_dtype(g.dtype), device=g.device)
-        dw = kernels.sample_rows(g, index, ones, trusted=True).t() @ kept
+        g = _as(g, kept.dtype)
+        # The plan's rows of dY (a plan over x's own rows: every index is one of g's rows).
+        dw = g.index_select(0, index).t() @ kept
         # A non-finite dY in a row the plan did not keep must still reach dW, as it would the
         # exact product (AMP's overflow check reads it): without a host sync.
-        return torch.where(torch.isfinite(g).all(), dw, torch.full_like(dw, float("nan")))
+        return torch.where(torch.isfinite(g).all(), dw, math.nan)
     (projected,) = saved
     g = g.to(projected.dtype).contiguous()
     return sketch_product(method, projected.shape[0], seed, g).t() @ projected
@@ -114,8 +114,13 @@ def sampled_weight_grad(mode: str, saved: List[torch.Tensor], g: torch.Tensor, m
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """`t` as (token rows, features); also with no features (a layer of in_features 0), where
-    reshape(-1, 0) cannot infer the rows."""
-    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+    reshape(-1, 0) cannot infer the rows. A 2-d `t` is itself (no view op on the per-call path)."""
+    return t if t.dim() == 2 else t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` in `dtype`; itself, with no op call, where it already is."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 class _SampledLinear(torch.autograd.Function):
@@ -130,7 +135,7 @@ class _SampledLinear(torch.autograd.Function):
         ctx.mode, saved = "none", []
         if ctx.needs_input_grad[1]:
             # The input as the product used it (autocast may have cast it): what backward needs.
-            ctx.mode, saved = sampled_residuals(_rows(x).to(y.dtype), method, keep, seed, gamma)
+            ctx.mode, saved = sampled_residuals(_as(_rows(x), y.dtype), method, keep, seed, gamma)
             # Detached: with k = N the residual is a view of x made here with grad off, which on
             # torch 1.13 a saved-tensor hook (compress_saved's) could not give back to backward
             # ("No grad accumulator for a saved leaf").
@@ -161,7 +166,8 @@ class _SampledLinear(torch.autograd.Function):
             ctx.record(kernels.row_norms(g.contiguous()))
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = (g @ weight.to(g.dtype)).reshape(ctx.x_shape)
+            dx = g @ _as(weight, g.dtype)
+            dx = dx if grad.dim() == 2 else dx.reshape(ctx.x_shape)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g.sum(0)
         if ctx.mode != "none":
