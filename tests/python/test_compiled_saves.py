@@ -29,16 +29,21 @@ def _library() -> None:
     _compiled_saves.clear_compiled_stats()
 
 
-def test_the_ops_are_the_eager_codec() -> None:
-    x = torch.randn(5, 300, generator=torch.Generator().manual_seed(0))  # a whole group and a tail
+@pytest.mark.parametrize("shape, group, padded", [((5, 300), 256, 0),  # a whole group and a tail
+                                                  ((2, 3, 7, 7), 56, 56)])  # padded 7x7 planes
+def test_the_ops_are_the_eager_codec(shape, group, padded) -> None:
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
     key = torch.tensor([12345])
+    stride = list(x.stride())
     for bits in (2, 4, 8):
-        buffer = _compiled_saves.gact_pack(x, key, bits, 256)
-        eager = compress.quantize_unchecked(x, bits, 256, compress.rank_key(12345), 0)
+        buffer = _compiled_saves.gact_pack(x, key, bits, group, padded)
+        eager = compress.quantize_unchecked(x, bits, group, compress.rank_key(12345), 0, padded)
         assert torch.equal(buffer, eager.buffer)
-        assert torch.equal(_compiled_saves.gact_unpack(buffer, bits, 256, [5, 300], [300, 1], torch.float32), compress.dequantize(eager))
-        torch.library.opcheck(_compiled_saves.gact_pack, (x, key, bits, 256), test_utils=("test_schema", "test_faketensor"))
-        torch.library.opcheck(_compiled_saves.gact_unpack, (buffer, bits, 256, [5, 300], [300, 1], torch.float32),
+        assert torch.equal(_compiled_saves.gact_unpack(buffer, bits, group, padded, list(shape), stride, torch.float32),
+                           compress.dequantize(eager))
+        torch.library.opcheck(_compiled_saves.gact_pack, (x, key, bits, group, padded),
+                              test_utils=("test_schema", "test_faketensor"))
+        torch.library.opcheck(_compiled_saves.gact_unpack, (buffer, bits, group, padded, list(shape), stride, torch.float32),
                               test_utils=("test_schema", "test_faketensor"))
 
 
@@ -95,8 +100,9 @@ def test_a_compiled_graph_compresses_what_eager_rules_would() -> None:
     assert len(compressed) >= 4  # the norm's output (one for q, k, v), the value, o's and down's inputs
     for r in records:
         n = math.prod(r["shape"])
-        group = compress.row_group_size(r["shape"], 256)  # what eager's compress_saved uses
-        want = n * r["dtype"].itemsize if r["bits"] == 32 else compress.group_layout(n, r["bits"], group, r["dtype"])[0]
+        group, padded = compress.plane_groups(r["shape"], 256)  # what eager's compress_saved uses
+        coded = compress.coded_numel(r["shape"], padded)
+        want = n * r["dtype"].itemsize if r["bits"] == 32 else compress.group_layout(coded, r["bits"], group, r["dtype"])[0]
         if r["why"] == _compiled_saves.SUPPORT_KEPT:
             want += (n + 7) // 8  # the support's bits
         assert r["bytes_stored"] == want
@@ -122,6 +128,29 @@ def test_the_compiled_graph_really_saves_fewer_bytes() -> None:
     dropped = sum(r["bytes_in"] - r["bytes_stored"] for r in records)
     assert dropped > 0.5 * sum(r["bytes_in"] for r in records)  # of the intermediates the hooks see
     assert packed == exact - dropped  # what backward holds (parameters and inputs included)
+
+
+def test_a_compiled_convolution_pads_its_planes_as_eager_does() -> None:
+    # 7 x 7 channel planes: no group divides 49, so both paths pad each plane to one group of 56
+    # (compress.plane_groups) and store the same bytes; the gradient keeps each channel's range.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(16, 16, 1, groups=16, bias=False), nn.BatchNorm2d(16), nn.GELU())
+    with torch.no_grad():
+        net[0].weight.copy_(torch.tensor([1e-3, 10.0]).repeat(8).reshape(16, 1, 1, 1))
+    x = torch.randn(4, 16, 7, 7, requires_grad=True)
+    with abp.compress_saved(bits=8) as eager:
+        net(x).sum().backward()
+    exact_grad = torch.autograd.grad(net(x).sum(), x)[0]
+    x.grad = None
+    with abp.compress_saved(bits=8):
+        torch.compile(net, backend="aot_eager")(x).sum().backward()
+    records = [r for r in _compiled_saves.compiled_stats() if r["bits"] == 8]
+    assert records and all(r["shape"] == (4, 16, 7, 7) for r in records)
+    group, padded = compress.plane_groups((4, 16, 7, 7), 256)
+    assert (group, padded) == (56, 56)
+    assert all(r["bytes_stored"] == compress.group_layout(4 * 16 * 56, 8, 56, torch.float32)[0] for r in records)
+    assert eager.stats["bytes_compressed"] == len(records) * records[0]["bytes_stored"]
+    assert float((x.grad - exact_grad).norm() / exact_grad.norm()) < 0.05
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
@@ -262,10 +291,10 @@ def test_a_transposed_save_comes_back_with_its_strides() -> None:
     """A compiled backward may view a saved tensor by its strides (Falcon's attention saves a
     transposed tensor and views it): unpack lays the codes out as the saved tensor was laid out."""
     x = torch.randn(300, 5, generator=torch.Generator().manual_seed(0)).t()  # (5, 300), strides (1, 5)
-    buffer = _compiled_saves.gact_pack(x, torch.tensor([7]), 8, 256)
-    out = _compiled_saves.gact_unpack(buffer, 8, 256, [5, 300], [1, 5], torch.float32)
+    buffer = _compiled_saves.gact_pack(x, torch.tensor([7]), 8, 256, 0)
+    out = _compiled_saves.gact_unpack(buffer, 8, 256, 0, [5, 300], [1, 5], torch.float32)
     assert out.stride() == (1, 5) and torch.allclose(out, x, atol=0.05)
-    torch.library.opcheck(_compiled_saves.gact_unpack, (buffer, 8, 256, [5, 300], [1, 5], torch.float32),
+    torch.library.opcheck(_compiled_saves.gact_unpack, (buffer, 8, 256, 0, [5, 300], [1, 5], torch.float32),
                           test_utils=("test_schema", "test_faketensor"))
 
 

@@ -378,9 +378,97 @@ def test_non_finite_groups_decode_to_nan_and_constant_groups_exactly():
     ((2, 1000), 1 << 24, 1000),  # a longest group far beyond the row: the search starts at the row
     ((2, 1016), 1 << 24, 1016),
     ((2, 1004), 1 << 24, 1 << 24),  # no multiple of 8 divides it
+    ((2, 256, 8, 8), 256, 64),        # a convolution's 8 x 8 planes: a group per channel plane
+    ((2, 64, 28, 28), 256, 112),      # 784 = 7 x 112: groups within the plane, not across channels
+    ((2, 32, 56, 56), 256, 224),      # rows of 56 too short; the plane of 3136 holds 14 groups of 224
+    ((2, 4, 16, 16), 256, 256),       # a plane of one whole group
 ])
 def test_row_group_size_divides_rows_where_it_can(shape, group_size, want):
     assert C.row_group_size(shape, group_size) == want
+
+
+@pytest.mark.parametrize("shape,group_size,want", [
+    ((4, 64), 256, (64, 0)),              # not 4-d: row_group_size, never padded
+    ((2, 16, 100), 256, (256, 0)),        # 3-d (tokens or a 1-d convolution): as before
+    ((2, 256, 8, 8), 256, (64, 0)),       # planes a group divides: not padded
+    ((2, 64, 28, 28), 256, (112, 0)),
+    ((2, 64, 7, 7), 256, (56, 56)),       # 49: no multiple of 8 divides it; one group of 56 per plane
+    ((2, 64, 14, 14), 256, (200, 200)),   # 196 -> 200
+    ((2, 4, 30, 30), 256, (152, 912)),    # 900 > 256: the group that pads least (12 elements)
+    ((2, 64, 7, 7), 32, (32, 64)),        # a group_size below the plane: groups of it, padded to 2
+    ((2, 64, 1, 3), 256, (8, 8)),
+])
+def test_plane_groups_keep_every_group_within_a_channel_plane(shape, group_size, want):
+    group, padded = C.plane_groups(shape, group_size)
+    assert (group, padded) == want
+    plane = math.prod(shape[2:]) if len(shape) >= 4 else None
+    if padded:
+        assert padded % group == 0 and padded >= plane and group % 8 == 0
+    elif plane is not None:
+        assert plane % group == 0
+
+
+def _channels_of_unequal_scale(hw: int) -> torch.Tensor:
+    """(2, 8, hw, hw) channels of scale 1000, one of them (channel 3) of scale 0.001: as a
+    depthwise convolution makes them, each channel its input times one weight."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 8, hw, hw, generator=g) * 1000
+    x[:, 3] *= 1e-6
+    return x
+
+
+@pytest.mark.parametrize("hw", [7, 14])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_padded_planes_keep_a_small_channel_its_own_range(hw, bits):
+    x = _channels_of_unequal_scale(hw)
+    group, padded = C.plane_groups(x.shape, 256)
+    assert padded > hw * hw
+    c = C.quantize_unchecked(x, bits, group, seed=11, offset=0, padded=padded)
+    assert C.dequantize(c).shape == x.shape and c.coded_numel == 16 * padded
+    assert c.buffer.numel() == C.group_layout(16 * padded, bits, group, x.dtype)[0]  # the bytes it promises
+    error = (C.dequantize(c) - x)[:, 3].abs().max()
+    # Stochastic rounding within the channel's own range: at most one step of it.
+    assert error <= (x[:, 3].amax(dim=(1, 2)) - x[:, 3].amin(dim=(1, 2))).max() / (2 ** bits - 1) * 1.0001
+    # Negative control: groups of 256 over the flat tensor span channels, and the small channel
+    # decodes to its neighbours' rounding noise, a million times its scale.
+    crossing = C.quantize_unchecked(x, bits, 256, seed=11, offset=0)
+    assert (C.dequantize(crossing) - x)[:, 3].abs().max() > 1e3 * x[:, 3].abs().max()
+
+
+def test_padded_planes_decode_channels_last_and_noncontiguous_inputs():
+    x = _channels_of_unequal_scale(7).to(memory_format=torch.channels_last)
+    group, padded = C.plane_groups(x.shape, 256)
+    c = C.quantize_unchecked(x, 8, group, seed=1, offset=0, padded=padded)
+    dense = C.quantize_unchecked(x.contiguous(), 8, group, seed=1, offset=0, padded=padded)
+    assert torch.equal(c.buffer, dense.buffer)  # the same codes as the contiguous tensor's
+    torch.testing.assert_close(C.dequantize(c), x, rtol=0, atol=float((x.amax() - x.amin()) / 255))
+
+
+def test_compress_saved_trains_a_depthwise_convolution_into_batchnorm_at_7x7():
+    # timm's MobileOne and FastViT: a depthwise 1x1 convolution scales each channel by one weight
+    # and BatchNorm divides each channel by its spread. With groups spanning channels at 7 x 7 the
+    # first gradient was hundreds of times the exact one (compress.plane_groups).
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(64, 64, 1, groups=64, bias=False), torch.nn.BatchNorm2d(64)).train()
+    with torch.no_grad():
+        net[0].weight.copy_(torch.tensor([1e-3, 10.0]).repeat(32).reshape(64, 1, 1, 1))  # small beside large
+    x = torch.relu(torch.randn(4, 64, 7, 7, generator=torch.Generator().manual_seed(2))).requires_grad_()
+    target = torch.randn(4, 64, 7, 7, generator=torch.Generator().manual_seed(4))
+
+    def grads(block):
+        net.zero_grad()
+        x.grad = None
+        with block:
+            loss = ((net(x * 1.0) - target) ** 2).mean()
+        loss.backward()
+        return torch.cat([x.grad.flatten(), net[0].weight.grad.flatten()])
+
+    exact = grads(contextlib.nullcontext())
+    with_codes = abp.compress_saved(bits=4)
+    coded = grads(with_codes)
+    assert with_codes.stats["compressed"] >= 1
+    error = float((coded - exact).norm() / exact.norm())
+    assert error < 0.5, error
 
 
 def _rows_of_unequal_scale() -> torch.Tensor:
@@ -669,6 +757,13 @@ def test_an_edited_compressed_tensor_is_refused_not_read_out_of_bounds():
         edited = C.CompressedTensor(c.kind, c.bits, c.group_size, c.shape, c.dtype, c.device, c.buffer, c.layout)
         setattr(edited, field, value)
         with pytest.raises(ValueError, match=r"c(\.buffer|\.kind)?: "):
+            C.dequantize(edited)
+    planes = torch.randn(2, 3, 7, 7)
+    c = C.quantize_unchecked(planes, 4, 56, seed=1, offset=0, padded=56)
+    for padded in (0, 48, 64, -8, "56"):  # not the padding its buffer was made with
+        edited = C.CompressedTensor(c.kind, c.bits, c.group_size, c.shape, c.dtype, c.device, c.buffer, c.layout, 56)
+        edited.padded = padded
+        with pytest.raises(ValueError, match=r"c(\.padded)?: "):
             C.dequantize(edited)
     mask = C._pack_mask(torch.rand(100) > 0.5)
     mask.shape = (1000,)

@@ -41,8 +41,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from . import _custom_ops, _derived, _save_rules
-from .compress import (CompressedTensor, dequantize, group_layout, mask_bits, mask_from_bits, open_block,
-                       quantize_unchecked, rank_key, row_group_size, row_statistic_shape, with_support)
+from .compress import (CompressedTensor, coded_numel, dequantize, group_layout, mask_bits, mask_from_bits, open_block,
+                       plane_groups, quantize_unchecked, rank_key, row_statistic_shape, with_support)
 from ._launch import ROW_DTYPES
 
 __all__ = ["available", "hooks", "compiled_stats"]
@@ -87,32 +87,31 @@ def in_use() -> bool:
 if _custom_ops.enabled():  # registered at import (cheap); only compiled graphs call them
 
     @torch.library.custom_op("abp::gact_pack", mutates_args=())
-    def gact_pack(x: torch.Tensor, key: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
-        """`x` as `bits`-bit group codes: one uint8 buffer (compress.group_layout) keyed by `key`."""
-        return quantize_unchecked(x, bits, group_size, rank_key(int(key.item())), 0).buffer
+    def gact_pack(x: torch.Tensor, key: torch.Tensor, bits: int, group_size: int, padded: int) -> torch.Tensor:
+        """`x` as `bits`-bit group codes: one uint8 buffer (compress.group_layout) keyed by `key`;
+        `padded`: 0, or the length its channel planes are padded to (compress.plane_groups)."""
+        return quantize_unchecked(x, bits, group_size, rank_key(int(key.item())), 0, padded).buffer
 
     @gact_pack.register_fake
-    def _(x: torch.Tensor, key: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
-        size, _ = group_layout(x.numel(), bits, group_size, x.dtype)
+    def _(x: torch.Tensor, key: torch.Tensor, bits: int, group_size: int, padded: int) -> torch.Tensor:
+        size, _ = group_layout(coded_numel(x.shape, padded), bits, group_size, x.dtype)
         return x.new_empty((size,), dtype=torch.uint8)
 
     @torch.library.custom_op("abp::gact_unpack", mutates_args=())
-    def gact_unpack(buffer: torch.Tensor, bits: int, group_size: int, shape: List[int], stride: List[int],
+    def gact_unpack(buffer: torch.Tensor, bits: int, group_size: int, padded: int, shape: List[int], stride: List[int],
                     dtype: torch.dtype) -> torch.Tensor:
         """The tensor of `shape`, `stride` and `dtype` that gact_pack's `buffer` stands for: laid out
         as the saved tensor was, since the compiled backward may view it by its strides (a
         transposed query)."""
-        n = 1
-        for s in shape:
-            n *= s
-        _, layout = group_layout(n, bits, group_size, dtype)
-        dense = dequantize(CompressedTensor("groups", bits, group_size, tuple(shape), dtype, buffer.device, buffer, layout))
+        _, layout = group_layout(coded_numel(shape, padded), bits, group_size, dtype)
+        dense = dequantize(CompressedTensor("groups", bits, group_size, tuple(shape), dtype, buffer.device, buffer, layout,
+                                            padded))
         if list(dense.stride()) == list(stride):
             return dense
         return torch.empty_strided(shape, stride, dtype=dtype, device=buffer.device).copy_(dense)
 
     @gact_unpack.register_fake
-    def _(buffer: torch.Tensor, bits: int, group_size: int, shape: List[int], stride: List[int],
+    def _(buffer: torch.Tensor, bits: int, group_size: int, padded: int, shape: List[int], stride: List[int],
           dtype: torch.dtype) -> torch.Tensor:
         return buffer.new_empty_strided(shape, stride, dtype=dtype)
 
@@ -286,8 +285,8 @@ def _pack_traced(x: torch.Tensor, context: Dict[str, Any], bits: int, group_size
                  op_rules: bool, exact_relu: bool) -> Any:
     chosen, why = _decide(x, context, bits, min_numel, op_rules, exact_relu)
     size_in = x.numel() * x.element_size()
-    group_size = row_group_size(tuple(x.shape), group_size)
-    stored = size_in if chosen == 32 else group_layout(x.numel(), chosen, group_size, x.dtype)[0]
+    group_size, padded = plane_groups(tuple(x.shape), group_size)
+    stored = size_in if chosen == 32 else group_layout(coded_numel(x.shape, padded), chosen, group_size, x.dtype)[0]
     support = why == SUPPORT_KEPT
     if support:
         stored += (x.numel() + 7) // 8
@@ -303,8 +302,8 @@ def _pack_traced(x: torch.Tensor, context: Dict[str, Any], bits: int, group_size
     # stores it: codes of exp(y) are unbiased there, codes of y are not (and coarser near p = 1).
     logs = _op_name(context["_node"].target) in _LOG_SOFTMAX_FORWARD
     coded = x.exp() if logs else x
-    return (gact_pack(coded, key, chosen, group_size), chosen, group_size, list(x.shape), list(x.stride()), x.dtype,
-            logs, mask_bits(x > 0) if support else None)
+    return (gact_pack(coded, key, chosen, group_size, padded), chosen, group_size, padded, list(x.shape),
+            list(x.stride()), x.dtype, logs, mask_bits(x > 0) if support else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,8 +327,8 @@ def unpack_saved(packed: Any) -> Any:
     if len(packed) == 2:  # (block, what its eager pack hook returned)
         block, saved = packed
         return block.unpack(saved)
-    buffer, bits, group_size, shape, stride, dtype, logs, support = packed
-    dense = gact_unpack(buffer, bits, group_size, shape, stride, dtype)
+    buffer, bits, group_size, padded, shape, stride, dtype, logs, support = packed
+    dense = gact_unpack(buffer, bits, group_size, padded, shape, stride, dtype)
     if support is not None:
         dense = _with_support(dense, support)
     return dense.log() if logs else dense

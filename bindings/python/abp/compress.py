@@ -9,7 +9,8 @@ generated row kernel (ops/gact/gact.mlir: a group is a row). Bool tensors (dropo
 packed to 1 bit, exactly, and a ReLU's output also keeps its support (x > 0) at 1 bit.
 
 `compress_saved` applies this to every eligible tensor autograd saves for backward, with groups
-that do not span rows where a row allows it (`row_group_size`).
+that do not span rows where a row allows it (`row_group_size`), nor a convolution's channel
+planes (`plane_groups`, which pads planes no group divides).
 """
 from __future__ import annotations
 
@@ -76,13 +77,18 @@ class CompressedTensor:
     tail group), (numel, group_size, byte offset of its minima, of its scales, of its codes).
     """
 
-    __slots__ = ("kind", "bits", "group_size", "shape", "dtype", "device", "buffer", "layout", "support", "logs")
+    __slots__ = ("kind", "bits", "group_size", "shape", "dtype", "device", "buffer", "layout", "support", "logs",
+                 "padded")
 
     def __init__(self, kind: str, bits: int, group_size: int, shape: Tuple[int, ...], dtype: torch.dtype,
-                 device: torch.device, buffer: torch.Tensor, layout: Tuple[Tuple[int, int, int, int, int], ...] = ()):
+                 device: torch.device, buffer: torch.Tensor, layout: Tuple[Tuple[int, int, int, int, int], ...] = (),
+                 padded: int = 0):
         self.kind, self.bits, self.group_size = kind, bits, group_size
         self.shape, self.dtype, self.device = shape, dtype, device
         self.buffer, self.layout = buffer, layout
+        # 0, or the length each channel plane (the dimensions after the first two) was padded to
+        # before coding, so that no group spans two planes (`plane_groups`).
+        self.padded = padded
         # Optionally the exact support (x > 0) as a 1-bit mask: see compress_saved (ReLU outputs).
         self.support: Optional["CompressedTensor"] = None
         # True if the codes hold exp(x) and x is their log (log-probabilities: see compress_saved).
@@ -91,6 +97,11 @@ class CompressedTensor:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def coded_numel(self) -> int:
+        """The elements the codes hold: numel, or with padded planes, the padded planes' elements."""
+        return coded_numel(self.shape, self.padded)
 
     @property
     def nbytes(self) -> int:
@@ -258,11 +269,18 @@ def quantize(
     return quantize_unchecked(x, bits, group_size, seed, offset)
 
 
-def quantize_unchecked(x: torch.Tensor, bits: int, group_size: int, seed: int, offset: int) -> CompressedTensor:
-    """quantize() after its argument checks (the saved-tensor hook's path)."""
+def quantize_unchecked(x: torch.Tensor, bits: int, group_size: int, seed: int, offset: int,
+                       padded: int = 0) -> CompressedTensor:
+    """quantize() after its argument checks (the saved-tensor hook's path). `padded`: 0, or the
+    length each channel plane of `x` (at least 4-d) is padded to first, repeating its last value
+    (so that the padding widens no group's range), in groups of `group_size` (`plane_groups`);
+    element e of the padded planes draws at counter offset + e."""
     codec = _Codec.get(bits, x.dtype)
     flat = x.detach()
-    if not flat.is_contiguous():
+    if padded:
+        planes = flat.reshape(-1, math.prod(x.shape[2:]))
+        flat = torch.cat([planes, planes[:, -1:].expand(-1, padded - planes.shape[1])], 1)
+    elif not flat.is_contiguous():
         flat = flat.contiguous()
     n = flat.numel()
     size, layout = group_layout(n, bits, group_size, x.dtype)
@@ -273,7 +291,13 @@ def quantize_unchecked(x: torch.Tensor, bits: int, group_size: int, seed: int, o
         start = i * (n // group_size) * group_size  # the tail part starts after the whole groups
         codec.quantize(address + start * flat.element_size(), numel // cols, cols, seed, offset + start, base,
                        (mins_at, scales_at, codes_at), device, stream)
-    return CompressedTensor("groups", bits, group_size, tuple(x.shape), x.dtype, x.device, buffer, layout)
+    return CompressedTensor("groups", bits, group_size, tuple(x.shape), x.dtype, x.device, buffer, layout, padded)
+
+
+def coded_numel(shape: Sequence[Any], padded: int) -> int:
+    """The elements a tensor of `shape` is coded as: all of them, or with its channel planes (the
+    dimensions after the first two) padded to `padded` elements each, the padded planes'."""
+    return math.prod(shape[:2]) * padded if padded else math.prod(shape)
 
 
 #: The shortest code group `row_group_size` aligns with rows: a group's header (its minimum and
@@ -283,23 +307,59 @@ MIN_ROW_GROUP = 64
 
 def row_group_size(shape: Sequence[Any], group_size: int) -> int:
     """The code group size compress_saved uses for a tensor of `shape`: the largest multiple of 8
-    that divides its rows (its last dimension) and is at most `group_size`, if that is at least
-    ``min(MIN_ROW_GROUP, group_size)``; otherwise `group_size`, whose groups may span rows.
+    that divides a row and is at most `group_size`, if that is at least ``min(MIN_ROW_GROUP,
+    group_size)``; otherwise `group_size`, whose groups may span rows. A row is the last dimension
+    or, where that is too short, the trailing dimensions after the first two: a convolution's
+    (N, C, H, W) activation is grouped within each channel's H x W plane (28 x 28: groups of 112),
+    never across channels, where any group fits the plane.
 
     Why: one group's range is set by its largest values, and a row of small scale (a zero padding
-    token's embedding, a ViT's class token) that shares a group with larger rows decodes to that
-    group's rounding noise; a normalisation's row statistic then scales the noise up to full size
-    (docs/compressed-training.md). A last dimension that is not a plain int (a dynamic shape under
-    torch.compile) keeps `group_size`: choosing by its value would specialise the graph on it.
+    token's embedding, a ViT's class token, a channel a depthwise convolution scaled down) that
+    shares a group with larger rows decodes to that group's rounding noise; a normalisation's row
+    (or channel) statistic then scales the noise up to full size (docs/compressed-training.md). A
+    dimension that is not a plain int (a dynamic shape under torch.compile) keeps `group_size`:
+    choosing by its value would specialise the graph on it.
     """
     if len(shape) < 2 or not isinstance(shape[-1], int) or shape[-1] % group_size == 0:
         return group_size
-    row = shape[-1]
-    # No divisor of the row is longer than the row: the search starts there.
-    for size in range(min(group_size, row // 8 * 8), min(MIN_ROW_GROUP, group_size) - 1, -8):
-        if row % size == 0:
-            return size
+    row = 1
+    # The trailing dimensions past the batch and channel dimensions, from the last one outwards.
+    for dim in reversed(shape[2:] if len(shape) > 2 else shape[1:]):
+        if not isinstance(dim, int):
+            break
+        row *= dim
+        if row % group_size == 0:
+            return group_size
+        # No divisor of the row is longer than the row: the search starts there.
+        for size in range(min(group_size, row // 8 * 8), min(MIN_ROW_GROUP, group_size) - 1, -8):
+            if row % size == 0:
+                return size
     return group_size
+
+
+def plane_groups(shape: Sequence[Any], group_size: int) -> Tuple[int, int]:
+    """(group size, padded plane) for compress_saved's codes of a tensor of `shape`:
+    (`row_group_size`, 0), unless the tensor has at least four dimensions (a convolution's
+    (N, C, H, W) activation) and no group of a multiple of 8 elements divides its channel planes
+    (7 x 7, 14 x 14 pixels: 49 and 196 elements). Groups of `group_size` would then span channels,
+    and a channel of small scale (a depthwise convolution's, before a BatchNorm that divides by
+    its spread) would decode to its neighbours' rounding noise: on timm's MobileOne, gradients
+    hundreds of times the exact ones. Each plane is then padded, by repeating its last value, to
+    the multiple of a group that wastes least: a plane of at most `group_size` elements to the
+    next multiple of 8, as one group (49 -> 56); a longer one to a multiple of the group in
+    [min(MIN_ROW_GROUP, group_size), group_size] that pads least (900 -> 912, groups of 152)."""
+    group = row_group_size(shape, group_size)
+    if len(shape) < 4 or not all(isinstance(d, int) for d in shape[2:]):
+        return group, 0
+    plane = math.prod(shape[2:])
+    if plane == 0 or plane % group == 0:
+        return group, 0
+    if plane <= group_size:
+        padded = -(-plane // 8) * 8
+        return padded, padded
+    candidates = range(min(MIN_ROW_GROUP, group_size), group_size + 1, 8)
+    best = min(candidates, key=lambda g: (-plane % g, -g))  # least padding, then the longest group
+    return best, plane + -plane % best
 
 
 def group_layout(n: int, bits: int, group_size: int, dtype: torch.dtype) -> Tuple[int, Tuple[Tuple[int, int, int, int, int], ...]]:
@@ -332,13 +392,15 @@ def dequantize(c: CompressedTensor) -> torch.Tensor:
     if c.kind == "mask":
         return mask_from_bits(c.buffer, c.shape)
     codec = _Codec.get(c.bits, c.dtype)
-    out = torch.empty(c.shape, dtype=c.dtype, device=c.device)
+    out = torch.empty(c.coded_numel if c.padded else c.shape, dtype=c.dtype, device=c.device)
     device, stream = _launch.device_and_stream(c.device)
     base, address, size = c.buffer.data_ptr(), out.data_ptr(), out.element_size()
     start = 0
     for part in c.layout:
         codec.dequantize(base, part, address + start * size, device, stream)
         start += part[0]
+    if c.padded:  # the planes without their padding
+        out = out.view(-1, c.padded)[:, : math.prod(c.shape[2:])].reshape(c.shape)
     if c.support is not None:
         out = with_support(out, dequantize(c.support))
     if c.logs:
@@ -356,7 +418,11 @@ def _check_consistent(c: CompressedTensor) -> None:
     elif c.kind == "groups":
         if c.dtype not in _FLOAT_DTYPES or c.bits not in (1, 2, 4, 8):
             raise ValueError(f"c: dtype {c.dtype} and bits {c.bits} are not a codec's")
-        want, layout = group_layout(c.numel, c.bits, c.group_size, c.dtype)
+        if not isinstance(c.padded, int) or c.padded < 0 or (c.padded and (
+                len(c.shape) < 4 or c.padded < math.prod(c.shape[2:]) or c.padded % c.group_size)):
+            raise ValueError(f"c.padded: {c.padded!r} is not a padding of the planes of shape {tuple(c.shape)} "
+                             f"into groups of {c.group_size}: it was edited")
+        want, layout = group_layout(c.coded_numel, c.bits, c.group_size, c.dtype)
     else:
         raise ValueError(f"c.kind: expected 'groups' or 'mask', got {c.kind!r}")
     device = torch.device(c.device)
@@ -603,7 +669,8 @@ class compress_saved:
     as `bits`-bit group codes when saved and dequantized when backward reads it; bool masks are
     packed to 1 bit. `group_size` is the longest group: a tensor whose rows (last dimension) are
     not a multiple of it gets groups that divide its rows, when they can be 64 elements or more
-    (`row_group_size`), so that a row of small scale does not share its range with larger rows.
+    (`row_group_size`), so that a row of small scale does not share its range with larger rows;
+    a convolution's activation keeps its groups within each channel plane (`plane_groups`).
     With `exact_relu` (the default) the output of a ReLU also keeps its support (x > 0) at one
     more bit per element, so that ReLU's backward, which reads only where its saved output is
     positive, stays exact; without it that backward is biased (docs/python.md).
@@ -1051,13 +1118,13 @@ class compress_saved:
         if self._seed is None:
             self._seed = draw_seed(self.generator)
         logs = t.grad_fn is not None and type(t.grad_fn).__name__ in _LOG_PROBABILITY_PRODUCERS
-        c = quantize_unchecked(t.detach().exp() if logs else t, bits, row_group_size(t.shape, self.group_size),
-                              self._seed, self._offset)
+        group, padded = plane_groups(t.shape, self.group_size)
+        c = quantize_unchecked(t.detach().exp() if logs else t, bits, group, self._seed, self._offset, padded)
         c.logs = logs
         if self.exact_relu and t.grad_fn is not None and type(t.grad_fn).__name__ in _SUPPORT_PRODUCERS:
             c.support = _pack_mask(t > 0)
         # Stretches start on multiples of 8, where the kernels draw four elements per Philox call.
-        self._offset += (t.numel() + 7) // 8 * 8
+        self._offset += (c.coded_numel + 7) // 8 * 8
         return self._count_compressed(c)
 
     def _count_compressed(self, c: CompressedTensor) -> CompressedTensor:
