@@ -1317,6 +1317,42 @@ def test_a_skip_over_several_activations_or_an_added_buffer_is_no_bypass(variant
     assert all(type(layer[2]) is abp.nn.SiLU and layer[2].bits == 3 for layer in converted.layers)
 
 
+class Experts(nn.Module):
+    """`x + Σ_e fc2_e(act_e(fc1_e(norm(x))))`: a mixture of experts' layer, each expert a branch of its
+    own beside the others (a routed expert and a shared one, Qwen2-MoE's and DeepSeek's layout);
+    `series` stacks a second activation after each expert's, a chain within the branch."""
+
+    def __init__(self, experts: int = 2, series: bool = False, d: int = 8) -> None:
+        super().__init__()
+        self.norm, self.series = nn.LayerNorm(d), series
+        self.fc1 = nn.ModuleList(nn.Linear(d, 2 * d) for _ in range(experts))
+        self.act = nn.ModuleList(nn.SiLU() for _ in range(experts))
+        self.mid = nn.ModuleList(nn.Sequential(nn.Linear(2 * d, 2 * d), nn.SiLU()) for _ in range(experts))
+        self.fc2 = nn.ModuleList(nn.Linear(2 * d, d) for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        out = None
+        for e in range(len(self.fc1)):
+            y = self.act[e](self.fc1[e](h))
+            y = self.fc2[e](self.mid[e](y) if self.series else y)
+            out = y if out is None else out + y
+        return x + out
+
+
+def test_parallel_experts_in_one_residual_branch_keep_the_2_bit_form() -> None:
+    """The experts of a mixture sit side by side in one residual branch: the gradient through one
+    expert's activation passes no other activation, so none compounds (Qwen2-MoE's and DeepSeek-V3's
+    experts and shared expert took the 3-bit form). Two activations in series within each expert
+    still do."""
+    model = nn.Sequential(Experts(3), Experts(3))
+    converted, changes = abp.convert(model, example_inputs=(torch.randn(4, 8),))
+    assert all(type(a) is abp.nn.ReSiLU2 for block in converted for a in block.act)
+    chained, _ = abp.convert(nn.Sequential(Experts(2, series=True)), example_inputs=(torch.randn(4, 8),))
+    assert all(type(a) is abp.nn.SiLU and a.bits == 3 for a in chained[0].act)
+    assert all(type(m[1]) is abp.nn.SiLU and m[1].bits == 3 for m in chained[0].mid)
+
+
 def test_a_shared_activation_takes_the_3_bit_form_if_any_of_its_calls_compounds() -> None:
     """One SiLU module called in a residual branch and after a BatchNorm: the 3-bit form whichever
     call comes first (the BatchNorm call is in a residual branch too)."""

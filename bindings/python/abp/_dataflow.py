@@ -120,7 +120,8 @@ class Dataflow:
         no add bypasses; None if the module did not run. The add must close a branch that holds
         no other of the `activations` values (`outputs` of the activation modules): a skip over
         several (a long skip across a chain, a CNN branch of Conv-BatchNorm-activation layers)
-        leaves each on a path whose error compounds through the others."""
+        leaves each on a path whose error compounds through the others. Activations in parallel
+        paths of the branch (a mixture of experts' experts and shared expert) are not a chain."""
         calls = self.calls.get(module)
         if not calls:
             return None
@@ -140,6 +141,10 @@ class Dataflow:
             # The branch: every value on a path from the skip's source to the add.
             branch = self._closure(add, self._parents, lambda v, lo=skip: v >= lo) & \
                 self._closure(skip, self._children, lambda v: v <= add)
-            if len((branch - {skip}) & activations) <= 1:  # the skip's source may be an activation's output
+            # Only activations on a path through this call count: one before it or after it in the
+            # branch compounds with it; one beside it (a parallel expert, a shared expert) does not,
+            # as the gradient through this call passes none of those.
+            chained = (branch - {skip}) & activations & (before | after)
+            if len(chained) <= 1:  # this call's own output; the skip's source may be an activation's output
                 return True
         return False

@@ -505,8 +505,8 @@ def _compounding_path(model: nn.Module, name: str, modules: Dict[str, nn.Module]
     what the modules that may get the 2-bit form made in the example call (`Dataflow.outputs`).
 
     From the example call where the activation ran in it: a call of it that no residual add
-    bypasses (an add closing a branch that holds no other of `activations`), or a convolution or
-    channel norm making its input. Else from the module tree: the module it belongs to holds a
+    bypasses (an add closing a branch that holds no other of `activations` before or after it),
+    or a convolution or channel norm making its input. Else from the module tree: the module it belongs to holds a
     convolution or channel norm (timm's BatchNormAct2d, torchvision's Conv2dNormActivation, a
     ResNet block, transformers' convolution-normalization-activation layers), where a
     transformer's MLP holds linear layers only."""
