@@ -115,6 +115,21 @@ def test_greedy_is_optimal_for_the_bits_it_uses_and_brute_force_is_never_worse()
         assert best_used == pytest.approx(greedy, rel=1e-9, abs=1e-300)
 
 
+def test_the_allocation_does_not_depend_on_the_loss_scale():
+    # A GradScaler multiplies the loss by S and so every sensitivity by S² (2^32 at its default
+    # scale); with an absolute cap (1e10) the larger ones became ties and 8 of 12 keys of a ViT
+    # changed width. Powers of two scale exactly, so the allocations must be equal, not close.
+    rng = random.Random(5)
+    for _ in range(500):
+        c, d, avg = _random_case(rng, 12)
+        bits = allocate_bits(c, d, avg)
+        for scale in (2.0 ** 32, 2.0 ** 48, 2.0 ** -30):
+            assert allocate_bits([v * scale for v in c], d, avg) == bits
+    wide = [10.0 ** e for e in range(4, 10)]  # an absolute cap at 1e10 flattened these at 2^32
+    assert allocate_bits([v * 2.0 ** 32 for v in wide], [100] * 6, 3) == allocate_bits(wide, [100] * 6, 3)
+    assert len(set(allocate_bits(wide, [100] * 6, 3))) > 1
+
+
 def test_edges_ties_and_clamping():
     assert allocate_bits([], [], 2) == []
     assert allocate_bits([5.0, 1.0], [10, 10], 32) == [32, 32]
@@ -122,10 +137,10 @@ def test_edges_ties_and_clamping():
     # Equal costs go to the smaller index first: 64 bits over a budget of 40 lower tensor 0.
     assert allocate_bits([1.0, 1.0], [1, 1], 20) == [8, 32]
     assert allocate_bits([0.0, 0.0, 0.0], [3, 3, 3], 2.5) == [1, 1, 4]
-    # NaN, infinities and values above 1e10 all count as 1e10.
-    base = allocate_bits([1e10, 1e10, 3.0], [100, 100, 100], 3)
-    for odd in (math.nan, math.inf, -math.inf, 1e30):
-        assert allocate_bits([odd, 1e10, 3.0], [100, 100, 100], 3) == base
+    # NaN and infinities count as 1e10 times the largest finite sensitivity.
+    base = allocate_bits([3e10, 1.0, 3.0], [100, 100, 100], 3)
+    for odd in (math.nan, math.inf, -math.inf):
+        assert allocate_bits([odd, 1.0, 3.0], [100, 100, 100], 3) == base
     assert allocate_bits([torch.tensor(2.0), 1], (4, 4), 4.0) == allocate_bits([2.0, 1.0], [4, 4], 4)
 
 

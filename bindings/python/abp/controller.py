@@ -82,7 +82,8 @@ class _Hook(partial):
 
 #: The ladder of widths, widest first; 32 means "store the tensor raw" (no quantisation variance).
 RUNGS: Tuple[int, ...] = (32, 8, 4, 2, 1)
-#: Sensitivities that are not finite or exceed this count as this much (docs/algorithms.md §6.3).
+#: Sensitivities that are not finite count as this many times the largest finite one
+#: (docs/algorithms.md §6.3).
 MAX_SENSITIVITY = 1e10
 #: The module path of tensors saved while no submodule of the model runs (the loss, for example).
 OUTSIDE = "<outside>"
@@ -108,9 +109,12 @@ def _greedy(sensitivities: Sequence[float], numels: Sequence[int], budget: int,
     """The §6.3 greedy for an integer budget of Σ b·D bits; inputs already validated. No tensor
     goes below its `minimum` width; when that leaves the budget out of reach, `strict` raises,
     otherwise the allocation is every tensor at the fewest bits it may have."""
-    # Clamp as GACT does: a NaN, an infinity or an absurd value means "very sensitive", and keeps
-    # the heap's costs finite and comparable.
-    c = [MAX_SENSITIVITY if not math.isfinite(v) or v > MAX_SENSITIVITY else v for v in sensitivities]
+    # Relative to the largest finite sensitivity: the allocation is the same whatever scales the
+    # loss (a GradScaler's factor S multiplies every sensitivity by S², 2^32 at its default; an
+    # absolute cap flattened the larger ones into ties). Clamped as GACT does: a NaN or an infinity
+    # means "very sensitive", and the heap's costs stay finite and comparable.
+    top = max((v for v in sensitivities if math.isfinite(v) and v > 0), default=1.0)
+    c = [v / top if math.isfinite(v) else MAX_SENSITIVITY for v in sensitivities]
     rung = [0] * len(c)
     total = 32 * sum(numels)
     # (cost, index): equal costs are broken by the smaller index, so the result is deterministic.
