@@ -9,7 +9,8 @@ import torch
 
 from . import _eager, _launch, _lib
 
-__all__ = ["OperatorFunction", "NotScriptable", "apply_eager", "run_lane", "lane_plan", "once_only", "refuse_jit_trace"]
+__all__ = ["OperatorFunction", "NotScriptable", "apply_eager", "run_lane", "lane_plan", "not_twice", "once_only",
+           "refuse_jit_trace", "refuse_twice"]
 
 
 class OperatorFunction(torch.autograd.Function):
@@ -161,27 +162,38 @@ def once_only(backward: Any) -> Any:
             return outputs
         upstream = [g for g in grads if isinstance(g, torch.Tensor) and g.requires_grad]
         if not upstream:
-            raise RuntimeError(f"{_TWICE} (backward(create_graph=True) reached it with a constant incoming gradient: "
-                               "the gradient it gives could only be differentiated again through this operator)")
+            refuse_twice("backward(create_graph=True) reached it with a constant incoming gradient: "
+                         "the gradient it gives could only be differentiated again through this operator")
         own = [t for t in ctx.saved_tensors if isinstance(t, torch.Tensor) and t.requires_grad]
         if not own:
-            raise RuntimeError(f"{_TWICE} (backward(create_graph=True) reached it: its gradient depends on its input "
-                               "through the codes it saved, which no second derivative can follow)")
-        upstream += own
-        error = torch._C._functions.DelayedError(_TWICE.encode(), len(outs) + len(upstream))
-
-        def marked(value: Any) -> Any:
-            if not isinstance(value, torch.Tensor):
-                return None
-            value = value.detach()
-            value.requires_grad = value.is_floating_point()
-            return value
-        wrapped = error(*[marked(o) for o in outs], *upstream)
-        wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
-        # DelayedError returns a tensor per input; a None given keeps its place as None.
-        result = tuple(w if isinstance(o, torch.Tensor) else o for w, o in zip(wrapped, outs))
+            refuse_twice("backward(create_graph=True) reached it: its gradient depends on its input "
+                         "through the codes it saved, which no second derivative can follow")
+        result = not_twice(outs, upstream + own)
         return result[0] if single else result
     return wrapper
+
+
+def refuse_twice(why: str) -> NoReturn:
+    """Raises the error of a second derivative through an abp operator, saying `why` here."""
+    raise RuntimeError(f"{_TWICE} ({why})")
+
+
+def not_twice(values: Sequence[Any], joined: Sequence[torch.Tensor]) -> Tuple[Any, ...]:
+    """`values` (gradients; None kept as None) behind one error node whose inputs are they and
+    the tensors `joined`, so that a second derivative reaching the node, on a path through the
+    values or towards what `joined` depends on, raises `_TWICE` (once_only)."""
+    error = torch._C._functions.DelayedError(_TWICE.encode(), len(values) + len(joined))
+
+    def marked(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return None
+        value = value.detach()
+        value.requires_grad = value.is_floating_point()
+        return value
+    wrapped = error(*[marked(v) for v in values], *joined)
+    wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
+    # DelayedError returns a tensor per input; a None given keeps its place as None.
+    return tuple(w if isinstance(v, torch.Tensor) else v for w, v in zip(wrapped, values))
 
 
 _backward_once = once_only(_backward)

@@ -171,8 +171,24 @@ class _SampledLinear(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g.sum(0)
         if ctx.mode != "none":
-            dw = sampled_weight_grad(ctx.mode, saved, g, ctx.method, ctx.seed)
+            with torch.no_grad():
+                dw = sampled_weight_grad(ctx.mode, saved, g, ctx.method, ctx.seed)
+            if torch.is_grad_enabled():
+                dw = _not_differentiable_again(dw, grad, weight)
         return dx, dw, db, None, None, None, None, None
+
+
+def _not_differentiable_again(dw: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """dW under backward(create_graph=True). dX = dY·W and db = ΣdY are the exact formulas, recorded
+    as they run, so their second derivatives are exact (a gradient penalty on the input). dW is
+    the estimate from rows saved without their graph (even at keep 1, the exact product): a second
+    derivative through it would miss its dependence on x and be silently wrong, so it raises
+    (abp.autograd.not_twice, joined to dY and W so that every path through dW meets the error).
+    With a constant dY nothing would lead from dW towards x: that raises at once."""
+    if not grad.requires_grad:
+        autograd.refuse_twice("the sampled linear layer's weight gradient: backward(create_graph=True) reached it "
+                              "with a constant incoming gradient")
+    return autograd.not_twice((dw,), [t for t in (grad, weight) if t.requires_grad])[0]
 
 
 #: Entries of the sketch generated at once: S·M is formed a block of S's rows at a time, so the
