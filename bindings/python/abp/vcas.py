@@ -333,6 +333,16 @@ class Controller:
             raise RuntimeError("model: already has an abp.vcas.Controller (its blocks hold its samplers); a second one "
                                "would sample every activation gradient twice. Call the first one's remove() before "
                                "making another")
+        if not any(_is_plain_linear(m) for block in self.blocks for m in block.modules()):
+            # Only the Linears' weight gradients are computed from fewer samples: without one,
+            # sampling the blocks' activation gradients would add noise and save nothing.
+            kinds = sorted({type(m).__name__ for block in self.blocks for m in block.modules()
+                            if isinstance(getattr(m, "weight", None), torch.Tensor)})
+            raise ValueError(f"block_type: the {type(self.blocks[0]).__name__} blocks hold no torch.nn.Linear "
+                             f"(their weighted layers: {', '.join(kinds) or 'none'}); VCAS computes only a Linear's "
+                             "weight gradient from fewer samples, so here it would add gradient noise and save "
+                             "nothing (convolutions are not sampled; a layer abp.convert already made a "
+                             "SampledLinear is not sampled twice)")
         self.samplers = [_Sampler(depth) for depth in range(len(self.blocks))]
         self.linears: List[_VcasLinear] = []
         self._hooks = []
