@@ -40,12 +40,20 @@ def _hadamard(n: int) -> torch.Tensor:
     return h / n ** 0.5
 
 
+def _flat_groups_only(padded: int) -> None:
+    """The variants code the flattened tensor's groups; padded channel planes (a convolution's
+    activation, compress.plane_groups) are not part of this ablation on a language model."""
+    if padded:
+        raise NotImplementedError("codec_variants: a tensor with padded channel planes (4-d activations)")
+
+
 def _rotated(quantize: Callable[..., Any], dequantize: Callable[..., Any]):
     """quantize/dequantize wrapped in a per-tensor random-sign Hadamard rotation of each group."""
     h = _hadamard(GROUP)
     shapes: Dict[int, Any] = {}
 
-    def q(x: torch.Tensor, bits: int, group_size: int, seed: int, offset: int):
+    def q(x: torch.Tensor, bits: int, group_size: int, seed: int, offset: int, padded: int = 0):
+        _flat_groups_only(padded)
         n = x.numel()
         flat = x.reshape(-1).float()
         flat = torch.cat([flat, flat.new_zeros((-n) % GROUP)])
@@ -71,7 +79,8 @@ def _nearest(quantize: Callable[..., Any]):
     """quantize of values already rounded to their group's nearest code (stochastic rounding of
     a value on a code is that code)."""
 
-    def q(x: torch.Tensor, bits: int, group_size: int, seed: int, offset: int):
+    def q(x: torch.Tensor, bits: int, group_size: int, seed: int, offset: int, padded: int = 0):
+        _flat_groups_only(padded)
         n = x.numel()
         flat = x.reshape(-1).float()
         full = n // group_size * group_size

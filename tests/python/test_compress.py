@@ -408,6 +408,26 @@ def test_plane_groups_keep_every_group_within_a_channel_plane(shape, group_size,
         assert plane % group == 0
 
 
+@pytest.mark.parametrize("shape,dtype,bits,pays", [
+    ((2, 64, 7, 7), torch.float32, 4, True),     # 36 bytes for 49 elements against 196
+    ((2, 64, 3, 3), torch.float32, 4, True),     # 16 bytes for 9 against 36
+    ((2, 64, 2, 2), torch.float16, 4, False),    # 8 bytes for 4 (one group of 8, its 4-byte header): raw's
+    ((2, 64, 1, 3), torch.float32, 8, False),    # 16 bytes for 3 against 12
+    ((2, 64, 1, 3), torch.float32, 2, True),     # 10 bytes for 3 against 12
+    ((2, 16, 100), torch.float16, 8, True),      # nothing padded: codes always
+])
+def test_codes_pay_only_where_padded_planes_take_fewer_bytes_than_raw(shape, dtype, bits, pays):
+    group, padded = C.plane_groups(shape, 256)
+    assert C.codes_pay(shape, dtype, bits, group, padded) is pays
+    x = torch.randn(*shape).to(dtype).requires_grad_()
+    with C.compress_saved(bits=bits, min_numel=1, allow_low_bits=True) as block:
+        (x * 2.0).exp().sum().backward()  # exp saves its output
+    assert block.stats["compressed"] == (1 if pays else 0)
+    raw = x.numel() * x.element_size()
+    want = C.group_layout(C.coded_numel(shape, padded), bits, group, dtype)[0] if pays else raw
+    assert block.stats["bytes_stored"] == want
+
+
 def _channels_of_unequal_scale(hw: int) -> torch.Tensor:
     """(2, 8, hw, hw) channels of scale 1000, one of them (channel 3) of scale 0.001: as a
     depthwise convolution makes them, each channel its input times one weight."""

@@ -41,8 +41,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from . import _custom_ops, _derived, _save_rules
-from .compress import (CompressedTensor, coded_numel, dequantize, group_layout, mask_bits, mask_from_bits, open_block,
-                       plane_groups, quantize_unchecked, rank_key, row_statistic_shape, with_support)
+from .compress import (CompressedTensor, coded_numel, codes_pay, dequantize, group_layout, mask_bits, mask_from_bits,
+                       open_block, plane_groups, quantize_unchecked, rank_key, row_statistic_shape, with_support)
 from ._launch import ROW_DTYPES
 
 __all__ = ["available", "hooks", "compiled_stats"]
@@ -256,6 +256,7 @@ def _decide(x: torch.Tensor, context: Dict[str, Any], bits: int, min_numel: int,
 
 #: Why a ReLU's output is stored as codes and its support (abp.compress's exact_relu, compiled).
 SUPPORT_KEPT = "compressed, with its support (x > 0) kept exactly in 1 bit (a ReLU's output)"
+PLANES_RAW = "kept: its channel planes, padded to whole groups, would take more bytes coded (compress.codes_pay)"
 
 
 def _with_support(dense: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
@@ -286,6 +287,8 @@ def _pack_traced(x: torch.Tensor, context: Dict[str, Any], bits: int, group_size
     chosen, why = _decide(x, context, bits, min_numel, op_rules, exact_relu)
     size_in = x.numel() * x.element_size()
     group_size, padded = plane_groups(tuple(x.shape), group_size)
+    if chosen != 32 and not codes_pay(tuple(x.shape), x.dtype, chosen, group_size, padded):
+        chosen, why = 32, PLANES_RAW
     stored = size_in if chosen == 32 else group_layout(coded_numel(x.shape, padded), chosen, group_size, x.dtype)[0]
     support = why == SUPPORT_KEPT
     if support:

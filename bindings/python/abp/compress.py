@@ -294,6 +294,17 @@ def quantize_unchecked(x: torch.Tensor, bits: int, group_size: int, seed: int, o
     return CompressedTensor("groups", bits, group_size, tuple(x.shape), x.dtype, x.device, buffer, layout, padded)
 
 
+def codes_pay(shape: Sequence[Any], dtype: torch.dtype, bits: int, group_size: int, padded: int) -> bool:
+    """Whether `bits`-bit codes of a tensor (groups of `group_size`, channel planes padded to
+    `padded`) take fewer bytes than the tensor as it is. Padded planes of a few pixels do not:
+    (N, C, 2, 2) in fp16 pads each plane to one group of 8 with a 4-byte header, 2 bytes per
+    element at 4 bits, its raw size; compress_saved keeps such a tensor as it is."""
+    if not padded:
+        return True
+    raw = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return group_layout(coded_numel(shape, padded), bits, group_size, dtype)[0] < raw
+
+
 def coded_numel(shape: Sequence[Any], padded: int) -> int:
     """The elements a tensor of `shape` is coded as: all of them, or with its channel planes (the
     dimensions after the first two) padded to `padded` elements each, the padded planes'."""
@@ -1115,10 +1126,12 @@ class compress_saved:
                 self._raw_storages.add(storage)
                 self.stats["bytes_stored"] += storage[2]
             return t
+        group, padded = plane_groups(t.shape, self.group_size)
+        if not codes_pay(t.shape, t.dtype, bits, group, padded):
+            return self._store(t, 32)
         if self._seed is None:
             self._seed = draw_seed(self.generator)
         logs = t.grad_fn is not None and type(t.grad_fn).__name__ in _LOG_PROBABILITY_PRODUCERS
-        group, padded = plane_groups(t.shape, self.group_size)
         c = quantize_unchecked(t.detach().exp() if logs else t, bits, group, self._seed, self._offset, padded)
         c.logs = logs
         if self.exact_relu and t.grad_fn is not None and type(t.grad_fn).__name__ in _SUPPORT_PRODUCERS:

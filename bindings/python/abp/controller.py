@@ -163,7 +163,8 @@ def allocate_bits(sensitivities: Sequence[float], numels: Sequence[int], avg_bit
     Starts with every tensor at 32 (raw); while Σ b_l·D_l > avg_bits·Σ D_l, lowers by one rung the
     tensor with the smallest [C/(2^{b'}−1)² − C/(2^b−1)²] / (D·(b − b')), ties going to the
     smaller index. The result never exceeds the budget; it may undershoot it, since the rungs are
-    coarse. Sensitivities that are NaN, infinite or above 1e10 count as 1e10. `minimum_bits`
+    coarse. Sensitivities count relative to the largest finite one (the result does not depend on
+    their common scale); NaN and infinities count as 1e10 times it. `minimum_bits`
     (one of RUNGS per tensor) keeps a tensor at or above that width: the op rules of
     ``compress_saved`` (fused attention's query and key need 8 bits).
 

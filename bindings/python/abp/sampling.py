@@ -187,7 +187,9 @@ def _not_differentiable_again(dw: torch.Tensor, grad: torch.Tensor, weight: torc
     With a constant dY nothing would lead from dW towards x: that raises at once."""
     if not grad.requires_grad:
         autograd.refuse_twice("the sampled linear layer's weight gradient: backward(create_graph=True) reached it "
-                              "with a constant incoming gradient")
+                              "with a constant incoming gradient, so nothing would lead a second derivative from it "
+                              "back to the layer's input; keep a layer whose output the loss takes linearly (a "
+                              "critic's last layer under a gradient penalty) a torch.nn.Linear")
     return autograd.not_twice((dw,), [t for t in (grad, weight) if t.requires_grad])[0]
 
 
