@@ -153,6 +153,26 @@ def test_a_compiled_convolution_pads_its_planes_as_eager_does() -> None:
     assert float((x.grad - exact_grad).norm() / exact_grad.norm()) < 0.05
 
 
+def test_a_compiled_convolution_with_dynamic_planes_keeps_them_as_they_are() -> None:
+    # dynamic=True (or torch's automatic dynamic shapes after a second image size) traces H and W
+    # as symbols: no group can be kept within a channel plane, and groups spanning channels made
+    # MobileOne's compiled gradients 1e15 times off. Such tensors are kept as they are.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(16, 16, 1, groups=16, bias=False), nn.BatchNorm2d(16), nn.GELU())
+    with torch.no_grad():
+        net[0].weight.copy_(torch.tensor([1e-3, 10.0]).repeat(8).reshape(16, 1, 1, 1))
+    compiled = torch.compile(net, backend="aot_eager", dynamic=True)
+    for hw in (7, 9):  # one graph for both sizes
+        x = torch.randn(4, 16, hw, hw, requires_grad=True)
+        exact = torch.autograd.grad(net(x).sum(), x)[0]
+        with abp.compress_saved(bits=4):
+            compiled(x).sum().backward()
+        assert float((x.grad - exact).norm() / exact.norm()) < 1e-5
+    four_d = [r for r in _compiled_saves.compiled_stats() if len(r["shape"]) == 4]
+    assert four_d and all(r["bits"] == 32 and r["why"] == _compiled_saves.DYNAMIC_PLANES_RAW for r in four_d)
+    assert compress.plane_groups((4, 16, 7, 64), 256) == (64, 0)  # rows of 64 keep channels apart anyway
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_gradients_are_unbiased(backend: str) -> None:
     model, x = _model(), _x()

@@ -257,6 +257,8 @@ def _decide(x: torch.Tensor, context: Dict[str, Any], bits: int, min_numel: int,
 #: Why a ReLU's output is stored as codes and its support (abp.compress's exact_relu, compiled).
 SUPPORT_KEPT = "compressed, with its support (x > 0) kept exactly in 1 bit (a ReLU's output)"
 PLANES_RAW = "kept: its channel planes, padded to whole groups, would take more bytes coded (compress.codes_pay)"
+DYNAMIC_PLANES_RAW = ("kept: its channel planes have a dynamic size, so no code group can be kept within one "
+                      "(compress.plane_groups)")
 
 
 def _with_support(dense: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
@@ -288,7 +290,7 @@ def _pack_traced(x: torch.Tensor, context: Dict[str, Any], bits: int, group_size
     size_in = x.numel() * x.element_size()
     group_size, padded = plane_groups(tuple(x.shape), group_size)
     if chosen != 32 and not codes_pay(tuple(x.shape), x.dtype, chosen, group_size, padded):
-        chosen, why = 32, PLANES_RAW
+        chosen, why = 32, PLANES_RAW if group_size else DYNAMIC_PLANES_RAW
     stored = size_in if chosen == 32 else group_layout(coded_numel(x.shape, padded), chosen, group_size, x.dtype)[0]
     support = why == SUPPORT_KEPT
     if support:

@@ -298,7 +298,10 @@ def codes_pay(shape: Sequence[Any], dtype: torch.dtype, bits: int, group_size: i
     """Whether `bits`-bit codes of a tensor (groups of `group_size`, channel planes padded to
     `padded`) take fewer bytes than the tensor as it is. Padded planes of a few pixels do not:
     (N, C, 2, 2) in fp16 pads each plane to one group of 8 with a 4-byte header, 2 bytes per
-    element at 4 bits, its raw size; compress_saved keeps such a tensor as it is."""
+    element at 4 bits, its raw size; compress_saved keeps such a tensor as it is. Nor do planes
+    `plane_groups` cannot keep apart (group 0: a dynamic plane size under torch.compile)."""
+    if not group_size:
+        return False
     if not padded:
         return True
     raw = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -358,10 +361,18 @@ def plane_groups(shape: Sequence[Any], group_size: int) -> Tuple[int, int]:
     hundreds of times the exact ones. Each plane is then padded, by repeating its last value, to
     the multiple of a group that wastes least: a plane of at most `group_size` elements to the
     next multiple of 8, as one group (49 -> 56); a longer one to a multiple of the group in
-    [min(MIN_ROW_GROUP, group_size), group_size] that pads least (900 -> 912, groups of 152)."""
+    [min(MIN_ROW_GROUP, group_size), group_size] that pads least (900 -> 912, groups of 152).
+    Planes whose size is a symbol (torch.compile's dynamic shapes) cannot be padded by value:
+    (0, 0) unless the last dimension's groups divide it, and `codes_pay` then keeps the tensor as
+    it is (groups spanning channels made MobileOne's compiled gradients 1e15 times off)."""
     group = row_group_size(shape, group_size)
-    if len(shape) < 4 or not all(isinstance(d, int) for d in shape[2:]):
+    if len(shape) < 4:
         return group, 0
+    if not all(isinstance(d, int) for d in shape[2:]):
+        # Planes of a size torch.compile traces as a symbol (dynamic H, W): the groups of the last
+        # dimension keep channels apart only where they divide it; otherwise (0, 0), no coding.
+        last = shape[-1]
+        return (group, 0) if isinstance(last, int) and last % group == 0 else (0, 0)
     plane = math.prod(shape[2:])
     if plane == 0 or plane % group == 0:
         return group, 0
