@@ -1353,6 +1353,43 @@ def test_parallel_experts_in_one_residual_branch_keep_the_2_bit_form() -> None:
     assert all(type(m[1]) is abp.nn.SiLU and m[1].bits == 3 for m in chained[0].mid)
 
 
+class ParallelBlock(nn.Module):
+    """GPT-J's, Phi's and Cohere's block: attention and MLP read one norm of x, and x, the
+    attention's output and the MLP's are summed in the order `order` names; `series` puts a
+    second activation after the MLP's, a chain within its branch."""
+
+    def __init__(self, order: str, series: bool = False, d: int = 8) -> None:
+        super().__init__()
+        self.order, self.series = order, series
+        self.norm, self.attn = nn.LayerNorm(d), nn.Linear(d, d)
+        self.fc1, self.act, self.fc2 = nn.Linear(d, 2 * d), nn.SiLU(), nn.Linear(2 * d, d)
+        self.mid = nn.Sequential(nn.Linear(2 * d, 2 * d), nn.SiLU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        a = self.attn(h)
+        y = self.act(self.fc1(h))
+        m = self.fc2(self.mid(y) if self.series else y)
+        if self.order == "x + attn + mlp":  # Cohere: (x + attn) + mlp, the skip through an add
+            return x + a + m
+        if self.order == "attn + mlp + x":  # Phi
+            return a + m + x
+        return x + (a + m)
+
+
+@pytest.mark.parametrize("order", ["x + attn + mlp", "attn + mlp + x", "x + (attn + mlp)"])
+def test_a_parallel_blocks_mlp_activation_keeps_the_2_bit_form_whatever_the_order_of_its_adds(order: str) -> None:
+    """The skip around the MLP may reach its add through another add (Cohere's `residual + attn +
+    mlp` took the 3-bit form, "no residual add bypasses"); two activations in series in the MLP
+    still compound."""
+    converted, changes = abp.convert(nn.Sequential(ParallelBlock(order), ParallelBlock(order)),
+                                     example_inputs=(torch.randn(4, 8),))
+    assert all(type(b.act) is abp.nn.ReSiLU2 for b in converted), changes
+    chained, _ = abp.convert(nn.Sequential(ParallelBlock(order, series=True)), example_inputs=(torch.randn(4, 8),))
+    assert type(chained[0].act) is abp.nn.SiLU and chained[0].act.bits == 3
+    assert type(chained[0].mid[1]) is abp.nn.SiLU and chained[0].mid[1].bits == 3
+
+
 def test_a_shared_activation_takes_the_3_bit_form_if_any_of_its_calls_compounds() -> None:
     """One SiLU module called in a residual branch and after a BatchNorm: the 3-bit form whichever
     call comes first (the BatchNorm call is in a residual branch too)."""

@@ -10,8 +10,8 @@ too, so their error does not compound. A CNN's do not, or sit after the residual
 ``Dataflow`` rebuilds the call's dataflow from abp._structure's events as values (a tensor id is
 a new value each time an op writes it, so ``h += x`` is told apart from ``h``), and
 ``bypassed(module)`` says whether, for every call of the module, the nearest add that combines a
-value computed from its output with one its input was computed from (the skip around it) closes
-a branch holding no other activation; ``producers(module)`` names the ops that made its inputs.
+value computed from its output with one computed, without it, from a value its input was
+computed from (the skip around it) closes a branch holding no other activation; ``producers(module)`` names the ops that made its inputs.
 """
 from __future__ import annotations
 
@@ -130,14 +130,30 @@ class Dataflow:
     def _bypassed(self, given: int, made: int, activations: Set[int]) -> bool:
         before = self._closure(given, self._parents) - self._constants
         after = self._closure(made, self._children)
-        # The nearest add of a value made from this output and one its input was made from: the
-        # residual add closing the branch this call is in, if any.
-        add = min((v for v in after if self._function[v] in _ADDS
-                   and any(p in after for p in self._parents[v]) and any(p in before for p in self._parents[v])),
-                  default=None)
-        if add is None:
+
+        def source(operand: int) -> Optional[int]:
+            """The latest value the call's input was made from that `operand` was made from too,
+            without this call's output: where a skip around the call starts. None if none is."""
+            if operand in after:
+                return None
+            if operand in before:
+                return operand
+            return max(self._closure(operand, self._parents) & before, default=None)
+
+        # The nearest add of a value made from this output and one made, without it, from a value
+        # its input was made from: the residual add closing the branch this call is in, if any.
+        # The skip may reach the add through other ops (Cohere's ``residual + attn + mlp`` adds
+        # the MLP's output to ``residual + attn``, which its input was not made from).
+        for add in sorted(v for v in after if self._function[v] in _ADDS):
+            parents = self._parents[add]
+            if not any(p in after for p in parents):
+                continue
+            skips = {s for s in map(source, parents) if s is not None}
+            if skips:
+                break
+        else:
             return False
-        for skip in (p for p in self._parents[add] if p in before):
+        for skip in sorted(skips):
             # The branch: every value on a path from the skip's source to the add.
             branch = self._closure(add, self._parents, lambda v, lo=skip: v >= lo) & \
                 self._closure(skip, self._children, lambda v: v <= add)
