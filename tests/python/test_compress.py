@@ -388,8 +388,14 @@ def test_row_group_size_divides_rows_where_it_can(shape, group_size, want):
 
 
 @pytest.mark.parametrize("shape,group_size,want", [
-    ((4, 64), 256, (64, 0)),              # not 4-d: row_group_size, never padded
-    ((2, 16, 100), 256, (256, 0)),        # 3-d (tokens or a 1-d convolution): as before
+    ((4, 64), 256, (64, 0)),              # rows a group divides: row_group_size, not padded
+    ((1000,), 256, (256, 0)),             # 1-d: no planes
+    ((5, 32), 256, (32, 0)),              # rows of 32: one group each, nothing to pad
+    ((3, 37), 256, (40, 40)),             # 2-d rows of 37 -> one group of 40
+    ((2, 16, 100), 256, (104, 104)),      # a token's row, or a 1-d convolution's channel, of 100
+    ((2, 16, 49), 256, (56, 56)),
+    ((2, 16, 50257), 256, (120, 50280)),  # a long row (logits over a vocabulary): the group that pads least
+    ((2, 16, 768), 256, (256, 0)),
     ((2, 256, 8, 8), 256, (64, 0)),       # planes a group divides: not padded
     ((2, 64, 28, 28), 256, (112, 0)),
     ((2, 64, 7, 7), 256, (56, 56)),       # 49: no multiple of 8 divides it; one group of 56 per plane
@@ -398,10 +404,10 @@ def test_row_group_size_divides_rows_where_it_can(shape, group_size, want):
     ((2, 64, 7, 7), 32, (32, 64)),        # a group_size below the plane: groups of it, padded to 2
     ((2, 64, 1, 3), 256, (8, 8)),
 ])
-def test_plane_groups_keep_every_group_within_a_channel_plane(shape, group_size, want):
+def test_plane_groups_keep_every_group_within_a_plane(shape, group_size, want):
     group, padded = C.plane_groups(shape, group_size)
     assert (group, padded) == want
-    plane = math.prod(shape[2:]) if len(shape) >= 4 else None
+    plane = math.prod(C.plane_dims(shape)) if len(shape) >= 2 else None
     if padded:
         assert padded % group == 0 and padded >= plane and group % 8 == 0
     elif plane is not None:
@@ -414,7 +420,9 @@ def test_plane_groups_keep_every_group_within_a_channel_plane(shape, group_size,
     ((2, 64, 2, 2), torch.float16, 4, False),    # 8 bytes for 4 (one group of 8, its 4-byte header): raw's
     ((2, 64, 1, 3), torch.float32, 8, False),    # 16 bytes for 3 against 12
     ((2, 64, 1, 3), torch.float32, 2, True),     # 10 bytes for 3 against 12
-    ((2, 16, 100), torch.float16, 8, True),      # nothing padded: codes always
+    ((2, 16, 256), torch.float16, 8, True),      # nothing padded: codes always
+    ((2, 16, 100), torch.float16, 8, True),      # rows padded to 104: 108 bytes for 100 against 200
+    ((4, 3), torch.float32, 4, False),           # rows of 3: 12 bytes coded, 12 raw
 ])
 def test_codes_pay_only_where_padded_planes_take_fewer_bytes_than_raw(shape, dtype, bits, pays):
     group, padded = C.plane_groups(shape, 256)
@@ -518,6 +526,57 @@ def test_a_zero_row_or_a_small_row_keeps_its_own_range(bits):
     step = (small.max() - small.min()) / ((1 << bits) - 1)  # one code step of the row's own range
     assert ((decoded[3, 0] - small).abs() <= step * 1.001 + 1e-6).all()
     assert ((decoded - x).abs().amax(-1) <= (x.amax(-1) - x.amin(-1)) / ((1 << bits) - 1) * 1.001 + 1e-6).all()
+
+
+@pytest.mark.parametrize("width", [32, 37, 49])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_rows_shorter_than_a_group_keep_their_own_range(width, bits):
+    # A tiny hidden size (BEiT or DINOv2 at 32: a class token of small scale) or a 1-d
+    # convolution's channels of 49 steps: groups of 256 would span rows; each row (plane) is now
+    # one group, padded to a multiple of 8 (compress.plane_groups).
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(4, 16, width, generator=g) * 100
+    x[3, 0] *= 1e-6
+    base = x.clone().requires_grad_()
+    w = torch.ones(x.shape, requires_grad=True)
+    with C.compress_saved(bits=bits, allow_low_bits=True, recompute=False) as saved:
+        (base * 1 * w).sum().backward()  # w's gradient is the decoded x
+    assert saved.stats["compressed"] == 1
+    group, padded = C.plane_groups(x.shape, 256)
+    # The bytes the codes promise (w, a leaf that requires grad, is kept as a parameter is, uncounted).
+    assert saved.stats["bytes_stored"] == C.group_layout(C.coded_numel(x.shape, padded), bits, group, x.dtype)[0]
+    small = x[3, 0]
+    step = (small.max() - small.min()) / ((1 << bits) - 1)  # one code step of the row's own range
+    assert ((w.grad[3, 0] - small).abs() <= step * 1.001).all()
+    # Negative control: groups of 256 over the flat tensor decode the small row to noise.
+    crossing = C.dequantize(C.quantize_unchecked(x, bits, 256, seed=1, offset=0))
+    assert (crossing[3, 0] - small).abs().max() > 1e3 * small.abs().max()
+
+
+def test_compress_saved_trains_a_depthwise_1d_convolution_into_batchnorm_at_49_steps():
+    # The 1-d form of the 7 x 7 test above: (N, C, L) activations are grouped within each
+    # channel's L steps (49 -> one group of 56), not across channels.
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv1d(64, 64, 1, groups=64, bias=False), torch.nn.BatchNorm1d(64)).train()
+    with torch.no_grad():
+        net[0].weight.copy_(torch.tensor([1e-3, 10.0]).repeat(32).reshape(64, 1, 1))  # small beside large
+    x = torch.relu(torch.randn(4, 64, 49, generator=torch.Generator().manual_seed(2))).requires_grad_()
+    target = torch.randn(4, 64, 49, generator=torch.Generator().manual_seed(4))
+
+    def grads(block):
+        net.zero_grad()
+        x.grad = None
+        with block:
+            loss = ((net(x * 1.0) - target) ** 2).mean()
+        loss.backward()
+        return torch.cat([x.grad.flatten(), net[0].weight.grad.flatten()])
+
+    exact = grads(contextlib.nullcontext())
+    with_codes = abp.compress_saved(bits=4)
+    coded = grads(with_codes)
+    assert with_codes.stats["compressed"] >= 1
+    error = float((coded - exact).norm() / exact.norm())
+    assert error < 0.5, error
 
 
 def test_a_norm_of_rows_with_zero_rows_keeps_its_gradient_accuracy():

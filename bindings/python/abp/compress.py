@@ -9,8 +9,8 @@ generated row kernel (ops/gact/gact.mlir: a group is a row). Bool tensors (dropo
 packed to 1 bit, exactly, and a ReLU's output also keeps its support (x > 0) at 1 bit.
 
 `compress_saved` applies this to every eligible tensor autograd saves for backward, with groups
-that do not span rows where a row allows it (`row_group_size`), nor a convolution's channel
-planes (`plane_groups`, which pads planes no group divides).
+that never span two planes: a convolution's channels, a token's row (`plane_groups`, which pads
+planes no group divides).
 """
 from __future__ import annotations
 
@@ -86,8 +86,8 @@ class CompressedTensor:
         self.kind, self.bits, self.group_size = kind, bits, group_size
         self.shape, self.dtype, self.device = shape, dtype, device
         self.buffer, self.layout = buffer, layout
-        # 0, or the length each channel plane (the dimensions after the first two) was padded to
-        # before coding, so that no group spans two planes (`plane_groups`).
+        # 0, or the length each plane (`plane_dims`: a channel's pixels, a token's row) was padded
+        # to before coding, so that no group spans two planes (`plane_groups`).
         self.padded = padded
         # Optionally the exact support (x > 0) as a 1-bit mask: see compress_saved (ReLU outputs).
         self.support: Optional["CompressedTensor"] = None
@@ -272,13 +272,13 @@ def quantize(
 def quantize_unchecked(x: torch.Tensor, bits: int, group_size: int, seed: int, offset: int,
                        padded: int = 0) -> CompressedTensor:
     """quantize() after its argument checks (the saved-tensor hook's path). `padded`: 0, or the
-    length each channel plane of `x` (at least 4-d) is padded to first, repeating its last value
+    length each plane of `x` (`plane_dims`, at least 2-d) is padded to first, repeating its last value
     (so that the padding widens no group's range), in groups of `group_size` (`plane_groups`);
     element e of the padded planes draws at counter offset + e."""
     codec = _Codec.get(bits, x.dtype)
     flat = x.detach()
     if padded:
-        planes = flat.reshape(-1, math.prod(x.shape[2:]))
+        planes = flat.reshape(-1, math.prod(plane_dims(x.shape)))
         flat = torch.cat([planes, planes[:, -1:].expand(-1, padded - planes.shape[1])], 1)
     elif not flat.is_contiguous():
         flat = flat.contiguous()
@@ -309,9 +309,16 @@ def codes_pay(shape: Sequence[Any], dtype: torch.dtype, bits: int, group_size: i
 
 
 def coded_numel(shape: Sequence[Any], padded: int) -> int:
-    """The elements a tensor of `shape` is coded as: all of them, or with its channel planes (the
-    dimensions after the first two) padded to `padded` elements each, the padded planes'."""
-    return math.prod(shape[:2]) * padded if padded else math.prod(shape)
+    """The elements a tensor of `shape` is coded as: all of them, or with its planes
+    (`plane_dims`) padded to `padded` elements each, the padded planes'."""
+    return math.prod(shape[:len(shape) - len(plane_dims(shape))]) * padded if padded else math.prod(shape)
+
+
+def plane_dims(shape: Sequence[Any]) -> Sequence[Any]:
+    """The dimensions of one plane no code group may span: those after the first two of a
+    tensor of at least three dimensions (a convolution's channel plane, (N, C, H, W) or (N, C, L);
+    a token's row, (B, T, D)), a row of a 2-d one ((tokens, D)); none of a 1-d one."""
+    return shape[2:] if len(shape) > 2 else shape[1:]
 
 
 #: The shortest code group `row_group_size` aligns with rows: a group's header (its minimum and
@@ -322,7 +329,7 @@ MIN_ROW_GROUP = 64
 def row_group_size(shape: Sequence[Any], group_size: int) -> int:
     """The code group size compress_saved uses for a tensor of `shape`: the largest multiple of 8
     that divides a row and is at most `group_size`, if that is at least ``min(MIN_ROW_GROUP,
-    group_size)``; otherwise `group_size`, whose groups may span rows. A row is the last dimension
+    group_size)``; otherwise `group_size` (`plane_groups` then pads the planes). A row is the last dimension
     or, where that is too short, the trailing dimensions after the first two: a convolution's
     (N, C, H, W) activation is grouped within each channel's H x W plane (28 x 28: groups of 112),
     never across channels, where any group fits the plane.
@@ -338,7 +345,7 @@ def row_group_size(shape: Sequence[Any], group_size: int) -> int:
         return group_size
     row = 1
     # The trailing dimensions past the batch and channel dimensions, from the last one outwards.
-    for dim in reversed(shape[2:] if len(shape) > 2 else shape[1:]):
+    for dim in reversed(plane_dims(shape)):
         if not isinstance(dim, int):
             break
         row *= dim
@@ -353,32 +360,35 @@ def row_group_size(shape: Sequence[Any], group_size: int) -> int:
 
 def plane_groups(shape: Sequence[Any], group_size: int) -> Tuple[int, int]:
     """(group size, padded plane) for compress_saved's codes of a tensor of `shape`:
-    (`row_group_size`, 0), unless the tensor has at least four dimensions (a convolution's
-    (N, C, H, W) activation) and no group of a multiple of 8 elements divides its channel planes
-    (7 x 7, 14 x 14 pixels: 49 and 196 elements). Groups of `group_size` would then span channels,
-    and a channel of small scale (a depthwise convolution's, before a BatchNorm that divides by
-    its spread) would decode to its neighbours' rounding noise: on timm's MobileOne, gradients
-    hundreds of times the exact ones. Each plane is then padded, by repeating its last value, to
-    the multiple of a group that wastes least: a plane of at most `group_size` elements to the
-    next multiple of 8, as one group (49 -> 56); a longer one to a multiple of the group in
-    [min(MIN_ROW_GROUP, group_size), group_size] that pads least (900 -> 912, groups of 152).
-    Planes whose size is a symbol (torch.compile's dynamic shapes) cannot be padded by value:
-    (0, 0) unless the last dimension's groups divide it, and `codes_pay` then keeps the tensor as
-    it is (groups spanning channels made MobileOne's compiled gradients 1e15 times off)."""
+    (`row_group_size`, 0), unless no group of a multiple of 8 elements divides its planes
+    (`plane_dims`: 7 x 7 or 14 x 14 pixels of a convolution's channel, 49 and 196 elements; a
+    1-d convolution's 49 steps; a token's row of 37 features). Groups of `group_size` would then
+    span planes, and a plane of small scale (a channel a depthwise convolution scaled down, before
+    a BatchNorm that divides by its spread; a class token, a padding token's row before a norm)
+    would decode to its neighbours' rounding noise: on timm's MobileOne, gradients hundreds of
+    times the exact ones. Each plane is then padded, by repeating its last value, to the multiple
+    of a group that wastes least: a plane of at most `group_size` elements to the next multiple
+    of 8, as one group (49 -> 56; one of 32 is one group of 32, unpadded); a longer one to a
+    multiple of the group in [min(MIN_ROW_GROUP, group_size), group_size] that pads least
+    (900 -> 912, groups of 152). Planes whose size is a symbol (torch.compile's dynamic shapes)
+    cannot be padded by value: (0, 0) unless the last dimension's groups divide it, and
+    `codes_pay` then keeps the tensor as it is (groups spanning channels made MobileOne's
+    compiled gradients 1e15 times off)."""
     group = row_group_size(shape, group_size)
-    if len(shape) < 4:
+    planes = plane_dims(shape)
+    if not planes:
         return group, 0
-    if not all(isinstance(d, int) for d in shape[2:]):
+    if not all(isinstance(d, int) for d in planes):
         # Planes of a size torch.compile traces as a symbol (dynamic H, W): the groups of the last
-        # dimension keep channels apart only where they divide it; otherwise (0, 0), no coding.
+        # dimension keep planes apart only where they divide it; otherwise (0, 0), no coding.
         last = shape[-1]
         return (group, 0) if isinstance(last, int) and last % group == 0 else (0, 0)
-    plane = math.prod(shape[2:])
+    plane = math.prod(planes)
     if plane == 0 or plane % group == 0:
         return group, 0
     if plane <= group_size:
         padded = -(-plane // 8) * 8
-        return padded, padded
+        return (plane, 0) if padded == plane else (padded, padded)
     candidates = range(min(MIN_ROW_GROUP, group_size), group_size + 1, 8)
     best = min(candidates, key=lambda g: (-plane % g, -g))  # least padding, then the longest group
     return best, plane + -plane % best
@@ -422,7 +432,7 @@ def dequantize(c: CompressedTensor) -> torch.Tensor:
         codec.dequantize(base, part, address + start * size, device, stream)
         start += part[0]
     if c.padded:  # the planes without their padding
-        out = out.view(-1, c.padded)[:, : math.prod(c.shape[2:])].reshape(c.shape)
+        out = out.view(-1, c.padded)[:, : math.prod(plane_dims(c.shape))].reshape(c.shape)
     if c.support is not None:
         out = with_support(out, dequantize(c.support))
     if c.logs:
@@ -441,7 +451,7 @@ def _check_consistent(c: CompressedTensor) -> None:
         if c.dtype not in _FLOAT_DTYPES or c.bits not in (1, 2, 4, 8):
             raise ValueError(f"c: dtype {c.dtype} and bits {c.bits} are not a codec's")
         if not isinstance(c.padded, int) or c.padded < 0 or (c.padded and (
-                len(c.shape) < 4 or c.padded < math.prod(c.shape[2:]) or c.padded % c.group_size)):
+                len(c.shape) < 2 or c.padded < math.prod(plane_dims(c.shape)) or c.padded % c.group_size)):
             raise ValueError(f"c.padded: {c.padded!r} is not a padding of the planes of shape {tuple(c.shape)} "
                              f"into groups of {c.group_size}: it was edited")
         want, layout = group_layout(c.coded_numel, c.bits, c.group_size, c.dtype)

@@ -43,7 +43,7 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Se
 import torch
 
 from . import _replay
-from .compress import MIN_UNIFORM_BITS, _compiling, check_generator, compress_saved
+from .compress import MIN_UNIFORM_BITS, _compiling, check_generator, coded_numel, codes_pay, compress_saved, plane_groups
 
 __all__ = ["CompressionController", "TensorKey", "allocate_bits", "RUNGS", "trainer_callback"]
 
@@ -98,17 +98,27 @@ def _variance(c: float, bits: int) -> float:
     return 0.0 if bits == 32 else c / float((1 << bits) - 1) ** 2
 
 
-def _lowering_cost(c: float, d: int, rung: int) -> float:
-    """Variance added per bit saved by lowering a tensor from RUNGS[rung] to RUNGS[rung + 1]."""
-    high, low = RUNGS[rung], RUNGS[rung + 1]
-    return (_variance(c, low) - _variance(c, high)) / (d * (high - low))
+def _lowering_cost(c: float, costs: Sequence[int], rung: int) -> float:
+    """Variance added per bit saved by lowering a tensor from RUNGS[rung] to RUNGS[rung + 1]
+    (`costs`: its bits stored at each rung); infinite where that saves nothing."""
+    saved = costs[rung] - costs[rung + 1]
+    if saved <= 0:
+        return math.inf
+    return (_variance(c, RUNGS[rung + 1]) - _variance(c, RUNGS[rung])) / saved
 
 
-def _greedy(sensitivities: Sequence[float], numels: Sequence[int], budget: int,
+def _plain_costs(numel: int) -> List[int]:
+    """b·D at each rung: a tensor whose codes hold its elements and nothing more."""
+    return [b * numel for b in RUNGS]
+
+
+def _greedy(sensitivities: Sequence[float], costs: Sequence[Sequence[int]], budget: int,
             minimum: Optional[Sequence[int]] = None, strict: bool = True) -> List[int]:
-    """The §6.3 greedy for an integer budget of Σ b·D bits; inputs already validated. No tensor
-    goes below its `minimum` width; when that leaves the budget out of reach, `strict` raises,
-    otherwise the allocation is every tensor at the fewest bits it may have."""
+    """The §6.3 greedy for an integer budget of Σ bits stored; inputs already validated.
+    `costs[i][r]`: the bits tensor i takes stored at RUNGS[r] (b·D for plain codes; more where
+    its planes are padded, 32·D where it would be kept as it is). No tensor goes below its
+    `minimum` width, nor to a rung that saves no bits; when that leaves the budget out of reach,
+    `strict` raises, otherwise the allocation is every tensor at the fewest bits it may have."""
     # Relative to the largest finite sensitivity: the allocation is the same whatever scales the
     # loss (a GradScaler's factor S multiplies every sensitivity by S², 2^32 at its default; an
     # absolute cap flattened the larger ones into ties). Clamped as GACT does: a NaN or an infinity
@@ -116,10 +126,11 @@ def _greedy(sensitivities: Sequence[float], numels: Sequence[int], budget: int,
     top = max((v for v in sensitivities if math.isfinite(v) and v > 0), default=1.0)
     c = [v / top if math.isfinite(v) else MAX_SENSITIVITY for v in sensitivities]
     rung = [0] * len(c)
-    total = 32 * sum(numels)
+    total = sum(cost[0] for cost in costs)
     # (cost, index): equal costs are broken by the smaller index, so the result is deterministic.
     low = [1] * len(c) if minimum is None else list(minimum)
-    heap = [(_lowering_cost(c[i], numels[i], 0), i) for i in range(len(c)) if RUNGS[1] >= low[i]]
+    heap = [(cost, i) for i, cost in ((i, _lowering_cost(c[i], costs[i], 0)) for i in range(len(c)) if RUNGS[1] >= low[i])
+            if cost < math.inf]
     heapq.heapify(heap)
     while total > budget:
         if not heap:
@@ -128,12 +139,16 @@ def _greedy(sensitivities: Sequence[float], numels: Sequence[int], budget: int,
             raise ValueError(f"avg_bits: the budget of {budget} bits is below what the tensors' minimum "
                              "widths need (1 bit per element, or an op's minimum)")
         _, i = heapq.heappop(heap)
-        total -= numels[i] * (RUNGS[rung[i]] - RUNGS[rung[i] + 1])
+        total -= costs[i][rung[i]] - costs[i][rung[i] + 1]
         rung[i] += 1
         # The per-bit cost of the next rung down is never smaller than this one's (the ladder is
         # convex), so a tensor's rungs leave the heap in order and one entry per tensor suffices.
+        # (Padding adds bits at every coded rung alike, which keeps the ladder as convex as it
+        # was, to within the raw rung's: 32·D against b·D' for D' coded elements.)
         if rung[i] + 1 < len(RUNGS) and RUNGS[rung[i] + 1] >= low[i]:
-            heapq.heappush(heap, (_lowering_cost(c[i], numels[i], rung[i]), i))
+            cost = _lowering_cost(c[i], costs[i], rung[i])
+            if cost < math.inf:
+                heapq.heappush(heap, (cost, i))
     return [RUNGS[r] for r in rung]
 
 
@@ -210,7 +225,7 @@ def allocate_bits(sensitivities: Sequence[float], numels: Sequence[int], avg_bit
         return []
     if avg < 1:
         raise ValueError(f"avg_bits: {avg_bits!r} is below 1 bit per element, which no allocation meets")
-    return _greedy(c, d, _budget(avg, sum(d)), low)
+    return _greedy(c, [_plain_costs(n) for n in d], _budget(avg, sum(d)), low)
 
 
 def _as_list(values: Any, name: str) -> List[Any]:
@@ -527,13 +542,28 @@ class CompressionController:
         return dict(self._last_seen)
 
     def average_bits(self) -> float:
-        """Σ b·D / Σ D over the current allocation, the tensors recomputed in backward and the
+        """Σ bits stored / Σ D over the current allocation (b per coded element, planes padded to
+        whole groups counting their padding, 32 per element of a tensor kept as it is because
+        its codes would not pay: `stored_bits`), the tensors recomputed in backward and the
         activation checkpoints' inputs (0 bits each); 32 before any estimate (tensors are stored
-        as they are until the first)."""
+        as they are until the first). Group headers are not counted (GACT's budget)."""
         total = sum(self._numels[k] for k in self._bits) + self._numel_at_zero_bits
         if total == 0:
             return 32.0 if not self._estimates else float(self._initial)
-        return sum(b * self._numels[k] for k, b in self._bits.items()) / total
+        return sum(self.stored_bits(k, b) for k, b in self._bits.items()) / total
+
+    def stored_bits(self, key: TensorKey, bits: int) -> int:
+        """The bits of codes the tensor of `key` takes stored at `bits` (headers not counted):
+        32 per element as it is (`bits` 32, or codes that would take as many bytes as the tensor,
+        ``abp.compress.codes_pay``), otherwise `bits` per coded element, its planes padded to
+        whole groups (``abp.compress.plane_groups``: 7 x 7 pixels code 56 elements each)."""
+        numel = math.prod(key.shape)
+        if bits == 32:
+            return 32 * numel
+        group, padded = plane_groups(key.shape, self._saver.group_size)
+        if not codes_pay(key.shape, key.dtype, bits, group, padded):
+            return 32 * numel
+        return bits * coded_numel(key.shape, padded)
 
     # -- resuming ----------------------------------------------------------------------------------
 
@@ -976,14 +1006,15 @@ class CompressionController:
 
         # Unprobed keys keep the initial width (≤ avg_bits, or their op's minimum); the probed
         # ones share what is left, none below its op's minimum.
-        budget = _budget(self._avg_bits, total) - sum(max(self._initial, least(k)) * step_keys[k] for k in fixed)
-        widths = _greedy([sensitivity[k] for k in probed], [step_keys[k] for k in probed], budget,
-                         [least(k) for k in probed], strict=False) if probed else []
+        budget = _budget(self._avg_bits, total) - sum(self.stored_bits(k, max(self._initial, least(k))) for k in fixed)
+        costs = [[self.stored_bits(k, b) for b in RUNGS] for k in probed]
+        widths = _greedy([sensitivity[k] for k in probed], costs, budget, [least(k) for k in probed],
+                         strict=False) if probed else []
         allocated = dict(zip(probed, widths))
         self._bits = {k: allocated.get(k, max(self._initial, least(k))) for k in step_keys}
         self._bits_by_position = {self._positions[k]: b for k, b in self._bits.items() if k in self._positions}
         self._numels = dict(step_keys)
-        over = sum(b * step_keys[k] for k, b in self._bits.items()) - _budget(self._avg_bits, total)
+        over = sum(self.stored_bits(k, b) for k, b in self._bits.items()) - _budget(self._avg_bits, total)
         if over > 0 and not self._warned_over:
             self._warned_over = True  # once per controller: every estimate would say it again
             warnings.warn(
