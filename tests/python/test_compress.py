@@ -394,13 +394,13 @@ def test_row_group_size_divides_rows_where_it_can(shape, group_size, want):
     ((3, 37), 256, (40, 40)),             # 2-d rows of 37 -> one group of 40
     ((2, 16, 100), 256, (104, 104)),      # a token's row, or a 1-d convolution's channel, of 100
     ((2, 16, 49), 256, (56, 56)),
-    ((2, 16, 50257), 256, (120, 50280)),  # a long row (logits over a vocabulary): the group that pads least
+    ((2, 16, 50257), 256, (256, 50432)),  # a long row (logits over a vocabulary): 4.26 bits an element, not 4.53 in groups of 120
     ((2, 16, 768), 256, (256, 0)),
     ((2, 256, 8, 8), 256, (64, 0)),       # planes a group divides: not padded
     ((2, 64, 28, 28), 256, (112, 0)),
     ((2, 64, 7, 7), 256, (56, 56)),       # 49: no multiple of 8 divides it; one group of 56 per plane
     ((2, 64, 14, 14), 256, (200, 200)),   # 196 -> 200
-    ((2, 4, 30, 30), 256, (152, 912)),    # 900 > 256: the group that pads least (12 elements)
+    ((2, 4, 30, 30), 256, (232, 928)),    # 900 > 256: the group whose codes and headers take fewest bits
     ((2, 64, 7, 7), 32, (32, 64)),        # a group_size below the plane: groups of it, padded to 2
     ((2, 64, 1, 3), 256, (8, 8)),
 ])
