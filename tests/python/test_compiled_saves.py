@@ -366,6 +366,30 @@ def test_a_compiled_graph_keeps_what_eager_keeps_in_a_cnn() -> None:
     assert late and all(r["why"] == "a per-row statistic (last dimension 1): kept as it is" for r in late)
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_compiled_graph_under_autocast_keeps_the_weights_copies_as_eager_does(backend: str) -> None:
+    """Under autocast a Linear saves its weight's bf16 copy (transposed); eager compress_saved
+    keeps it as the parameter it is a cast of, and so does the compiled graph, which tells it by
+    the static graph input it is cast from. It coded them before (a ResNet-18 at 4 bits: twice the
+    gradient error of eager)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64))
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with abp.compress_saved(bits=4, recompute=False) as block:
+            y = model(x.clone())
+    y.float().square().mean().backward()
+    compiled = torch.compile(model, backend=backend)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with abp.compress_saved(bits=4):
+            y = compiled(x.clone())
+    y.float().square().mean().backward()
+    records = _compiled_saves.compiled_stats()
+    weights = [r for r in records if r["shape"] in ((64, 96), (96, 64))]
+    assert len(weights) == 2 and all(r["why"] == _compiled_saves.PARAMETER_KEPT and r["bits"] == 32 for r in weights)
+    assert sum(r["bits"] < 32 for r in records) == block.stats["compressed"] > 0
+
+
 def test_log_softmax_output_is_stored_as_probabilities_as_eager_stores_it() -> None:
     """log_softmax's backward reads exp(y): compiled graphs store codes of exp(y), as eager does,
     not codes of y, whose 8-bit steps over a wide range of log-probabilities move a confident

@@ -18,7 +18,9 @@ function that tells the two cases apart:
   the graphs, as the op rules do from autograd nodes:
 
   * kept as they are: tensors off the gradient path (computed from no input that receives a
-    gradient: masks, rotary tables), non-floating ones, ones under ``min_numel`` elements, and
+    gradient: masks, rotary tables), a parameter's views and casts (autocast's weight copy: the
+    graph inputs dynamo holds static, seen through views and casts), non-floating ones, ones
+    under ``min_numel`` elements, and
     per-row statistics (a last dimension of 1, and a norm op's statistics: as eager compress_saved
     keeps them);
   * codes and the exact support (x > 0, 1 bit) of what a ReLU's backward reads, as eagerly;
@@ -206,6 +208,25 @@ def _readers(name: str, bw: torch.fx.Graph) -> List[Tuple[str, int]]:
     return found
 
 
+#: Forward ops that re-view or cast a value: a parameter seen through them is the parameter still
+#: (autocast's low-precision weight copy, a Linear's transposed weight).
+_PARAMETER_VIEWS = frozenset({"convert_element_type", "_to_copy", "permute", "t", "transpose", "view", "_unsafe_view",
+                              "reshape", "expand", "alias", "detach", "clone", "unsqueeze", "squeeze"})
+
+
+def _parameter_copy(node: torch.fx.Node) -> bool:
+    """True if `node` is, through views and casts, a graph input torch.compile holds static (its
+    module's parameter or buffer: dynamo marks them ``is_static_input``), as eager compress_saved
+    tells autocast's weight copy by its autograd ancestry (compress._parameter_of)."""
+    for _ in range(8):
+        if node.op == "placeholder":
+            return bool(node.meta.get("is_static_input", False))
+        if _op_name(node.target) not in _PARAMETER_VIEWS or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            return False
+        node = node.args[0]
+    return False
+
+
 #: Forward ops whose output is a ReLU's (its backward reads where it is positive), and backward
 #: ops that read a saved value that way.
 _RELU_FORWARD = frozenset({"relu", "relu_"})
@@ -218,6 +239,8 @@ def _decide(x: torch.Tensor, context: Dict[str, Any], bits: int, min_numel: int,
     node, fw, bw = context["_node"], context["_fw_graph"], context["_bw_graph"]
     if x.dtype not in ROW_DTYPES:
         return 32, "not floating"
+    if _parameter_copy(node):
+        return 32, PARAMETER_KEPT
     if x.numel() < min_numel:
         return 32, f"under min_numel={min_numel} elements"
     if row_statistic_shape(tuple(x.shape)):
@@ -256,9 +279,11 @@ def _decide(x: torch.Tensor, context: Dict[str, Any], bits: int, min_numel: int,
 
 #: Why a ReLU's output is stored as codes and its support (abp.compress's exact_relu, compiled).
 SUPPORT_KEPT = "compressed, with its support (x > 0) kept exactly in 1 bit (a ReLU's output)"
-PLANES_RAW = "kept: its channel planes, padded to whole groups, would take more bytes coded (compress.codes_pay)"
-DYNAMIC_PLANES_RAW = ("kept: its channel planes have a dynamic size, so no code group can be kept within one "
+PLANES_RAW = "kept: its planes (rows, channels), padded to whole groups, would take more bytes coded (compress.codes_pay)"
+DYNAMIC_PLANES_RAW = ("kept: its planes (rows, channels) have a dynamic size, so no code group can be kept within one "
                       "(compress.plane_groups)")
+#: Why a parameter's copy is kept (as eager compress_saved keeps it).
+PARAMETER_KEPT = "a parameter's view or cast (autocast's weight copy): kept as it is, as eagerly"
 
 
 def _with_support(dense: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
