@@ -127,11 +127,19 @@ def _greedy(sensitivities: Sequence[float], costs: Sequence[Sequence[int]], budg
     c = [v / top if math.isfinite(v) else MAX_SENSITIVITY for v in sensitivities]
     rung = [0] * len(c)
     total = sum(cost[0] for cost in costs)
-    # (cost, index): equal costs are broken by the smaller index, so the result is deterministic.
     low = [1] * len(c) if minimum is None else list(minimum)
-    heap = [(cost, i) for i, cost in ((i, _lowering_cost(c[i], costs[i], 0)) for i in range(len(c)) if RUNGS[1] >= low[i])
-            if cost < math.inf]
-    heapq.heapify(heap)
+    # (cost, index): equal costs are broken by the smaller index, so the result is deterministic.
+    heap: List[Tuple[float, int]] = []
+
+    def offer(i: int) -> None:
+        """Puts tensor i's next rung down in the heap, if it may go there and that saves bits."""
+        if rung[i] + 1 < len(RUNGS) and RUNGS[rung[i] + 1] >= low[i]:
+            cost = _lowering_cost(c[i], costs[i], rung[i])
+            if cost < math.inf:
+                heapq.heappush(heap, (cost, i))
+
+    for i in range(len(c)):
+        offer(i)
     while total > budget:
         if not heap:
             if not strict:
@@ -142,13 +150,9 @@ def _greedy(sensitivities: Sequence[float], costs: Sequence[Sequence[int]], budg
         total -= costs[i][rung[i]] - costs[i][rung[i] + 1]
         rung[i] += 1
         # The per-bit cost of the next rung down is never smaller than this one's (the ladder is
-        # convex), so a tensor's rungs leave the heap in order and one entry per tensor suffices.
-        # (Padding adds bits at every coded rung alike, which keeps the ladder as convex as it
-        # was, to within the raw rung's: 32·D against b·D' for D' coded elements.)
-        if rung[i] + 1 < len(RUNGS) and RUNGS[rung[i] + 1] >= low[i]:
-            cost = _lowering_cost(c[i], costs[i], rung[i])
-            if cost < math.inf:
-                heapq.heappush(heap, (cost, i))
+        # convex; padding adds the same share of bits to every coded rung), so a tensor's rungs
+        # leave the heap in order and one entry per tensor suffices.
+        offer(i)
     return [RUNGS[r] for r in rung]
 
 
