@@ -115,6 +115,36 @@ def test_greedy_is_optimal_for_the_bits_it_uses_and_brute_force_is_never_worse()
         assert best_used == pytest.approx(greedy, rel=1e-9, abs=1e-300)
 
 
+def test_the_greedy_budgets_stored_bits_and_passes_over_rungs_that_save_none():
+    """compress_saved pads planes no group divides (each code element costs b bits, the padding
+    too) and keeps a tensor as it is where its codes would take its bytes (a 2 x 2 plane at 8
+    bits): the greedy counts those bits, and passes over a rung that saves none to the next that
+    does (ResNet-18 at 48 px kept its 2 x 2 layer at 32 bits, and the allocation averaged 4.5 bits
+    at avg_bits=4)."""
+    rng = random.Random(11)
+    for _ in range(1000):
+        n = rng.randint(1, 8)
+        c = [rng.choice([0.0, rng.random(), 10 ** rng.uniform(-6, 3)]) for _ in range(n)]
+        d = [rng.randint(1, 1000) for _ in range(n)]
+        costs = []
+        for numel in d:
+            padded = numel * rng.choice([1, 1, 8 / 7, 2])
+            raw_at = rng.choice([0, 0, 1, 2])  # rungs 1..raw_at (8, 4) keep the tensor as it is
+            costs.append([32 * numel] + [32 * numel if r <= raw_at else math.ceil(RUNGS[r] * padded)
+                                         for r in range(1, len(RUNGS))])
+        avg = rng.uniform(1, 12)
+        budget = math.floor(avg * sum(d))
+        bits = ctl._greedy(c, costs, budget, strict=False)
+        rungs = [RUNGS.index(b) for b in bits]
+        spent = sum(cost[r] for cost, r in zip(costs, rungs))
+        fewest = sum(min(cost) for cost in costs)
+        assert spent <= budget or spent == fewest
+        # Never at a rung that saves nothing over a wider one.
+        assert all(cost[r] < cost[0] or r == 0 for cost, r in zip(costs, rungs))
+    # A tensor whose codes pay only from 4 bits on goes from 32 to 4 where the budget needs it.
+    assert ctl._greedy([1.0, 1.0], [[3200, 3200, 1200, 800, 400], [3200, 800, 400, 200, 100]], 2400) == [4, 8]
+
+
 def test_the_allocation_does_not_depend_on_the_loss_scale():
     # A GradScaler multiplies the loss by S and so every sensitivity by S² (2^32 at its default
     # scale); with an absolute cap (1e10) the larger ones became ties and 8 of 12 keys of a ViT

@@ -98,13 +98,10 @@ def _variance(c: float, bits: int) -> float:
     return 0.0 if bits == 32 else c / float((1 << bits) - 1) ** 2
 
 
-def _lowering_cost(c: float, costs: Sequence[int], rung: int) -> float:
-    """Variance added per bit saved by lowering a tensor from RUNGS[rung] to RUNGS[rung + 1]
-    (`costs`: its bits stored at each rung); infinite where that saves nothing."""
-    saved = costs[rung] - costs[rung + 1]
-    if saved <= 0:
-        return math.inf
-    return (_variance(c, RUNGS[rung + 1]) - _variance(c, RUNGS[rung])) / saved
+def _lowering_cost(c: float, costs: Sequence[int], rung: int, to: int) -> float:
+    """Variance added per bit saved by lowering a tensor from RUNGS[rung] to RUNGS[to]
+    (`costs`: its bits stored at each rung; `to` saves some)."""
+    return (_variance(c, RUNGS[to]) - _variance(c, RUNGS[rung])) / (costs[rung] - costs[to])
 
 
 def _plain_costs(numel: int) -> List[int]:
@@ -117,8 +114,9 @@ def _greedy(sensitivities: Sequence[float], costs: Sequence[Sequence[int]], budg
     """The §6.3 greedy for an integer budget of Σ bits stored; inputs already validated.
     `costs[i][r]`: the bits tensor i takes stored at RUNGS[r] (b·D for plain codes; more where
     its planes are padded, 32·D where it would be kept as it is). No tensor goes below its
-    `minimum` width, nor to a rung that saves no bits; when that leaves the budget out of reach,
-    `strict` raises, otherwise the allocation is every tensor at the fewest bits it may have."""
+    `minimum` width; a rung that saves no bits is passed over (a 2 x 2 plane's codes take its
+    bytes at 8 bits, not at 4). When the budget is out of reach, `strict` raises, otherwise the
+    allocation is every tensor at the fewest bits it may have."""
     # Relative to the largest finite sensitivity: the allocation is the same whatever scales the
     # loss (a GradScaler's factor S multiplies every sensitivity by S², 2^32 at its default; an
     # absolute cap flattened the larger ones into ties). Clamped as GACT does: a NaN or an infinity
@@ -128,15 +126,15 @@ def _greedy(sensitivities: Sequence[float], costs: Sequence[Sequence[int]], budg
     rung = [0] * len(c)
     total = sum(cost[0] for cost in costs)
     low = [1] * len(c) if minimum is None else list(minimum)
-    # (cost, index): equal costs are broken by the smaller index, so the result is deterministic.
-    heap: List[Tuple[float, int]] = []
+    # (cost, index, rung to): equal costs are broken by the smaller index, so the result is deterministic.
+    heap: List[Tuple[float, int, int]] = []
 
     def offer(i: int) -> None:
-        """Puts tensor i's next rung down in the heap, if it may go there and that saves bits."""
-        if rung[i] + 1 < len(RUNGS) and RUNGS[rung[i] + 1] >= low[i]:
-            cost = _lowering_cost(c[i], costs[i], rung[i])
-            if cost < math.inf:
-                heapq.heappush(heap, (cost, i))
+        """Puts tensor i's next rung down that saves bits in the heap, if it may go there."""
+        here = rung[i]
+        to = next((r for r in range(here + 1, len(RUNGS)) if costs[i][r] < costs[i][here]), None)
+        if to is not None and RUNGS[to] >= low[i]:
+            heapq.heappush(heap, (_lowering_cost(c[i], costs[i], here, to), i, to))
 
     for i in range(len(c)):
         offer(i)
@@ -146,9 +144,9 @@ def _greedy(sensitivities: Sequence[float], costs: Sequence[Sequence[int]], budg
                 break
             raise ValueError(f"avg_bits: the budget of {budget} bits is below what the tensors' minimum "
                              "widths need (1 bit per element, or an op's minimum)")
-        _, i = heapq.heappop(heap)
-        total -= costs[i][rung[i]] - costs[i][rung[i] + 1]
-        rung[i] += 1
+        _, i, to = heapq.heappop(heap)
+        total -= costs[i][rung[i]] - costs[i][to]
+        rung[i] = to
         # The per-bit cost of the next rung down is never smaller than this one's (the ladder is
         # convex; padding adds the same share of bits to every coded rung), so a tensor's rungs
         # leave the heap in order and one entry per tensor suffices.
