@@ -559,6 +559,12 @@ def _marked_numel(t: torch.Tensor) -> Optional[int]:
     return entry[1] if entry is not None and entry[0]() is t else None
 
 
+def keeps_support(t: torch.Tensor) -> bool:
+    """Whether compress_saved (with exact_relu) keeps `t`'s support (x > 0) beside its codes, a bit
+    per element: `t` is a ReLU's output, whose backward reads it for the sign."""
+    return t.grad_fn is not None and type(t.grad_fn).__name__ in _SUPPORT_PRODUCERS
+
+
 def _compressible(t: torch.Tensor, min_numel: int, row_statistics: bool = False) -> bool:
     """`eligible` without the parameter test (which compress_saved makes first, once)."""
     # abp.convert's count of an example call leaves no small tensor raw (abp._scale).
@@ -1164,7 +1170,7 @@ class compress_saved:
         logs = t.grad_fn is not None and type(t.grad_fn).__name__ in _LOG_PROBABILITY_PRODUCERS
         c = quantize_unchecked(t.detach().exp() if logs else t, bits, group, self._seed, self._offset, padded)
         c.logs = logs
-        if self.exact_relu and t.grad_fn is not None and type(t.grad_fn).__name__ in _SUPPORT_PRODUCERS:
+        if self.exact_relu and keeps_support(t):
             c.support = _pack_mask(t > 0)
         # Stretches start on multiples of 8, where the kernels draw four elements per Philox call.
         self._offset += (c.coded_numel + 7) // 8 * 8
