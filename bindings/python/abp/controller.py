@@ -1033,9 +1033,10 @@ class CompressionController:
             self._warned_over = True  # once per controller: every estimate would say it again
             warnings.warn(
                 f"CompressionController(avg_bits={self._avg_bits:g}): the minimum widths (min_bits={self._min_bits}; "
-                f"the op rules' floors: fused attention's stored query and key, log_softmax's output) exceed the "
-                f"budget; the allocation averages {self.average_bits():.2f} bits per element", RuntimeWarning,
-                stacklevel=3)
+                f"the op rules' floors: fused attention's stored query and key, log_softmax's output), with what "
+                f"they store besides (ReLU outputs' support bits, planes padded to whole groups, tensors whose "
+                f"codes would not pay), exceed the budget; the allocation averages {self.average_bits():.2f} bits "
+                f"per element", RuntimeWarning, stacklevel=3)
         self._sensitivity = sensitivity
         self._estimates += 1
         return True
