@@ -394,6 +394,30 @@ def test_controller_counts_the_floors_against_its_budget(steps: int, interval: i
     assert all(median / 100 < sens[k] < median * 100 for k in floored), (sens, floored)
 
 
+def test_a_budget_the_floors_exceed_is_said_with_the_floors_as_the_reason() -> None:
+    library_or_skip()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.GELU())
+
+    class Attention(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q = k = v = model(x).view(8, 32, 2, 16).transpose(1, 2)
+            return F.scaled_dot_product_attention(q, k, v)
+
+    attention = Attention()
+    controller = abp.CompressionController(attention, avg_bits=1, min_numel=1, allow_low_bits=True, min_bits=1,
+                                           recompute=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with controller:
+                attention(torch.randn(8, 32, 32)).pow(2).mean().backward()
+    over = [str(w.message) for w in caught if "exceed the budget" in str(w.message)]
+    assert len(over) == 1 and controller.average_bits() > 1, over
+    assert "op rules' floors (fused attention's query and key, log_softmax's output)" in over[0]
+    assert "ReLU" not in over[0] and "padded" not in over[0]
+
+
 def test_allocate_bits_respects_minimum_widths_and_the_budget() -> None:
     c, d = [1.0, 1.0, 100.0, 0.01], [100, 100, 100, 100]
     bits = allocate_bits(c, d, 3.0, minimum_bits=[8, 1, 1, 1])

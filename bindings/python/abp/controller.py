@@ -1032,14 +1032,40 @@ class CompressionController:
         if over > 0 and not self._warned_over:
             self._warned_over = True  # once per controller: every estimate would say it again
             warnings.warn(
-                f"CompressionController(avg_bits={self._avg_bits:g}): the minimum widths (min_bits={self._min_bits}; "
-                f"the op rules' floors: fused attention's stored query and key, log_softmax's output), with what "
-                f"they store besides (ReLU outputs' support bits, planes padded to whole groups, tensors whose "
-                f"codes would not pay), exceed the budget; the allocation averages {self.average_bits():.2f} bits "
-                f"per element", RuntimeWarning, stacklevel=3)
+                f"CompressionController(avg_bits={self._avg_bits:g}): the fewest bits the tensors may take exceed "
+                f"the budget ({'; '.join(self._why_over(least))}); the allocation averages "
+                f"{self.average_bits():.2f} bits per element", RuntimeWarning, stacklevel=3)
         self._sensitivity = sensitivity
         self._estimates += 1
         return True
+
+    def _why_over(self, least: Callable[[TensorKey], int]) -> List[str]:
+        """What takes the current allocation's tensors above their codes' bits, each with the
+        share of the elements it concerns: what an over-budget warning names."""
+        keys = list(self._bits)
+        total = sum(self._numels[k] for k in keys) + self._numel_at_zero_bits
+        parts = [(f"min_bits={self._min_bits}", keys)]
+
+        def share(found: List[TensorKey]) -> str:
+            return f"{sum(self._numels[k] for k in found) / total:.0%} of the elements"
+
+        def coded(k: TensorKey) -> bool:
+            return self._bits[k] < 32 and self.stored_bits(k, self._bits[k]) < 32 * self._numels[k]
+
+        floors = [k for k in keys if least(k) > self._min_bits]
+        if floors:
+            parts.append(("op rules' floors (fused attention's query and key, log_softmax's output)", floors))
+        support = [k for k in keys if k in self._supported and coded(k)]
+        if support:
+            parts.append(("ReLU outputs' support, a bit per element", support))
+        padded = [k for k in keys if coded(k) and self.stored_bits(k, self._bits[k]) - (
+            self._numels[k] if k in self._supported else 0) > self._bits[k] * self._numels[k]]
+        if padded:
+            parts.append(("planes padded to whole code groups", padded))
+        raw = [k for k in keys if self.stored_bits(k, least(k)) == 32 * self._numels[k]]
+        if raw:
+            parts.append(("tensors kept as they are, whose codes would take as many bytes", raw))
+        return [f"{what}: {share(found)}" for what, found in parts]
 
     def _replay(
         self,
