@@ -8,7 +8,8 @@
   another scale than the patches' rows in every saved activation). **digits-cnn**: the same data
   as 8x8 images, classified by a plain CNN (12 Conv-BatchNorm-SiLU layers without residual paths,
   width 16, pooled into a Linear head): the layout where the 2-bit activations compound their
-  derivative error.
+  derivative error. **digits-cnn-relu**: the same CNN with ReLU, whose backward reads its output
+  for the sign (compression keeps that sign exactly, a bit per element).
 * **charlm**: a byte-level language model of the Python standard library's own source (the
   interpreter's ``*.py`` files in sorted order; the first 600 kB to train, the next 60 kB to
   validate), with a LLaMA-style model (2 blocks, d 64, RMSNorm, rotary positions, causal
@@ -27,6 +28,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import gzip
 import hashlib
 import importlib.util
@@ -158,19 +160,19 @@ class TimmViT(nn.Module):
 
 
 class ConvLayer(nn.Sequential):
-    """Conv 3x3 - BatchNorm - SiLU, a CNN's layer."""
+    """Conv 3x3 - BatchNorm - activation (SiLU, or `act`), a CNN's layer."""
 
-    def __init__(self, cin: int, cout: int) -> None:
-        super().__init__(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.SiLU())
+    def __init__(self, cin: int, cout: int, act: Callable[[], nn.Module] = nn.SiLU) -> None:
+        super().__init__(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), act())
 
 
 class DigitsCNN(nn.Module):
     """A plain CNN on the digits as 8x8 images: `depth` ConvLayers in a chain (no residual path,
     as in EfficientNet's and MobileNet's stems), global average pooling, a Linear head."""
 
-    def __init__(self, width: int = 16, depth: int = 12) -> None:
+    def __init__(self, width: int = 16, depth: int = 12, act: Callable[[], nn.Module] = nn.SiLU) -> None:
         super().__init__()
-        self.body = nn.Sequential(*[ConvLayer(1 if i == 0 else width, width) for i in range(depth)])
+        self.body = nn.Sequential(*[ConvLayer(1 if i == 0 else width, width, act) for i in range(depth)])
         self.head = nn.Linear(width, 10)
         self.Block = ConvLayer
         #: What recipe "sampled" samples: the head (the only Linear; no layer stands where abp._roles
@@ -421,7 +423,7 @@ def _grad_norm(model: nn.Module) -> float:
 def train(task: str, setting: Setting, seed: int, *, steps: Optional[int] = None, log_every: int = 10,
           eval_every: Optional[int] = None, device: Union[str, torch.device] = "cpu",
           stdlib: Optional[Path] = None) -> Dict[str, Any]:
-    """Trains `task` ("digits", "digits-vit", "digits-cnn" or "charlm") under `setting` (a name of SETTINGS or RECIPES, a
+    """Trains `task` ("digits", "digits-vit", "digits-cnn", "digits-cnn-relu" or "charlm") under `setting` (a name of SETTINGS or RECIPES, a
     Recipe, or a callable giving the model a context factory for each step) from `seed`; returns
     its metrics. With `eval_every`, result["curve"] holds [steps done, metric] at 0, every
     `eval_every` steps and at the end (evaluation draws no random numbers: the run is unchanged).
@@ -439,9 +441,10 @@ def train(task: str, setting: Setting, seed: int, *, steps: Optional[int] = None
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(1000 + seed)  # batches
     extra = torch.Generator().manual_seed(2000 + seed)  # batches a setting draws (Task.draw)
-    if task in ("digits", "digits-vit", "digits-cnn"):
+    if task in ("digits", "digits-vit", "digits-cnn", "digits-cnn-relu"):
         xtr, ytr, xte, yte = (t.to(device) for t in digits())
-        model: nn.Module = {"digits": PatchTransformer, "digits-vit": TimmViT, "digits-cnn": DigitsCNN}[task]().to(device)
+        model: nn.Module = {"digits": PatchTransformer, "digits-vit": TimmViT, "digits-cnn": DigitsCNN,
+                            "digits-cnn-relu": functools.partial(DigitsCNN, act=nn.ReLU)}[task]().to(device)
         lr, batch, total = 1e-3, 64, steps if steps is not None else 276
 
         def batches() -> Any:
@@ -491,7 +494,7 @@ def train(task: str, setting: Setting, seed: int, *, steps: Optional[int] = None
             with torch.no_grad():
                 return {"val_loss": float(loss_of(model(val[:, :-1]), val[:, 1:]))}
     else:
-        raise ValueError(f"task: expected 'digits', 'digits-vit', 'digits-cnn' or 'charlm', got {task!r}")
+        raise ValueError(f"task: expected 'digits', 'digits-vit', 'digits-cnn', 'digits-cnn-relu' or 'charlm', got {task!r}")
 
     example = xte[:8] if task != "charlm" else val[:4, :-1]
     spec = Task(task, model.Block, lambda b: loss_of(model(b[0]), b[1]), draw, example)
