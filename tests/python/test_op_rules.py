@@ -394,6 +394,7 @@ def test_controller_counts_the_floors_against_its_budget(steps: int, interval: i
     assert all(median / 100 < sens[k] < median * 100 for k in floored), (sens, floored)
 
 
+@needs_rules
 def test_a_budget_the_floors_exceed_is_said_with_the_floors_as_the_reason() -> None:
     library_or_skip()
     torch.manual_seed(0)
