@@ -311,7 +311,7 @@ def test_the_controller_counts_checkpoint_inputs_in_its_budget(name: str, reentr
     stats = controller.stats
     assert stats["numel_checkpointed"] == sum(h.numel() for h in hidden[:2]) > 0  # the forward's, not the recomputation's
     numels, bits = controller._numels, controller.bits
-    codes = sum(b * numels[k] for k, b in bits.items())
+    codes = sum(controller.stored_bits(k, b) for k, b in bits.items())  # b per coded element, padding included
     elements = sum(numels[k] for k in bits) + stats["numel_derived"] + stats["numel_checkpointed"]
     assert controller.average_bits() == pytest.approx(codes / elements) and codes <= 2 * elements
     if not reentrant:
