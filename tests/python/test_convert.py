@@ -1390,6 +1390,24 @@ def test_a_parallel_blocks_mlp_activation_keeps_the_2_bit_form_whatever_the_orde
     assert type(chained[0].mid[1]) is abp.nn.SiLU and chained[0].mid[1].bits == 3
 
 
+class TwoActivatedBranches(nn.Module):
+    """`act_a(a(x)) + act_b(b(x))`: two branches, each through its own activation, and no identity
+    skip: every gradient path through a stack of these meets one activation per block."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.a, self.b, self.act_a, self.act_b = nn.Linear(d, d), nn.Linear(d, d), nn.SiLU(), nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act_a(self.a(x)) + self.act_b(self.b(x))
+
+
+def test_two_activated_branches_without_an_identity_skip_are_no_bypass() -> None:
+    converted, _ = abp.convert(nn.Sequential(*[TwoActivatedBranches() for _ in range(4)]),
+                               example_inputs=(torch.randn(4, 8),))
+    assert all(type(m) is abp.nn.SiLU and m.bits == 3 for block in converted for m in (block.act_a, block.act_b))
+
+
 def test_a_shared_activation_takes_the_3_bit_form_if_any_of_its_calls_compounds() -> None:
     """One SiLU module called in a residual branch and after a BatchNorm: the 3-bit form whichever
     call comes first (the BatchNorm call is in a residual branch too)."""

@@ -133,12 +133,17 @@ class Dataflow:
 
         def source(operand: int) -> Optional[int]:
             """The latest value the call's input was made from that `operand` was made from too,
-            without this call's output: where a skip around the call starts. None if none is."""
+            without this call's output nor another activation: where a skip around the call
+            starts. None if none is (a parallel branch through its own activation is no skip:
+            the gradient through either branch meets an activation)."""
             if operand in after:
                 return None
             if operand in before:
                 return operand
-            return max(self._closure(operand, self._parents) & before, default=None)
+            if operand in activations:
+                return None
+            reach = self._closure(operand, self._parents, lambda v: v in before or v not in activations)
+            return max(reach & before, default=None)
 
         # The nearest add of a value made from this output and one made, without it, from a value
         # its input was made from: the residual add closing the branch this call is in, if any.
