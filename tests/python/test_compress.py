@@ -417,11 +417,14 @@ def test_plane_groups_keep_every_group_within_a_plane(shape, group_size, want):
 @pytest.mark.parametrize("shape,dtype,bits,pays", [
     ((2, 64, 7, 7), torch.float32, 4, True),     # 36 bytes for 49 elements against 196
     ((2, 64, 3, 3), torch.float32, 4, True),     # 16 bytes for 9 against 36
-    ((2, 64, 2, 2), torch.float16, 4, False),    # 8 bytes for 4 (one group of 8, its 4-byte header): raw's
+    ((2, 64, 2, 2), torch.float16, 4, False),    # 12 bytes for 4 (one group of 8, its 8-byte header) against 8
+    ((2, 64, 2, 4), torch.float16, 8, False),    # planes of 8, unpadded: 16 bytes for 8, as raw
+    ((1024, 8), torch.bfloat16, 8, False),       # rows of 8: the same
+    ((1024, 8), torch.bfloat16, 4, True),        # 12 bytes for 8 against 16
     ((2, 64, 1, 3), torch.float32, 8, False),    # 16 bytes for 3 against 12
     ((2, 64, 1, 3), torch.float32, 2, True),     # 10 bytes for 3 against 12
     ((2, 16, 256), torch.float16, 8, True),      # nothing padded: codes always
-    ((2, 16, 100), torch.float16, 8, True),      # rows padded to 104: 108 bytes for 100 against 200
+    ((2, 16, 100), torch.float16, 8, True),      # rows padded to 104: 112 bytes for 100 against 200
     ((4, 3), torch.float32, 4, False),           # rows of 3: 12 bytes coded, 12 raw
 ])
 def test_codes_pay_only_where_padded_planes_take_fewer_bytes_than_raw(shape, dtype, bits, pays):
@@ -472,6 +475,24 @@ def test_padded_planes_decode_channels_last_and_noncontiguous_inputs():
     dense = C.quantize_unchecked(x.contiguous(), 8, group, seed=1, offset=0, padded=padded)
     assert torch.equal(c.buffer, dense.buffer)  # the same codes as the contiguous tensor's
     torch.testing.assert_close(C.dequantize(c), x, rtol=0, atol=float((x.amax() - x.amin()) / 255))
+
+
+def test_an_ms_norm_reads_back_its_padded_rows_dense():
+    """dequantize gives back a contiguous tensor, padded planes too: MSLayerNorm's backward reads
+    its saved output as one dense block (rows of 37, padded to 40, came back as a strided view and
+    its backward raised)."""
+    torch.manual_seed(0)
+    norm, lin = abp.nn.MSLayerNorm(37), torch.nn.Linear(37, 8)
+    x = torch.randn(4, 16, 37, requires_grad=True)
+    lin(norm(x)).sum().backward()
+    exact = x.grad.clone()
+    x.grad = None
+    with C.compress_saved(bits=8, recompute=False) as block:
+        lin(norm(x)).sum().backward()
+    assert block.stats["compressed"] >= 1
+    assert float((x.grad - exact).norm() / exact.norm()) < 0.05
+    c = C.quantize_unchecked(torch.randn(3, 37), 8, 40, seed=1, offset=0, padded=40)
+    assert C.dequantize(c).is_contiguous()
 
 
 @pytest.mark.parametrize("plane", [(7, 7), (49,)], ids=["Conv2d at 7x7", "Conv1d at 49 steps"])

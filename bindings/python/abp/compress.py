@@ -295,15 +295,16 @@ def quantize_unchecked(x: torch.Tensor, bits: int, group_size: int, seed: int, o
 
 
 def codes_pay(shape: Sequence[Any], dtype: torch.dtype, bits: int, group_size: int, padded: int) -> bool:
-    """Whether `bits`-bit codes of a tensor (groups of `group_size`, channel planes padded to
-    `padded`) take fewer bytes than the tensor as it is. Padded planes of a few pixels do not:
-    (N, C, 2, 2) in fp16 pads each plane to one group of 8 with a 4-byte header, 2 bytes per
-    element at 4 bits, its raw size; compress_saved keeps such a tensor as it is. Nor do planes
+    """Whether `bits`-bit codes of a tensor (groups of `group_size`, planes padded to `padded`)
+    take fewer bytes than the tensor as it is. Short groups may not: each has an 8-byte header
+    (minimum and scale in fp32, for half dtypes too), so (N, C, 2, 2) in fp16, each plane padded to
+    one group of 8, takes 12 bytes at 4 bits against 8 raw, and rows of 8 in bf16 take 16 at 8
+    bits, as many as raw; compress_saved keeps such a tensor as it is. Nor do planes
     `plane_groups` cannot keep apart (group 0: a dynamic plane size under torch.compile)."""
     if not group_size:
         return False
-    if not padded:
-        return True
+    if not padded and group_size >= MIN_ROW_GROUP:
+        return True  # a header on 64 elements or more: at most 1 bit of 8 per element
     raw = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     return group_layout(coded_numel(shape, padded), bits, group_size, dtype)[0] < raw
 
@@ -441,7 +442,8 @@ def dequantize(c: CompressedTensor) -> torch.Tensor:
         codec.dequantize(base, part, address + start * size, device, stream)
         start += part[0]
     if c.padded:  # the planes without their padding
-        out = out.view(-1, c.padded)[:, : math.prod(plane_dims(c.shape))].reshape(c.shape)
+        # contiguous: the MS norms' backward reads its saved output as one dense row-major block
+        out = out.view(-1, c.padded)[:, : math.prod(plane_dims(c.shape))].contiguous().view(c.shape)
     if c.support is not None:
         out = with_support(out, dequantize(c.support))
     if c.logs:
