@@ -391,6 +391,9 @@ def test_row_group_size_divides_rows_where_it_can(shape, group_size, want):
     ((4, 64), 256, (64, 0)),              # rows a group divides: row_group_size, not padded
     ((1000,), 256, (256, 0)),             # 1-d: no planes
     ((5, 32), 256, (32, 0)),              # rows of 32: one group each, nothing to pad
+    ((512, 8), 256, (256, 0)),            # rows of 8 (a LoRA rank): under MIN_PLANE_ROW, groups span them
+    ((4, 9, 15), 256, (256, 0)),
+    ((4, 9, 3, 3), 256, (16, 16)),        # a convolution's channel planes get their own groups at any size
     ((3, 37), 256, (40, 40)),             # 2-d rows of 37 -> one group of 40
     ((2, 16, 100), 256, (104, 104)),      # a token's row, or a 1-d convolution's channel, of 100
     ((2, 16, 49), 256, (56, 56)),
@@ -410,7 +413,7 @@ def test_plane_groups_keep_every_group_within_a_plane(shape, group_size, want):
     plane = math.prod(C.plane_dims(shape)) if len(shape) >= 2 else None
     if padded:
         assert padded % group == 0 and padded >= plane and group % 8 == 0
-    elif plane is not None:
+    elif plane is not None and not (len(shape) < 4 and plane < C.MIN_PLANE_ROW):  # narrow rows: groups span them
         assert plane % group == 0
 
 
@@ -419,13 +422,12 @@ def test_plane_groups_keep_every_group_within_a_plane(shape, group_size, want):
     ((2, 64, 3, 3), torch.float32, 4, True),     # 16 bytes for 9 against 36
     ((2, 64, 2, 2), torch.float16, 4, False),    # 12 bytes for 4 (one group of 8, its 8-byte header) against 8
     ((2, 64, 2, 4), torch.float16, 8, False),    # planes of 8, unpadded: 16 bytes for 8, as raw
-    ((1024, 8), torch.bfloat16, 8, False),       # rows of 8: the same
-    ((1024, 8), torch.bfloat16, 4, True),        # 12 bytes for 8 against 16
+    ((1024, 16), torch.bfloat16, 8, True),       # rows of 16: 24 bytes for 16 against 32
     ((2, 64, 1, 3), torch.float32, 8, False),    # 16 bytes for 3 against 12
     ((2, 64, 1, 3), torch.float32, 2, True),     # 10 bytes for 3 against 12
     ((2, 16, 256), torch.float16, 8, True),      # nothing padded: codes always
     ((2, 16, 100), torch.float16, 8, True),      # rows padded to 104: 112 bytes for 100 against 200
-    ((4, 3), torch.float32, 4, False),           # rows of 3: 12 bytes coded, 12 raw
+    ((4, 3), torch.float32, 4, True),            # rows of 3: narrower than MIN_PLANE_ROW, groups span them
 ])
 def test_codes_pay_only_where_padded_planes_take_fewer_bytes_than_raw(shape, dtype, bits, pays):
     group, padded = C.plane_groups(shape, 256)

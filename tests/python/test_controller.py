@@ -418,8 +418,9 @@ def test_iteration_0_stores_its_tensors_as_they_are_and_the_next_the_allocation(
 
 class PaddedPlanes(nn.Module):
     """A convolution's output at 7 x 7 pixels (codes pad each channel's 49 pixels to a group of 56)
-    and a Linear to 3 features, whose rows of 3 code to as many bytes as they take at 4 or 8 bits
-    (one group of 8 and an 8-byte header: 12 bytes, or 16; raw 12), so they are kept as they are."""
+    and a Linear to 3 features seen as (N, 1, 1, 3) planes, which code to as many bytes as they
+    take at 4 or 8 bits (one group of 8 and an 8-byte header: 12 bytes, or 16; raw 12), so they are
+    kept as they are there."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -427,7 +428,7 @@ class PaddedPlanes(nn.Module):
         self.fc, self.act2, self.head = nn.Linear(16 * 49, 3), nn.Tanh(), nn.Linear(3, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.act2(self.fc(self.act(self.conv(x)).flatten(1))))
+        return self.head(self.act2(self.fc(self.act(self.conv(x)).flatten(1)).view(-1, 1, 1, 3)).flatten(1))
 
 
 @pytest.mark.parametrize("avg_bits", [2, 4])
@@ -445,16 +446,16 @@ def test_the_budget_counts_padded_planes_and_tensors_kept_as_they_are(kernels, a
         train_step(controller, model, x, y)
     bits = controller.bits
     by_shape = {k.shape: b for k, b in bits.items()}
-    assert (n, 16, 7, 7) in by_shape and (n, 3) in by_shape and (n, 16 * 49) in by_shape
+    assert (n, 16, 7, 7) in by_shape and (n, 1, 1, 3) in by_shape and (n, 16 * 49) in by_shape
 
     def stored(shape: Tuple[int, ...], b: int) -> int:  # what compress_saved stores, by hand
-        if b == 32 or (shape == (n, 3) and b >= 4):
+        if b == 32 or (shape == (n, 1, 1, 3) and b >= 4):
             return 32 * math.prod(shape)
         if shape[2:] == (7, 7):  # the convolution's input and output
             return b * shape[0] * shape[1] * 56
-        if shape == (n, 3):
+        if shape == (n, 1, 1, 3):
             return b * n * 8
-        return b * math.prod(shape)
+        return b * math.prod(shape)  # rows of 784 (groups of 112), or of 3 (narrow: groups span them)
 
     assert all(controller.stored_bits(k, b) == stored(k.shape, b) for k in bits for b in RUNGS)
     total = sum(math.prod(k.shape) for k in bits) + controller._numel_at_zero_bits

@@ -326,6 +326,13 @@ def plane_dims(shape: Sequence[Any]) -> Sequence[Any]:
 #: scale) costs 64 bits for float32, so shorter groups would cost more than a bit per element.
 MIN_ROW_GROUP = 64
 
+#: The shortest row (of a tensor of two or three dimensions) `plane_groups` gives groups of its
+#: own: a header on fewer elements costs over 4 bits per element, and rows that narrow (a LoRA
+#: rank's 4 or 8, a handful of class scores) feed no row norm that would scale a small row's
+#: noise up. A convolution's channel planes (four dimensions) get their own groups at any size:
+#: a BatchNorm divides each channel by its spread.
+MIN_PLANE_ROW = 16
+
 
 def row_group_size(shape: Sequence[Any], group_size: int) -> int:
     """The code group size compress_saved uses for a tensor of `shape`: the largest multiple of 8
@@ -367,9 +374,9 @@ def plane_groups(shape: Sequence[Any], group_size: int) -> Tuple[int, int]:
     span planes, and a plane of small scale (a channel a depthwise convolution scaled down, before
     a BatchNorm that divides by its spread; a class token, a padding token's row before a norm)
     would decode to its neighbours' rounding noise: on timm's MobileOne, gradients hundreds of
-    times the exact ones. Each plane is then padded, by repeating its last value, to the multiple
-    of a group that wastes least: a plane of at most `group_size` elements to the next multiple
-    of 8, as one group (49 -> 56; one of 32 is one group of 32, unpadded); a longer one to a
+    times the exact ones. Each plane is then padded, by repeating its last value: a plane of at
+    most `group_size` elements to the next multiple of 8, as one group (49 -> 56; one of 32 is
+    one group of 32, unpadded; rows shorter than MIN_PLANE_ROW keep groups spanning them); a longer one to a
     multiple of the group in [min(MIN_ROW_GROUP, group_size), group_size] whose codes and
     headers take fewest bits (`_padded_cost`: 900 -> 928, groups of 232; a vocabulary of 50257
     -> 50432, groups of 256). Planes whose size is a symbol (torch.compile's dynamic shapes)
@@ -388,6 +395,8 @@ def plane_groups(shape: Sequence[Any], group_size: int) -> Tuple[int, int]:
     plane = math.prod(planes)
     if plane == 0 or plane % group == 0:
         return group, 0
+    if len(shape) < 4 and plane < MIN_PLANE_ROW:
+        return group, 0  # rows too narrow to pay a header each (a LoRA rank's): groups span them
     if plane <= group_size:
         padded = -(-plane // 8) * 8
         return (plane, 0) if padded == plane else (padded, padded)
