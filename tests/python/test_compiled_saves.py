@@ -385,6 +385,8 @@ def test_a_compiled_graph_under_autocast_keeps_the_weights_copies_as_eager_does(
             y = compiled(x.clone())
     y.float().square().mean().backward()
     records = _compiled_saves.compiled_stats()
+    if _compiled_saves.static_inputs_unmarked():
+        pytest.skip("this torch's partitioner does not mark parameters as static graph inputs")
     weights = [r for r in records if r["shape"] in ((64, 96), (96, 64))]
     assert len(weights) == 2 and all(r["why"] == _compiled_saves.PARAMETER_KEPT and r["bits"] == 32 for r in weights)
     assert sum(r["bits"] < 32 for r in records) == block.stats["compressed"] > 0

@@ -220,6 +220,10 @@ def _parameter_copy(node: torch.fx.Node) -> bool:
     tells autocast's weight copy by its autograd ancestry (compress._parameter_of)."""
     for _ in range(8):
         if node.op == "placeholder":
+            if "is_static_input" not in node.meta:
+                # A torch whose partitioner does not mark them: the copy is coded, as before
+                # (static_inputs_unmarked() says so).
+                _TRACED.static_unmarked = True
             return bool(node.meta.get("is_static_input", False))
         if _op_name(node.target) not in _PARAMETER_VIEWS or not node.args or not isinstance(node.args[0], torch.fx.Node):
             return False
@@ -307,6 +311,13 @@ def compiled_stats() -> List[Dict[str, Any]]:
 
 def clear_compiled_stats() -> None:
     _TRACED.records = []
+    _TRACED.static_unmarked = False
+
+
+def static_inputs_unmarked() -> bool:
+    """True if a graph compiled in this thread since `clear_compiled_stats` had graph inputs this
+    torch does not mark static or not (older torch): parameters' copies were then coded."""
+    return bool(getattr(_TRACED, "static_unmarked", False))
 
 
 def _pack_traced(x: torch.Tensor, context: Dict[str, Any], bits: int, group_size: int, min_numel: int,

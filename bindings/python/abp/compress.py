@@ -725,10 +725,10 @@ class compress_saved:
 
     Every eligible saved tensor (see `eligible`, or a custom ``filter(tensor) -> bool``) is stored
     as `bits`-bit group codes when saved and dequantized when backward reads it; bool masks are
-    packed to 1 bit. `group_size` is the longest group: a tensor whose rows (last dimension) are
-    not a multiple of it gets groups that divide its rows, when they can be 64 elements or more
-    (`row_group_size`), so that a row of small scale does not share its range with larger rows;
-    a convolution's activation keeps its groups within each channel plane (`plane_groups`).
+    packed to 1 bit. `group_size` is the longest group, and no group spans two planes (a token's
+    row, a convolution's channel; `plane_groups`, which pads planes no group divides, and leaves
+    rows narrower than MIN_PLANE_ROW to groups that span them), so that a plane of small scale
+    does not share its range with larger ones.
     With `exact_relu` (the default) the output of a ReLU also keeps its support (x > 0) at one
     more bit per element, so that ReLU's backward, which reads only where its saved output is
     positive, stays exact; without it that backward is biased (docs/python.md).

@@ -595,7 +595,7 @@ class CompressionController:
             "numels": keyed(self._numels),
             "sensitivity": keyed(self._sensitivity),
             "floors": keyed(self._floors),
-            "supported": [_key_tuple(k) for k in self._supported],
+            "supported": sorted(_key_tuple(k) for k in self._supported if k in self._numels),
             "numel_at_zero_bits": self._numel_at_zero_bits,
             "replay_generator": self._replay_generator.get_state(),
         }
@@ -1028,6 +1028,8 @@ class CompressionController:
         self._bits = {k: allocated.get(k, max(self._initial, least(k))) for k in step_keys}
         self._bits_by_position = {self._positions[k]: b for k, b in self._bits.items() if k in self._positions}
         self._numels = dict(step_keys)
+        # Only the allocation's keys are asked about (other shapes of a later batch add theirs again).
+        self._supported = {k for k in self._supported if k in step_keys}
         over = sum(self.stored_bits(k, b) for k, b in self._bits.items()) - _budget(self._avg_bits, total)
         if over > 0 and not self._warned_over:
             self._warned_over = True  # once per controller: every estimate would say it again
