@@ -432,6 +432,7 @@ def test_plane_groups_keep_every_group_within_a_plane(shape, group_size, want):
 def test_codes_pay_only_where_padded_planes_take_fewer_bytes_than_raw(shape, dtype, bits, pays):
     group, padded = C.plane_groups(shape, 256)
     assert C.codes_pay(shape, dtype, bits, group, padded) is pays
+    assert C.code_layout(shape, dtype, bits, 256) == ((group, padded) if pays else None)
     x = torch.randn(*shape).to(dtype).requires_grad_()
     # abs saves its input, which the add made (not recomputed from x: recompute=False); the add
     # saves nothing, on torch 1.13 too.

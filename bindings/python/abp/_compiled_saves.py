@@ -43,7 +43,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from . import _custom_ops, _derived, _save_rules
-from .compress import (CompressedTensor, coded_numel, codes_pay, dequantize, group_layout, mask_bits, mask_from_bits,
+from .compress import (CompressedTensor, code_layout, coded_numel, dequantize, group_layout, mask_bits, mask_from_bits,
                        open_block, plane_groups, quantize_unchecked, rank_key, row_statistic_shape, with_support)
 from ._launch import ROW_DTYPES
 
@@ -181,9 +181,11 @@ def _norm_statistic(node: torch.fx.Node) -> bool:
 #: Forward ops whose output is log-probabilities (stored as exp(y), at LOG_SOFTMAX_MIN_BITS at least).
 _LOG_SOFTMAX_FORWARD = ("_log_softmax", "log_softmax")
 
+#: Ops that re-view, copy or re-label a value (its layout aside, the same value).
+_VIEWS = frozenset({"view", "_unsafe_view", "reshape", "detach", "alias", "t", "transpose", "permute", "unsqueeze",
+                    "squeeze", "expand", "clone", "_to_copy"})
 #: Backward ops that only re-view or re-label a value: its readers are theirs.
-_ALIASES = {"view", "_unsafe_view", "reshape", "detach", "alias", "t", "transpose", "permute", "unsqueeze", "squeeze",
-            "expand", "contiguous", "clone", "_to_copy"}
+_ALIASES = _VIEWS | {"contiguous"}
 
 
 def _readers(name: str, bw: torch.fx.Graph) -> List[Tuple[str, int]]:
@@ -210,8 +212,7 @@ def _readers(name: str, bw: torch.fx.Graph) -> List[Tuple[str, int]]:
 
 #: Forward ops that re-view or cast a value: a parameter seen through them is the parameter still
 #: (autocast's low-precision weight copy, a Linear's transposed weight).
-_PARAMETER_VIEWS = frozenset({"convert_element_type", "_to_copy", "permute", "t", "transpose", "view", "_unsafe_view",
-                              "reshape", "expand", "alias", "detach", "clone", "unsqueeze", "squeeze"})
+_PARAMETER_VIEWS = _VIEWS | {"convert_element_type"}
 
 
 def _parameter_copy(node: torch.fx.Node) -> bool:
@@ -324,10 +325,11 @@ def _pack_traced(x: torch.Tensor, context: Dict[str, Any], bits: int, group_size
                  op_rules: bool, exact_relu: bool) -> Any:
     chosen, why = _decide(x, context, bits, min_numel, op_rules, exact_relu)
     size_in = x.numel() * x.element_size()
-    group_size, padded = plane_groups(tuple(x.shape), group_size)
-    if chosen != 32 and not codes_pay(tuple(x.shape), x.dtype, chosen, group_size, padded):
-        chosen, why = 32, PLANES_RAW if group_size else DYNAMIC_PLANES_RAW
-    stored = size_in if chosen == 32 else group_layout(coded_numel(x.shape, padded), chosen, group_size, x.dtype)[0]
+    layout = code_layout(tuple(x.shape), x.dtype, chosen, group_size) if chosen != 32 else None
+    if chosen != 32 and layout is None:
+        chosen, why = 32, PLANES_RAW if plane_groups(tuple(x.shape), group_size)[0] else DYNAMIC_PLANES_RAW
+    group_size, padded = layout if layout is not None else (0, 0)
+    stored = size_in if layout is None else group_layout(coded_numel(x.shape, padded), chosen, group_size, x.dtype)[0]
     support = why == SUPPORT_KEPT
     if support:
         stored += (x.numel() + 7) // 8

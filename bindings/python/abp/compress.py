@@ -309,6 +309,15 @@ def codes_pay(shape: Sequence[Any], dtype: torch.dtype, bits: int, group_size: i
     return group_layout(coded_numel(shape, padded), bits, group_size, dtype)[0] < raw
 
 
+def code_layout(shape: Sequence[Any], dtype: torch.dtype, bits: int, group_size: int) -> Optional[Tuple[int, int]]:
+    """(group size, padded plane) of `bits`-bit codes of a tensor of `shape` and `dtype` with
+    groups of at most `group_size` (`plane_groups`), or None where it is stored as it is because
+    codes would not pay (`codes_pay`): how compress_saved stores it, eagerly or compiled, and
+    what the CompressionController budgets."""
+    group, padded = plane_groups(shape, group_size)
+    return (group, padded) if codes_pay(shape, dtype, bits, group, padded) else None
+
+
 def coded_numel(shape: Sequence[Any], padded: int) -> int:
     """The elements a tensor of `shape` is coded as: all of them, or with its planes
     (`plane_dims`) padded to `padded` elements each, the padded planes'."""
@@ -1173,9 +1182,10 @@ class compress_saved:
                 self._raw_storages.add(storage)
                 self.stats["bytes_stored"] += storage[2]
             return t
-        group, padded = plane_groups(t.shape, self.group_size)
-        if not codes_pay(t.shape, t.dtype, bits, group, padded):
+        layout = code_layout(t.shape, t.dtype, bits, self.group_size)
+        if layout is None:
             return self._store(t, 32)
+        group, padded = layout
         if self._seed is None:
             self._seed = draw_seed(self.generator)
         logs = t.grad_fn is not None and type(t.grad_fn).__name__ in _LOG_PROBABILITY_PRODUCERS

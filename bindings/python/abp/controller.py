@@ -43,8 +43,7 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Se
 import torch
 
 from . import _replay
-from .compress import (MIN_UNIFORM_BITS, _compiling, check_generator, coded_numel, codes_pay, compress_saved,
-                       keeps_support, plane_groups)
+from .compress import MIN_UNIFORM_BITS, _compiling, check_generator, code_layout, coded_numel, compress_saved, keeps_support
 
 __all__ = ["CompressionController", "TensorKey", "allocate_bits", "RUNGS", "trainer_callback"]
 
@@ -565,12 +564,14 @@ class CompressionController:
         whole groups (``abp.compress.plane_groups``: 7 x 7 pixels code 56 elements each), and a
         ReLU output's support, a bit per element."""
         numel = math.prod(key.shape)
-        if bits == 32:
+        layout = self._layout(key, bits)
+        if layout is None:
             return 32 * numel
-        group, padded = plane_groups(key.shape, self._saver.group_size)
-        if not codes_pay(key.shape, key.dtype, bits, group, padded):
-            return 32 * numel
-        return bits * coded_numel(key.shape, padded) + (numel if key in self._supported else 0)
+        return bits * coded_numel(key.shape, layout[1]) + (numel if key in self._supported else 0)
+
+    def _layout(self, key: TensorKey, bits: int) -> Optional[Tuple[int, int]]:
+        """compress.code_layout of `key`'s tensor at `bits`; None at 32 or where it is kept as it is."""
+        return None if bits == 32 else code_layout(key.shape, key.dtype, bits, self._saver.group_size)
 
     # -- resuming ----------------------------------------------------------------------------------
 
@@ -1051,20 +1052,17 @@ class CompressionController:
         def share(found: List[TensorKey]) -> str:
             return f"{sum(self._numels[k] for k in found) / total:.0%} of the elements"
 
-        def coded(k: TensorKey) -> bool:
-            return self._bits[k] < 32 and self.stored_bits(k, self._bits[k]) < 32 * self._numels[k]
-
+        layouts = {k: self._layout(k, self._bits[k]) for k in keys}  # None: kept as it is
         floors = [k for k in keys if least(k) > self._min_bits]
         if floors:
             parts.append(("op rules' floors (fused attention's query and key, log_softmax's output)", floors))
-        support = [k for k in keys if k in self._supported and coded(k)]
+        support = [k for k in keys if k in self._supported and layouts[k] is not None]
         if support:
             parts.append(("ReLU outputs' support, a bit per element", support))
-        padded = [k for k in keys if coded(k) and self.stored_bits(k, self._bits[k]) - (
-            self._numels[k] if k in self._supported else 0) > self._bits[k] * self._numels[k]]
+        padded = [k for k in keys if layouts[k] is not None and layouts[k][1]]
         if padded:
             parts.append(("planes padded to whole code groups", padded))
-        raw = [k for k in keys if self.stored_bits(k, least(k)) == 32 * self._numels[k]]
+        raw = [k for k in keys if self._layout(k, least(k)) is None]
         if raw:
             parts.append(("tensors kept as they are, whose codes would take as many bytes", raw))
         return [f"{what}: {share(found)}" for what, found in parts]
