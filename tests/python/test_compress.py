@@ -242,6 +242,15 @@ def test_parameters_and_their_views_and_casts_are_not_compressed():
         with torch.autocast("cpu", dtype=torch.bfloat16), C.compress_saved(bits=2, bits_for=lambda t: seen.append(t.shape) or 2):
             model(x).float().sum().backward()
         assert seen and all(s not in seen for s in [(512, 256), (256, 512), (64, 512), (512, 64)])
+    # A longer chain of casts and views (the ops compiled graphs tell a parameter's copy by,
+    # _compiled_saves), made outside the block (where the block could not recompute it): still the
+    # parameter.
+    w = torch.nn.Parameter(torch.randn(64, 64))
+    seen.clear()
+    copy = w.to(torch.float64).unsqueeze(0).squeeze(0).t()
+    with C.compress_saved(bits=2, bits_for=lambda t: seen.append(t.shape) or 2):
+        (torch.randn(32, 64, dtype=torch.float64, requires_grad=True) @ copy).sum().backward()
+    assert (64, 64) not in seen and w.grad is not None
 
 
 def test_linear_weight_gradient_is_unbiased():

@@ -43,7 +43,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from . import _custom_ops, _derived, _save_rules
-from .compress import (CompressedTensor, code_layout, coded_numel, dequantize, group_layout, mask_bits, mask_from_bits,
+from .compress import (PARAMETER_CHAIN, PARAMETER_VIEW_OPS, VIEW_OPS, CompressedTensor, code_layout, coded_numel, dequantize, group_layout, mask_bits, mask_from_bits,
                        open_block, plane_groups, quantize_unchecked, rank_key, row_statistic_shape, with_support)
 from ._launch import ROW_DTYPES
 
@@ -181,11 +181,8 @@ def _norm_statistic(node: torch.fx.Node) -> bool:
 #: Forward ops whose output is log-probabilities (stored as exp(y), at LOG_SOFTMAX_MIN_BITS at least).
 _LOG_SOFTMAX_FORWARD = ("_log_softmax", "log_softmax")
 
-#: Ops that re-view, copy or re-label a value (its layout aside, the same value).
-_VIEWS = frozenset({"view", "_unsafe_view", "reshape", "detach", "alias", "t", "transpose", "permute", "unsqueeze",
-                    "squeeze", "expand", "clone", "_to_copy"})
 #: Backward ops that only re-view or re-label a value: its readers are theirs.
-_ALIASES = _VIEWS | {"contiguous"}
+_ALIASES = VIEW_OPS | {"contiguous"}
 
 
 def _readers(name: str, bw: torch.fx.Graph) -> List[Tuple[str, int]]:
@@ -210,23 +207,18 @@ def _readers(name: str, bw: torch.fx.Graph) -> List[Tuple[str, int]]:
     return found
 
 
-#: Forward ops that re-view or cast a value: a parameter seen through them is the parameter still
-#: (autocast's low-precision weight copy, a Linear's transposed weight).
-_PARAMETER_VIEWS = _VIEWS | {"convert_element_type"}
-
-
 def _parameter_copy(node: torch.fx.Node) -> bool:
     """True if `node` is, through views and casts, a graph input torch.compile holds static (its
     module's parameter or buffer: dynamo marks them ``is_static_input``), as eager compress_saved
     tells autocast's weight copy by its autograd ancestry (compress._parameter_of)."""
-    for _ in range(8):
+    for _ in range(PARAMETER_CHAIN):
         if node.op == "placeholder":
             if "is_static_input" not in node.meta:
                 # A torch whose partitioner does not mark them: the copy is coded, as before
                 # (static_inputs_unmarked() says so).
                 _TRACED.static_unmarked = True
             return bool(node.meta.get("is_static_input", False))
-        if _op_name(node.target) not in _PARAMETER_VIEWS or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        if _op_name(node.target) not in PARAMETER_VIEW_OPS or not node.args or not isinstance(node.args[0], torch.fx.Node):
             return False
         node = node.args[0]
     return False

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import threading
 import warnings
 import weakref
@@ -48,11 +49,37 @@ _SUPPORT_PRODUCERS = frozenset({"ReluBackward0"})
 # Their outputs are stored as the probabilities exp(y), so that the rounding stays unbiased where
 # backward uses them, and decoded to log(p).
 _LOG_PROBABILITY_PRODUCERS = frozenset({"LogSoftmaxBackward0"})
-# grad_fn names of a view or cast of a parameter: autocast's fp16 copy of a weight, a Linear's
-# transposed weight. Such tensors are the parameter (or a copy the caster caches), not activations.
-_PARAMETER_VIEWS = frozenset(
-    {"ToCopyBackward0", "TBackward0", "ViewBackward0", "TransposeBackward0", "PermuteBackward0",
-     "ExpandBackward0", "UnsafeViewBackward0", "AliasBackward0", "ReshapeAliasBackward0"})
+#: Ops that re-view, copy or re-label a value (its layout aside, the same value), by their ATen
+#: names: what compiled graphs' FX nodes call them (abp._compiled_saves).
+VIEW_OPS = frozenset({"view", "_unsafe_view", "reshape", "_reshape_alias", "detach", "alias", "t", "transpose",
+                      "permute", "unsqueeze", "squeeze", "expand", "clone", "_to_copy"})
+#: Ops that re-view or cast a value: a parameter seen through at most PARAMETER_CHAIN of them is
+#: the parameter still (autocast's low-precision weight copy, a Linear's transposed weight), not an
+#: activation. Eager saves are told by their autograd ancestry (_parameter_of), compiled ones by
+#: their FX graph (abp._compiled_saves): one table and one length for both, so that the two store
+#: the same tensors. Not a clone: eager cannot tell a parameter from an input that requires grad
+#: (both are leaves), and a clone of such an input is an activation.
+PARAMETER_VIEW_OPS = (VIEW_OPS - {"clone"}) | {"convert_element_type"}
+PARAMETER_CHAIN = 8
+
+
+def op_key(name: str) -> str:
+    """An op's name as an autograd node's class and an ATen op name share it: ``UnsqueezeBackward0``
+    and ``unsqueeze``, ``ToCopyBackward0`` and ``_to_copy`` give the same key."""
+    return re.sub(r"Backward\d*$", "", name).replace("_", "").lower()
+
+
+# Autograd node keys of PARAMETER_VIEW_OPS (a node's class name is asked once per class).
+_PARAMETER_NODE_KEYS = frozenset(op_key(op) for op in PARAMETER_VIEW_OPS)
+_node_is_view: Dict[type, bool] = {}
+
+
+def _parameter_view_node(node: Any) -> bool:
+    kind = type(node)
+    known = _node_is_view.get(kind)
+    if known is None:
+        known = _node_is_view[kind] = op_key(kind.__name__) in _PARAMETER_NODE_KEYS
+    return known
 
 
 class _Part:
@@ -533,8 +560,8 @@ def _parameter_of(t: torch.Tensor) -> Optional[torch.Tensor]:
     if base is not None and base.is_leaf and (base.requires_grad or isinstance(base, torch.nn.Parameter)):
         return base
     node = t.grad_fn
-    for _ in range(3):  # a short chain of views and casts ending at a leaf's gradient accumulator
-        if node is None or type(node).__name__ not in _PARAMETER_VIEWS:
+    for _ in range(PARAMETER_CHAIN):  # a short chain of views and casts ending at a leaf's gradient accumulator
+        if node is None or not _parameter_view_node(node):
             return None
         nexts = [f for f, _ in node.next_functions if f is not None]
         if len(nexts) != 1:
