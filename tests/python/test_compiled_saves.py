@@ -464,3 +464,25 @@ def test_a_relu_output_is_stored_as_codes_and_its_exact_support(backend: str) ->
     one = (draws[0][2] - exact[2]).norm() / exact[2].norm()
     mean = (torch.stack([d[2] for d in draws]).mean(0) - exact[2]).norm() / exact[2].norm()
     assert one > 0.01 and mean < 0.5 * one
+
+
+class _InfinityNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.vector_norm(self.linear(x), float("inf"), -1)
+
+
+def test_a_value_backward_tests_for_equality_is_kept_as_eagerly() -> None:
+    """An infinity norm's compiled backward finds the largest |h| by comparing abs(h) with the
+    saved norm: with h coded no element matched and the gradient was NaN (eager keeps the input
+    of such a reduction, _save_rules.result_from_input)."""
+    torch.manual_seed(0)
+    model = _InfinityNorm()
+    x = torch.randn(128, 64, generator=torch.Generator().manual_seed(1))
+    exact = _grads(model, model, x)
+    compiled = _grads(model, torch.compile(model, backend="aot_eager"), x, bits=4)
+    assert any(r["why"] == _compiled_saves.COMPARED_KEPT for r in _compiled_saves.compiled_stats())
+    assert all(torch.allclose(c, e, rtol=1e-5, atol=1e-6) for c, e in zip(compiled, exact))

@@ -969,3 +969,47 @@ def test_one_block_over_several_steps_works_as_a_block_per_step() -> None:
                 held.append(len(block._packed))
                 optimizer.step()
     assert len(held) >= 2 and len(set(held)) == 1, held  # each forward starts afresh
+
+
+# Reductions whose backward reads their input and their result together (_save_rules.result_from_input).
+_COMPARING_REDUCTIONS = {
+    "amax": lambda s: s.amax(-1),
+    "amin keepdim": lambda s: s.amin((0, 1), keepdim=True),
+    "max of all": lambda s: s.max(),
+    "min of all": lambda s: s.min(),
+    "vector_norm inf": lambda s: torch.linalg.vector_norm(s, float("inf"), -1),
+    "norm -inf": lambda s: torch.norm(s, float("-inf")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_COMPARING_REDUCTIONS))
+def test_a_reduction_that_compares_its_input_with_its_result_keeps_them_agreeing(name):
+    # amax's backward sends the gradient to the elements equal to the saved result: stored as it
+    # was beside a coded input, none matched (a NaN gradient, or zero for max()).
+    reduce = _COMPARING_REDUCTIONS[name]
+    torch.manual_seed(0)
+    w, x = torch.randn(64, 64, requires_grad=True), torch.randn(128, 64)
+    reduce(x @ w).sum().backward()
+    exact, w.grad = w.grad.clone(), None
+    with C.compress_saved(bits=4) as block:
+        reduce(x @ w).sum().backward()
+    assert block.stats["derived"] >= 1 and torch.isfinite(w.grad).all()
+    if _save_rules.sequence_number() is not None:
+        # torch >= 2 tells the op before its input is stored: kept as it is, the gradient is exact.
+        assert torch.allclose(w.grad, exact, rtol=1e-5, atol=1e-6)
+    else:
+        # torch 1.13 stores the input coded; the result, recomputed from it, still names elements of
+        # it: the gradient reaches one element per reduced group, as exact's does.
+        assert (w.grad != 0).any() and w.grad.norm() <= 2 * exact.norm()
+
+
+def test_logsumexp_weights_from_a_coded_input_sum_to_one():
+    # logsumexp's backward weighs the gradient by exp(x - result): with x coded and the result
+    # stored as it was, the weights of a row did not sum to one (a biased gradient).
+    torch.manual_seed(0)
+    leaf = torch.randn(64, 256, requires_grad=True)
+    with C.compress_saved(bits=2, allow_low_bits=True, recompute=False) as block:
+        leaf.clone().logsumexp(-1).sum().backward()
+    assert block.stats["compressed"] == 1 and block.stats["derived"] == 1
+    assert torch.allclose(leaf.grad.sum(-1), torch.ones(64), rtol=1e-5)
+    assert not torch.allclose(leaf.grad, torch.softmax(leaf.detach(), -1), atol=1e-3)  # the codes' values

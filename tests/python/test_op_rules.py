@@ -415,7 +415,7 @@ def test_a_budget_the_floors_exceed_is_said_with_the_floors_as_the_reason() -> N
                 attention(torch.randn(8, 32, 32)).pow(2).mean().backward()
     over = [str(w.message) for w in caught if "exceed the budget" in str(w.message)]
     assert len(over) == 1 and controller.average_bits() > 1, over
-    assert "op rules' floors (fused attention's query and key, log_softmax's output)" in over[0]
+    assert "op rules' floors (fused attention's query and key, log_softmax's output, what amax-like reductions compare)" in over[0]
     assert "ReLU" not in over[0] and "padded" not in over[0]
 
 

@@ -207,6 +207,32 @@ def _readers(name: str, bw: torch.fx.Graph) -> List[Tuple[str, int]]:
     return found
 
 
+#: Backward ops that keep a value what it was up to its sign and layout, and the equality tests.
+_SAME_VALUE = _ALIASES | {"abs", "neg", "convert_element_type"}
+_EQUALITY = frozenset({"eq", "ne"})
+
+
+def _compared(name: str, bw: torch.fx.Graph) -> bool:
+    """True if backward tests the saved value `name` (or its absolute value, a view of it) for
+    equality with another tensor: amax's and an infinity norm's backward find the elements that
+    made the result so. Codes break the equality (no element matches: a NaN or zero gradient),
+    as eager compress_saved's op rules say (_save_rules.result_from_input)."""
+    frontier = [n for n in bw.nodes if n.op == "placeholder" and n.name == name]
+    seen = set()
+    while frontier:
+        node = frontier.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for user in node.users:
+            op = _op_name(user.target)
+            if op in _EQUALITY and all(isinstance(a, torch.fx.Node) for a in user.args[:2]):
+                return True
+            if op in _SAME_VALUE:
+                frontier.append(user)
+    return False
+
+
 def _parameter_copy(node: torch.fx.Node) -> bool:
     """True if `node` is, through views and casts, a graph input torch.compile holds static (its
     module's parameter or buffer: dynamo marks them ``is_static_input``), as eager compress_saved
@@ -248,6 +274,8 @@ def _decide(x: torch.Tensor, context: Dict[str, Any], bits: int, min_numel: int,
         return 32, "not dense (an expanded or strided view): kept as it is"
     if not _on_gradient_path(fw, bw).get(node.name, True):
         return 32, "off the gradient path (a constant of backward: a mask, a table)"
+    if _compared(node.name, bw):
+        return 32, COMPARED_KEPT
     readers = _readers(node.name, bw)
     # A ReLU's output, which its backward reads for the sign (threshold_backward, or a comparison
     # and a where once decomposed): its support (x > 0) is kept exactly beside the codes, as eager
@@ -279,6 +307,8 @@ SUPPORT_KEPT = "compressed, with its support (x > 0) kept exactly in 1 bit (a Re
 PLANES_RAW = "kept: its planes (rows, channels), padded to whole groups, would take more bytes coded (compress.codes_pay)"
 DYNAMIC_PLANES_RAW = ("kept: its planes (rows, channels) have a dynamic size, so no code group can be kept within one "
                       "(compress.plane_groups)")
+#: Why a value backward tests for equality is kept (amax's input and result, an infinity norm's).
+COMPARED_KEPT = "kept as it is: backward tests it for equality with another tensor (amax, an infinity norm)"
 #: Why a parameter's copy is kept (as eager compress_saved keeps it).
 PARAMETER_KEPT = "a parameter's view or cast (autocast's weight copy): kept as it is, as eagerly"
 

@@ -67,7 +67,7 @@ _KINDS: Dict[Any, Optional[str]] = {}
 
 
 def _aten_pointwise(name: str) -> bool:
-    packet = getattr(torch.ops.aten, name, None) if name else None
+    packet = getattr(torch.ops.aten, name, None) if name and AVAILABLE else None
     if packet is None:
         return False
     tags = set()

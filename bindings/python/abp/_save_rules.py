@@ -33,6 +33,11 @@ they are kept as they are, the memory checkpointing costs anyway. Such a save ha
 own that tells it (a non-reentrant checkpoint makes none): `saving_checkpoint_inputs()` tells it
 by the function on the stack.
 
+A reduction whose backward compares its saved input with its saved result (amax, max() of a whole
+tensor, an infinity norm) keeps that input as it is, and compress_saved recomputes the result from
+the input as backward reads it (`result_from_input`): codes of either side would match no element,
+and the gradient would be NaN.
+
 A rule is found from the op's autograd node. An op saves its inputs before it runs and its
 outputs after, so `compress_saved` holds one op's saves until the op is known (see there): a
 saved output whose grad_fn is the node reveals it.
@@ -79,6 +84,50 @@ _LOG_SOFTMAX_PER_TENSOR = Floors(inputs=(), outputs=LOG_SOFTMAX_PER_TENSOR_MIN_B
 
 #: No floors.
 NO_FLOORS = Floors(inputs=(), outputs=None, other=None)
+
+#: A floor that keeps the tensor as it is (one of compress_saved's and the controller's widths).
+KEPT_BITS = 32
+#: The input of a reduction whose backward compares it with its result (result_from_input): kept.
+_COMPARED_INPUT = Floors(inputs=(KEPT_BITS,), outputs=None, other=None)
+
+
+def _signed_dims(dims: Any) -> Any:
+    """A node's saved dims (ATen hands negative ones back as unsigned 64-bit values)."""
+    if dims is None:
+        return None
+    return tuple(d - (1 << 64) if d >= 1 << 63 else d for d in dims)
+
+
+def result_from_input(node: Any) -> Optional[Tuple[Callable[[torch.Tensor], torch.Tensor], bool]]:
+    """For a reduction whose backward reads its saved input and its saved result together, (the
+    function computing that result from the input, whether the input is kept as it is); else None.
+
+    * amax and amin, max() and min() of a whole tensor, an infinity norm: backward finds the
+      elements that made the result by comparing them (``self == result``). Codes of either side
+      break the equality: no element matches, and the gradient is NaN (amax divides by the count
+      of matches) or zero. The input is kept (its floor is KEPT_BITS): a gradient sent to the
+      wrong element of a near tie is not a rounding error that averages out.
+    * logsumexp: backward weighs the gradient by exp(self - result), softmax weights that sum to
+      one only where the two agree (as fused attention's logsumexp, above).
+
+    compress_saved recomputes the result from what backward will read as the input, so that the
+    two agree whatever the input is stored as."""
+    name = type(node).__name__
+    if name in ("AmaxBackward0", "AminBackward0", "LogsumexpBackward0"):
+        reduce = {"AmaxBackward0": torch.amax, "AminBackward0": torch.amin, "LogsumexpBackward0": torch.logsumexp}[name]
+        dims, keepdim = _signed_dims(node._saved_dim), bool(node._saved_keepdim)
+        return (lambda x: reduce(x, dims, keepdim)), name != "LogsumexpBackward0"
+    if name in ("MaxBackward1", "MinBackward1"):  # the whole tensor's (with a dim, indices say which)
+        return (torch.max if name == "MaxBackward1" else torch.min), True
+    if name in ("LinalgVectorNormBackward0", "NormBackward1"):
+        order = getattr(node, "_saved_ord", None) if name == "LinalgVectorNormBackward0" else getattr(node, "_saved_p", None)
+        if not isinstance(order, (int, float)) or order not in (float("inf"), float("-inf")):
+            return None  # a finite order reads the result as a scale, not by comparison
+        dims, keepdim = _signed_dims(node._saved_dim), bool(node._saved_keepdim)
+        if dims == ():
+            dims = None  # torch.norm's whole tensor
+        return (lambda x: torch.linalg.vector_norm(x, order, dims, keepdim)), True
+    return None
 
 
 def _code_of(function: Any) -> Tuple[Any, ...]:
@@ -206,6 +255,9 @@ def rule_for(node: Any, *, recomputed: bool = False, uniform: bool = False) -> O
         return _CONSISTENT_ATTENTION if uniform else None
     if type(node).__name__ == "LogSoftmaxBackward0":
         return _LOG_SOFTMAX if uniform else _LOG_SOFTMAX_PER_TENSOR
+    reduction = result_from_input(node)
+    if reduction is not None and reduction[1]:
+        return _COMPARED_INPUT
     return None
 
 

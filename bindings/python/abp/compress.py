@@ -691,7 +691,7 @@ class _Deferred:
     """What the pack hook returns for a tensor to compress: the tensor until the op saving it has
     saved everything (its rule may then ask for more bits), then what it is stored as."""
 
-    __slots__ = ("value", "bits", "choice", "tags", "pending", "version", "modified")
+    __slots__ = ("value", "bits", "choice", "tags", "pending", "version", "modified", "exact")
 
     def __init__(self, t: torch.Tensor, bits: int, choice: int, tags: memory.Tags) -> None:
         self.value: Any = t
@@ -703,6 +703,8 @@ class _Deferred:
         # it: a tensor held back and changed in place before it is stored must fail as torch would.
         self.version = t._version
         self.modified = False
+        # Its op's rule keeps it as it is (KEPT_BITS): stored, neither coded nor recomputed.
+        self.exact = False
 
 
 #: Switches torch function handling off, modes included (torch >= 2; the recorder needs torch >= 2).
@@ -980,7 +982,9 @@ class compress_saved:
             memory.note_saved(_kept_tensors(kept) if kept is not None else [t])
             _derived.claim(kept)
             return kept if kept is not None else t
-        result = self._derive(t)
+        result = self._result_of_input(t)
+        if result is None:
+            result = self._derive(t)
         if result is None:
             result = self._pack_new(t, sequence is not None)
         else:
@@ -1018,6 +1022,31 @@ class compress_saved:
             self._store(t, 32)
         memory.note_saved([t])
         return t
+
+    def _result_of_input(self, t: torch.Tensor) -> Optional[_derived.Derived]:
+        """`t` recomputed from what this block packed for its op's input, if `t` is the result of a
+        reduction whose backward reads the two together (amax's ``self == result``, logsumexp's
+        exp(self - result): _save_rules.result_from_input), counted as a new saved tensor; else
+        None. Stored as it was, the result would not agree with a coded or recomputed input: amax's
+        gradient would be NaN, logsumexp's weights would not sum to one. Recomputed, they agree
+        whatever the input is stored as (a compared input is kept as it is where torch tells the op
+        before its input is stored, torch >= 2: then the gradient is exact)."""
+        node = t.grad_fn
+        reduction = _save_rules.result_from_input(node) if node is not None and t.output_nr == 0 else None
+        if reduction is None:
+            return None
+        packed = self._peek(node, "_saved_self")
+        if packed is None:
+            return None
+        if isinstance(packed, torch.Tensor):  # kept as it is (a parameter, a small tensor)
+            use = _derived.Use(packed, packed._version, parameter=_parameter_of(packed) is not None)
+        else:
+            use = _derived.Use(packed, None)
+        leaves, spec = _derived.flatten((use,))
+        derived = _derived.Derived(reduction[0], spec, leaves, None, None, tuple(t.shape), t.dtype)
+        self._count_saved(t)
+        self._count_derived(t, derived, None)
+        return derived
 
     def _derive(self, t: torch.Tensor) -> Optional[_derived.Derived]:
         """`_derivation(t)`, counted as a new saved tensor."""
@@ -1199,6 +1228,8 @@ class compress_saved:
             box.bits = floor
             if box.choice >= 0:
                 self.floors[box.choice] = floor
+        if floor == _save_rules.KEPT_BITS:
+            box.exact = True
 
     def _store(self, t: torch.Tensor, bits: int) -> Any:
         """`t` at `bits` (32: as it is), counted in stats."""
@@ -1248,7 +1279,7 @@ class compress_saved:
                 continue
             # An op's own output (rsqrt's, a norm's) is saved before its function returns, and
             # only now can its derivation be known.
-            derived = self._derivation(box.value, projections) if self._recorder is not None else None
+            derived = self._derivation(box.value, projections) if self._recorder is not None and not box.exact else None
             if derived is not None:
                 self._count_derived(box.value, derived, box.tags)
                 _derived.claim(derived)  # its op's read (a later save of it claims its own)

@@ -1055,7 +1055,7 @@ class CompressionController:
         layouts = {k: self._layout(k, self._bits[k]) for k in keys}  # None: kept as it is
         floors = [k for k in keys if least(k) > self._min_bits]
         if floors:
-            parts.append(("op rules' floors (fused attention's query and key, log_softmax's output)", floors))
+            parts.append(("op rules' floors (fused attention's query and key, log_softmax's output, what amax-like reductions compare)", floors))
         support = [k for k in keys if k in self._supported and layouts[k] is not None]
         if support:
             parts.append(("ReLU outputs' support, a bit per element", support))
