@@ -140,3 +140,31 @@ def test_a_compiled_channels_last_activation_keeps_its_layout_as_eager_does(back
     assert eager.is_contiguous(memory_format=torch.channels_last)
     assert compiled.stride() == eager.stride() and torch.allclose(compiled, eager, atol=1e-6)
     assert explained.graph_break_count == 0
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_convert_of_a_compiled_model_converts_its_module_and_compiles_the_result(inplace):
+    # convert(torch.compile(model)) ran its example and probes through dynamo (a transformers
+    # LLaMA: 39 graphs, recompile-limit warnings, then a crash in the first training call).
+    import torch._dynamo
+
+    def block() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.Linear(32, 64), torch.nn.GELU(),
+                                   torch.nn.Linear(64, 32))
+
+    x = torch.randn(8, 32)
+    plain, plain_changes = abp.convert(block(), "lowmembp", example_inputs=(x,))
+    compiled = torch.compile(block(), backend="eager")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    converted, changes = abp.convert(compiled, "lowmembp", inplace=inplace, example_inputs=(x,))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0  # nothing traced while converting
+    assert type(converted) is type(compiled) and (converted is compiled) == inplace
+    assert changes == plain_changes
+    assert isinstance(converted._orig_mod[2], abp.nn.GELU)
+    y = converted(x)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # and it runs compiled
+    assert torch.equal(y, plain(x))
+    y.sum().backward()
+    assert converted._orig_mod[1].weight.grad is not None

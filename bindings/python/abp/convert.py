@@ -1032,6 +1032,14 @@ def _convert_lowmembp(
     return changes
 
 
+def _compiled_module(model: nn.Module) -> Optional[nn.Module]:
+    """The module torch.compile(model) wraps (an OptimizedModule's), or None for any other module."""
+    inner = getattr(model, "_orig_mod", None)
+    if type(model).__name__ == "OptimizedModule" and isinstance(inner, nn.Module) and hasattr(model, "dynamo_ctx"):
+        return inner
+    return None
+
+
 def convert(
     model: nn.Module, recipe: Union[str, Sequence[str]] = "lowmembp", *, inplace: bool = False,
     example_inputs: Any = None, example_kwargs: Optional[Dict[str, Any]] = None, **overrides: Any,
@@ -1053,10 +1061,18 @@ def convert(
     Recipe "compress" overrides: ``bits=`` (8), ``group_size=`` (256) and ``allow_low_bits=`` (False:
     ``bits`` 1 or 2 raise ValueError) of ``compress_saved``.
     With ``inplace=False`` (default) the model is deep-copied first, so the original stays usable
-    as a baseline.
+    as a baseline. A ``torch.compile``'d model is converted through the module it wraps (the example
+    runs eagerly) and comes back compiled the same way.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    inner = _compiled_module(model)
+    if inner is not None:
+        # torch.compile's wrapper: its module is converted (the example runs eagerly: traced, each
+        # probe would compile the model again), and the result is compiled as the model was.
+        converted, changes = convert(inner, recipe, inplace=inplace, example_inputs=example_inputs,
+                                     example_kwargs=example_kwargs, **overrides)
+        return (model if converted is inner else type(model)(converted, model.dynamo_ctx)), changes
     recipes = _recipes(recipe)
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace: expected True or False, got {inplace!r}")
