@@ -466,6 +466,10 @@ def test_controller_arguments_are_checked() -> None:
     net = _net()
     with pytest.raises(ValueError, match="block_type: model has no module of type"):
         vcas.Controller(net, torch.nn.Conv1d)
+    with pytest.raises(TypeError, match=r"block_type: expected an nn.Module subclass .*got 'Block' \(pass the class itself"):
+        vcas.Controller(net, "Block")
+    with pytest.raises(TypeError, match=r"block_type: expected an nn.Module subclass or a tuple of them, got \(\)"):
+        vcas.Controller(net, ())
     with pytest.raises(ValueError, match="act_var_tau: expected a positive variance fraction, got 0"):
         vcas.Controller(net, Block, act_var_tau=0)
     with pytest.raises(ValueError, match=r"cal_var_freq: expected an int >= 1"):

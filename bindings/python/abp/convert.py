@@ -565,9 +565,11 @@ def _convert_activation(model: nn.Module, name: str, module: nn.Module, spec: An
     # An in-place original writes its input, which the model may read again (`y = act(h); y + h`).
     replacement.inplace = getattr(module, "inplace", False) is True
     _composition.put(model, paths, replacement)
-    idle_note = "; it did not run in the example call, so the replacement may change nothing" if idle else ""
+    # First, where a report cut to a line still shows it: the model computes this activation some
+    # other way (transformers' Mamba mixers call ACT2FN afresh) or on another path.
+    idle_note = "did not run in the example call, so the replacement may change nothing: " if idle else ""
     return [Change(name, "replaced",
-                   f"{kind} ({spec.kind}) -> {type(replacement).__name__} ({what}){_also_at(paths)}{idle_note}")]
+                   f"{idle_note}{kind} ({spec.kind}) -> {type(replacement).__name__} ({what}){_also_at(paths)}")]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -326,6 +326,10 @@ class Controller:
         self._mode = "train"
         self._record = False
         self._keys: Optional[torch.Generator] = None
+        classes = block_type if isinstance(block_type, tuple) else (block_type,)
+        if not classes or not all(isinstance(c, type) and issubclass(c, torch.nn.Module) for c in classes):
+            hint = " (pass the class itself, imported from the model's module, not its name)" if isinstance(block_type, str) else ""
+            raise TypeError(f"block_type: expected an nn.Module subclass or a tuple of them, got {block_type!r}{hint}")
         self.blocks: List[torch.nn.Module] = [m for m in model.modules() if isinstance(m, block_type)]
         if not self.blocks:
             raise ValueError(f"block_type: model has no module of type {block_type}")
