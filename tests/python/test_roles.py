@@ -317,3 +317,62 @@ def test_an_expert_the_example_routes_nothing_to_is_sampled_like_the_others() ->
     got = _sampled(model, example_inputs=_example())
     # The chooser feeds argmax (it scores) and stays exact.
     assert got == [f"1.{i}.moe.experts.{e}" for i in range(2) for e in range(3)]
+
+
+class NormAttentionNorm(nn.Module):
+    """DBRX's shape: one module holds the first norm, the attention and the second norm, and
+    returns the second norm's output (which the experts read) beside the residual."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm_1, self.attn, self.norm_2 = nn.LayerNorm(d), FusedAttention(d), nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor):
+        h = x + self.attn(self.norm_1(x))
+        return h, self.norm_2(h)
+
+
+class IndexedExperts(nn.Module):
+    """Experts as one parameter, the chosen expert's weight picked by the router's index and
+    multiplied with the tokens (DBRX's, Mixtral's fused form): a product whose one operand is a
+    parameter picked by an activation."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.router = nn.Linear(d, 2)
+        self.weight = nn.Parameter(torch.randn(2, d, d) / d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        chosen = self.router(x).softmax(-1).argmax(-1)
+        return torch.matmul(x.unsqueeze(-2), self.weight[chosen]).squeeze(-2)
+
+
+class NormAttentionNormBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm_attn_norm, self.ffn = NormAttentionNorm(d), IndexedExperts(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, normed = self.norm_attn_norm(x)
+        return h + self.ffn(normed)
+
+
+class NormAttentionNormNet(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, d)
+        self.blocks = nn.ModuleList([NormAttentionNormBlock(d) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
+def test_a_module_holding_the_attention_and_a_norm_does_not_speak_for_its_output_projection() -> None:
+    # Its output is past its second norm, and reaches the experts' product: taken for the output
+    # projection's, it refused the projection ("ran no linear map in attention-output position").
+    torch.manual_seed(0)
+    got = _sampled(NormAttentionNormNet(), example_inputs=_example())
+    assert got == ["blocks.0.norm_attn_norm.attn.mix_out", "blocks.1.norm_attn_norm.attn.mix_out"]

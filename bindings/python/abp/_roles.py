@@ -13,8 +13,8 @@ This module finds those roles from a recorded call (``abp._structure``), not fro
 - *blocks* are the non-leaf children of an ``nn.ModuleList``, or of an ``nn.Sequential`` whose
   non-leaf children share one class (transformers' and timm's layer stacks); a linear map belongs
   to the outermost block around it. A model without such a stack is one block.
-- a linear map (or a module around it inside its block, such as a LoRA wrapper) *scores* when its
-  output reaches, inside the block, a product of two activations (``matmul``, ``bmm``, ``einsum``,
+- a linear map (or a module around it inside its block, such as a LoRA wrapper, but not one that
+  holds a norm that ran: its output is past that norm) *scores* when its output reaches, inside the block, a product of two activations (``matmul``, ``bmm``, ``einsum``,
   ``scaled_dot_product_attention``...) or a ``softmax`` / ``topk`` before it reaches a norm or
   another linear map. Views, splits, rotary embeddings, dropout and activations are followed.
 - every other linear map inside a block that ran in the call is sampled.
@@ -122,7 +122,8 @@ def sampled_linear_maps(model: nn.Module, structure: Structure, recognised: Dict
     found = blocks(model) or [""]
     leaves = {n for n, m in modules.items() if n and _leaf(m)}
     linear = {n for n, m in modules.items() if n and (isinstance(recognised.get(id(m)), LinearMap) or _parametrized_linear(m))}
-    stops = linear | {n for n, m in modules.items() if n and isinstance(recognised.get(id(m)), Norm)}
+    norms = {n for n, m in modules.items() if n and isinstance(recognised.get(id(m)), Norm)}
+    stops = linear | norms
     derived = _parameter_derived(structure)
     first: Dict[str, int] = {}  # module -> index of its first call's event (recorded when the call returned)
     for index, event in enumerate(structure.events):
@@ -152,7 +153,11 @@ def sampled_linear_maps(model: nn.Module, structure: Structure, recognised: Dict
             continue
         parts = name.split(".")
         around = [".".join(parts[:k]) for k in range(len(parts), 0, -1)]
-        owners = [a for a in around if a in first and a != block and _inside(a, block)]
+        # The map and the modules around it whose output is its output (a LoRA wrapper, an
+        # attention module around its output projection): not a container whose output a norm
+        # inside it made (DBRX's norm-attention-norm module feeds the experts, past its own norm).
+        owners = [a for a in around if a in first and a != block and _inside(a, block)
+                  and (a == name or not any(n in norms and _inside(n, a) for n in first))]
         if any(scores(a, block) is not None for a in owners):
             continue
         chosen[name] = f"in block `{block}`" if block else "in the model (no layer stack found)"
