@@ -26,6 +26,8 @@ _PASS_ON = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_d
                       "contiguous", "clone", "detach", "to", "type_as"})
 #: Torch functions that add two tensors (what a residual connection is).
 _ADDS = frozenset({"add", "add_", "__add__", "__radd__", "__iadd__"})
+#: Torch functions that normalise what they read (a norm module's own ops aside: its output is named).
+_NORMS = frozenset({"layer_norm", "rms_norm", "group_norm", "batch_norm", "instance_norm"})
 
 
 class Dataflow:
@@ -115,19 +117,23 @@ class Dataflow:
         """The values every call of `modules` made (what `bypassed` counts in a branch)."""
         return {out for name in modules for _, out in self.calls.get(name, [])}
 
-    def bypassed(self, module: str, activations: Set[int]) -> Optional[bool]:
+    def bypassed(self, module: str, activations: Set[int], normalized: Set[int] = frozenset()) -> Optional[bool]:
         """True if a residual add bypasses every call of `module`; False if one call is on a path
         no add bypasses; None if the module did not run. The add must close a branch that holds
         no other of the `activations` values (`outputs` of the activation modules): a skip over
         several (a long skip across a chain, a CNN branch of Conv-BatchNorm-activation layers)
         leaves each on a path whose error compounds through the others. Activations in parallel
-        paths of the branch (a mixture of experts' experts and shared expert) are not a chain."""
+        paths of the branch (a mixture of experts' experts and shared expert) are not a chain.
+        Nor may a norm stand between the call and the add (`normalized`: what norm modules made;
+        or a norm function): a branch normalised before it is added back (Gemma 2's and GLM-4's
+        post-MLP norms) is rescaled to the skip's size whatever its own, so its gradient, and the
+        error of the activation's, is not the small share of the block's that the skip leaves."""
         calls = self.calls.get(module)
         if not calls:
             return None
-        return all(self._bypassed(a, b, activations) for a, b in calls)
+        return all(self._bypassed(a, b, activations, normalized) for a, b in calls)
 
-    def _bypassed(self, given: int, made: int, activations: Set[int]) -> bool:
+    def _bypassed(self, given: int, made: int, activations: Set[int], normalized: Set[int]) -> bool:
         before = self._closure(given, self._parents) - self._constants
         after = self._closure(made, self._children)
 
@@ -158,6 +164,10 @@ class Dataflow:
                 break
         else:
             return False
+        plain = self._closure(made, self._children,
+                              lambda v: v not in normalized and self._function[v] not in _NORMS)
+        if not any(p in plain for p in parents):
+            return False  # every path from this call to the add passes a norm
         for skip in sorted(skips):
             # The branch: every value on a path from the skip's source to the add.
             branch = self._closure(add, self._parents, lambda v, lo=skip: v >= lo) & \

@@ -500,9 +500,10 @@ _CNN_FUNCTIONS = frozenset({"batch_norm", "group_norm", "instance_norm", "conv1d
 
 
 def _compounding_path(model: nn.Module, name: str, modules: Dict[str, nn.Module],
-                      dataflow: Optional[_dataflow.Dataflow], activations: Set[int]) -> Optional[str]:
+                      dataflow: Optional[_dataflow.Dataflow], activations: Set[int], normalized: Set[int]) -> Optional[str]:
     """Why activation `name` is on a path where the 2-bit error compounds, or None; `activations`:
-    what the modules that may get the 2-bit form made in the example call (`Dataflow.outputs`).
+    what the modules that may get the 2-bit form made in the example call (`Dataflow.outputs`),
+    `normalized`: what the norm modules made.
 
     From the example call where the activation ran in it: a call of it that no residual add
     bypasses (an add closing a branch that holds no other of `activations` before or after it),
@@ -510,11 +511,12 @@ def _compounding_path(model: nn.Module, name: str, modules: Dict[str, nn.Module]
     convolution or channel norm (timm's BatchNormAct2d, torchvision's Conv2dNormActivation, a
     ResNet block, transformers' convolution-normalization-activation layers), where a
     transformer's MLP holds linear layers only."""
-    bypassed = dataflow.bypassed(name, activations) if dataflow is not None else None
+    bypassed = dataflow.bypassed(name, activations, normalized) if dataflow is not None else None
     if bypassed is not None:
         assert dataflow is not None
         if not bypassed:
-            return "on a path no residual add bypasses in the example call (as in a CNN's layers)"
+            return ("on a path no residual add bypasses in the example call (as in a CNN's layers, or a branch "
+                    "normalised before its add)")
         producer = next((p for p in dataflow.producers(name) if p in _CNN_FUNCTIONS), None)
         return f"fed by `{producer}` in the example call, a CNN layer" if producer is not None else None
     parent_name = name.rpartition(".")[0]
@@ -1007,6 +1009,8 @@ def _convert_lowmembp(
     # Computed once: every activation's bypass test counts them in its branch.
     replaceable = dataflow.outputs([n for n, m in modules.items() if n and isinstance(recognised.get(id(m)), Activation)
                                     and recognised[id(m)].kind in ("gelu", "gelu_tanh", "silu")]) if dataflow else set()
+    normalized = dataflow.outputs([n for n, m in modules.items() if n and isinstance(recognised.get(id(m)), Norm)]) \
+        if dataflow else set()
     floating = {p.dtype for p in model.parameters() if p.is_floating_point()}
     # The generated activations have float32, float16 and bfloat16 kernels (the norms run float64
     # too): a float64 model would fail at its first forward.
@@ -1027,7 +1031,7 @@ def _convert_lowmembp(
         elif isinstance(spec, (Activation, Unknown)):
             automatic = isinstance(spec, Activation) and spec.kind in ("gelu", "gelu_tanh", "silu") and \
                 _option_of(spec) not in chosen
-            chain = _compounding_path(model, name, modules, dataflow, replaceable) if automatic else None
+            chain = _compounding_path(model, name, modules, dataflow, replaceable, normalized) if automatic else None
             idle = dataflow is not None and not any(dataflow.calls.get(p) for p in paths[id(module)])
             changes += _convert_activation(model, name, module, spec, options, paths[id(module)], activations_refused, chain,
                                            idle)
