@@ -445,7 +445,13 @@ def test_watch_is_quiet_on_a_steady_norm_and_alarms_once_on_growth_or_nan() -> N
     assert reason is not None and "grew from" in reason and "median of steps 5-24" in reason
     assert growing.add([1e9] * 40) is None  # once
     nan = _guard.GradientWatch()
-    assert "is nan at step 3" in nan.add([1.0, 1.0, 1.0, float("nan")])
+    assert nan.add([1.0, 1.0, 1.0, float("nan")]) == "the gradient norm is nan at step 3"
+    # Never finite: a backward that does not work, which the alarm does not call divergence.
+    first = _guard.GradientWatch().add([float("nan")])
+    assert first == f"the gradient norm is nan at step 0, {_guard.FROM_THE_START}"
+    with pytest.warns(_guard.DivergenceWarning, match="not a divergence .* Run one step without the block") as caught:
+        _guard.alarm("warn", "abp.compress_saved(bits=8)", first, widest=True)
+    assert "diverges does" not in str(caught[0].message)
     # A norm that settles lower (fine-tuning) or grows 5-fold stays quiet.
     assert _guard.GradientWatch().add([10.0] * 25 + [1.0] * 100 + [5.0] * 100) is None
 

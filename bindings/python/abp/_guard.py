@@ -121,6 +121,8 @@ class GradientWatch:
                         "skips such steps and lowers its scale; these kept overflowing)")
             return None
         if not math.isfinite(value):
+            if all(not math.isfinite(v) for v in self.norms):
+                return f"the gradient norm is {value} at step {step}, {FROM_THE_START}"
             return f"the gradient norm is {value} at step {step}"
         start = self.skip
         if self.reference is None and self.steps >= start + self.window:
@@ -249,9 +251,23 @@ def after_backward(callback: Callable[[], Any]) -> bool:
     return True
 
 
+#: What a reason says when no step had a finite gradient norm yet: nothing has diverged.
+FROM_THE_START = "the first step the guard read"
+
+
 def alarm(mode: str, who: str, reason: str, widest: bool = False) -> None:
     """Warns (or raises, `mode` "raise") that training under `who` diverges; `widest`: it stores
-    every compressed tensor at 8 bits already, so more bits is no advice."""
+    every compressed tensor at 8 bits already, so more bits is no advice. A gradient that was never
+    finite has not diverged: the message says what to look for instead."""
+    if FROM_THE_START in reason:
+        message = (f"{who}: {reason}: not a divergence (nothing grew), but a backward that is not finite from the "
+                   "start. Run one step without the block: if its gradient is finite, an op's backward does not "
+                   "work on what the block stored for it (please report the op); if not, the model's own gradient "
+                   "is not finite. guard=False silences this check")
+        if mode == "raise":
+            raise DivergenceError(message)
+        warnings.warn(message, DivergenceWarning, stacklevel=2)
+        return
     advice = ("It stores 8 bits already, the widest: train exactly on the same schedule to compare; if that "
               "diverges too, the cause is not compression (the learning rate, for one)" if widest else
               "Store the saved activations at more bits than this setting does (compress_saved(bits=8) is the "
