@@ -9,6 +9,7 @@ behind when a step raises in forward or in backward. Current-torch lane (transfo
 """
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 from typing import Any, Dict, List
@@ -230,3 +231,45 @@ def test_a_resumed_trainer_run_of_the_random_recipes_continues_as_the_uninterrup
     # The resumed history holds the checkpoint's steps 1-2 and its own 3-4.
     assert len(_losses(whole)) == 4 and _losses(resumed) == _losses(whole)
     assert [e["step"] for e in resumed.state.log_history if "loss" in e] == [1, 2, 3, 4]
+
+
+def test_a_resumed_trainer_run_under_vcas_continues_as_the_uninterrupted_one(tmp_path: Path) -> None:
+    """The callback's calibration batches are drawn from the training set by the Trainer's seed and
+    the controller's count of calibrations: a run resumed at step 3 calibrates at step 4 on what
+    the uninterrupted run did (an iterator of its own started over and calibrated on step 0's)."""
+    saved: Dict[int, Any] = {}
+
+    class SaveController(transformers.TrainerCallback):  # type: ignore[misc]
+        def __init__(self, controller: vcas.Controller) -> None:
+            self.controller = controller
+
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            saved[state.global_step] = copy.deepcopy(self.controller.state_dict())
+            return control
+
+    def build() -> Any:
+        model = _model()
+        return model, vcas.Controller(model, transformers.models.llama.modeling_llama.LlamaDecoderLayer, cal_var_freq=2)
+
+    model, controller = build()
+    whole = _trainer(model, tmp_path, [vcas.trainer_callback(controller), SaveController(controller)], max_steps=6,
+                     save_strategy="steps", save_steps=3)
+    whole.train()
+    assert controller.calibrations == 3  # steps 0, 2 and 4
+    model, controller = build()
+    controller.load_state_dict(saved[3])
+    resumed = _trainer(model, tmp_path, [vcas.trainer_callback(controller)], max_steps=6, save_strategy="no")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+    assert controller.calibrations == 3 and _losses(resumed) == _losses(whole)
+
+
+def test_vcas_calibrate_names_a_loss_fn_that_returns_no_loss_and_refuses_no_grad() -> None:
+    model = _model()
+    controller = vcas.Controller(model, transformers.models.llama.modeling_llama.LlamaDecoderLayer)
+    batches = [{"input_ids": row[None], "labels": row[None]} for row in torch.stack([d["input_ids"] for d in _data(2)])]
+    with pytest.raises(TypeError, match=r"loss_fn\(batch\): expected the scalar loss tensor, got CausalLMOutputWithPast "
+                                        r"\(a model's output: return its .loss\)"):
+        controller.calibrate(lambda b: model(**b), batches)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="calibrate: gradients are off"):
+        controller.calibrate(lambda b: model(**b).loss, batches)
+    controller.remove()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sized
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type, Union
@@ -509,6 +510,9 @@ class Controller:
         draws, each pass its own, make them differ. Parameter .grad values are restored
         afterwards. Returns the variances it measured (also in `.last`).
         """
+        if not torch.is_grad_enabled():
+            raise RuntimeError("calibrate: gradients are off (torch.no_grad() or torch.inference_mode() is active); a "
+                               "calibration runs 1 + M backward passes per batch: call it where gradients are on")
         batches = list(batches)
         m = len(batches)
         if m < 2:
@@ -533,7 +537,12 @@ class Controller:
         def gradient(batch: Any) -> List[torch.Tensor]:
             for p in params:
                 p.grad = None
-            loss_fn(batch).backward()
+            loss = loss_fn(batch)
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+                hint = " (a model's output: return its .loss)" if hasattr(loss, "loss") else ""
+                raise TypeError(f"loss_fn(batch): expected the scalar loss tensor, got {what}{hint}")
+            loss.backward()
             return [(_local(p.grad).flatten()[i].double() if p.grad is not None
                      else torch.zeros(len(i), dtype=torch.float64, device=i.device))
                     for p, i in zip(params, picks)]
@@ -632,7 +641,7 @@ def _set_rng_state(state: Tuple[torch.Tensor, List[torch.Tensor]]) -> None:
 
 def trainer_callback(controller: Controller, loss_fn: Optional[Callable[[torch.nn.Module, Any], torch.Tensor]] = None) -> Any:
     """A transformers.TrainerCallback that calibrates `controller` when due (on fresh batches
-    from the trainer's dataloader) and counts steps. loss_fn(model, batch) defaults to
+    from the trainer's training set, drawn so that a resumed run draws the same) and counts steps. loss_fn(model, batch) defaults to
     model(**batch).loss. Raises ImportError when transformers is not installed."""
     import transformers  # noqa: F401  (an ImportError here says what is missing)
 
@@ -645,7 +654,19 @@ def trainer_callback(controller: Controller, loss_fn: Optional[Callable[[torch.n
         def __init__(self) -> None:
             self._batches: Optional[Iterable[Any]] = None
 
-        def _fresh(self, dataloader: Iterable[Any], device: torch.device) -> List[Any]:
+        def _fresh(self, seed: int, dataloader: Iterable[Any], device: torch.device) -> List[Any]:
+            """cal_var_m batches for a calibration. Drawn from the dataset by a generator seeded from
+            the Trainer's seed and the controller's count of calibrations (in its state_dict), and
+            put together by the dataloader's collate_fn: a resumed run draws what the uninterrupted
+            one drew (the position of an iterator of our own is in no checkpoint). A dataset
+            without a length (an IterableDataset) is read from an iterator of its own instead."""
+            dataset, collate = getattr(dataloader, "dataset", None), getattr(dataloader, "collate_fn", None)
+            size = getattr(dataloader, "batch_size", None) or getattr(getattr(dataloader, "batch_sampler", None),
+                                                                     "batch_size", None)
+            if isinstance(dataset, Sized) and len(dataset) > 0 and callable(collate) and size:
+                draws = torch.Generator().manual_seed((int(seed) * 1_000_003 + controller.calibrations) % (1 << 63))
+                return [self._to(collate([dataset[int(i)] for i in torch.randperm(len(dataset), generator=draws)[:size]]),
+                                 device) for _ in range(controller.cal_var_m)]
             out: List[Any] = []
             while len(out) < controller.cal_var_m:
                 if self._batches is None:
@@ -655,14 +676,18 @@ def trainer_callback(controller: Controller, loss_fn: Optional[Callable[[torch.n
                 except StopIteration:
                     self._batches = None
                     continue
-                out.append({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()})
+                out.append(self._to(batch, device))
             return out
+
+        @staticmethod
+        def _to(batch: Any, device: torch.device) -> Any:
+            return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
         def on_step_begin(self, args: Any, state: Any, control: Any, model: Optional[torch.nn.Module] = None,
                           train_dataloader: Optional[Iterable[Any]] = None, **kwargs: Any) -> Any:
             if controller.due() and model is not None and train_dataloader is not None:
                 device = next(model.parameters()).device
-                controller.calibrate(lambda b: compute(model, b), self._fresh(train_dataloader, device))
+                controller.calibrate(lambda b: compute(model, b), self._fresh(args.seed, train_dataloader, device))
             return control
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
