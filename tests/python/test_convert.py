@@ -1502,8 +1502,10 @@ def test_relu_unknown_and_identity_like_activations():
     refused = by_action(changes, "refused")
     assert refused == {
         "1": "ReLU (ReLU) kept: its backward reads only its output, which the next layer saves anyway",
-        "2": "Tanh not replaced: an elementwise activation that is none of GELU (erf or tanh form), SiLU or the ReLU family",
-        "3": "QuickGELU not replaced: an elementwise activation that is none of GELU (erf or tanh form), SiLU or the ReLU family",
+        "2": "Tanh not replaced: an elementwise activation that is none of GELU (erf or tanh form), SiLU, the ReLU family "
+        "(ReLU, LeakyReLU, ReLU6) or Hardsigmoid",
+        "3": "QuickGELU not replaced: an elementwise activation that is none of GELU (erf or tanh form), SiLU, the ReLU family "
+        "(ReLU, LeakyReLU, ReLU6) or Hardsigmoid",
     }
     assert not by_action(changes, "replaced")
     assert [type(m) for m in converted] == [type(m) for m in model]
@@ -1521,6 +1523,22 @@ def test_leaky_relu_becomes_the_exact_one_bit_leaky_relu():
     assert_same_training_step(model, converted, torch.randn(4, 8), atol=1e-6)
     kept, changes = abp.convert(model, leaky_relu=False)
     assert type(kept[1]) is nn.LeakyReLU and not changes
+
+
+def test_relu6_and_hardsigmoid_become_the_exact_one_bit_modules():
+    """MobileNet's ReLU6 and a squeeze-excitation gate's Hardsigmoid: torch saves their input,
+    one bit per element gives their derivative exactly (they were refused as unknown)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU6(), nn.Conv2d(8, 8, 1),
+                          nn.Hardsigmoid(), nn.Conv2d(8, 4, 1))
+    x = torch.randn(2, 3, 16, 16)
+    converted, changes = abp.convert(model, example_inputs=(x,))
+    assert type(converted[2]) is abp.nn.ReLU6 and type(converted[4]) is abp.nn.Hardsigmoid
+    assert by_action(changes, "replaced")["2"] == "ReLU6 (relu6) -> ReLU6 (exact 1-bit)"
+    assert by_action(changes, "replaced")["4"] == "Hardsigmoid (hardsigmoid) -> Hardsigmoid (exact 1-bit)"
+    assert_same_training_step(model, converted, x, atol=1e-6)
+    report = abp.memory.report(converted, x, baseline=model)
+    assert report.baseline_total_bytes is not None and report.total_bytes < report.baseline_total_bytes
 
 
 def test_activations_switched_off():

@@ -140,12 +140,19 @@ def test_leaky_relu_slope(slope):
     assert found.slope == pytest.approx(slope, rel=1e-12)
 
 
-@pytest.mark.parametrize("module", [nn.Tanh(), QuickGELU(), nn.Sigmoid(), nn.ELU(), nn.Hardswish(), nn.ReLU6()],
+@pytest.mark.parametrize("module", [nn.Tanh(), QuickGELU(), nn.Sigmoid(), nn.ELU(), nn.Hardswish(), nn.Hardtanh(-2, 2)],
                          ids=lambda m: type(m).__name__)
 def test_other_elementwise_functions_are_unknown(module):
     found = recognise(module)
     assert isinstance(found, Unknown)
-    assert found.reason == "an elementwise activation that is none of GELU (erf or tanh form), SiLU or the ReLU family"
+    assert found.reason == ("an elementwise activation that is none of GELU (erf or tanh form), SiLU, the ReLU family "
+                            "(ReLU, LeakyReLU, ReLU6) or Hardsigmoid")
+
+
+@pytest.mark.parametrize("module,kind", [(nn.ReLU6(), "relu6"), (nn.Hardtanh(0.0, 6.0), "relu6"),
+                                         (nn.Hardsigmoid(), "hardsigmoid")], ids=lambda m: str(m))
+def test_relu6_and_hardsigmoid_are_recognised_by_what_they_compute(module, kind):
+    assert recognise(module) == Activation(kind)
 
 
 @pytest.mark.parametrize("module", [nn.Dropout(0.1), nn.Dropout(0.1).eval(), nn.Identity(), nn.Softmax(-1),

@@ -6,7 +6,7 @@ GELUActivation / NewGELUActivation / T5LayerNorm / LlamaRMSNorm / Conv1D, timm's
 with the functions abp can replace:
 
 - activations (no parameters, no buffers): GELU in erf form, GELU in tanh form, SiLU, and the
-  ReLU family (ReLU, LeakyReLU), elementwise within 1e-6 relative in float64 and 1e-5 in float32;
+  ReLU family (ReLU, LeakyReLU, ReLU6) and Hardsigmoid, elementwise within 1e-6 relative in float64 and 1e-5 in float32;
   any other deterministic elementwise function is reported as an unknown activation;
 - norms (one or two parameters of the same shape, the normalised one(s) last): LayerNorm or
   RMSNorm (mean-free), gamma = weight or 1 + weight (Gemma), with or without beta, fp32 upcasts
@@ -41,7 +41,8 @@ _EPS_NAMES = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps", "norm_eps"
 
 @dataclass(frozen=True)
 class Activation:
-    """An elementwise activation: kind is "gelu", "gelu_tanh", "silu", "relu" or "leaky_relu"."""
+    """An elementwise activation: kind is "gelu", "gelu_tanh", "silu", "relu", "relu6", "hardsigmoid" or
+    "leaky_relu"."""
 
     kind: str
     slope: float = 0.0  # LeakyReLU's negative slope
@@ -114,6 +115,8 @@ _ACTIVATIONS: Dict[str, Callable[[Tensor], Tensor]] = {
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "silu": F.silu,
     "relu": F.relu,
+    "relu6": F.relu6,
+    "hardsigmoid": F.hardsigmoid,
 }
 
 
@@ -152,7 +155,8 @@ def _recognise_activation(module: nn.Module) -> Optional[Recognised]:
         return None
     if not torch.equal(permuted.flatten(), y64.flatten()[perm]):
         return None
-    return Unknown("an elementwise activation that is none of GELU (erf or tanh form), SiLU or the ReLU family")
+    return Unknown("an elementwise activation that is none of GELU (erf or tanh form), SiLU, the ReLU family "
+                   "(ReLU, LeakyReLU, ReLU6) or Hardsigmoid")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -103,6 +103,11 @@ def _activation_names(kind: str) -> Tuple[str, ...]:
     return (fixed,) + fewbit
 
 
+#: Piecewise-linear activations whose derivative one bit per element gives exactly (where torch's
+#: backward reads their input): always replaced, as nothing is approximated.
+_EXACT_ONE_BIT: Dict[str, Callable[[], nn.Module]] = {"relu6": abp_nn.ReLU6, "hardsigmoid": abp_nn.Hardsigmoid}
+
+
 def _option_of(spec: Activation) -> str:
     """The option ("gelu" or "silu") that chooses the replacement of an activation of this kind."""
     return "silu" if spec.kind == "silu" else "gelu"
@@ -546,6 +551,9 @@ def _convert_activation(model: nn.Module, name: str, module: nn.Module, spec: An
             return []
         replacement: nn.Module = abp_nn.LeakyReLU(spec.slope)
         what = f"LeakyReLU(negative_slope={spec.slope:g}), exact 1-bit"
+    elif spec.kind in _EXACT_ONE_BIT:
+        # torch saves their input for backward; one bit says which piece it was on, exactly.
+        replacement, what = _EXACT_ONE_BIT[spec.kind](), "exact 1-bit"
     else:
         family = _option_of(spec)
         choice = options[family]
