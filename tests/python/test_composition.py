@@ -96,6 +96,8 @@ def test_a_layer_whose_input_another_op_keeps_is_not_sampled_unless_named() -> N
     model, x = _net(PlainBlock), _example()
     converted, changes = abp.convert(model, ["lowmembp", "sampled"], example_inputs=x)
     assert _actions(changes, "kept") == ["1.widen", "2.widen"]
+    # One decision for the group, which each member's change says.
+    assert all("at *.widen (one decision for these 2 modules)" in c.detail for c in changes if c.action == "kept")
     assert isinstance(converted.get_submodule("1.narrow"), abp.nn.SampledLinear)
     sampled_too, named = abp.convert(model, ["lowmembp", "sampled"], example_inputs=x, layers=["*.widen", "*.narrow"])
     assert not _actions(named, "kept") and isinstance(sampled_too.get_submodule("1.widen"), abp.nn.SampledLinear)

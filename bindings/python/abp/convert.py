@@ -898,12 +898,18 @@ def _keep_what_saves(model: nn.Module, changes: List[Change], before: Dict[str, 
                                     "train on (e.g. a batch of two or more for BatchNorm)")]
     under = f" under compress_saved(bits={hooks.bits})" if hooks is not None else ""
     why: Dict[str, str] = {}
+    # One decision per group of modules at one pattern (blocks.*.mlp.act): each member's change says so.
+    members: Dict[Any, int] = {}
+    for b in reverted:
+        members[b.candidate.group()] = members.get(b.candidate.group(), 0) + 1
     for b in reverted:
         c = b.candidate
         kept = f"{type(c.original).__name__} kept as it was: "
+        count = members[c.group()]
+        where = c.pattern if count == 1 else f"{c.pattern} (one decision for these {count} modules)"
         why[c.name] = kept + (
             f"the {source} call saves {b.without_bytes} bytes for backward{under} without {type(c.new).__name__} at "
-            f"{c.pattern}, {b.with_bytes} with it (recipe {c.recipe} puts back a replacement that stores more than it "
+            f"{where}, {b.with_bytes} with it (recipe {c.recipe} puts back a replacement that stores more than it "
             "saves)" if b.like is None else
             f"the {source} call did not run {c.pattern}; {type(c.new).__name__} was put back where it ran, at {b.like}")
     return [Change(c.module, "kept", why[c.module]) if c.action == "replaced" and c.module in why else c for c in changes]
