@@ -1013,3 +1013,27 @@ def test_logsumexp_weights_from_a_coded_input_sum_to_one():
     assert block.stats["compressed"] == 1 and block.stats["derived"] == 1
     assert torch.allclose(leaf.grad.sum(-1), torch.ones(64), rtol=1e-5)
     assert not torch.allclose(leaf.grad, torch.softmax(leaf.detach(), -1), atol=1e-3)  # the codes' values
+
+
+def test_a_block_decorates_a_training_step() -> None:
+    """``@compress_saved(...)`` enters the block for each call, as ``with`` around the body does."""
+    model, x = mlp(), torch.randn(32, 256)
+    model(x).sum().backward()
+    exact = model[2].weight.grad.clone()
+    block = C.compress_saved(bits=4)
+
+    @block
+    def step() -> None:
+        model(x).sum().backward()
+
+    for _ in range(2):
+        torch.manual_seed(3)
+        model.zero_grad()
+        step()
+        assert block.stats["compressed"] >= 1 and C.open_block() is None
+    decorated = model[2].weight.grad.clone()
+    torch.manual_seed(3)
+    model.zero_grad()
+    with C.compress_saved(bits=4):
+        model(x).sum().backward()
+    assert torch.equal(model[2].weight.grad, decorated) and not torch.equal(decorated, exact)

@@ -754,8 +754,10 @@ def _kept_tensors(kept: Any) -> List[torch.Tensor]:
     return kept.tensors() if isinstance(kept, CompressedTensor) else [kept]
 
 
-class compress_saved:
-    """``with abp.compress_saved(bits=4, group_size=256):`` compresses what autograd saves.
+class compress_saved(contextlib.ContextDecorator):
+    """``with abp.compress_saved(bits=4, group_size=256):`` compresses what autograd saves. As a
+    decorator (``@abp.compress_saved(bits=4)`` on a training step), the block is entered for each
+    call of the function, as torch.no_grad is.
 
     A uniform width below 4 bits (`bits` 1 or 2 without `bits_for`) raises ValueError unless
     `allow_low_bits=True`: measured on a language model it does not train as exact training does
