@@ -264,15 +264,12 @@ def alarm(mode: str, who: str, reason: str, widest: bool = False) -> None:
                    "start. Run one step without the block: if its gradient is finite, an op's backward does not "
                    "work on what the block stored for it (please report the op); if not, the model's own gradient "
                    "is not finite. guard=False silences this check")
-        if mode == "raise":
-            raise DivergenceError(message)
-        warnings.warn(message, DivergenceWarning, stacklevel=2)
-        return
-    advice = ("It stores 8 bits already, the widest: train exactly on the same schedule to compare; if that "
-              "diverges too, the cause is not compression (the learning rate, for one)" if widest else
-              "Store the saved activations at more bits than this setting does (compress_saved(bits=8) is the "
-              "widest); if exact training diverges too, the cause is not compression (the learning rate, for one)")
-    message = f"{who}: {reason}, as compressed training that diverges does. {advice}. guard=False silences this check"
+    else:
+        advice = ("It stores 8 bits already, the widest: train exactly on the same schedule to compare; if that "
+                  "diverges too, the cause is not compression (the learning rate, for one)" if widest else
+                  "Store the saved activations at more bits than this setting does (compress_saved(bits=8) is the "
+                  "widest); if exact training diverges too, the cause is not compression (the learning rate, for one)")
+        message = f"{who}: {reason}, as compressed training that diverges does. {advice}. guard=False silences this check"
     if mode == "raise":
         raise DivergenceError(message)
     warnings.warn(message, DivergenceWarning, stacklevel=2)
