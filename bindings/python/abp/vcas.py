@@ -687,7 +687,8 @@ def trainer_callback(controller: Controller, loss_fn: Optional[Callable[[torch.n
                           train_dataloader: Optional[Iterable[Any]] = None, **kwargs: Any) -> Any:
             if controller.due() and model is not None and train_dataloader is not None:
                 device = next(model.parameters()).device
-                controller.calibrate(lambda b: compute(model, b), self._fresh(args.seed, train_dataloader, device))
+                seed = getattr(args, "seed", 0)  # the TrainingArguments' (a caller of its own may pass none)
+                controller.calibrate(lambda b: compute(model, b), self._fresh(seed, train_dataloader, device))
             return control
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
