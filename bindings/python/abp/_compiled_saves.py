@@ -38,7 +38,7 @@ from __future__ import annotations
 import operator
 import sys
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -185,10 +185,9 @@ _LOG_SOFTMAX_FORWARD = ("_log_softmax", "log_softmax")
 _ALIASES = VIEW_OPS | {"contiguous"}
 
 
-def _readers(name: str, bw: torch.fx.Graph) -> List[Tuple[str, int]]:
-    """(backward op, argument position) of each use of the saved value `name` in backward, looking
-    through views and detaches (backward reads a ReLU's output through a detach)."""
-    found: List[Tuple[str, int]] = []
+def _uses(name: str, bw: torch.fx.Graph, through: frozenset) -> Iterator[Tuple[torch.fx.Node, torch.fx.Node]]:
+    """(user, the node it reads) for each use in backward of the saved value `name`, and of what
+    the ops in `through` make of it."""
     frontier = [n for n in bw.nodes if n.op == "placeholder" and n.name == name]
     seen = set()
     while frontier:
@@ -197,14 +196,16 @@ def _readers(name: str, bw: torch.fx.Graph) -> List[Tuple[str, int]]:
             continue
         seen.add(node)
         for user in node.users:
-            op = _op_name(user.target)
-            if op in _ALIASES:
+            yield user, node
+            if _op_name(user.target) in through:
                 frontier.append(user)
-                continue
-            for position, arg in enumerate(user.args):
-                if arg is node:
-                    found.append((op, position))
-    return found
+
+
+def _readers(name: str, bw: torch.fx.Graph) -> List[Tuple[str, int]]:
+    """(backward op, argument position) of each use of the saved value `name` in backward, looking
+    through views and detaches (backward reads a ReLU's output through a detach)."""
+    return [(_op_name(user.target), position) for user, node in _uses(name, bw, _ALIASES)
+            if _op_name(user.target) not in _ALIASES for position, arg in enumerate(user.args) if arg is node]
 
 
 #: Backward ops that keep a value what it was up to its sign and layout, and the equality tests.
@@ -217,20 +218,8 @@ def _compared(name: str, bw: torch.fx.Graph) -> bool:
     equality with another tensor: amax's and an infinity norm's backward find the elements that
     made the result so. Codes break the equality (no element matches: a NaN or zero gradient),
     as eager compress_saved's op rules say (_save_rules.result_from_input)."""
-    frontier = [n for n in bw.nodes if n.op == "placeholder" and n.name == name]
-    seen = set()
-    while frontier:
-        node = frontier.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        for user in node.users:
-            op = _op_name(user.target)
-            if op in _EQUALITY and all(isinstance(a, torch.fx.Node) for a in user.args[:2]):
-                return True
-            if op in _SAME_VALUE:
-                frontier.append(user)
-    return False
+    return any(_op_name(user.target) in _EQUALITY and all(isinstance(a, torch.fx.Node) for a in user.args[:2])
+               for user, _ in _uses(name, bw, _SAME_VALUE))
 
 
 def _parameter_copy(node: torch.fx.Node) -> bool:
