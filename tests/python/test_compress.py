@@ -1037,3 +1037,32 @@ def test_a_block_decorates_a_training_step() -> None:
     with C.compress_saved(bits=4):
         model(x).sum().backward()
     assert torch.equal(model[2].weight.grad, decorated) and not torch.equal(decorated, exact)
+
+
+def test_a_reduction_result_in_a_wider_dtype_or_changed_in_place_after_its_save() -> None:
+    """The recomputed result takes the saved one's dtype (a norm computed in float64 from float32
+    raised in backward); a result changed in place after its reduction saved it is, for a later
+    op's save, that op's tensor as it is then, not the reduction's result recomputed."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 300, requires_grad=True)
+    with C.compress_saved(bits=4):
+        torch.linalg.vector_norm(x * 1, float("inf"), dim=-1, dtype=torch.float64).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    leaf = torch.randn(64, 64, requires_grad=True)
+    with C.compress_saved(bits=4, min_numel=1 << 20):
+        h = leaf * 1
+        m = h.amax(-1)
+        with torch.no_grad():
+            m.add_(5)
+        (m * h[:, 0]).sum().backward()
+    hd = leaf.detach()
+    top = torch.nn.functional.one_hot(hd.argmax(-1), 64).to(hd.dtype)
+    # d/dh[:, 0] of m * h[:, 0] reads the mul's saved m, which is m + 5; amax sends h[:, 0] to the maximum.
+    expected = (hd.amax(-1) + 5)[:, None] * torch.nn.functional.one_hot(torch.zeros(64, dtype=torch.long), 64) + \
+        hd[:, :1] * top
+    assert torch.allclose(leaf.grad, expected)
+    # A kept parameter cast compared by amax is not stored a second time.
+    w = torch.nn.Parameter(torch.randn(256, 256))
+    with C.compress_saved(bits=4) as block:
+        w.double().amax(-1).sum().backward()
+    assert block.stats["bytes_stored"] == 0 and block.stats["derived"] == 1

@@ -984,7 +984,7 @@ class compress_saved(contextlib.ContextDecorator):
             memory.note_saved(_kept_tensors(kept) if kept is not None else [t])
             _derived.claim(kept)
             return kept if kept is not None else t
-        result = self._result_of_input(t)
+        result = self._result_of_input(t, sequence)
         if result is None:
             result = self._derive(t)
         if result is None:
@@ -1025,29 +1025,36 @@ class compress_saved(contextlib.ContextDecorator):
         memory.note_saved([t])
         return t
 
-    def _result_of_input(self, t: torch.Tensor) -> Optional[_derived.Derived]:
+    def _result_of_input(self, t: torch.Tensor, sequence: Optional[int]) -> Optional[_derived.Derived]:
         """`t` recomputed from what this block packed for its op's input, if `t` is the result of a
         reduction whose backward reads the two together (amax's ``self == result``, logsumexp's
-        exp(self - result): _save_rules.result_from_input), counted as a new saved tensor; else
-        None. Stored as it was, the result would not agree with a coded or recomputed input: amax's
-        gradient would be NaN, logsumexp's weights would not sum to one. Recomputed, they agree
-        whatever the input is stored as (a compared input is kept as it is where torch tells the op
-        before its input is stored, torch >= 2: then the gradient is exact)."""
+        exp(self - result): _save_rules.result_from_input), saved by that reduction itself and
+        unchanged since, counted as a new saved tensor; else None. Stored as it was, the result
+        would not agree with a coded or recomputed input: amax's gradient would be NaN, logsumexp's
+        weights would not sum to one. Recomputed, they agree whatever the input is stored as. The
+        input is kept as it is where its op's rule reaches it (torch >= 2, an input this op saves
+        first): then the gradient is exact; where an earlier op stored it (a ReLU's output) or it
+        is recomputed, and on torch 1.13, it is the reduction's gradient at the decoded input."""
         node = t.grad_fn
-        reduction = _save_rules.result_from_input(node) if node is not None and t.output_nr == 0 else None
+        if node is None or t.output_nr != 0 or t._version != 0:
+            return None
+        if sequence is not None and node._sequence_nr() != sequence - 1:
+            return None  # a later op's save of the result (the reduction's own comes with its node)
+        reduction = _save_rules.result_from_input(node)
         if reduction is None:
             return None
         packed = self._peek(node, "_saved_self")
         if packed is None:
             return None
-        if isinstance(packed, torch.Tensor):  # kept as it is (a parameter, a small tensor)
-            use = _derived.Use(packed, packed._version, parameter=_parameter_of(packed) is not None)
-        else:
-            use = _derived.Use(packed, None)
+        # A tensor kept as it is stands for itself (stored for its own save: not counted again).
+        use = _derived.Use(packed, packed._version if isinstance(packed, torch.Tensor) else None)
+        recompute, dtype = reduction[0], t.dtype
         leaves, spec = _derived.flatten((use,))
-        derived = _derived.Derived(reduction[0], spec, leaves, None, None, tuple(t.shape), t.dtype)
+        # In the result's dtype: a norm may compute in a wider one than its input's (dtype=, autocast).
+        derived = _derived.Derived(lambda x: recompute(x).to(dtype), spec, leaves, None, None, tuple(t.shape), dtype)
         self._count_saved(t)
-        self._count_derived(t, derived, None)
+        self.stats["derived"] += 1
+        self.stats["numel_derived"] += t.numel()
         return derived
 
     def _derive(self, t: torch.Tensor) -> Optional[_derived.Derived]:
