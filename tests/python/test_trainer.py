@@ -272,4 +272,25 @@ def test_vcas_calibrate_names_a_loss_fn_that_returns_no_loss_and_refuses_no_grad
         controller.calibrate(lambda b: model(**b), batches)
     with torch.no_grad(), pytest.raises(RuntimeError, match="calibrate: gradients are off"):
         controller.calibrate(lambda b: model(**b).loss, batches)
+    controller.calibrate(lambda b: model(**b).loss.view(1), batches)  # one element is a loss too
+    controller.remove()
+
+
+def test_vcas_callback_reads_an_iterable_dataset_through_its_own_iterator(tmp_path: Path) -> None:
+    """An IterableDataset cannot be indexed, even one that defines a length."""
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self) -> Any:
+            return iter(_data())
+
+        def __len__(self) -> int:
+            return 32
+
+    model = _model()
+    controller = vcas.Controller(model, transformers.models.llama.modeling_llama.LlamaDecoderLayer, cal_var_freq=2)
+    trainer = transformers.Trainer(model=model, args=transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=BATCH, report_to=[], use_cpu=True,
+        save_strategy="no", disable_tqdm=True, seed=0), train_dataset=Stream(), callbacks=[vcas.trainer_callback(controller)])
+    trainer.train()
+    assert controller.calibrations == 2
     controller.remove()

@@ -468,8 +468,8 @@ def test_controller_arguments_are_checked() -> None:
         vcas.Controller(net, torch.nn.Conv1d)
     with pytest.raises(TypeError, match=r"block_type: expected an nn.Module subclass .*got 'Block' \(pass the class itself"):
         vcas.Controller(net, "Block")
-    with pytest.raises(TypeError, match=r"block_type: expected an nn.Module subclass or a tuple of them, got \(\)"):
-        vcas.Controller(net, ())
+    with pytest.raises(TypeError, match=r"block_type: expected an nn.Module subclass or a tuple of them, got 3$"):
+        vcas.Controller(net, 3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="act_var_tau: expected a positive variance fraction, got 0"):
         vcas.Controller(net, Block, act_var_tau=0)
     with pytest.raises(ValueError, match=r"cal_var_freq: expected an int >= 1"):

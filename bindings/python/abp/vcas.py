@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 import torch.nn.functional as F
+import torch.utils.data
 
 from . import _sample_kernels as kernels
 from . import _selection as selection
@@ -327,10 +328,11 @@ class Controller:
         self._mode = "train"
         self._record = False
         self._keys: Optional[torch.Generator] = None
-        classes = block_type if isinstance(block_type, tuple) else (block_type,)
-        if not classes or not all(isinstance(c, type) and issubclass(c, torch.nn.Module) for c in classes):
+        try:
+            isinstance(model, block_type)  # what isinstance takes: a class, a tuple or union of classes
+        except TypeError:
             hint = " (pass the class itself, imported from the model's module, not its name)" if isinstance(block_type, str) else ""
-            raise TypeError(f"block_type: expected an nn.Module subclass or a tuple of them, got {block_type!r}{hint}")
+            raise TypeError(f"block_type: expected an nn.Module subclass or a tuple of them, got {block_type!r}{hint}") from None
         self.blocks: List[torch.nn.Module] = [m for m in model.modules() if isinstance(m, block_type)]
         if not self.blocks:
             raise ValueError(f"block_type: model has no module of type {block_type}")
@@ -538,7 +540,7 @@ class Controller:
             for p in params:
                 p.grad = None
             loss = loss_fn(batch)
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
                 hint = " (a model's output: return its .loss)" if hasattr(loss, "loss") else ""
                 raise TypeError(f"loss_fn(batch): expected the scalar loss tensor, got {what}{hint}")
@@ -639,6 +641,17 @@ def _set_rng_state(state: Tuple[torch.Tensor, List[torch.Tensor]]) -> None:
         torch.cuda.set_rng_state_all(state[1])
 
 
+def _indexable(dataset: Any) -> bool:
+    """A map-style dataset with items to draw (an IterableDataset may define a length, or a wrapper
+    one that raises, but cannot be indexed)."""
+    if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset) or not isinstance(dataset, Sized):
+        return False
+    try:
+        return len(dataset) > 0
+    except TypeError:
+        return False
+
+
 def trainer_callback(controller: Controller, loss_fn: Optional[Callable[[torch.nn.Module, Any], torch.Tensor]] = None) -> Any:
     """A transformers.TrainerCallback that calibrates `controller` when due (on fresh batches
     from the trainer's training set, drawn so that a resumed run draws the same) and counts steps. loss_fn(model, batch) defaults to
@@ -663,10 +676,12 @@ def trainer_callback(controller: Controller, loss_fn: Optional[Callable[[torch.n
             dataset, collate = getattr(dataloader, "dataset", None), getattr(dataloader, "collate_fn", None)
             size = getattr(dataloader, "batch_size", None) or getattr(getattr(dataloader, "batch_sampler", None),
                                                                      "batch_size", None)
-            if isinstance(dataset, Sized) and len(dataset) > 0 and callable(collate) and size:
+            if _indexable(dataset) and callable(collate) and size:
                 draws = torch.Generator().manual_seed((int(seed) * 1_000_003 + controller.calibrations) % (1 << 63))
-                return [self._to(collate([dataset[int(i)] for i in torch.randperm(len(dataset), generator=draws)[:size]]),
-                                 device) for _ in range(controller.cal_var_m)]
+                n, wanted = len(dataset), size * controller.cal_var_m
+                order = torch.cat([torch.randperm(n, generator=draws) for _ in range(-(-wanted // n))])[:wanted]
+                return [self._to(collate([dataset[int(i)] for i in order[b * size:(b + 1) * size]]), device)
+                        for b in range(controller.cal_var_m)]
             out: List[Any] = []
             while len(out) < controller.cal_var_m:
                 if self._batches is None:
