@@ -452,6 +452,11 @@ def test_watch_is_quiet_on_a_steady_norm_and_alarms_once_on_growth_or_nan() -> N
     with pytest.warns(_guard.DivergenceWarning, match="not a divergence .* Run one step without the block") as caught:
         _guard.alarm("warn", "abp.compress_saved(bits=8)", first, widest=True)
     assert "diverges does" not in str(caught[0].message)
+    # After finite steps, a restart of the history (layers unfrozen) does not make a NaN the first.
+    restarted = _guard.GradientWatch()
+    assert restarted.add([1.0] * 30) is None
+    restarted._restart()
+    assert restarted.add([float("nan")]) == "the gradient norm is nan at step 0"
     # A norm that settles lower (fine-tuning) or grows 5-fold stays quiet.
     assert _guard.GradientWatch().add([10.0] * 25 + [1.0] * 100 + [5.0] * 100) is None
 

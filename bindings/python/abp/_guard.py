@@ -66,6 +66,7 @@ class GradientWatch:
         #: Float16 training, its gradients scaled by a GradScaler (module docstring).
         self.scaled = False
         self._not_finite = 0  # steps in a row whose norm was not finite (scaled)
+        self._finite_seen = False  # a finite norm was read (kept across restarts: training had run)
         #: Where its norms are read: "step" (at the optimizer's step), "backward" (at the end of
         #: backward), or "undecided" until an optimizer steps the parameters or none has for long.
         self.mode = "undecided" if _STEP_HOOKS else "backward"
@@ -109,6 +110,7 @@ class GradientWatch:
 
     def _check(self) -> Optional[str]:
         step, value = self.steps - 1, self.norms[-1]
+        self._finite_seen = self._finite_seen or math.isfinite(value)
         if self.scaled:
             if math.isfinite(value):
                 self._not_finite = 0
@@ -121,7 +123,7 @@ class GradientWatch:
                         "skips such steps and lowers its scale; these kept overflowing)")
             return None
         if not math.isfinite(value):
-            if all(not math.isfinite(v) for v in self.norms):
+            if not self._finite_seen:
                 return f"the gradient norm is {value} at step {step}, {FROM_THE_START}"
             return f"the gradient norm is {value} at step {step}"
         start = self.skip

@@ -756,8 +756,9 @@ def _kept_tensors(kept: Any) -> List[torch.Tensor]:
 
 class compress_saved(contextlib.ContextDecorator):
     """``with abp.compress_saved(bits=4, group_size=256):`` compresses what autograd saves. As a
-    decorator (``@abp.compress_saved(bits=4)`` on a training step), the block is entered for each
-    call of the function, as torch.no_grad is.
+    decorator (``@abp.compress_saved(bits=4)`` on a training step), the one block is entered at
+    each call of the function (a recursive call, or two threads calling it at once, find it open
+    and raise).
 
     A uniform width below 4 bits (`bits` 1 or 2 without `bits_for`) raises ValueError unless
     `allow_low_bits=True`: measured on a language model it does not train as exact training does

@@ -871,7 +871,7 @@ def _keep_what_saves(model: nn.Module, changes: List[Change], before: Dict[str, 
         sampled = isinstance(new, abp_nn.SAMPLED_LAYERS)
         spec = recognised.get(id(original))
         named = (options["layers"] is not None) if sampled else \
-            isinstance(spec, Activation) and _option_of(spec) in chosen
+            isinstance(spec, Activation) and spec.kind in ("gelu", "gelu_tanh", "silu") and _option_of(spec) in chosen
         if named or not (sampled or compressing):
             continue
         paths = tuple(p for p, m in before.items() if m is original)
