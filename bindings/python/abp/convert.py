@@ -108,9 +108,14 @@ def _activation_names(kind: str) -> Tuple[str, ...]:
 _EXACT_ONE_BIT: Dict[str, Callable[[], nn.Module]] = {"relu6": abp_nn.ReLU6, "hardsigmoid": abp_nn.Hardsigmoid}
 
 
-def _option_of(spec: Activation) -> str:
-    """The option ("gelu" or "silu") that chooses the replacement of an activation of this kind."""
-    return "silu" if spec.kind == "silu" else "gelu"
+#: Activation kinds whose replacement approximates the derivative, by the option that chooses it.
+_OPTION_OF_KIND = {"gelu": "gelu", "gelu_tanh": "gelu", "silu": "silu"}
+
+
+def _option_of(spec: Any) -> Optional[str]:
+    """The option ("gelu" or "silu") that chooses the replacement of an activation of this kind;
+    None for anything else (the ReLU family's and Hardsigmoid's exact replacements have none)."""
+    return _OPTION_OF_KIND.get(spec.kind) if isinstance(spec, Activation) else None
 
 
 def _activation_module(kind: str, name: str, approximate: str = "none") -> nn.Module:
@@ -556,6 +561,7 @@ def _convert_activation(model: nn.Module, name: str, module: nn.Module, spec: An
         replacement, what = _EXACT_ONE_BIT[spec.kind](), "exact 1-bit"
     else:
         family = _option_of(spec)
+        assert family is not None
         choice = options[family]
         if choice is None:
             return []
@@ -871,7 +877,7 @@ def _keep_what_saves(model: nn.Module, changes: List[Change], before: Dict[str, 
         sampled = isinstance(new, abp_nn.SAMPLED_LAYERS)
         spec = recognised.get(id(original))
         named = (options["layers"] is not None) if sampled else \
-            isinstance(spec, Activation) and spec.kind in ("gelu", "gelu_tanh", "silu") and _option_of(spec) in chosen
+            _option_of(spec) in chosen
         if named or not (sampled or compressing):
             continue
         paths = tuple(p for p, m in before.items() if m is original)
@@ -1021,8 +1027,8 @@ def _convert_lowmembp(
     changes: List[Change] = []
     dataflow = _dataflow.Dataflow(structure, {id(b) for b in model.buffers()}) if structure is not None else None
     # Computed once: every activation's bypass test counts them in its branch.
-    replaceable = dataflow.outputs([n for n, m in modules.items() if n and isinstance(recognised.get(id(m)), Activation)
-                                    and recognised[id(m)].kind in ("gelu", "gelu_tanh", "silu")]) if dataflow else set()
+    replaceable = dataflow.outputs([n for n, m in modules.items() if n and _option_of(recognised.get(id(m))) is not None]) \
+        if dataflow else set()
     normalized = dataflow.outputs([n for n, m in modules.items() if n and isinstance(recognised.get(id(m)), Norm)]) \
         if dataflow else set()
     floating = {p.dtype for p in model.parameters() if p.is_floating_point()}
@@ -1043,8 +1049,7 @@ def _convert_lowmembp(
             changes += _convert_norm(model, name, module, spec, options["fold"], structure, modules, recognised,
                                      owners, paths[id(module)])
         elif isinstance(spec, (Activation, Unknown)):
-            automatic = isinstance(spec, Activation) and spec.kind in ("gelu", "gelu_tanh", "silu") and \
-                _option_of(spec) not in chosen
+            automatic = _option_of(spec) is not None and _option_of(spec) not in chosen
             chain = _compounding_path(model, name, modules, dataflow, replaceable, normalized) if automatic else None
             idle = dataflow is not None and not any(dataflow.calls.get(p) for p in paths[id(module)])
             changes += _convert_activation(model, name, module, spec, options, paths[id(module)], activations_refused, chain,
