@@ -1,6 +1,11 @@
 """Run by python_wheel.sh with an interpreter that has abp installed from the wheel, from outside
 the source tree, with no ABP_* variable and no path to the build: every file abp uses must come
-from the installed package. Exits non-zero (an AssertionError or AbpError) on the first failure."""
+from the installed package. Exits non-zero (an AssertionError or AbpError) on the first failure.
+
+Usage: smoke_installed.py SOURCE_TREE [--without-llvm]. `--without-llvm` is for a machine without
+LLVM 19's shared libraries (scripts/device-check's GPU machine): there, compiling IR at run time
+must fail with the message that says how to get them, and everything else must work. Where a GPU
+is present, the op, NVRTC from the environment and a compressed training step also run on it."""
 from __future__ import annotations
 
 import math
@@ -15,6 +20,8 @@ import abp.functional
 
 package = Path(abp.__file__).resolve().parent
 source_tree = Path(sys.argv[1]).resolve()
+without_llvm = sys.argv[2:] == ["--without-llvm"]
+assert sys.argv[2:] in ([], ["--without-llvm"]), f"usage: {sys.argv[0]} SOURCE_TREE [--without-llvm]"
 assert not any(k.startswith("ABP_") for k in os.environ), sorted(k for k in os.environ if k.startswith("ABP_"))
 assert package != source_tree / "bindings" / "python" / "abp", f"abp imported from the source tree: {package}"
 
@@ -90,14 +97,24 @@ abp.operator @installed_cube forward {
   abp.return %dx : tensor<?xf32>
 }
 """
-(name,) = abp.compile_operators(IR, origin="smoke.mlir")
-x = torch.randn(257, requires_grad=True)
-y = abp.functional.apply(name, x)
-assert torch.equal(y, x.detach() ** 3) or torch.equal(y, x.detach() * x.detach() * x.detach())
-y.sum().backward()
-levels = torch.tensor([3.0, 0.5, 0.25, 3.0])
-assert torch.equal(x.grad, levels[torch.bucketize(x.detach(), torch.tensor([-1.0, 0.0, 1.0]), right=True)])
-assert str(package / "lib" / "libabp_compiler.so") in Path("/proc/self/maps").read_text()
+if without_llvm:
+    try:
+        abp.compile_operators(IR, origin="smoke.mlir")
+    except abp.AbpError as e:
+        message = str(e)
+        for needed in ("libabp_compiler.so", "LLVM 19", "apt install", "ABP_COMPILER_LIBRARY"):
+            assert needed in message, f"the missing compiler's message does not say {needed!r}: {message}"
+    else:
+        raise AssertionError("--without-llvm, but the IR compiled: this machine has LLVM 19")
+else:
+    (name,) = abp.compile_operators(IR, origin="smoke.mlir")
+    x = torch.randn(257, requires_grad=True)
+    y = abp.functional.apply(name, x)
+    assert torch.equal(y, x.detach() ** 3) or torch.equal(y, x.detach() * x.detach() * x.detach())
+    y.sum().backward()
+    levels = torch.tensor([3.0, 0.5, 0.25, 3.0])
+    assert torch.equal(x.grad, levels[torch.bucketize(x.detach(), torch.tensor([-1.0, 0.0, 1.0]), right=True)])
+    assert str(package / "lib" / "libabp_compiler.so") in Path("/proc/self/maps").read_text()
 
 # NVRTC from NVIDIA's wheel, where the environment has one (torch's CUDA wheels install it).
 from abp import _lib  # noqa: E402
@@ -108,5 +125,35 @@ if pip_nvrtc:
     assert size > 0
     maps = Path("/proc/self/maps").read_text()
     assert str(pip_nvrtc[0].resolve()) in maps or str(pip_nvrtc[0]) in maps, "NVRTC was not the wheel's"
+# On a GPU: the op's kernels compiled at first use by the NVRTC found above (the wheel's where the
+# environment has one), forward within float rounding of the exact GELU and backward the same
+# levels as on the CPU; a converted model takes compressed training steps there.
+on_gpu = torch.cuda.is_available()
+if on_gpu:
+    xh = torch.linspace(-3, 3, 1001, requires_grad=True)
+    abp.functional.apply("gelu_b3", xh).sum().backward()
+    xc = xh.detach().cuda().requires_grad_()
+    yc = abp.functional.apply("gelu_b3", xc)
+    exact_h = 0.5 * xh.detach() * (1 + torch.erf(xh.detach() / math.sqrt(2)))
+    assert torch.allclose(yc.cpu(), exact_h, atol=1e-5), (yc.cpu() - exact_h).abs().max()
+    yc.sum().backward()
+    assert torch.equal(xc.grad.cpu(), xh.grad), "the GPU's backward is not the CPU's levels[code(x)]"
+    maps = Path("/proc/self/maps").read_text()
+    if pip_nvrtc:
+        assert str(pip_nvrtc[0].resolve()) in maps or str(pip_nvrtc[0]) in maps, "NVRTC was not the wheel's"
+    assert "libnvrtc" in maps, "a CUDA op ran with no NVRTC loaded"
+    model_gpu = model.cuda()
+    opt = torch.optim.SGD(model_gpu.parameters(), lr=0.1)
+    data_gpu, target_gpu = data.cuda(), target.cuda()
+    gpu_losses = []
+    for _ in range(20):
+        opt.zero_grad()
+        with abp.compress_saved(bits=4, generator=torch.Generator("cuda").manual_seed(1)):
+            loss = torch.nn.functional.cross_entropy(model_gpu(data_gpu), target_gpu)
+            loss.backward()
+        opt.step()
+        gpu_losses.append(float(loss))
+    assert gpu_losses[-1] < gpu_losses[0], gpu_losses
 print(f"installed abp {abp.version()} from {package}: ok"
-      f" (torch {torch.__version__}; NVRTC from a wheel: {bool(pip_nvrtc)})")
+      f" (torch {torch.__version__}; NVRTC from a wheel: {bool(pip_nvrtc)}; GPU: {on_gpu};"
+      f" IR compiler: {'absent, as expected' if without_llvm else 'ran'})")
