@@ -10,6 +10,7 @@ row times one step of a small converted block against the original.
 
     python bench/host_overhead.py                 # the table
     python bench/host_overhead.py --json out.json --rounds 5 --calls 20   # CI's smoke size
+    python bench/host_overhead.py --device cuda --profile "SampledLinear (wtacrs)"  # where abp's time goes
 
 Numbers vary with the machine and its load; only the ratios, measured side by side in one run,
 mean anything.
@@ -228,6 +229,42 @@ def measure(rounds: int, calls: int) -> List[Dict[str, object]]:
     return rows
 
 
+def abp_step(name: str) -> Callable[[], None]:
+    """The abp side of the row named `name` (a module pair or a recipe), ready to call."""
+    for pair_name, mine, _, rows_of_input in pairs():
+        if pair_name == name:
+            x = torch.randn(rows_of_input, COLS, device=DEVICE, requires_grad=True)
+            return _step(mine().to(DEVICE), x, torch.randn(rows_of_input, COLS, device=DEVICE))
+    for recipe_name, mine_step, _ in recipes():
+        if recipe_name == name:
+            return mine_step()
+    known = [p[0] for p in pairs()] + [r[0] for r in recipes()]
+    raise SystemExit(f"--profile: no row named {name!r}; the rows are {known}")
+
+
+def profile(name: str, calls: int, top: int = 25) -> None:
+    """Where the host time of one row's abp step goes: Python functions by their own time
+    (cProfile), then torch's ops by their self CPU time (torch.profiler), over `calls` calls."""
+    import cProfile
+    import pstats
+
+    run = abp_step(name)
+    for _ in range(5):  # first calls compile, load and plan
+        run()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        run()
+    profiler.disable()
+    print(f"== {name}: Python functions by own time, {calls} calls")
+    pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(top)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            run()
+    print(f"== {name}: torch ops by self CPU time, {calls} calls")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
@@ -235,10 +272,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: host time, not kernel parallelism)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: host time of the same calls on GPU tensors")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--profile", action="append", default=[], metavar="ROW",
+                        help="instead of the table, where the host time of this row's abp step goes (repeatable)")
     args = parser.parse_args()
     global DEVICE
     DEVICE = torch.device(args.device)
     torch.set_num_threads(args.threads)
+    if args.profile:
+        for name in args.profile:
+            profile(name, args.calls)
+        return
     rows = measure(args.rounds, args.calls)
     from abp import _plan_lane
     lane = _plan_lane.status()
