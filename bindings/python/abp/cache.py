@@ -14,5 +14,6 @@ def stats() -> Dict[str, float]:
 
 
 def clear() -> None:
-    """Removes every on-disk entry under $ABP_CACHE_DIR and empties the in-memory cache."""
+    """Removes every compiled-kernel entry under $ABP_CACHE_DIR and empties the in-memory cache.
+    The C++ per-call lane's build (plan-lane/, keyed by its source and torch) stays."""
     _lib.cache_clear()
