@@ -168,3 +168,38 @@ def test_convert_of_a_compiled_model_converts_its_module_and_compiles_the_result
     assert torch.equal(y, plain(x))
     y.sum().backward()
     assert converted._orig_mod[1].weight.grad is not None
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_convert_of_a_module_compiled_in_place_runs_eagerly_and_returns_it_compiled(inplace):
+    # model.compile() (nn.Module.compile) stores the compiled call on the module itself: convert ran
+    # its example and probes through dynamo, and its copy (deepcopy drops the compiled call) came
+    # back uncompiled without a word.
+    import torch._dynamo
+    from abp.convert import _dynamo_context
+
+    def block() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.Linear(32, 64), torch.nn.GELU(),
+                                   torch.nn.Linear(64, 32))
+
+    x = torch.randn(8, 32)
+    plain, plain_changes = abp.convert(block(), "lowmembp", example_inputs=(x,))
+    model = block()
+    model.compile(backend="eager", dynamic=False)
+    context = _dynamo_context(model._compiled_call_impl)
+    assert context is not None
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    converted, changes = abp.convert(model, "lowmembp", inplace=inplace, example_inputs=(x,))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0  # nothing traced while converting
+    assert (converted is model) == inplace and changes == plain_changes
+    assert isinstance(converted[2], abp.nn.GELU)
+    assert converted._compiled_call_impl is not None and _dynamo_context(converted._compiled_call_impl) is context
+    if not inplace:  # the original is untouched and still compiled
+        assert isinstance(model[2], torch.nn.GELU) and model._compiled_call_impl is not None
+    y = converted(x)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # and it runs compiled
+    assert torch.equal(y, plain(x))
+    y.sum().backward()
+    assert converted[1].weight.grad is not None

@@ -1065,6 +1065,49 @@ def _compiled_module(model: nn.Module) -> Optional[nn.Module]:
     return None
 
 
+def _dynamo_context(compiled_call: Callable[..., Any]) -> Optional[Callable[[Callable[..., Any]], Callable[..., Any]]]:
+    """The torch.compile context (its backend, mode and options) that made `compiled_call`, the
+    function nn.Module.compile() stores, from the wrapper's closure; None where this torch keeps it
+    elsewhere."""
+    try:
+        from torch._dynamo.eval_frame import _TorchDynamoContext
+    except ImportError:
+        return None
+    for cell in getattr(compiled_call, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, _TorchDynamoContext):
+            return value
+    return None
+
+
+def _convert_compiled_in_place(model: nn.Module, compiled_call: Callable[..., Any], recipe: Any, inplace: bool,
+                               example_inputs: Any, example_kwargs: Any,
+                               overrides: Dict[str, Any]) -> Tuple[nn.Module, List[Change]]:
+    """convert of a module compiled by its own .compile(): converted with the compiled call set aside
+    (the example and the probes run eagerly, as for torch.compile's wrapper), which is then put
+    back, or, on a copy (deepcopy drops it), made again by the same context; a context this torch
+    hides is replaced by .compile()'s defaults, with a warning."""
+    model._compiled_call_impl = None
+    try:
+        converted, changes = convert(model, recipe, inplace=inplace, example_inputs=example_inputs,
+                                     example_kwargs=example_kwargs, **overrides)
+    finally:
+        model._compiled_call_impl = compiled_call
+    if converted is not model:
+        context = _dynamo_context(compiled_call)
+        if context is not None:
+            converted._compiled_call_impl = context(converted._call_impl)
+        else:
+            warnings.warn("abp.convert: the model was compiled with .compile(), whose options this torch does not "
+                          "expose; the converted copy is compiled with .compile()'s defaults (call .compile(...) "
+                          "on it again for others)", stacklevel=3)
+            converted.compile()
+    return converted, changes
+
+
 def convert(
     model: nn.Module, recipe: Union[str, Sequence[str]] = "lowmembp", *, inplace: bool = False,
     example_inputs: Any = None, example_kwargs: Optional[Dict[str, Any]] = None, **overrides: Any,
@@ -1087,7 +1130,8 @@ def convert(
     ``bits`` 1 or 2 raise ValueError) of ``compress_saved``.
     With ``inplace=False`` (default) the model is deep-copied first, so the original stays usable
     as a baseline. A ``torch.compile``'d model is converted through the module it wraps (the example
-    runs eagerly) and comes back compiled the same way.
+    runs eagerly) and comes back compiled the same way; so is a module compiled in place by its own
+    ``.compile()``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -1098,6 +1142,10 @@ def convert(
         converted, changes = convert(inner, recipe, inplace=inplace, example_inputs=example_inputs,
                                      example_kwargs=example_kwargs, **overrides)
         return (model if converted is inner else type(model)(converted, model.dynamo_ctx)), changes
+    compiled_call = getattr(model, "_compiled_call_impl", None)  # nn.Module.compile() (torch >= 2.2)
+    if compiled_call is not None:
+        return _convert_compiled_in_place(model, compiled_call, recipe, inplace, example_inputs, example_kwargs,
+                                          overrides)
     recipes = _recipes(recipe)
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace: expected True or False, got {inplace!r}")
