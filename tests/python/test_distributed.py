@@ -9,9 +9,12 @@ ranks run in spawned processes that import abp themselves, as a user's launcher 
 """
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import os
+import sys
 import tempfile
-from typing import Dict, Tuple
+from typing import Dict, Iterator, Tuple
 
 import pytest
 import torch
@@ -26,6 +29,23 @@ if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
 WORLD = 2
+
+
+@contextlib.contextmanager
+def _process_group(rank: int, rendezvous: str) -> Iterator[None]:
+    """A rank's gloo group (one torch thread), destroyed when the rank's work ends. faulthandler
+    prints every thread's Python stack if the rank dies of a signal, and the rank says when its
+    group is gone: a spawned FSDP2 rank aborted twice in whole torch 2 lanes ("terminate called
+    without an active exception"), never alone; the next one will say whether in the work, in the
+    group's teardown or in the interpreter's exit."""
+    faulthandler.enable()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        print(f"rank {rank}: process group destroyed", file=sys.stderr, flush=True)
 
 
 def plain() -> nn.Module:
@@ -64,9 +84,7 @@ def _fsdp(model: nn.Module) -> nn.Module:
 
 
 def _rank(rank: int, rendezvous: str, out: str, wrapper: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
-    try:
+    with _process_group(rank, rendezvous):
         model = nn.parallel.DistributedDataParallel(converted()) if wrapper == "ddp" else _fsdp(converted())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for x, y in zip(*batches()):
@@ -78,8 +96,6 @@ def _rank(rank: int, rendezvous: str, out: str, wrapper: str) -> None:
         full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in state.items()}
         if rank == 0:
             torch.save(full, out)
-    finally:
-        dist.destroy_process_group()
 
 
 def _fsdp2_available() -> bool:
@@ -114,9 +130,7 @@ def _random_recipes(rank: int, rendezvous: str, out: str) -> None:
     """Each rank, seeded alike: its first keys, the rows its sampled layer keeps, and three DDP
     steps of the "all" recipe (sampled projections + compress_saved) and of the compression
     controller, with what they compressed."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
-    try:
+    with _process_group(rank, rendezvous):
         torch.manual_seed(0)
         keys = [abp.compress.draw_seed() for _ in range(3)]
         x = torch.randn(64, 32, requires_grad=True)
@@ -143,8 +157,6 @@ def _random_recipes(rank: int, rendezvous: str, out: str) -> None:
         result["controller"] = {"stats": dict(controller.stats), "average_bits": controller.average_bits(),
                                 "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
         torch.save(result, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
 
 
 def test_random_recipes_draw_distinct_reproducible_streams_per_rank() -> None:
@@ -217,9 +229,7 @@ def _fsdp_recompute(rank: int, rendezvous: str, out: str, case: str) -> None:
     parameters that FSDP gathered for the forward and (resharding after it) gathers again."""
     from torch.distributed.fsdp import fully_shard
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
-    try:
+    with _process_group(rank, rendezvous):
         make, units, reshard = _SHARDINGS[case]
         model = make()
         for module in (*units(model), model):
@@ -232,8 +242,6 @@ def _fsdp_recompute(rank: int, rendezvous: str, out: str, case: str) -> None:
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
         if rank == 0:
             torch.save((grads, dict(saver.stats)), out)
-    finally:
-        dist.destroy_process_group()
 
 
 def _recompute_under_fsdp(case: str) -> Dict[str, int]:
@@ -285,9 +293,7 @@ def _controller_reentrant(rank: int, rendezvous: str, out: str) -> None:
     """Three DDP steps of reentrant-checkpointed blocks under the controller, estimating at every
     step: its replays take a plain backward there (abp._replay), which fires DDP's gradient hooks
     outside DDP's own backward."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
-    try:
+    with _process_group(rank, rendezvous):
         torch.manual_seed(0)
         # A Linear first: a reentrant checkpoint gives its block's parameters gradients only when
         # its input requires grad.
@@ -311,8 +317,6 @@ def _controller_reentrant(rank: int, rendezvous: str, out: str) -> None:
             opt.step()
         torch.save({"estimates": controller.estimates, "grads": grads, "plain": plain,
                     "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
 
 
 def test_the_controller_estimates_under_ddp_with_reentrant_checkpoints() -> None:
@@ -340,9 +344,7 @@ def _controllers_under_fsdp(rank: int, rendezvous: str, out: str) -> None:
     VCAS calibration and two sampled steps (its gradients are the ranks' shards)."""
     from abp import vcas
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
-    try:
+    with _process_group(rank, rendezvous):
         xs, ys = batches()
         half = xs.shape[1] // WORLD
         part = slice(rank * half, (rank + 1) * half)
@@ -367,8 +369,6 @@ def _controllers_under_fsdp(rank: int, rendezvous: str, out: str) -> None:
         result["vcas"] = {"last": sampler.last, "ratios": sampler.activation_ratios}
         result["params"] = {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
         torch.save(result, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.skipif(not _fsdp2_available(), reason="FSDP2 (fully_shard) needs torch >= 2.6")
