@@ -1,7 +1,7 @@
 """torch >= 2.4: the torch.library custom ops, and torch.compile keeping them (and their saving)."""
 from __future__ import annotations
 
-from typing import List
+from typing import List, Tuple
 
 import pytest
 import torch
@@ -142,23 +142,30 @@ def test_a_compiled_channels_last_activation_keeps_its_layout_as_eager_does(back
     assert explained.graph_break_count == 0
 
 
+def _block() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+
+
+def _convert_counting_graphs(model: torch.nn.Module, inplace: bool, x: torch.Tensor) -> Tuple[torch.nn.Module, List[abp.Change]]:
+    """abp.convert(model, "lowmembp") with dynamo's caches and counters reset first."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    return abp.convert(model, "lowmembp", inplace=inplace, example_inputs=(x,))
+
+
 @pytest.mark.parametrize("inplace", [False, True])
 def test_convert_of_a_compiled_model_converts_its_module_and_compiles_the_result(inplace):
     # convert(torch.compile(model)) ran its example and probes through dynamo (a transformers
     # LLaMA: 39 graphs, recompile-limit warnings, then a crash in the first training call).
     import torch._dynamo
 
-    def block() -> torch.nn.Module:
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.Linear(32, 64), torch.nn.GELU(),
-                                   torch.nn.Linear(64, 32))
-
     x = torch.randn(8, 32)
-    plain, plain_changes = abp.convert(block(), "lowmembp", example_inputs=(x,))
-    compiled = torch.compile(block(), backend="eager")
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    converted, changes = abp.convert(compiled, "lowmembp", inplace=inplace, example_inputs=(x,))
+    plain, plain_changes = abp.convert(_block(), "lowmembp", example_inputs=(x,))
+    compiled = torch.compile(_block(), backend="eager")
+    converted, changes = _convert_counting_graphs(compiled, inplace, x)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0  # nothing traced while converting
     assert type(converted) is type(compiled) and (converted is compiled) == inplace
     assert changes == plain_changes
@@ -178,20 +185,13 @@ def test_convert_of_a_module_compiled_in_place_runs_eagerly_and_returns_it_compi
     import torch._dynamo
     from abp.convert import _dynamo_context
 
-    def block() -> torch.nn.Module:
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.Linear(32, 64), torch.nn.GELU(),
-                                   torch.nn.Linear(64, 32))
-
     x = torch.randn(8, 32)
-    plain, plain_changes = abp.convert(block(), "lowmembp", example_inputs=(x,))
-    model = block()
+    plain, plain_changes = abp.convert(_block(), "lowmembp", example_inputs=(x,))
+    model = _block()
     model.compile(backend="eager", dynamic=False)
     context = _dynamo_context(model._compiled_call_impl)
     assert context is not None
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    converted, changes = abp.convert(model, "lowmembp", inplace=inplace, example_inputs=(x,))
+    converted, changes = _convert_counting_graphs(model, inplace, x)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0  # nothing traced while converting
     assert (converted is model) == inplace and changes == plain_changes
     assert isinstance(converted[2], abp.nn.GELU)
