@@ -1502,10 +1502,10 @@ def test_relu_unknown_and_identity_like_activations():
     refused = by_action(changes, "refused")
     assert refused == {
         "1": "ReLU (ReLU) kept: its backward reads only its output, which the next layer saves anyway",
-        "2": "Tanh not replaced: an elementwise activation that is none of GELU (erf or tanh form), SiLU, the ReLU family "
-        "(ReLU, LeakyReLU, ReLU6) or Hardsigmoid",
+        "2": "Tanh (Tanh) kept: torch's backward reads only its output, which the ops after it usually keep too (a gate's "
+        "product does); abp.nn.Tanh(bits=...) stores k-bit codes of its input instead, for where nothing else keeps the output",
         "3": "QuickGELU not replaced: an elementwise activation that is none of GELU (erf or tanh form), SiLU, the ReLU family "
-        "(ReLU, LeakyReLU, ReLU6) or Hardsigmoid",
+        "(ReLU, LeakyReLU, ReLU6), Hardsigmoid, Sigmoid or Tanh",
     }
     assert not by_action(changes, "replaced")
     assert [type(m) for m in converted] == [type(m) for m in model]

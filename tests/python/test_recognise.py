@@ -140,19 +140,33 @@ def test_leaky_relu_slope(slope):
     assert found.slope == pytest.approx(slope, rel=1e-12)
 
 
-@pytest.mark.parametrize("module", [nn.Tanh(), QuickGELU(), nn.Sigmoid(), nn.ELU(), nn.Hardswish(), nn.Hardtanh(-2, 2)],
+@pytest.mark.parametrize("module", [QuickGELU(), nn.ELU(), nn.Hardswish(), nn.Hardtanh(-2, 2), nn.Softsign()],
                          ids=lambda m: type(m).__name__)
 def test_other_elementwise_functions_are_unknown(module):
     found = recognise(module)
     assert isinstance(found, Unknown)
     assert found.reason == ("an elementwise activation that is none of GELU (erf or tanh form), SiLU, the ReLU family "
-                            "(ReLU, LeakyReLU, ReLU6) or Hardsigmoid")
+                            "(ReLU, LeakyReLU, ReLU6), Hardsigmoid, Sigmoid or Tanh")
 
 
 @pytest.mark.parametrize("module,kind", [(nn.ReLU6(), "relu6"), (nn.Hardtanh(0.0, 6.0), "relu6"),
-                                         (nn.Hardsigmoid(), "hardsigmoid")], ids=lambda m: str(m))
-def test_relu6_and_hardsigmoid_are_recognised_by_what_they_compute(module, kind):
+                                         (nn.Hardsigmoid(), "hardsigmoid"), (nn.Sigmoid(), "sigmoid"), (nn.Tanh(), "tanh")],
+                         ids=lambda m: str(m))
+def test_relu6_hardsigmoid_sigmoid_and_tanh_are_recognised_by_what_they_compute(module, kind):
     assert recognise(module) == Activation(kind)
+
+
+class _ScaledGate(nn.Module):
+    """Sigmoid when called with its input alone; its forward takes a scale as well."""
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return torch.sigmoid(x) * scale
+
+
+def test_a_known_function_with_other_arguments_is_named_by_what_it_computes():
+    found = recognise(_ScaledGate())
+    assert isinstance(found, Unknown)
+    assert found.reason.startswith("with its input alone it computes Sigmoid, but its forward takes `scale`"), found.reason
 
 
 @pytest.mark.parametrize("module", [nn.Dropout(0.1), nn.Dropout(0.1).eval(), nn.Identity(), nn.Softmax(-1),

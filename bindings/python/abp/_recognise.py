@@ -117,6 +117,14 @@ _ACTIVATIONS: Dict[str, Callable[[Tensor], Tensor]] = {
     "relu": F.relu,
     "relu6": F.relu6,
     "hardsigmoid": F.hardsigmoid,
+    "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh,
+}
+
+#: What each activation kind is called in messages.
+ACTIVATION_NAMES: Dict[str, str] = {
+    "gelu": "GELU", "gelu_tanh": "GELU (tanh form)", "silu": "SiLU", "relu": "ReLU", "relu6": "ReLU6",
+    "hardsigmoid": "Hardsigmoid", "sigmoid": "Sigmoid", "tanh": "Tanh", "leaky_relu": "LeakyReLU",
 }
 
 
@@ -156,7 +164,7 @@ def _recognise_activation(module: nn.Module) -> Optional[Recognised]:
     if not torch.equal(permuted.flatten(), y64.flatten()[perm]):
         return None
     return Unknown("an elementwise activation that is none of GELU (erf or tanh form), SiLU, the ReLU family "
-                   "(ReLU, LeakyReLU, ReLU6) or Hardsigmoid")
+                   "(ReLU, LeakyReLU, ReLU6), Hardsigmoid, Sigmoid or Tanh")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,7 +389,7 @@ def recognise(module: nn.Module) -> Optional[Recognised]:
 
 def _describe(found: Recognised) -> str:
     if isinstance(found, Activation):
-        return {"gelu": "GELU", "gelu_tanh": "GELU (tanh form)", "silu": "SiLU", "relu": "ReLU"}.get(found.kind, "LeakyReLU")
+        return ACTIVATION_NAMES[found.kind]
     if isinstance(found, Norm):
         return "LayerNorm" if found.kind == "layer" else "RMSNorm"
     return "a linear map"

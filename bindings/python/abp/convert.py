@@ -551,6 +551,11 @@ def _convert_activation(model: nn.Module, name: str, module: nn.Module, spec: An
     assert isinstance(spec, Activation)
     if spec.kind == "relu":
         return [Change(name, "refused", f"{kind} (ReLU) kept: its backward reads only its output, which the next layer saves anyway")]
+    if spec.kind in ("sigmoid", "tanh"):
+        label = _recognise.ACTIVATION_NAMES[spec.kind]
+        return [Change(name, "refused", f"{kind} ({label}) kept: torch's backward reads only its output, which the ops "
+                                        f"after it usually keep too (a gate's product does); abp.nn.{label}(bits=...) "
+                                        "stores k-bit codes of its input instead, for where nothing else keeps the output")]
     if spec.kind == "leaky_relu":
         if not options["leaky_relu"]:
             return []
