@@ -362,12 +362,15 @@ def Abp_QuantizeGroupsOp : Abp_Op<"quantize_groups", [Pure]> {
 }
 
 def Abp_DequantizeGroupsOp : Abp_Op<"dequantize_groups", [Pure]> {
-  let summary = "decodes per-row affine codes: q * (1 / s) + m";
+  let summary = "decodes per-row affine codes: q / s + m";
   let description = [{
-    The inverse of `abp.quantize_groups`: element (r, j) is `q * (1 / s_r) + m_r` in the
-    compute type, the reciprocal rounded once per row (one rounding from `q / s_r`, and no
-    per-element division). Unbiased: E[q / s + m] = x. Lowered by `abp-lower-quantize` to
-    `abp.unpack`, a per-row reciprocal, broadcasts and an `abp.map`.
+    The inverse of `abp.quantize_groups`: element (r, j) is `(q * (0.5 / s_r) + 0.5 * m_r) * 2`
+    in the compute type: `q / s_r + m_r` with the reciprocal rounded once per row (one rounding
+    from the quotient, and no per-element division), computed in halves so that a row whose range
+    is near the largest float (a finite mask value beside scores) decodes to finite values; the
+    halving and doubling are exact elsewhere. A row whose maximum is the largest float itself may
+    decode its top code to inf. Unbiased: E[q / s + m] = x. Lowered by
+    `abp-lower-quantize` to `abp.unpack`, per-row maps, broadcasts and an `abp.map`.
 
     Example:
     ```mlir

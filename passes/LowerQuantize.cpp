@@ -140,25 +140,35 @@ void lowerQuantizeGroups(QuantizeGroupsOp op) {
   op.erase();
 }
 
-/// x = q * (1 / s) + m per row (docs/algorithms.md §6.2's q / s + m, with the division done once per
-/// row: a per-element IEEE division costs a reciprocal, a refinement and a slow path that q = 0
-/// takes, and the product differs from the quotient by at most one rounding).
+/// x = (q * (0.5 / s) + 0.5 * m) * 2 per element: docs/algorithms.md §6.2's q / s + m, with the
+/// division done once per row (a per-element IEEE division costs a reciprocal, a refinement and a
+/// slow path that q = 0 takes; the product differs from the quotient by at most one rounding), and
+/// in halves: a row whose range is near the largest float (a finite mask, -3.4e38, beside scores)
+/// has q / s near it, which overflowed to inf (and 1 / s too, s being subnormal) although m + q / s
+/// is finite. Halving and doubling are exact, so every other row decodes to the bits of
+/// q * (1 / s) + m (a subnormal m may differ by its last bit). A row whose maximum is itself the
+/// largest float may still decode its top code one rounding above it, to inf: bounding that needs
+/// the compute type's largest value, which a constant of the IR cannot name for every type.
 void lowerDequantizeGroups(DequantizeGroupsOp op) {
   OpBuilder b(op);
   Location loc = op.getLoc();
   auto matrixType = cast<RankedTensorType>(op.getType());
   auto codesType = RankedTensorType::get(matrixType.getShape(), b.getI8Type());
   Value codes = b.create<UnpackOp>(loc, codesType, op.getCodes());
-  Value steps = buildMap(b, loc, {op.getScales()}, b.getF32Type(), [&](OpBuilder &m, ValueRange a) -> Value {
-    return m.create<arith::DivFOp>(loc, f32Constant(m, loc, 1.0f), a[0]);
+  Value halfSteps = buildMap(b, loc, {op.getScales()}, b.getF32Type(), [&](OpBuilder &m, ValueRange a) -> Value {
+    return m.create<arith::DivFOp>(loc, f32Constant(m, loc, 0.5f), a[0]);
   });
-  Value minsWide = b.create<BroadcastRowsOp>(loc, matrixType, op.getMins());
-  Value stepsWide = b.create<BroadcastRowsOp>(loc, matrixType, steps);
-  Value x = buildMap(b, loc, {codes, minsWide, stepsWide}, b.getF32Type(),
+  Value halfMins = buildMap(b, loc, {op.getMins()}, b.getF32Type(), [&](OpBuilder &m, ValueRange a) -> Value {
+    return m.create<arith::MulFOp>(loc, a[0], f32Constant(m, loc, 0.5f));
+  });
+  Value halfMinsWide = b.create<BroadcastRowsOp>(loc, matrixType, halfMins);
+  Value halfStepsWide = b.create<BroadcastRowsOp>(loc, matrixType, halfSteps);
+  Value x = buildMap(b, loc, {codes, halfMinsWide, halfStepsWide}, b.getF32Type(),
                      [&](OpBuilder &m, ValueRange a) -> Value {
                        Value q = m.create<arith::UIToFPOp>(loc, m.getF32Type(), a[0]);
                        Value unscaled = m.create<arith::MulFOp>(loc, q, a[2]);
-                       return m.create<arith::AddFOp>(loc, unscaled, a[1]);
+                       Value half = m.create<arith::AddFOp>(loc, unscaled, a[1]);
+                       return m.create<arith::MulFOp>(loc, half, f32Constant(m, loc, 2.0f));
                      });
   op.replaceAllUsesWith(x);
   op.erase();

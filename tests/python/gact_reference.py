@@ -84,11 +84,15 @@ def quantize_groups(
 
 
 def dequantize_groups(codes: np.ndarray, mins: np.ndarray, scales: np.ndarray, group_size: int) -> np.ndarray:
-    """q * (1 / s) + m per element (the reciprocal once per group), in the dtype of `mins`."""
+    """(q * (0.5 / s) + 0.5 * m) * 2 per element (q / s + m with the reciprocal once per group, in
+    halves so that a range near the largest float does not overflow), in the dtype of `mins`."""
     g = np.arange(codes.size) // group_size
+    t = mins.dtype.type
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        steps = (mins.dtype.type(1) / scales).astype(mins.dtype)
-        return (codes.astype(mins.dtype) * steps[g]).astype(mins.dtype) + mins[g]
+        half_steps = (t(0.5) / scales).astype(mins.dtype)
+        half_mins = (mins * t(0.5)).astype(mins.dtype)
+        half = (codes.astype(mins.dtype) * half_steps[g]).astype(mins.dtype) + half_mins[g]
+        return (half * t(2)).astype(mins.dtype)
 
 
 def variance(x: torch.Tensor, bits: int, group_size: int) -> np.ndarray:

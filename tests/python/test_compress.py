@@ -366,6 +366,26 @@ def test_non_finite_groups_decode_to_nan_and_constant_groups_exactly():
     assert torch.isfinite(y[64:]).all()
 
 
+@pytest.mark.parametrize("bits", C.BITS)
+@pytest.mark.parametrize("extreme", [torch.finfo(torch.float32).min, torch.finfo(torch.float32).max / 2])
+def test_a_group_spanning_nearly_every_float_decodes_finite_and_within_a_step(bits, extreme):
+    # An attention mask's finite -3.4e38 beside the scores (XGLM's eager attention saves that sum
+    # for torch.maximum): q / s overflowed to inf at 1 and 2 bits (0.5 / s does not), and
+    # 0 * inf gave NaN, so every gradient through the group was NaN. (A maximum that is the
+    # largest float itself may decode to inf: the ODS description of abp.dequantize_groups.)
+    x = torch.randn(64, generator=torch.Generator().manual_seed(bits)) * 0.01
+    x[::3] = extreme
+    c = C.quantize(x, bits, 64, seed=5)
+    y = C.dequantize(c)
+    assert torch.isfinite(y).all(), y
+    step = 1 / c.parts[0].scales.double()
+    assert ((y.double() - x.double()).abs() <= step * 1.001).all(), "within a step of the value"
+    if extreme < 0:
+        assert torch.equal(y[::3], x[::3]), "the group's minimum decodes exactly (code 0)"
+    codes, mins, scales = ref.quantize_groups(x, bits, 64, 5)
+    assert torch.equal(y, torch.from_numpy(ref.dequantize_groups(codes, mins, scales, 64)))
+
+
 @pytest.mark.parametrize("shape,group_size,want", [
     ((4, 64), 256, 64),       # rows of 64: a group per row
     ((3, 192), 256, 192),

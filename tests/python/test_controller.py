@@ -1138,3 +1138,42 @@ def test_the_controller_refuses_pickling_and_a_wrong_state() -> None:
     other = CompressionController(nn.Sequential(nn.Conv1d(2, 2, 3)), avg_bits=4, interval=3, min_numel=64)
     with pytest.raises(ValueError, match="saved on another model: its tensors were saved in"):
         other.load_state_dict(state)
+
+
+class _MaskedAttention(nn.Module):
+    """Attention as XGLM's eager path writes it: the scores plus a causal mask of the float's
+    most negative value, bounded below by it with torch.max (which saves that sum: groups of scores
+    beside -3.4e38), then softmax."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        lowest = torch.finfo(x.dtype).min
+        n = x.shape[-2]
+        mask = torch.full((n, n), lowest).triu(1)
+        scores = torch.max(q @ k.transpose(-1, -2) / 4 + mask, torch.tensor(lowest))
+        return self.out(torch.softmax(scores, dim=-1) @ v)
+
+
+def test_a_finite_mask_beside_the_scores_keeps_gradients_and_sensitivities_finite():
+    # XGLM: the saved sum decoded to inf and NaN at 1 and 2 bits (q / s overflowed), so every
+    # gradient was NaN under compress_saved(bits=2) and the controller's probe of that key gave a
+    # NaN sensitivity, counted as the most sensitive: 32 bits for the scores, 2 for the final norm.
+    library_or_skip()
+    torch.manual_seed(0)
+    model = nn.Sequential(_MaskedAttention(), nn.LayerNorm(16), _MaskedAttention())
+    x = torch.randn(4, 32, 16)
+    for bits in (1, 2):
+        model.zero_grad(set_to_none=True)
+        with C.compress_saved(bits=bits, allow_low_bits=True, min_numel=1, guard=False):
+            model(x).square().mean().backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters()), bits
+    controller = CompressionController(model, avg_bits=2, interval=1, min_numel=1)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with controller:
+            model(x).square().mean().backward()
+    assert controller.sensitivity and all(math.isfinite(v) for v in controller.sensitivity.values()), controller.sensitivity

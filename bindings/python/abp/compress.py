@@ -4,7 +4,7 @@
 into groups of `group_size` elements (the last group holds the remainder, with its own range),
 each group keeps its minimum m and scale s = (2^b - 1) / (max - m + 2e-6) in fp32, and every
 element keeps the `bits`-bit code q = floor((x - m) * s + u), u ~ U[0, 1) drawn from the shared
-Philox stream, so that `dequantize` (q * (1 / s) + m) is unbiased. Each direction is one
+Philox stream, so that `dequantize` (q / s + m) is unbiased. Each direction is one
 generated row kernel (ops/gact/gact.mlir: a group is a row). Bool tensors (dropout masks) are
 packed to 1 bit, exactly, and a ReLU's output also keeps its support (x > 0) at 1 bit.
 
@@ -472,7 +472,7 @@ def group_layout(n: int, bits: int, group_size: int, dtype: torch.dtype) -> Tupl
 
 
 def dequantize(c: CompressedTensor) -> torch.Tensor:
-    """The tensor `c` stands for: q * (1 / s) + m per element (exact for a mask); contiguous, c's shape."""
+    """The tensor `c` stands for: q / s + m per element (exact for a mask); contiguous, c's shape."""
     if not isinstance(c, CompressedTensor):
         raise TypeError(f"c: expected an abp.compress.CompressedTensor, got {type(c).__name__}")
     _check_consistent(c)

@@ -47,7 +47,8 @@ abp.operator @q forward {
 
 // quantize_groups: per-row min and max, the scale s = (2^b - 1) / (M - m + 2e-6) (NaN unless
 // M - m is finite), Philox draws, q = min(floor((x - m) * s + u), 2^b - 1) as i8, then pack.
-// dequantize_groups: unpack, broadcast m and 1 / s, q * (1 / s) + m.
+// dequantize_groups: unpack, broadcast m / 2 and 0.5 / s, (q * (0.5 / s) + m / 2) * 2
+// (in halves: a range near the largest float would overflow q / s).
 // CHECK-LABEL: abp.operator @g
 // CHECK: %[[MIN:.*]] = abp.reduce_rows min %[[X:.*]] : tensor<?x?xf32> -> tensor<?xf32>
 // CHECK: %[[MAX:.*]] = abp.reduce_rows max %[[X]] : tensor<?x?xf32> -> tensor<?xf32>
@@ -72,12 +73,17 @@ abp.operator @q forward {
 // CHECK: abp.pack %{{.*}} : tensor<?x?xi8> -> !abp.codes<4>
 // CHECK: } backward {
 // CHECK: abp.unpack %{{.*}} : !abp.codes<4> -> tensor<?x?xi8>
-// The division happens once per row: 1 / s, then q * (1 / s) + m per element.
+// The division happens once per row: 0.5 / s, and m / 2; then (q * (0.5 / s) + m / 2) * 2 per element.
 // CHECK: abp.map(%{{.*}}) : (tensor<?xf32>) -> tensor<?xf32>
-// CHECK: arith.divf
+// CHECK: arith.constant 5.000000e-01 : f32
+// CHECK-NEXT: arith.divf
+// CHECK: abp.map(%{{.*}}) : (tensor<?xf32>) -> tensor<?xf32>
+// CHECK: arith.mulf
 // CHECK: arith.uitofp
 // CHECK-NEXT: arith.mulf
 // CHECK-NEXT: arith.addf
+// CHECK-NEXT: arith.constant 2.000000e+00 : f32
+// CHECK-NEXT: arith.mulf
 abp.operator @g forward {
 ^bb0(%x: tensor<?x?xf32>, %seed: i64, %offset: i64):
   %c, %m, %s = abp.quantize_groups %x, %seed, %offset
