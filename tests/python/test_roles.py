@@ -117,6 +117,40 @@ def test_blocks_are_the_children_of_a_layer_stack() -> None:
     mixed = nn.Sequential(FusedAttention(8), Layer(8), nn.Linear(8, 8))  # a network, not a stack
     assert _roles.blocks(mixed) == []
     assert _roles.blocks(nn.Sequential(nn.Linear(8, 8), nn.GELU())) == []
+    # A CNN's stem and last stage around its repeated blocks (rexnet, torchvision's MobileNet):
+    # the repeated class's children are the blocks; with no stack found the whole model was one
+    # block, and recipe sampled sampled the classifier head.
+    cnn_like = nn.Sequential(FusedAttention(8), Layer(8), Layer(8), Layer(8), nn.Sequential(nn.Linear(8, 8)))
+    assert _roles.blocks(cnn_like) == ["1", "2", "3"]
+    tie = nn.Sequential(FusedAttention(8), FusedAttention(8), Layer(8), Layer(8))
+    assert _roles.blocks(tie) == []
+
+
+class _Stem(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.proj(x))
+
+
+class _Classifier(nn.Module):
+    """A stem, repeated blocks and a different last module in one Sequential, then a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(_Stem(), Layer(8), Layer(8), nn.Sequential(nn.LayerNorm(8)))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean(1))
+
+
+def test_the_head_after_a_cnn_like_stack_stays_exact() -> None:
+    torch.manual_seed(0)
+    got = _sampled(_Classifier(), example_inputs=_example())
+    assert got == [f"features.{i}.{n}" for i in (1, 2) for n in ("mixer.mix_out", "narrow", "widen")]
 
 
 def test_projections_are_found_by_what_they_compute() -> None:

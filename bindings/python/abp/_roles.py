@@ -11,8 +11,10 @@ through a softmax or a top-k). Heads, poolers and embeddings outside the blocks 
 This module finds those roles from a recorded call (``abp._structure``), not from names:
 
 - *blocks* are the non-leaf children of an ``nn.ModuleList``, or of an ``nn.Sequential`` whose
-  non-leaf children share one class (transformers' and timm's layer stacks); a linear map belongs
-  to the outermost block around it. A model without such a stack is one block.
+  non-leaf children share one class (transformers' and timm's layer stacks), or, where they do
+  not, those of the one class that repeats most (a CNN's bottlenecks between its stem and its
+  last convolution); a linear map belongs to the outermost block around it. A model without such
+  a stack is one block.
 - a linear map (or a module around it inside its block, such as a LoRA wrapper, but not one that
   holds a norm that ran: its output is past that norm) *scores* when its output reaches, inside the block, a product of two activations (``matmul``, ``bmm``, ``einsum``,
   ``scaled_dot_product_attention``...) or a ``softmax`` / ``topk`` before it reaches a norm or
@@ -22,7 +24,8 @@ This module finds those roles from a recorded call (``abp._structure``), not fro
 from __future__ import annotations
 
 import re
-from typing import Dict, List, Optional, Set
+from collections import Counter
+from typing import Dict, List, Optional, Set, Tuple
 
 from torch import nn
 from torch.nn.utils import parametrize
@@ -59,15 +62,27 @@ def blocks(model: nn.Module) -> List[str]:
         if not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
         children = [(n, c) for n, c in module.named_children() if not _leaf(c)]
+        if isinstance(module, nn.Sequential):
+            children = _repeated(children)
         if not children:
-            continue
-        if isinstance(module, nn.Sequential) and len({type(c) for _, c in children}) != 1:
             continue
         for child_name, _ in children:
             full = f"{name}.{child_name}" if name else child_name
             if not any(full == b or full.startswith(b + ".") for b in found):
                 found.append(full)
     return found
+
+
+def _repeated(children: List[Tuple[str, nn.Module]]) -> List[Tuple[str, nn.Module]]:
+    """The children of a Sequential that are its repeated blocks: all of them where they share one
+    class; else those of the one class that occurs most often, at least twice (a CNN's stem and
+    final convolution around its repeated bottlenecks: rexnet's `features`, torchvision's
+    MobileNet); none where no class repeats (a network of distinct parts, not a stack)."""
+    counts = Counter(type(c) for _, c in children)
+    if len(counts) <= 1:
+        return children
+    (top, n), (_, second) = counts.most_common(2)
+    return [(name, c) for name, c in children if type(c) is top] if n >= 2 and n > second else []
 
 
 def _inside(name: str, block: str) -> bool:
