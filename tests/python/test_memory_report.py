@@ -131,8 +131,24 @@ def test_argument_errors():
         abp.memory.report(lambda t: t, x)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="baseline: expected a torch.nn.Module or None"):
         abp.memory.report(nn.Linear(2, 2), x, baseline="original")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="inputs: expected a tensor or a tuple of positional arguments, got dict"):
+    with pytest.raises(TypeError, match=r"inputs: expected a tensor or a tuple of positional arguments, got dict "
+                                         r"\(keyword arguments go in kwargs=\)"):
         abp.memory.report(nn.Linear(2, 2), {"x": x})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="kwargs: expected a mapping of argument names to values, got tuple"):
+        abp.memory.report(nn.Linear(2, 2), kwargs=(x,))  # type: ignore[arg-type]
+
+
+def test_keyword_arguments_are_passed_and_counted_as_positional_ones():
+    # A vision-language model's call needs input_ids, pixel_values and more by name (Qwen2-VL's
+    # mm_token_type_ids is its 12th positional argument); report took positional ones alone.
+    model = TwoInputs()
+    x, y = torch.randn(3, 8, requires_grad=True), torch.randn(3, 8, requires_grad=True)
+    by_position = abp.memory.report(model, (x, y), baseline=TwoInputs())
+    by_name = abp.memory.report(model, kwargs={"y": y, "x": x}, baseline=TwoInputs())
+    mixed = abp.memory.report(model, x, kwargs={"y": y})
+    assert by_name.per_module == by_position.per_module == mixed.per_module
+    assert by_name.baseline_total_bytes == by_position.baseline_total_bytes
+    assert x.grad is None and y.grad is None, "the inputs' .grad is left as it was"
 
 
 def test_counters_see_what_compress_saved_keeps_instead():

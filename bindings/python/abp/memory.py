@@ -1,6 +1,7 @@
 """Counts the bytes autograd saves for backward (saved_tensors_hooks), deduplicated by storage."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
@@ -218,15 +219,16 @@ def _innermost_module_tags(model: torch.nn.Module, counter: SavedTensorsCounter)
     return handles
 
 
-def _grad_leaves(model: torch.nn.Module, inputs: Tuple[Any, ...]) -> List[torch.Tensor]:
+def _grad_leaves(model: torch.nn.Module, inputs: Sequence[Any]) -> List[torch.Tensor]:
     """Tensors whose ``.grad`` backward may write: the model's parameters and the leaf inputs."""
     leaves = list(model.parameters())
     leaves += [t for t in inputs if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad]
     return leaves
 
 
-def _measure(model: torch.nn.Module, inputs: Tuple[Any, ...], loss_fn: Optional[Callable[[Any], torch.Tensor]]) -> Tuple[int, Dict[str, int]]:
-    """(total, per module) bytes saved by one forward of ``model(*inputs)``; runs backward to free them.
+def _measure(model: torch.nn.Module, inputs: Tuple[Any, ...], kwargs: Dict[str, Any],
+             loss_fn: Optional[Callable[[Any], torch.Tensor]]) -> Tuple[int, Dict[str, int]]:
+    """(total, per module) bytes saved by one forward of ``model(*inputs, **kwargs)``; runs backward to free them.
 
     ``.grad`` of the parameters and inputs is restored afterwards: a report must not disturb training.
     """
@@ -234,14 +236,14 @@ def _measure(model: torch.nn.Module, inputs: Tuple[Any, ...], loss_fn: Optional[
     handles = _innermost_module_tags(model, counter)
     # Kept by the module anyway, whether or not autograd also saves them.
     kept = model_storages(model)
-    leaves = _grad_leaves(model, inputs)
+    leaves = _grad_leaves(model, [*inputs, *kwargs.values()])
     grads = [t.grad for t in leaves]
     for t in leaves:  # backward would otherwise accumulate into the existing .grad tensors in place
         t.grad = None
     try:
         counter.tag = ""
         with counter:
-            output = model(*inputs)
+            output = model(*inputs, **kwargs)
         loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
         if isinstance(loss, torch.Tensor) and loss.requires_grad:
             loss.backward()
@@ -273,16 +275,19 @@ def _default_loss(output: Any) -> torch.Tensor:
 
 def report(
     model: torch.nn.Module,
-    inputs: Union[torch.Tensor, Sequence[Any]],
+    inputs: Union[torch.Tensor, Sequence[Any]] = (),
     *,
+    kwargs: Optional[Mapping[str, Any]] = None,
     baseline: Optional[torch.nn.Module] = None,
     loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
 ) -> MemoryReport:
-    """Runs one forward and backward of ``model(*inputs)`` and reports the bytes saved for backward
-    per module, each storage counted once (``MemoryReport``). ``baseline`` (e.g. the model before
-    ``abp.convert``) is measured the same way on the same inputs. The loss is ``loss_fn(output)``,
-    by default the sum of the output(s) in float32; backward only frees what forward saved: the
-    ``.grad`` of parameters and inputs is left as it was.
+    """Runs one forward and backward of ``model(*inputs, **kwargs)`` and reports the bytes saved for
+    backward per module, each storage counted once (``MemoryReport``). ``kwargs``: keyword
+    arguments of the call (a transformers model's ``input_ids``, ``pixel_values``, ...), as
+    ``abp.convert``'s ``example_kwargs``. ``baseline`` (e.g. the model before ``abp.convert``) is
+    measured the same way on the same inputs. The loss is ``loss_fn(output)``, by default the sum
+    of the output(s) in float32; backward only frees what forward saved: the ``.grad`` of
+    parameters and inputs is left as it was.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -293,9 +298,15 @@ def report(
     elif isinstance(inputs, (tuple, list)):
         args = tuple(inputs)
     else:
-        raise TypeError(f"inputs: expected a tensor or a tuple of positional arguments, got {type(inputs).__name__}")
-    total, per_module = _measure(model, args, loss_fn)
+        hint = " (keyword arguments go in kwargs=)" if isinstance(inputs, Mapping) else ""
+        raise TypeError(f"inputs: expected a tensor or a tuple of positional arguments, got {type(inputs).__name__}{hint}")
+    if kwargs is None:
+        kwargs = {}
+    elif not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise TypeError(f"kwargs: expected a mapping of argument names to values, got {type(kwargs).__name__}")
+    named = dict(kwargs)
+    total, per_module = _measure(model, args, named, loss_fn)
     if baseline is None:
         return MemoryReport(total, per_module)
-    base_total, base_per_module = _measure(baseline, args, loss_fn)
+    base_total, base_per_module = _measure(baseline, args, named, loss_fn)
     return MemoryReport(total, per_module, base_total, base_per_module)
