@@ -6,7 +6,7 @@ The architectures people train are checked in test_models.py."""
 from __future__ import annotations
 
 import math
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import pytest
 import torch
@@ -410,3 +410,37 @@ def test_a_module_holding_the_attention_and_a_norm_does_not_speak_for_its_output
     torch.manual_seed(0)
     got = _sampled(NormAttentionNormNet(), example_inputs=_example())
     assert got == ["blocks.0.norm_attn_norm.attn.mix_out", "blocks.1.norm_attn_norm.attn.mix_out"]
+
+
+class _TwoTowers(nn.Module):
+    """A text stack and an image stack; the image stack runs only when images are passed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text = nn.ModuleList([Layer(4), Layer(4)])
+        self.vision = nn.ModuleList([Layer(4), Layer(4)])
+
+    def forward(self, x: torch.Tensor, images: Optional[torch.Tensor] = None) -> torch.Tensor:
+        for layer in self.text:
+            x = layer(x)
+        if images is not None:
+            for layer in self.vision:
+                images = layer(images)
+            x = x + images.mean(1, keepdim=True)
+        return x
+
+
+def test_blocks_the_example_never_ran_are_named_and_stay_exact() -> None:
+    # LLaVA converted with an example without pixel_values: no line said that the vision tower's
+    # linear maps were left exact.
+    torch.manual_seed(0)
+    _, changes = abp.convert(_TwoTowers(), "sampled", example_inputs=(_example(),))
+    sampled = sorted(c.module for c in changes if c.action == "replaced")
+    assert sampled and all(name.startswith("text.") for name in sampled)
+    notes = [c.detail for c in changes if c.action == "refused"]
+    assert notes == ["recipe sampled: the example call did not run 2 block(s) holding linear maps (`vision.0`, "
+                     "`vision.1`), whose roles it therefore cannot tell: they stay exact; give an example that runs "
+                     "them (every input the model takes, e.g. its images as well) or layers=[...]"]
+    _, changes = abp.convert(_TwoTowers(), "sampled", example_inputs=(_example(), _example()))
+    assert not [c for c in changes if c.action == "refused"]
+    assert {c.module.split(".")[0] for c in changes if c.action == "replaced"} == {"text", "vision"}

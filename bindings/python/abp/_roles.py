@@ -33,7 +33,7 @@ from torch.nn.utils import parametrize
 from ._recognise import LinearMap, Norm, is_leaf
 from ._structure import Structure
 
-__all__ = ["blocks", "sampled_linear_maps"]
+__all__ = ["blocks", "idle_blocks", "sampled_linear_maps"]
 
 #: Functions whose result mixes two activations multiplicatively (attention scores, the weighted sum).
 _PRODUCTS = {"matmul", "__matmul__", "__rmatmul__", "bmm", "baddbmm", "einsum", "scaled_dot_product_attention",
@@ -177,6 +177,22 @@ def sampled_linear_maps(model: nn.Module, structure: Structure, recognised: Dict
             continue
         chosen[name] = f"in block `{block}`" if block else "in the model (no layer stack found)"
     return {**chosen, **_like_chosen(modules, linear - set(first), chosen)}
+
+
+def idle_blocks(model: nn.Module, structure: Structure, recognised: Dict[int, object], chosen: Dict[str, str]) -> List[str]:
+    """The blocks the call never entered that hold a linear map none of `chosen` (what
+    sampled_linear_maps chose) stands for: what their maps do is unknown, so they stay exact (a
+    vision tower that an example without pixel values never runs)."""
+    modules = dict(model.named_modules())
+    ran = {event.module for event in structure.events if event.module is not None}
+    idle = []
+    for block in blocks(model):
+        if any(_inside(n, block) for n in ran):
+            continue
+        if any(_inside(n, block) and n not in chosen and isinstance(recognised.get(id(m)), LinearMap)
+               for n, m in modules.items()):
+            idle.append(block)
+    return idle
 
 
 def _pattern(name: str) -> str:

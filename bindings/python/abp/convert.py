@@ -48,7 +48,7 @@ from . import (_compiled_saves, _composition, _custom_ops, _dataflow, _derived, 
                autograd, compress, sampling)
 from . import nn as abp_nn
 from ._recognise import Activation, LinearMap, Norm, Unknown
-from ._roles import sampled_linear_maps as _roles_of
+from ._roles import idle_blocks as _idle_blocks, sampled_linear_maps as _roles_of
 
 __all__ = ["Change", "CompressSavedHooks", "convert", "RECIPES", "SAMPLED_LAYERS"]
 
@@ -623,8 +623,9 @@ def _sample_one(model: nn.Module, name: str, module: nn.Module, spec: LinearMap,
 
 
 def _convert_sampled_by_role(model: nn.Module, options: Dict[str, Any], recognised: Dict[int, Any],
-                             roles: Dict[str, str], source: str) -> List[Change]:
-    """Samples the trainable linear maps abp._roles chose (found in the call `source` names)."""
+                             roles: Dict[str, str], source: str, idle: List[str]) -> List[Change]:
+    """Samples the trainable linear maps abp._roles chose (found in the call `source` names); says
+    which blocks holding linear maps that call never ran (`idle`), whose maps stay exact."""
     modules = dict(model.named_modules())
     paths = _paths(model)
     changes: List[Change] = []
@@ -645,6 +646,12 @@ def _convert_sampled_by_role(model: nn.Module, options: Dict[str, Any], recognis
     if frozen:
         changes.append(Change("", "refused", f"recipe sampled: {frozen} frozen linear map(s) in attention-output or "
                               "feed-forward position kept (their weight needs no gradient: nothing to sample)"))
+    if idle:
+        shown = ", ".join(f"`{b}`" for b in idle[:3]) + (f" and {len(idle) - 3} more" if len(idle) > 3 else "")
+        changes.append(Change("", "refused", f"recipe sampled: {source} did not run {len(idle)} block(s) holding "
+                              f"linear maps ({shown}), whose roles it therefore cannot tell: they stay exact; give "
+                              "an example that runs them (every input the model takes, e.g. its images as well) "
+                              "or layers=[...]"))
     if not roles:
         changes.append(Change("", "refused", f"recipe sampled: {source} ran no linear map in attention-output or "
                               "feed-forward position (abp._roles); pass layers=[...] to choose them by name"))
@@ -999,9 +1006,10 @@ def _norm_names(model: nn.Module, recognised: Dict[int, Any]) -> List[str]:
 
 
 def _roles(model: nn.Module, recognised: Dict[int, Any], structure: Optional[_structure.Structure]
-           ) -> Optional[Tuple[Dict[str, str], str]]:
+           ) -> Optional[Tuple[Dict[str, str], str, List[str]]]:
     """For recipe "sampled" with layers=None: the linear maps to sample, found from the example call's
-    `structure`, or from the model's own dummy call; None where neither ran (names are used then)."""
+    `structure`, or from the model's own dummy call, that call, and the blocks holding linear maps
+    it never ran; None where neither ran (names are used then)."""
     source = "the example call"
     if structure is None:
         call = _dummy_call(model)
@@ -1012,7 +1020,8 @@ def _roles(model: nn.Module, recognised: Dict[int, Any], structure: Optional[_st
         except Exception:  # the model's dummy call does not fit this configuration: fall back to names
             return None
         source = "the model's dummy_inputs call"
-    return _roles_of(model, structure, recognised), source
+    chosen = _roles_of(model, structure, recognised)
+    return chosen, source, _idle_blocks(model, structure, recognised, chosen)
 
 
 def _convert_lowmembp(
