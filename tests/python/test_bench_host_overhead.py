@@ -71,3 +71,17 @@ def test_the_timed_sampled_layer_plans_and_the_timed_block_compresses() -> None:
         loss = block(batch).sum()
     loss.backward()
     assert compressing.stats["compressed"] > 0
+
+
+def test_profile_names_where_a_rows_host_time_goes(capsys) -> None:
+    library_or_skip()
+    host_overhead.profile("ReGELU2", calls=3, top=5)
+    out = capsys.readouterr().out
+    assert "== ReGELU2: Python functions by own time, 3 calls" in out
+    assert "== ReGELU2: torch ops by self CPU time, 3 calls" in out
+    try:
+        host_overhead.abp_step("no such row")
+    except SystemExit as e:
+        assert "no row named 'no such row'" in str(e) and "ReGELU2" in str(e)
+    else:
+        raise AssertionError("an unknown row was accepted")
