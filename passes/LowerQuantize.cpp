@@ -146,7 +146,8 @@ void lowerQuantizeGroups(QuantizeGroupsOp op) {
 /// in halves: a row whose range is near the largest float (a finite mask, -3.4e38, beside scores)
 /// has q / s near it, which overflowed to inf (and 1 / s too, s being subnormal) although m + q / s
 /// is finite. Halving and doubling are exact, so every other row decodes to the bits of
-/// q * (1 / s) + m (a subnormal m may differ by its last bit). A row whose maximum is itself the
+/// q * (1 / s) + m, except where |m| < 2^-125, whose half rounds (a last-bit difference; a
+/// constant row of such values then decodes to a neighbour of its value). A row whose maximum is itself the
 /// largest float may still decode its top code one rounding above it, to inf: bounding that needs
 /// the compute type's largest value, which a constant of the IR cannot name for every type.
 void lowerDequantizeGroups(DequantizeGroupsOp op) {

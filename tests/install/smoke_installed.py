@@ -70,7 +70,7 @@ for _ in range(20):
         loss = torch.nn.functional.cross_entropy(model(data), target)
         loss.backward()
     opt.step()
-    losses.append(float(loss))
+    losses.append(float(loss.detach()))
 assert losses[-1] < losses[0], losses
 
 # Run-time IR compilation through the installed compiler library and device header.
@@ -142,7 +142,10 @@ if on_gpu:
     if pip_nvrtc:
         assert str(pip_nvrtc[0].resolve()) in maps or str(pip_nvrtc[0]) in maps, "NVRTC was not the wheel's"
     assert "libnvrtc" in maps, "a CUDA op ran with no NVRTC loaded"
-    model_gpu = model.cuda()
+    torch.manual_seed(0)  # a fresh model: the CPU steps above have already fitted `model`
+    model_gpu, _ = abp.convert(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32),
+                                                   torch.nn.Linear(32, 4)), recipe="lowmembp")
+    model_gpu = model_gpu.cuda()
     opt = torch.optim.SGD(model_gpu.parameters(), lr=0.1)
     data_gpu, target_gpu = data.cuda(), target.cuda()
     gpu_losses = []
@@ -152,7 +155,7 @@ if on_gpu:
             loss = torch.nn.functional.cross_entropy(model_gpu(data_gpu), target_gpu)
             loss.backward()
         opt.step()
-        gpu_losses.append(float(loss))
+        gpu_losses.append(float(loss.detach()))
     assert gpu_losses[-1] < gpu_losses[0], gpu_losses
 print(f"installed abp {abp.version()} from {package}: ok"
       f" (torch {torch.__version__}; NVRTC from a wheel: {bool(pip_nvrtc)}; GPU: {on_gpu};"

@@ -177,29 +177,50 @@ def test_convert_of_a_compiled_model_converts_its_module_and_compiles_the_result
     assert converted._orig_mod[1].weight.grad is not None
 
 
+@pytest.mark.parametrize("where", ["model", "layers"])
 @pytest.mark.parametrize("inplace", [False, True])
-def test_convert_of_a_module_compiled_in_place_runs_eagerly_and_returns_it_compiled(inplace):
+def test_convert_of_modules_compiled_in_place_runs_eagerly_and_returns_them_compiled(inplace, where):
     # model.compile() (nn.Module.compile) stores the compiled call on the module itself: convert ran
     # its example and probes through dynamo, and its copy (deepcopy drops the compiled call) came
-    # back uncompiled without a word.
+    # back uncompiled without a word; so did each layer compiled on its own (torch's advice for
+    # large models).
     import torch._dynamo
     from abp.convert import _dynamo_context
 
     x = torch.randn(8, 32)
     plain, plain_changes = abp.convert(_block(), "lowmembp", example_inputs=(x,))
     model = _block()
-    model.compile(backend="eager", dynamic=False)
-    context = _dynamo_context(model._compiled_call_impl)
-    assert context is not None
+    compiled = [model] if where == "model" else list(model)
+    for module in compiled:
+        module.compile(backend="eager", dynamic=False)
+    contexts = [_dynamo_context(m._compiled_call_impl) for m in compiled]
+    assert None not in contexts
     converted, changes = _convert_counting_graphs(model, inplace, x)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0  # nothing traced while converting
     assert (converted is model) == inplace and changes == plain_changes
     assert isinstance(converted[2], abp.nn.GELU)
-    assert converted._compiled_call_impl is not None and _dynamo_context(converted._compiled_call_impl) is context
+    # Every compiled module convert kept is compiled by its context (the replaced GELU is abp's).
+    kept = [converted] if where == "model" else [converted[i] for i in (1, 3)]
+    want = contexts if where == "model" else [contexts[i] for i in (1, 3)]
+    assert [_dynamo_context(m._compiled_call_impl) for m in kept] == want
     if not inplace:  # the original is untouched and still compiled
-        assert isinstance(model[2], torch.nn.GELU) and model._compiled_call_impl is not None
+        assert isinstance(model[2], torch.nn.GELU) and all(m._compiled_call_impl is not None for m in compiled)
     y = converted(x)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # and it runs compiled
     assert torch.equal(y, plain(x))
     y.sum().backward()
     assert converted[1].weight.grad is not None
+
+
+def test_a_module_compiled_with_compile_disabled_stays_uncompiled_without_a_warning():
+    import warnings
+
+    model = _block()
+    model.compile(disable=True)
+    x = torch.randn(8, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        converted, _ = abp.convert(model, "lowmembp", example_inputs=(x,))
+    assert converted is not model and getattr(converted, "_compiled_call_impl", None) is None
+    plain, _ = abp.convert(_block(), "lowmembp", example_inputs=(x,))
+    assert torch.equal(converted(x), plain(x))

@@ -372,7 +372,8 @@ def test_a_group_spanning_nearly_every_float_decodes_finite_and_within_a_step(bi
     # An attention mask's finite -3.4e38 beside the scores (XGLM's eager attention saves that sum
     # for torch.maximum): q / s overflowed to inf at 1 and 2 bits (0.5 / s does not), and
     # 0 * inf gave NaN, so every gradient through the group was NaN. (A maximum that is the
-    # largest float itself may decode to inf: the ODS description of abp.dequantize_groups.)
+    # largest float itself may decode to inf: the ODS description of abp.dequantize_groups.) Only
+    # the minimum case failed before; the max / 2 case holds the top of the range finite.
     x = torch.randn(64, generator=torch.Generator().manual_seed(bits)) * 0.01
     x[::3] = extreme
     c = C.quantize(x, bits, 64, seed=5)

@@ -124,6 +124,10 @@ def test_blocks_are_the_children_of_a_layer_stack() -> None:
     assert _roles.blocks(cnn_like) == ["1", "2", "3"]
     tie = nn.Sequential(FusedAttention(8), FusedAttention(8), Layer(8), Layer(8))
     assert _roles.blocks(tie) == []
+    # Two plain containers are a stem and a head as often as two stages: not blocks; the stack
+    # inside the middle part is found on its own.
+    stem_body_head = nn.Sequential(nn.Sequential(nn.Linear(4, 8)), Net(), nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 3)))
+    assert _roles.blocks(stem_body_head) == ["1.stack.0", "1.stack.1"]
 
 
 class _Stem(nn.Module):
@@ -444,3 +448,20 @@ def test_blocks_the_example_never_ran_are_named_and_stay_exact() -> None:
     _, changes = abp.convert(_TwoTowers(), "sampled", example_inputs=(_example(), _example()))
     assert not [c for c in changes if c.action == "refused"]
     assert {c.module.split(".")[0] for c in changes if c.action == "replaced"} == {"text", "vision"}
+
+
+class _SkipsItsLastLayer(Net):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.stack[:-1]:
+            h = layer(h)
+        return self.readout(h)
+
+
+def test_a_block_sampled_like_the_ones_that_ran_is_not_called_idle() -> None:
+    # Its maps are sampled by analogy (as `stack.0...`): a note saying they stay exact would
+    # contradict the replaced lines.
+    torch.manual_seed(0)
+    _, changes = abp.convert(_SkipsItsLastLayer(layers=3), "sampled", example_inputs=(_example(),))
+    assert {c.module for c in changes if c.action == "replaced" and c.module.startswith("stack.2.")}
+    assert not [c for c in changes if c.action == "refused"]

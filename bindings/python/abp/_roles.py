@@ -73,16 +73,26 @@ def blocks(model: nn.Module) -> List[str]:
     return found
 
 
+#: Containers that say nothing about what their children compute: in a Sequential of mixed
+#: classes, two of them are a stem and a head as often as two stages.
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
 def _repeated(children: List[Tuple[str, nn.Module]]) -> List[Tuple[str, nn.Module]]:
     """The children of a Sequential that are its repeated blocks: all of them where they share one
-    class; else those of the one class that occurs most often, at least twice (a CNN's stem and
-    final convolution around its repeated bottlenecks: rexnet's `features`, torchvision's
-    MobileNet); none where no class repeats (a network of distinct parts, not a stack)."""
+    class; else those of the one class that occurs most often, at least twice, that is no plain
+    container (a CNN's stem and final convolution around its repeated bottlenecks: rexnet's
+    `features`, torchvision's MobileNetV2); none where no such class repeats (a network of
+    distinct parts, not a stack: stacks inside its parts are found on their own)."""
     counts = Counter(type(c) for _, c in children)
     if len(counts) <= 1:
         return children
-    (top, n), (_, second) = counts.most_common(2)
-    return [(name, c) for name, c in children if type(c) is top] if n >= 2 and n > second else []
+    ranked = counts.most_common()
+    top, n = ranked[0]
+    second = ranked[1][1]
+    if n < 2 or n == second or issubclass(top, _CONTAINERS):
+        return []
+    return [(name, c) for name, c in children if type(c) is top]
 
 
 def _inside(name: str, block: str) -> bool:
@@ -180,17 +190,16 @@ def sampled_linear_maps(model: nn.Module, structure: Structure, recognised: Dict
 
 
 def idle_blocks(model: nn.Module, structure: Structure, recognised: Dict[int, object], chosen: Dict[str, str]) -> List[str]:
-    """The blocks the call never entered that hold a linear map none of `chosen` (what
-    sampled_linear_maps chose) stands for: what their maps do is unknown, so they stay exact (a
-    vision tower that an example without pixel values never runs)."""
+    """The blocks the call never entered that hold a linear map, none of which `chosen` (what
+    sampled_linear_maps chose) samples by analogy with a block that ran: what their maps do is
+    unknown, so they stay exact (a vision tower that an example without pixel values never runs)."""
     modules = dict(model.named_modules())
     ran = {event.module for event in structure.events if event.module is not None}
     idle = []
     for block in blocks(model):
-        if any(_inside(n, block) for n in ran):
+        if any(_inside(n, block) for n in ran) or any(_inside(n, block) for n in chosen):
             continue
-        if any(_inside(n, block) and n not in chosen and isinstance(recognised.get(id(m)), LinearMap)
-               for n, m in modules.items()):
+        if any(_inside(n, block) and isinstance(recognised.get(id(m)), LinearMap) for n, m in modules.items()):
             idle.append(block)
     return idle
 

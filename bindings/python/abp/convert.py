@@ -1097,28 +1097,50 @@ def _dynamo_context(compiled_call: Callable[..., Any]) -> Optional[Callable[[Cal
     return None
 
 
-def _convert_compiled_in_place(model: nn.Module, compiled_call: Callable[..., Any], recipe: Any, inplace: bool,
+def _compiled_in_place(model: nn.Module) -> Dict[str, Callable[..., Any]]:
+    """The modules of `model` (itself included, as "") compiled in place by their own .compile()
+    (torch >= 2.2; per layer, as torch advises for large models), by name: their compiled calls."""
+    return {name: call for name, module in model.named_modules()
+            if (call := getattr(module, "_compiled_call_impl", None)) is not None}
+
+
+def _convert_compiled_in_place(model: nn.Module, compiled: Dict[str, Callable[..., Any]], recipe: Any, inplace: bool,
                                example_inputs: Any, example_kwargs: Any,
                                overrides: Dict[str, Any]) -> Tuple[nn.Module, List[Change]]:
-    """convert of a module compiled by its own .compile(): converted with the compiled call set aside
-    (the example and the probes run eagerly, as for torch.compile's wrapper), which is then put
-    back, or, on a copy (deepcopy drops it), made again by the same context; a context this torch
-    hides is replaced by .compile()'s defaults, with a warning."""
-    model._compiled_call_impl = None
+    """convert of a model with modules compiled by their own .compile(): converted with every
+    compiled call set aside (the example and the probes run eagerly, as for torch.compile's
+    wrapper), which are then put back, or, on a copy (deepcopy drops them), made again for the
+    module of the same name by the same context. A call made with compile(disable=True) is the
+    module's own: nothing to make again. A context this torch hides is replaced by .compile()'s
+    defaults, with a warning; a module that convert replaced is not compiled again (its
+    replacement is abp's)."""
+    modules = dict(model.named_modules())
+    for name in compiled:
+        modules[name]._compiled_call_impl = None
     try:
         converted, changes = convert(model, recipe, inplace=inplace, example_inputs=example_inputs,
                                      example_kwargs=example_kwargs, **overrides)
     finally:
-        model._compiled_call_impl = compiled_call
-    if converted is not model:
-        context = _dynamo_context(compiled_call)
+        for name, call in compiled.items():
+            modules[name]._compiled_call_impl = call
+    if converted is model:
+        return converted, changes
+    copies = dict(converted.named_modules())
+    hidden = []
+    for name, call in compiled.items():
+        copy_of = copies.get(name)
+        if copy_of is None or type(copy_of) is not type(modules[name]) or getattr(call, "__self__", None) is modules[name]:
+            continue
+        context = _dynamo_context(call)
         if context is not None:
-            converted._compiled_call_impl = context(converted._call_impl)
+            copy_of._compiled_call_impl = context(copy_of._call_impl)
         else:
-            warnings.warn("abp.convert: the model was compiled with .compile(), whose options this torch does not "
-                          "expose; the converted copy is compiled with .compile()'s defaults (call .compile(...) "
-                          "on it again for others)", stacklevel=3)
-            converted.compile()
+            hidden.append(name or type(model).__name__)
+            copy_of.compile()
+    if hidden:
+        warnings.warn(f"abp.convert: {', '.join(hidden)} was compiled with .compile(), whose options this torch does not "
+                      "expose; the converted copy is compiled with .compile()'s defaults (call .compile(...) on it "
+                      "again for others)", stacklevel=3)
     return converted, changes
 
 
@@ -1144,8 +1166,8 @@ def convert(
     ``bits`` 1 or 2 raise ValueError) of ``compress_saved``.
     With ``inplace=False`` (default) the model is deep-copied first, so the original stays usable
     as a baseline. A ``torch.compile``'d model is converted through the module it wraps (the example
-    runs eagerly) and comes back compiled the same way; so is a module compiled in place by its own
-    ``.compile()``.
+    runs eagerly) and comes back compiled the same way; so do modules compiled in place by their own
+    ``.compile()`` (the model, or each of its layers).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -1156,10 +1178,9 @@ def convert(
         converted, changes = convert(inner, recipe, inplace=inplace, example_inputs=example_inputs,
                                      example_kwargs=example_kwargs, **overrides)
         return (model if converted is inner else type(model)(converted, model.dynamo_ctx)), changes
-    compiled_call = getattr(model, "_compiled_call_impl", None)  # nn.Module.compile() (torch >= 2.2)
-    if compiled_call is not None:
-        return _convert_compiled_in_place(model, compiled_call, recipe, inplace, example_inputs, example_kwargs,
-                                          overrides)
+    compiled = _compiled_in_place(model)
+    if compiled:
+        return _convert_compiled_in_place(model, compiled, recipe, inplace, example_inputs, example_kwargs, overrides)
     recipes = _recipes(recipe)
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace: expected True or False, got {inplace!r}")
