@@ -5,7 +5,8 @@ MobileNet's stems or wav2vec2's feature encoder) against 12 pre-norm residual ML
 transformer's layout): the relative error of the first layer's weight gradient,
 ‖g − g_exact‖ / ‖g_exact‖, and the gain ‖g‖ / ‖g_exact‖, for each replacement convert offers and
 for convert's own choice (`default`, without an example call: the 3-bit form where the
-activation's block holds a convolution or channel norm, the 2-bit one elsewhere).
+activation's block holds a convolution or channel norm, the 2-bit one elsewhere); Hardswish and
+Mish (`other_activations=` 2, 3 and 4 bits) beside them.
 
     python bench/activation_chains.py [--json out.json]
 
@@ -19,7 +20,7 @@ import json
 import platform
 import sys
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -63,6 +64,20 @@ def first_grad(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return first.weight.grad.flatten().clone()
 
 
+def _named(family: str, names: Tuple[str, ...]) -> List[Tuple[str, Dict[str, object]]]:
+    return [(name, {family: name}) for name in names] + [(f"{family} default", {})]
+
+
+def _bits(family: str) -> List[Tuple[str, Dict[str, object]]]:
+    return [(f"{family} {b}-bit", {"other_activations": b}) for b in (2, 3, 4)]
+
+
+#: Each activation and the replacements convert offers for it: (label, convert's overrides).
+_CHOICES = [(nn.SiLU, _named("silu", ("resilu2", "silu_b2", "silu_b3"))),
+            (nn.GELU, _named("gelu", ("regelu2", "gelu_b2", "gelu_b3"))),
+            (nn.Hardswish, _bits("hardswish")), (nn.Mish, _bits("mish"))]
+
+
 def measure() -> List[Dict[str, object]]:
     rows = []
     image = torch.randn(4, 16, 16, 16, generator=torch.Generator().manual_seed(1))
@@ -71,15 +86,13 @@ def measure() -> List[Dict[str, object]]:
              ("conv", conv_chain(None), image),
              ("pre-norm residual", residual_chain, torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(1)))]
     for chain, build, x in cases:
-        for family, act, choices in (("silu", nn.SiLU, ("resilu2", "silu_b2", "silu_b3", "default")),
-                                     ("gelu", nn.GELU, ("regelu2", "gelu_b2", "gelu_b3", "default"))):
+        for act, choices in _CHOICES:
             base = build(act)
             exact = first_grad(base, x)
-            for choice in choices:
-                chosen = {} if choice == "default" else {family: choice}
+            for label, chosen in choices:
                 model, _ = abp.convert(copy.deepcopy(base), "lowmembp", norms=False, **chosen)
                 g = first_grad(model, x)
-                rows.append({"chain": chain, "activation": choice if choice != "default" else f"{family} default",
+                rows.append({"chain": chain, "activation": label,
                              "relative_error": float((g - exact).norm() / exact.norm()),
                              "gain": float(g.norm() / exact.norm())})
     return rows
@@ -91,9 +104,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = measure()
-    print(f"{'chain':<18} {'activation':<13} {'rel. error':>10} {'gain':>6}")
+    print(f"{'chain':<18} {'activation':<16} {'rel. error':>10} {'gain':>6}")
     for r in rows:
-        print(f"{r['chain']:<18} {r['activation']:<13} {r['relative_error']:>10.3f} {r['gain']:>6.2f}")
+        print(f"{r['chain']:<18} {r['activation']:<16} {r['relative_error']:>10.3f} {r['gain']:>6.2f}")
     if args.json:
         args.json.write_text(json.dumps({"commit": commit_id(str(Path(__file__).resolve().parents[1])), "torch": torch.__version__, "machine": platform.machine(),
                                          "depth": DEPTH, "rows": rows}, indent=1) + "\n")

@@ -9,7 +9,9 @@
   as 8x8 images, classified by a plain CNN (12 Conv-BatchNorm-SiLU layers without residual paths,
   width 16, pooled into a Linear head): the layout where the 2-bit activations compound their
   derivative error. **digits-cnn-relu**: the same CNN with ReLU, whose backward reads its output
-  for the sign (compression keeps that sign exactly, a bit per element).
+  for the sign (compression keeps that sign exactly, a bit per element). **digits-cnn-hardswish**:
+  the same CNN with Hardswish (MobileNetV3's activation), which convert gives FewBit's k-bit
+  derivative (`other_activations`, 3 bits by default).
 * **charlm**: a byte-level language model of the Python standard library's own source (the
   interpreter's ``*.py`` files in sorted order; the first 600 kB to train, the next 60 kB to
   validate), with a LLaMA-style model (2 blocks, d 64, RMSNorm, rotary positions, causal
@@ -259,6 +261,16 @@ class TinyLlama(nn.Module):
 #: controller at an average width. A suffix turns a mechanism off to show what it prevents:
 #: "-no-rules" (compress_saved's op rules), "-no-recompute" (recomputing what cheap ops derive
 #: from stored tensors, fused attention's output and logsumexp included).
+#: The digits tasks' models.
+_DIGITS_MODELS: Dict[str, Callable[[], nn.Module]] = {
+    "digits": PatchTransformer, "digits-vit": TimmViT, "digits-cnn": DigitsCNN,
+    "digits-cnn-relu": functools.partial(DigitsCNN, act=nn.ReLU),
+    "digits-cnn-hardswish": functools.partial(DigitsCNN, act=nn.Hardswish),
+}
+
+#: Every task `train` knows.
+TASKS: Tuple[str, ...] = (*_DIGITS_MODELS, "charlm")
+
 SETTINGS = ("exact", "compress-8", "compress-4", "compress-2", "compress-4-no-recompute", "compress-2-no-recompute",
             "controller-4", "controller-2", "controller-2-no-recompute")
 
@@ -423,14 +435,14 @@ def _grad_norm(model: nn.Module) -> float:
 def train(task: str, setting: Setting, seed: int, *, steps: Optional[int] = None, log_every: int = 10,
           eval_every: Optional[int] = None, device: Union[str, torch.device] = "cpu",
           stdlib: Optional[Path] = None) -> Dict[str, Any]:
-    """Trains `task` ("digits", "digits-vit", "digits-cnn", "digits-cnn-relu" or "charlm") under `setting` (a name of SETTINGS or RECIPES, a
-    Recipe, or a callable giving the model a context factory for each step) from `seed`; returns
+    """Trains `task` (one of TASKS: "digits", "digits-vit", the digits CNNs, "charlm") under `setting`
+    (a name of SETTINGS or RECIPES, a Recipe, or a callable giving the model a context factory for each step) from `seed`; returns
     its metrics. With `eval_every`, result["curve"] holds [steps done, metric] at 0, every
     `eval_every` steps and at the end (evaluation draws no random numbers: the run is unchanged).
 
     digits: AdamW lr 1e-3, batch 64, `steps` (default 12 epochs = 276 steps); metric test accuracy.
-    digits-vit, digits-cnn: the same with timm's ViT (TimmViT) or a plain CNN (DigitsCNN) instead of
-    PatchTransformer.
+    digits-vit, digits-cnn(-relu, -hardswish): the same with timm's ViT (TimmViT) or a plain CNN
+    (DigitsCNN, with SiLU, ReLU or Hardswish) instead of PatchTransformer.
     charlm: AdamW lr 3e-3, batch 32 of 64 bytes, `steps` (default 600); metric validation loss
     (nats per byte) over 64 fixed windows.
 
@@ -441,10 +453,9 @@ def train(task: str, setting: Setting, seed: int, *, steps: Optional[int] = None
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(1000 + seed)  # batches
     extra = torch.Generator().manual_seed(2000 + seed)  # batches a setting draws (Task.draw)
-    if task in ("digits", "digits-vit", "digits-cnn", "digits-cnn-relu"):
+    if task in _DIGITS_MODELS:
         xtr, ytr, xte, yte = (t.to(device) for t in digits())
-        model: nn.Module = {"digits": PatchTransformer, "digits-vit": TimmViT, "digits-cnn": DigitsCNN,
-                            "digits-cnn-relu": functools.partial(DigitsCNN, act=nn.ReLU)}[task]().to(device)
+        model: nn.Module = _DIGITS_MODELS[task]().to(device)
         lr, batch, total = 1e-3, 64, steps if steps is not None else 276
 
         def batches() -> Any:
@@ -494,7 +505,7 @@ def train(task: str, setting: Setting, seed: int, *, steps: Optional[int] = None
             with torch.no_grad():
                 return {"val_loss": float(loss_of(model(val[:, :-1]), val[:, 1:]))}
     else:
-        raise ValueError(f"task: expected 'digits', 'digits-vit', 'digits-cnn', 'digits-cnn-relu' or 'charlm', got {task!r}")
+        raise ValueError(f"task: expected one of {', '.join(map(repr, TASKS))}, got {task!r}")
 
     example = xte[:8] if task != "charlm" else val[:4, :-1]
     spec = Task(task, model.Block, lambda b: loss_of(model(b[0]), b[1]), draw, example)

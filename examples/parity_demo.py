@@ -61,10 +61,11 @@ RECIPES = ("exact", "lowmembp", "fewbit-3", "compress-4", "compress-2", "control
            "vcas", "all")
 #: task -> (metric, +1 if higher is better, fixed tolerance, the combined recipe's, relative?)
 METRICS = {"digits": ("test_accuracy", +1, 0.003, 0.005, False), "digits-cnn": ("test_accuracy", +1, 0.003, 0.005, False),
-           "digits-cnn-relu": ("test_accuracy", +1, 0.003, 0.005, False), "charlm": ("val_loss", -1, 0.01, 0.01, True)}
+           "digits-cnn-relu": ("test_accuracy", +1, 0.003, 0.005, False),
+           "digits-cnn-hardswish": ("test_accuracy", +1, 0.003, 0.005, False), "charlm": ("val_loss", -1, 0.01, 0.01, True)}
 COMBINED = "all"
 #: The full comparison's steps (real_tasks' defaults).
-FULL_STEPS = {"digits": 276, "digits-cnn": 276, "digits-cnn-relu": 276, "charlm": 600}
+FULL_STEPS = {"digits": 276, "digits-cnn": 276, "digits-cnn-relu": 276, "digits-cnn-hardswish": 276, "charlm": 600}
 
 
 def _accuracy(task: str) -> bool:

@@ -8,8 +8,9 @@ training's seed spread (or 1 % of its mean), and so is the test accuracy (or 0.3
 ReSiLU2 forced the same runs end at a training loss 21 % above exact's, every seed above every
 exact seed (bench/results/parity-digits-cnn-cpu-2026-11-28-0301a2c.json, five seeds).
 
-Runs in the current-torch lane only (about 40 s on 2 cores for lowmembp, 2 minutes for the
-controller; torch 1.13's generic BLAS makes a step about 10x slower).
+The same CNN with Hardswish (FewBit 3-bit) meets the same target. Runs in the current-torch
+lane only (about 40 s on 2 cores for each lowmembp test, 2 minutes for the controller; torch
+1.13's generic BLAS makes a step about 10x slower).
 """
 from __future__ import annotations
 
@@ -57,6 +58,15 @@ def test_default_lowmembp_trains_a_batchnorm_silu_cnn_as_exact_training_does() -
     library_or_skip()
     converted = _runs("lowmembp")
     _within_exact_spread(_runs("exact"), converted)
+    assert all(r["divergence_warning"] is None for r in converted)
+
+
+def test_default_lowmembp_trains_a_batchnorm_hardswish_cnn_as_exact_training_does() -> None:
+    """digits-cnn-hardswish: the same CNN with MobileNetV3's Hardswish, which convert gives
+    FewBit's 3-bit derivative (other_activations); the same chain where its error compounds."""
+    library_or_skip()
+    converted = _runs("lowmembp", "digits-cnn-hardswish")
+    _within_exact_spread(_runs("exact", "digits-cnn-hardswish"), converted)
     assert all(r["divergence_warning"] is None for r in converted)
 
 

@@ -1505,7 +1505,8 @@ def test_relu_unknown_and_identity_like_activations():
         "2": "Tanh (Tanh) kept: torch's backward reads only its output, which the ops after it usually keep too (a gate's "
         "product does); abp.nn.Tanh(bits=...) stores k-bit codes of its input instead, for where nothing else keeps the output",
         "3": "QuickGELU not replaced: an elementwise activation that is none of GELU (erf or tanh form), SiLU, the ReLU family "
-        "(ReLU, LeakyReLU, ReLU6), Hardsigmoid, Sigmoid or Tanh",
+        "(ReLU, LeakyReLU, ReLU6), Hardsigmoid, Sigmoid, Tanh, or Hardswish, Mish, ELU/CELU (alpha 1), SELU, Softplus "
+        "(beta 1, threshold 20), LogSigmoid, Softsign, Tanhshrink",
     }
     assert not by_action(changes, "replaced")
     assert [type(m) for m in converted] == [type(m) for m in model]
@@ -1539,6 +1540,52 @@ def test_relu6_and_hardsigmoid_become_the_exact_one_bit_modules():
     assert_same_training_step(model, converted, x, atol=1e-6)
     report = abp.memory.report(converted, x, baseline=model)
     assert report.baseline_total_bytes is not None and report.total_bytes < report.baseline_total_bytes
+
+
+_FEWBIT_KINDS = [(nn.Hardswish, abp.nn.Hardswish), (nn.Mish, abp.nn.Mish), (nn.ELU, abp.nn.ELU), (nn.CELU, abp.nn.ELU),
+                 (nn.SELU, abp.nn.SELU), (nn.Softplus, abp.nn.Softplus), (nn.LogSigmoid, abp.nn.LogSigmoid),
+                 (nn.Softsign, abp.nn.Softsign), (nn.Tanhshrink, abp.nn.Tanhshrink)]
+
+
+@pytest.mark.parametrize("original,replacement", _FEWBIT_KINDS, ids=lambda c: c.__name__)
+def test_activations_with_a_fewbit_table_get_its_k_bit_derivative(original, replacement):
+    """MobileNetV3's Hardswish, CSPNet's Mish, ...: torch saves their input; the FewBit module
+    stores `other_activations` bits of it (3 by default), and its gradient is that table's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), original(), nn.Linear(16, 4))
+    x = torch.randn(64, 8) * 2
+    converted, changes = abp.convert(model, example_inputs=(x,))
+    assert type(converted[1]) is replacement and converted[1].bits == 3
+    kind = abp._recognise.recognise(original())
+    assert by_action(changes, "replaced")["1"] == f"{original.__name__} ({kind.kind}) -> {replacement.__name__} (FewBit 3-bit)"
+    reference = with_abp_activations(model, lambda m: replacement(bits=3) if type(m) is original else None)
+    assert_same_training_step(reference, converted, x, atol=1e-6)
+    torch.testing.assert_close(converted.eval()(x), model.eval()(x), rtol=1e-5, atol=1e-6)
+    two, _ = abp.convert(model, other_activations=2)
+    assert type(two[1]) is replacement and two[1].bits == 2
+    report = abp.memory.report(converted, x, baseline=model)
+    assert report.baseline_total_bytes is not None and report.total_bytes < report.baseline_total_bytes
+
+
+def test_other_activations_switched_off_and_checked():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Hardswish(), nn.Linear(8, 8), nn.GELU())
+    kept, changes = abp.convert(model, other_activations=None)
+    assert type(kept[1]) is nn.Hardswish and set(by_action(changes, "replaced")) == {"3"}
+    kept, _ = abp.convert(model, other_activations=False)  # False is None: off
+    assert type(kept[1]) is nn.Hardswish
+    for bad in (0, 5, 2.5, "3", True):
+        with pytest.raises(ValueError, match=r"other_activations: expected the bits of the FewBit derivative \(1, 2, 3 or 4\)"):
+            abp.convert(model, other_activations=bad)
+
+
+def test_an_explicit_other_activations_is_kept_under_compress():
+    """Under recipe compress a replacement that stores more than the compressed original is put
+    back, unless the caller chose it: other_activations= is such a choice, as gelu= is."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 512), nn.Hardswish(), nn.Linear(512, 16))
+    x = torch.randn(64, 16)
+    chosen, changes = abp.convert(model, ["lowmembp", "compress"], example_inputs=(x,), other_activations=4)
+    assert type(chosen[1]) is abp.nn.Hardswish and chosen[1].bits == 4
 
 
 def test_activations_switched_off():
@@ -1826,7 +1873,7 @@ def test_recipe_lists_and_all():
          "unknown override\\(s\\) nonsense for recipe\\(s\\) lowmembp; valid keywords are norms, fold, gelu, silu, leaky_relu"),
         ({"keep": 0.5}, TypeError, "unknown override\\(s\\) keep for recipe\\(s\\) lowmembp"),
         ({"recipe": "compress", "gelu": None}, TypeError, "unknown override\\(s\\) gelu for recipe\\(s\\) compress"),
-        ({"recipe": "all", "nonsense": 2}, TypeError, "valid keywords are norms, fold, gelu, silu, leaky_relu, method, keep, layers, bits, group_size, allow_low_bits"),
+        ({"recipe": "all", "nonsense": 2}, TypeError, "valid keywords are norms, fold, gelu, silu, leaky_relu, other_activations, method, keep, layers, bits, group_size, allow_low_bits"),
         ({"gelu": "gelu_b9"}, ValueError, "gelu: expected one of regelu2, gelu_b1"),
         ({"gelu": True}, TypeError, "gelu: expected one of regelu2, .* \\(a str\\) or None \\(off\\), got bool True"),
         ({"silu": 3}, TypeError, "silu: expected one of resilu2, .*got int 3"),

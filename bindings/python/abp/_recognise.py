@@ -5,9 +5,12 @@ GELUActivation / NewGELUActivation / T5LayerNorm / LlamaRMSNorm / Conv1D, timm's
 ``recognise`` runs a leaf module on random probes in float64 (and float32) and compares the result
 with the functions abp can replace:
 
-- activations (no parameters, no buffers): GELU in erf form, GELU in tanh form, SiLU, and the
-  ReLU family (ReLU, LeakyReLU, ReLU6) and Hardsigmoid, elementwise within 1e-6 relative in float64 and 1e-5 in float32;
-  any other deterministic elementwise function is reported as an unknown activation;
+- activations (no parameters, no buffers): GELU in erf form, GELU in tanh form, SiLU, the ReLU
+  family (ReLU, LeakyReLU, ReLU6), Hardsigmoid, Sigmoid, Tanh, and the smooth activations with a
+  FewBit table at torch's default parameters (Hardswish, Mish, ELU and CELU with alpha 1, SELU,
+  Softplus with beta 1 and threshold 20, LogSigmoid, Softsign, Tanhshrink), elementwise within
+  1e-6 relative in float64 and 1e-5 in float32; any other deterministic elementwise function
+  (QuickGELU, an ELU of another alpha) is reported as an unknown activation;
 - norms (one or two parameters of the same shape, the normalised one(s) last): LayerNorm or
   RMSNorm (mean-free), gamma = weight or 1 + weight (Gemma), with or without beta, fp32 upcasts
   included; probed with randomised parameter values so that no initial value (ones, zeros) hides
@@ -41,8 +44,8 @@ _EPS_NAMES = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps", "norm_eps"
 
 @dataclass(frozen=True)
 class Activation:
-    """An elementwise activation: kind is "gelu", "gelu_tanh", "silu", "relu", "relu6", "hardsigmoid" or
-    "leaky_relu"."""
+    """An elementwise activation: kind is a key of ACTIVATION_NAMES ("gelu", "gelu_tanh", "silu",
+    "relu", "leaky_relu", "hardswish", ...)."""
 
     kind: str
     slope: float = 0.0  # LeakyReLU's negative slope
@@ -119,12 +122,23 @@ _ACTIVATIONS: Dict[str, Callable[[Tensor], Tensor]] = {
     "hardsigmoid": F.hardsigmoid,
     "sigmoid": torch.sigmoid,
     "tanh": torch.tanh,
+    # FewBit's other tables, each at the parameters it was fitted for (CELU with alpha 1 is ELU).
+    "hardswish": F.hardswish,
+    "mish": F.mish,
+    "elu": F.elu,
+    "selu": F.selu,
+    "softplus": F.softplus,
+    "logsigmoid": F.logsigmoid,
+    "softsign": F.softsign,
+    "tanhshrink": F.tanhshrink,
 }
 
 #: What each activation kind is called in messages.
 ACTIVATION_NAMES: Dict[str, str] = {
     "gelu": "GELU", "gelu_tanh": "GELU (tanh form)", "silu": "SiLU", "relu": "ReLU", "relu6": "ReLU6",
     "hardsigmoid": "Hardsigmoid", "sigmoid": "Sigmoid", "tanh": "Tanh", "leaky_relu": "LeakyReLU",
+    "hardswish": "Hardswish", "mish": "Mish", "elu": "ELU", "selu": "SELU", "softplus": "Softplus",
+    "logsigmoid": "LogSigmoid", "softsign": "Softsign", "tanhshrink": "Tanhshrink",
 }
 
 
@@ -132,7 +146,11 @@ def _activation_probe(dtype: torch.dtype) -> Tensor:
     g = torch.Generator().manual_seed(1234)
     dense = torch.linspace(-8, 8, 257, dtype=torch.float64)
     spread = torch.randn(3, 5, 17, generator=g, dtype=torch.float64) * 3
-    return torch.cat([dense, spread.flatten()]).reshape(-1, 2).to(dtype)
+    # Far points: where Softplus's threshold (20) and the saturating ends of others show. 64 of
+    # them keep the count a multiple of 64: torch's vectorised loops then leave no scalar tail,
+    # whose last bits may differ, so the permutation test below compares like with like.
+    far = torch.cat([torch.linspace(-40, -9, 32, dtype=torch.float64), torch.linspace(9, 40, 32, dtype=torch.float64)])
+    return torch.cat([dense, spread.flatten(), far]).reshape(-1, 2).to(dtype)
 
 
 def _recognise_activation(module: nn.Module) -> Optional[Recognised]:
@@ -164,7 +182,8 @@ def _recognise_activation(module: nn.Module) -> Optional[Recognised]:
     if not torch.equal(permuted.flatten(), y64.flatten()[perm]):
         return None
     return Unknown("an elementwise activation that is none of GELU (erf or tanh form), SiLU, the ReLU family "
-                   "(ReLU, LeakyReLU, ReLU6), Hardsigmoid, Sigmoid or Tanh")
+                   "(ReLU, LeakyReLU, ReLU6), Hardsigmoid, Sigmoid, Tanh, or Hardswish, Mish, ELU/CELU (alpha 1), "
+                   "SELU, Softplus (beta 1, threshold 20), LogSigmoid, Softsign, Tanhshrink")
 
 
 # ---------------------------------------------------------------------------------------------

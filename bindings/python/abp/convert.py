@@ -70,7 +70,8 @@ SAMPLED_LAYERS: Tuple[str, ...] = (
 )
 
 _DEFAULTS: Dict[str, Dict[str, Any]] = {
-    "lowmembp": {"norms": True, "fold": False, "gelu": "regelu2", "silu": "resilu2", "leaky_relu": True},
+    "lowmembp": {"norms": True, "fold": False, "gelu": "regelu2", "silu": "resilu2", "leaky_relu": True,
+                 "other_activations": 3},
     "sampled": {"method": "wtacrs", "keep": 0.3, "layers": None},  # None: found by role (abp._roles)
     # 8 bits: the width that trains like exact on real data (docs/compressed-training.md); 4 bits
     # comes within 1 %; 1-2 bits need allow_low_bits=True.
@@ -108,13 +109,40 @@ def _activation_names(kind: str) -> Tuple[str, ...]:
 _EXACT_ONE_BIT: Dict[str, Callable[[], nn.Module]] = {"relu6": abp_nn.ReLU6, "hardsigmoid": abp_nn.Hardsigmoid}
 
 
+#: The other smooth activations FewBit has tables for, at the parameters recognition checked
+#: (abp._recognise): their replacement keeps ``other_activations`` bits per element of the input.
+_FEWBIT_MODULES: Dict[str, Callable[..., nn.Module]] = {
+    "hardswish": abp_nn.Hardswish, "mish": abp_nn.Mish, "elu": abp_nn.ELU, "selu": abp_nn.SELU,
+    "softplus": abp_nn.Softplus, "logsigmoid": abp_nn.LogSigmoid, "softsign": abp_nn.Softsign,
+    "tanhshrink": abp_nn.Tanhshrink,
+}
+
+#: Activations convert keeps, and why: torch's backward reads only their output, which the ops
+#: after them keep anyway.
+_GATE_KEPT = ("torch's backward reads only its output, which the ops after it usually keep too (a gate's product "
+              "does); abp.nn.{}(bits=...) stores k-bit codes of its input instead, for where nothing else keeps the output")
+_KEPT_ACTIVATIONS: Dict[str, str] = {
+    "relu": "its backward reads only its output, which the next layer saves anyway",
+    "sigmoid": _GATE_KEPT.format("Sigmoid"),
+    "tanh": _GATE_KEPT.format("Tanh"),
+}
+
+#: The options whose default replacement is a 2-bit form (ReGELU2, ReSiLU2), whose derivative error
+#: compounds on a path no residual add bypasses (_compounding_path).
+_TWO_BIT_OPTIONS = ("gelu", "silu")
+
 #: Activation kinds whose replacement approximates the derivative, by the option that chooses it.
-_OPTION_OF_KIND = {"gelu": "gelu", "gelu_tanh": "gelu", "silu": "silu"}
+_OPTION_OF_KIND = {"gelu": "gelu", "gelu_tanh": "gelu", "silu": "silu",
+                   **{kind: "other_activations" for kind in _FEWBIT_MODULES}}
+
+#: The activation options a caller may set, which convert then leaves as set (never put back).
+_ACTIVATION_OPTIONS = _TWO_BIT_OPTIONS + ("other_activations",)
 
 
 def _option_of(spec: Any) -> Optional[str]:
-    """The option ("gelu" or "silu") that chooses the replacement of an activation of this kind;
-    None for anything else (the ReLU family's and Hardsigmoid's exact replacements have none)."""
+    """The option ("gelu", "silu" or "other_activations") that chooses the replacement of an
+    activation of this kind; None for anything else (the ReLU family's and Hardsigmoid's exact
+    replacements have none)."""
     return _OPTION_OF_KIND.get(spec.kind) if isinstance(spec, Activation) else None
 
 
@@ -135,7 +163,7 @@ def _activation_module(kind: str, name: str, approximate: str = "none") -> nn.Mo
 #: digits only), and how to ask abp for each: an unknown recipe that names one is told.
 _METHOD_NAMES: Dict[str, str] = {
     "fewbit": "FewBit's k-bit activation derivatives are recipe='lowmembp' with gelu='gelu_b3', silu='silu_b3' "
-              "(norms=False for the activations alone)",
+              "(other_activations=3 is its default; norms=False for the activations alone)",
     "lowmemorybp": "LowMemoryBP (ReGELU2, ReSiLU2, memory-sharing norms) is recipe='lowmembp'",
     "regelu2": "ReGELU2 and ReSiLU2 are recipe='lowmembp'",
     "resilu2": "ReGELU2 and ReSiLU2 are recipe='lowmembp'",
@@ -212,6 +240,12 @@ def _check_overrides(recipes: Tuple[str, ...], overrides: Dict[str, Any]) -> Dic
                                 f"{type(value).__name__} {value!r}")
             if value not in allowed:
                 raise ValueError(f"{kind}: expected one of {', '.join(allowed)} or None (off), got {value!r}")
+        bits = options["other_activations"]
+        if bits is False:
+            options["other_activations"] = None
+        elif bits is not None and (isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 4):
+            raise ValueError(f"other_activations: expected the bits of the FewBit derivative (1, 2, 3 or 4) or None "
+                             f"(off), got {bits!r}")
     return options
 
 
@@ -549,13 +583,9 @@ def _convert_activation(model: nn.Module, name: str, module: nn.Module, spec: An
     if isinstance(spec, Unknown):
         return [Change(name, "refused", f"{kind} not replaced: {spec.reason}")]
     assert isinstance(spec, Activation)
-    if spec.kind == "relu":
-        return [Change(name, "refused", f"{kind} (ReLU) kept: its backward reads only its output, which the next layer saves anyway")]
-    if spec.kind in ("sigmoid", "tanh"):
+    if spec.kind in _KEPT_ACTIVATIONS:
         label = _recognise.ACTIVATION_NAMES[spec.kind]
-        return [Change(name, "refused", f"{kind} ({label}) kept: torch's backward reads only its output, which the ops "
-                                        f"after it usually keep too (a gate's product does); abp.nn.{label}(bits=...) "
-                                        "stores k-bit codes of its input instead, for where nothing else keeps the output")]
+        return [Change(name, "refused", f"{kind} ({label}) kept: {_KEPT_ACTIVATIONS[spec.kind]}")]
     if spec.kind == "leaky_relu":
         if not options["leaky_relu"]:
             return []
@@ -564,6 +594,11 @@ def _convert_activation(model: nn.Module, name: str, module: nn.Module, spec: An
     elif spec.kind in _EXACT_ONE_BIT:
         # torch saves their input for backward; one bit says which piece it was on, exactly.
         replacement, what = _EXACT_ONE_BIT[spec.kind](), "exact 1-bit"
+    elif _option_of(spec) == "other_activations":
+        bits = options["other_activations"]
+        if bits is None:
+            return []
+        replacement, what = _FEWBIT_MODULES[spec.kind](bits=bits), f"FewBit {bits}-bit"
     else:
         family = _option_of(spec)
         assert family is not None
@@ -1028,7 +1063,7 @@ def _convert_lowmembp(
     model: nn.Module, options: Dict[str, Any], recognised: Dict[int, Any], call: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]],
     structure: Optional[_structure.Structure], chosen: Set[str],
 ) -> List[Change]:
-    """`chosen`: the activation options ("gelu", "silu") the caller set, which convert then leaves as set."""
+    """`chosen`: the activation options (_ACTIVATION_OPTIONS) the caller set, which convert then leaves as set."""
     modules = dict(model.named_modules())
     paths = _paths(model)
     owners = _parameter_owners(model)
@@ -1041,8 +1076,8 @@ def _convert_lowmembp(
     changes: List[Change] = []
     dataflow = _dataflow.Dataflow(structure, {id(b) for b in model.buffers()}) if structure is not None else None
     # Computed once: every activation's bypass test counts them in its branch.
-    replaceable = dataflow.outputs([n for n, m in modules.items() if n and _option_of(recognised.get(id(m))) is not None]) \
-        if dataflow else set()
+    replaceable = dataflow.outputs([n for n, m in modules.items()
+                                    if n and _option_of(recognised.get(id(m))) in _TWO_BIT_OPTIONS]) if dataflow else set()
     normalized = dataflow.outputs([n for n, m in modules.items() if n and isinstance(recognised.get(id(m)), Norm)]) \
         if dataflow else set()
     floating = {p.dtype for p in model.parameters() if p.is_floating_point()}
@@ -1063,7 +1098,7 @@ def _convert_lowmembp(
             changes += _convert_norm(model, name, module, spec, options["fold"], structure, modules, recognised,
                                      owners, paths[id(module)])
         elif isinstance(spec, (Activation, Unknown)):
-            automatic = _option_of(spec) is not None and _option_of(spec) not in chosen
+            automatic = _option_of(spec) in _TWO_BIT_OPTIONS and _option_of(spec) not in chosen
             chain = _compounding_path(model, name, modules, dataflow, replaceable, normalized) if automatic else None
             idle = dataflow is not None and not any(dataflow.calls.get(p) for p in paths[id(module)])
             changes += _convert_activation(model, name, module, spec, options, paths[id(module)], activations_refused, chain,
@@ -1157,6 +1192,8 @@ def convert(
     abp operator name (``"regelu2"`` / ``"resilu2"`` by default, ``"gelu_b3"`` / ``"silu_b3"`` by default
     on a path no residual add bypasses, ``"silu_b2_uniform"``, ...; a value given
     applies everywhere; the GELU's erf or tanh form is the module's own) or switch it off with ``None``;
+    ``other_activations=`` (3) the bits of the FewBit derivative of Hardswish, Mish, ELU/CELU, SELU,
+    Softplus, LogSigmoid, Softsign and Tanhshrink (1-4, or None to keep them);
     ``leaky_relu=False`` keeps LeakyReLUs.
     Recipe "sampled" overrides: ``method=`` ("wtacrs", "crs", "uniform", "gaussian", "rademacher"),
     ``keep=`` (0.3) and ``layers=`` (None: the attention-output and feed-forward projections, found
@@ -1207,7 +1244,7 @@ def convert(
         roles = _roles(model, recognised, structure) if by_role else None
         before = dict(model.named_modules(remove_duplicate=False))
         changes: List[Change] = []
-        chosen = {k for k in ("gelu", "silu") if k in overrides}
+        chosen = {k for k in _ACTIVATION_OPTIONS if k in overrides}
         if "lowmembp" in recipes:
             changes += _convert_lowmembp(model, options, recognised, call, structure, chosen)
         if "sampled" in recipes:
