@@ -177,6 +177,49 @@ def test_an_ffn_before_the_attention_is_sampled() -> None:
     assert {n.split(".", 2)[2] for n in got} == {"mixer.mix_out", "narrow", "widen"}
 
 
+class NormedQueryKey(nn.Module):
+    """Qwen3 / OLMo2 attention: a norm on the query's and key's projections (per head) before the
+    scores, and an output projection; the FFN output is normed before its residual add (Gemma)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.q_norm, self.k_norm = nn.LayerNorm(d // 2), nn.LayerNorm(d // 2)
+        self.pre_a, self.pre_b, self.post_ffn = nn.LayerNorm(d), nn.LayerNorm(d), nn.LayerNorm(d)
+        self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.pre_a(x)
+        b, t, d = h.shape
+        q = self.q_norm(self.q(h).view(b, t, 2, d // 2)).reshape(b, t, d)
+        k = self.k_norm(self.k(h).view(b, t, 2, d // 2)).reshape(b, t, d)
+        x = x + self.o(_attend(q, k, self.v(h), heads=2))
+        return x + self.post_ffn(self.down(F.gelu(self.up(self.pre_b(x)))))
+
+
+class NormedQueryKeyNet(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, d)
+        self.stack = nn.ModuleList([NormedQueryKey(d) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.stack:
+            h = layer(h)
+        return h
+
+
+def test_a_query_or_key_normed_before_its_scores_stays_exact() -> None:
+    """A norm of the projection alone (before any sum with another activation) is followed to the
+    scores, so the normed query and key projections stay exact (they were taken for sampled ones
+    and put back only because they stored more); a norm after a residual add still ends the path,
+    and one on the FFN's output before its add does not make the FFN score."""
+    torch.manual_seed(0)
+    got = _sampled(NormedQueryKeyNet(), example_inputs=_example())
+    assert {n.split(".", 2)[2] for n in got} == {"o", "up", "down"}
+
+
 def test_a_model_without_a_layer_stack_is_one_block() -> None:
     torch.manual_seed(0)
     layer = Layer(8)

@@ -17,8 +17,10 @@ This module finds those roles from a recorded call (``abp._structure``), not fro
   a stack is one block.
 - a linear map (or a module around it inside its block, such as a LoRA wrapper, but not one that
   holds a norm that ran: its output is past that norm) *scores* when its output reaches, inside the block, a product of two activations (``matmul``, ``bmm``, ``einsum``,
-  ``scaled_dot_product_attention``...) or a ``softmax`` / ``topk`` before it reaches a norm or
-  another linear map. Views, splits, rotary embeddings, dropout and activations are followed.
+  ``scaled_dot_product_attention``...) or a ``softmax`` / ``topk`` before it reaches a norm of a
+  sum (the next sublayer's) or another linear map. Views, splits, rotary embeddings, dropout,
+  activations and a norm of the projection alone (Qwen3's and OLMo2's query and key norms) are
+  followed.
 - every other linear map inside a block that ran in the call is sampled.
 """
 from __future__ import annotations
@@ -38,6 +40,8 @@ __all__ = ["blocks", "idle_blocks", "sampled_linear_maps"]
 #: Functions whose result mixes two activations multiplicatively (attention scores, the weighted sum).
 _PRODUCTS = {"matmul", "__matmul__", "__rmatmul__", "bmm", "baddbmm", "einsum", "scaled_dot_product_attention",
              "_scaled_dot_product_attention", "flex_attention"}
+#: Functions that sum two activations (a residual add): past one, a norm is the next sublayer's.
+_SUMS = {"add", "__add__", "__radd__", "add_", "__iadd__", "sub", "__sub__", "__rsub__", "sub_", "__isub__"}
 #: Functions that turn a projection into scores or a routing decision.
 _SCORES = {"softmax", "_softmax", "log_softmax", "topk", "sort", "argmax", "argsort"}
 
@@ -116,17 +120,22 @@ def _parameter_derived(structure: Structure) -> Set[int]:
 
 
 def _scores(start: int, end: int, block: str, structure: Structure, leaves: Set[str], stops: Set[str],
-            derived: Set[int]) -> Optional[str]:
+            norms: Set[str], derived: Set[int]) -> Optional[str]:
     """What the output of event `start` reaches inside `block` (whose call returned at event `end`)
-    that makes it scores, or None: the first product of two activations or softmax-like function."""
+    that makes it scores, or None: the first product of two activations or softmax-like function.
+    `stops` (linear maps and norms) end the path, but a norm the path reaches before any sum with
+    another activation is the projection's own (a query's or key's norm) and is followed."""
     reached = set(structure.events[start].outputs)
+    mixed = False  # the path has met another activation in a sum (a residual add)
     for event in structure.events[start + 1:end]:
         if not reached.intersection(event.inputs):
             continue
         if event.module is not None:
-            if event.module not in leaves or not _inside(event.module, block) or event.module in stops:
-                continue  # what runs inside a container is followed event by event; norms and linear maps end the path
-            reached.update(event.outputs)
+            if event.module not in leaves or not _inside(event.module, block):
+                continue  # what runs inside a container is followed event by event
+            if event.module in stops and (mixed or event.module not in norms):
+                continue  # linear maps end the path, and so do norms of a sum (the next sublayer's)
+            reached.update(event.outputs)  # a norm of the projection alone (Qwen3's q_norm): followed
             continue
         if event.within and event.within[-1] in leaves:
             continue  # inside a leaf module: its module event stands for it
@@ -136,6 +145,7 @@ def _scores(start: int, end: int, block: str, structure: Structure, leaves: Set[
         activations = [i for i in event.inputs if i not in derived]
         if name in _SCORES or (name in _PRODUCTS and len(activations) >= 2):
             return name
+        mixed = mixed or (name in _SUMS and len(activations) >= 2)
         reached.update(event.outputs)
     return None
 
@@ -159,7 +169,7 @@ def sampled_linear_maps(model: nn.Module, structure: Structure, recognised: Dict
     def scores(name: str, block: str) -> Optional[str]:
         if name not in verdict:
             end = _end_of(name, block)
-            verdict[name] = _scores(first[name], end, block, structure, leaves, stops, derived)
+            verdict[name] = _scores(first[name], end, block, structure, leaves, stops, norms, derived)
         return verdict[name]
 
     def _end_of(name: str, block: str) -> int:
