@@ -349,7 +349,8 @@ def test_min_bits_keeps_the_allocation_off_narrower_codes(kernels):
             # It names what applies, with its share: no op rule raised a width here.
             assert controller.average_bits() > avg_bits and over
             message = str(over[0].message)
-            assert "ReLU outputs' support, a bit per element: 44% of the elements" in message, message
+            assert "ReLU outputs' support and kinked activations' sides of their breakpoints, a bit per element: 44% of " \
+                "the elements" in message, message
             assert "op rules" not in message and "padded" not in message, message
     assert min(widths[1].values()) == 1 and max(widths[1].values()) > 2
     assert set(widths[2].values()) == {2}

@@ -713,3 +713,153 @@ def test_guard_warns_by_default_and_can_be_turned_off() -> None:
         assert _blow_up_training(False) == -1
     with pytest.raises(ValueError, match="guard: expected 'warn', 'raise', or False or None \\(off\\), got 'loud'"):
         C.compress_saved(guard="loud")
+
+
+# --- kinked activations: the piece each saved value lies on is kept --------------------------
+
+#: Activations whose derivative is constant on each piece: with the piece kept, backward is exact.
+_PIECEWISE_CONSTANT = {
+    "leaky_relu": lambda h: F.leaky_relu(h, 0.01),
+    "leaky_relu_inplace": lambda h: F.leaky_relu(h * 1.0, 0.01, inplace=True),
+    "relu6": F.relu6,
+    "relu6_inplace": lambda h: F.relu6(h * 1.0, inplace=True),
+    "hardtanh": lambda h: F.hardtanh(h, -0.5, 1.0),
+    "hardsigmoid": F.hardsigmoid,
+    "threshold": lambda h: F.threshold(h, 0.2, -1.0),
+    "clamp": lambda h: torch.clamp(h, -0.3, 0.4),
+    "clamp_min": lambda h: torch.clamp(h, min=0.1),
+    "hardshrink": lambda h: F.hardshrink(h, 0.3),
+    "softshrink": lambda h: F.softshrink(h, 0.3),
+}
+
+
+def _input_grad(act, block: Optional[C.compress_saved], saved_output: bool) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """d/dx of act(x W1ᵀ) W2ᵀ against fixed data: x's gradient reads act's derivative at its
+    saved value, the products' saved inputs only for the weights' gradients. `saved_output`:
+    W2 trains, so the next op saves act's output; else a scale comes between and nothing does."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(32, 64, generator=g) * 2).requires_grad_()
+    w1, w2 = torch.randn(256, 64, generator=g) / 8, torch.randn(8, 256, generator=g) / 16
+    w1.requires_grad_()
+    w2.requires_grad_(saved_output)
+    w = torch.randn(32, 8, generator=g)
+    with block if block is not None else contextlib.nullcontext():
+        a = act(F.linear(x, w1))
+        y = F.linear(a if saved_output else a * 3.0, w2)
+        (y * w).sum().backward()
+    return x.grad
+
+
+@pytest.mark.parametrize("told_by", ["result", "next-save"])
+@pytest.mark.parametrize("name", sorted(_PIECEWISE_CONSTANT))
+def test_a_kinked_activation_takes_its_exact_piece_from_codes(name: str, told_by: str) -> None:
+    """LeakyReLU, ReLU6, Hardtanh, ... test which piece their saved value lies on; codes near a
+    breakpoint used to land on the other piece (a LeakyReLU's derivative 1 for 0.01: a CNN's
+    gradient 0.43 off at 8 bits). The block keeps the piece beside the codes, a bit per element,
+    so backward takes the same derivative: x's gradient is exact at every width. The activation
+    is told from its result (the recorder sees it, recompute=True) or, without the recorder, from
+    the next op's save of its output; in-place forms save their result, whose node tells them."""
+    library_or_skip()
+    act = _PIECEWISE_CONSTANT[name]
+    if name != "leaky_relu_inplace" and _save_rules.sequence_number() is None:
+        pytest.skip("torch 1.13 cannot tell the op a save is for, only a kinked activation's own saved result")
+    recompute, saved_output = (True, False) if told_by == "result" else (False, True)
+    exact = _input_grad(act, None, saved_output)
+    for bits in (1, 2, 8):
+        block = C.compress_saved(bits=bits, allow_low_bits=True, min_numel=1, recompute=recompute)
+        got = _input_grad(act, block, saved_output)
+        torch.testing.assert_close(got, exact, rtol=1e-6, atol=1e-6)
+        assert block.stats["compressed"] >= 1
+    plain = _input_grad(act, C.compress_saved(bits=2, allow_low_bits=True, min_numel=1, op_rules=False), saved_output)
+    assert (plain - exact).norm() > 1e-3 * exact.norm(), "without the op rules the codes flip pieces"
+
+
+@needs_rules
+@pytest.mark.parametrize("act", [F.elu, F.hardswish, F.selu], ids=["elu", "hardswish", "selu"])
+def test_a_kinked_activation_whose_derivative_also_reads_the_value_keeps_its_piece(act) -> None:  # type: ignore[no-untyped-def]
+    """ELU's and Hardswish's derivative read the value on a piece too: the piece is kept, the value
+    is its codes' (unbiased); the saved value comes back on its own side of every breakpoint."""
+    library_or_skip()
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 32, generator=g).requires_grad_(), torch.randn(256, 32, generator=g) / 2
+    nbytes = {}
+    for rules in (True, False):
+        with C.compress_saved(bits=2, allow_low_bits=True, min_numel=1, op_rules=rules) as block:
+            h = F.linear(x, w)
+            out = act(h)
+        nbytes[rules] = block.stats["bytes_compressed"]
+        if rules:
+            region = _save_rules.region_of(out.grad_fn)
+            assert region is not None
+            assert torch.equal(region.inside(out.grad_fn._saved_self), region.inside(h))
+    assert nbytes[True] - nbytes[False] == h.numel() // 8  # the piece: a bit per element
+
+
+def test_with_region_moves_each_value_onto_its_own_side_and_no_further() -> None:
+    """with_region on decoded values: inside ones clamped into the interval (an open end's next
+    value inward), outside ones pushed to the nearer end (an open end itself, a closed end's next
+    value outward); values already on their side, and exact breakpoints, unchanged."""
+    g = torch.Generator().manual_seed(0)
+    regions = [_save_rules.Region(0.0, math.inf, False), _save_rules.Region(0.0, 6.0, False),
+               _save_rules.Region(-3.0, 3.0, True), _save_rules.Region(-math.inf, 0.4, True)]
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for region in regions:
+            ends = [e for e in (region.lo, region.hi) if math.isfinite(e)]
+            t = torch.cat([torch.randn(2000, generator=g) * 4, torch.tensor(ends * 8)]).to(dtype)
+            noisy = (t.float() + torch.randn(t.shape, generator=g) * 0.3).to(dtype)
+            inside = region.inside(t)
+            fixed = C.with_region(noisy, inside, region)
+            assert fixed.dtype == dtype
+            assert torch.equal(region.inside(fixed), inside), (dtype, region)
+            # A value on its side is unchanged, but for one within a few units in the last place
+            # of an end (moved past the end and its rounding: _region_ends); one on the other side
+            # moves no further than to where the decoded value had to be.
+            same_side = region.inside(noisy) == inside
+            near_end = 8 * torch.finfo(dtype).eps * 6
+            assert bool(((fixed.float() - noisy.float()).abs()[same_side] <= near_end).all())
+            moved = (fixed.float() - noisy.float()).abs()[~same_side]
+            assert bool((moved <= (noisy.float() - t.float()).abs()[~same_side] + near_end).all())
+
+
+@needs_rules
+def test_the_controller_counts_the_piece_bit_in_its_budget() -> None:
+    """A kinked activation's saved input costs its codes and a bit per element, as a ReLU
+    output's support does (stored_bits)."""
+    library_or_skip()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.LeakyReLU(0.01), nn.Linear(256, 8))
+    controller = abp.CompressionController(model, avg_bits=4, interval=1000)
+    x = torch.randn(32, 64)
+    with controller:
+        model(x).square().sum().backward()
+    keys = [k for k in controller.bits if k.shape == (32, 256)]
+    assert keys and any(k in controller._supported for k in keys)
+    key = next(k for k in keys if k in controller._supported)
+    n = 32 * 256
+    assert controller.stored_bits(key, 4) == 4 * n + n
+
+
+@needs_rules
+def test_telling_a_kinked_activation_reads_no_save_of_a_checkpoint() -> None:
+    """A non-reentrant checkpoint whose last op is a LeakyReLU, inside a block: the block tells
+    kinked activations by what their saves are, never by reading a node's saves, which under the
+    checkpoint's hooks would run its recomputation in the middle of forward."""
+    library_or_skip()
+    import torch.utils.checkpoint as checkpoint
+
+    calls = []
+    lin = nn.Linear(64, 256)
+
+    def segment(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return F.leaky_relu(lin(x), 0.01)
+
+    x = torch.randn(32, 64, requires_grad=True)
+    head = nn.Linear(256, 8)
+    for recompute in (True, False):
+        calls.clear()
+        with C.compress_saved(bits=8, min_numel=1, recompute=recompute):
+            y = head(checkpoint.checkpoint(segment, x, use_reentrant=False))
+            assert len(calls) == 1, "forward ran the segment once"
+            y.sum().backward()
+        assert len(calls) == 2, "backward recomputed it once"

@@ -69,6 +69,34 @@ def test_vcas_callback_calibrates_when_due_in_a_stock_trainer(tmp_path: Path) ->
     assert len(losses) == 4 and all(math.isfinite(v) for v in losses)
 
 
+@pytest.mark.parametrize("order", ["compression first", "vcas first"])
+def test_vcas_calibrations_stay_out_of_the_compression_controllers_steps(tmp_path: Path, order: str) -> None:
+    """Both callbacks in one Trainer: VCAS calibrates at on_step_begin, which the compression
+    callback (listed first) has already begun a step at. The calibration's forwards were that
+    step's: compressed (so VCAS measured compressed gradients as exact ones) and replayed by the
+    estimate (7x the tensors, 20x the time). They now run outside it, in either order: the
+    controller estimates exactly the keys of a run without VCAS, and VCAS measures what it
+    measures without the controller."""
+    layer = transformers.models.llama.modeling_llama.LlamaDecoderLayer
+    runs = {}
+    for with_compression, with_vcas in ((True, False), (False, True), (True, True)):
+        model = _model()
+        compression = CompressionController(model, avg_bits=4.0, interval=4, generator=torch.Generator().manual_seed(3))
+        sampling = vcas.Controller(model, layer, cal_var_freq=4, generator=torch.Generator().manual_seed(5))
+        callbacks = ([trainer_callback(compression)] if with_compression else []) + \
+            ([vcas.trainer_callback(sampling)] if with_vcas else [])
+        if order == "vcas first":
+            callbacks.reverse()
+        _trainer(model, tmp_path / str(len(runs)), callbacks, max_steps=1).train()
+        runs[(with_compression, with_vcas)] = (compression, sampling)
+        if not with_compression:
+            compression.remove()
+    both_compression, both_vcas = runs[(True, True)]
+    assert set(both_compression.bits) == set(runs[(True, False)][0].bits)
+    assert both_vcas.calibrations == 1
+    assert both_vcas.last["v_sgd"] == pytest.approx(runs[(False, True)][1].last["v_sgd"], rel=1e-6)
+
+
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_compression_callback_makes_each_micro_batch_a_controller_step(tmp_path: Path, accumulation: int) -> None:
     model = _model()

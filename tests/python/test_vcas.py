@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import abp
 from abp import _selection as selection
 from abp import vcas
 from abp.memory import storage_key
@@ -578,6 +579,24 @@ def test_a_run_resumed_from_the_controllers_state_dict_continues_as_the_uninterr
         vcas.Controller.attached(None)
 
 
+def test_the_weight_samplers_are_named_as_the_model_names_their_linears() -> None:
+    """weight_ratios, `.last`'s variances and state_dict name each Linear by its name in the model
+    (they were '<block index>.<name in the block>', renumbered across block types); a state saved
+    with the old keys (version 1) still loads."""
+    controller = _calibrated(tau=0.025, s=0.8, rho=0.7, nu=0.6)
+    names = {n for n, m in controller.model.named_modules() if isinstance(m, vcas._VcasLinear)}
+    assert set(controller.weight_ratios) == names == {f"blocks.{i}.fc{j}" for i in range(3) for j in (1, 2)}
+    assert set(controller.last["v_w"]) == names
+    state = controller.state_dict()
+    assert state["version"] == 2 and set(state["weights"]) == names
+    old = {**state, "version": 1, "weights": {f"{n.split('.')[1]}.{n.split('.')[2]}": v for n, v in state["weights"].items()}}
+    twin = vcas.Controller(_net(), Block)
+    twin.load_state_dict(old)
+    assert twin.weight_ratios == controller.weight_ratios
+    with pytest.raises(ValueError, match="a dict with version 1 or 2\), got dict with version 3"):
+        twin.load_state_dict({**state, "version": 3})
+
+
 def test_blocks_without_a_linear_are_refused_naming_their_layers() -> None:
     # On a CNN whose blocks hold convolutions only, the activation samplers dropped 5 % of the
     # samples' gradients (a step's gradient 7 % off exact) and nothing computed less: no weight
@@ -595,3 +614,20 @@ def test_blocks_without_a_linear_are_refused_naming_their_layers() -> None:
                                          r"BatchNorm2d, Conv2d\)"):
         vcas.Controller(model, ConvBlock)
     assert not any(isinstance(m, vcas._VcasLinear) for m in model.modules()) and vcas.Controller.attached(model) is None
+
+
+def test_convert_refuses_a_model_that_holds_a_controllers_samplers() -> None:
+    """A controller built before convert: the copy convert makes took a copy of the controller,
+    which nothing calibrated (the caller's calibrated the original), so the trained model ran
+    without VCAS, silently; recipe sampled found no Linear and blamed the example call. convert
+    now says to build the controller after it; once removed, the model converts."""
+    net = _net()
+    controller = vcas.Controller(net, Block)
+    for recipe in ("lowmembp", "sampled"):
+        for inplace in (False, True):
+            with pytest.raises(RuntimeError, match=r"model: has an abp.vcas.Controller .* convert first, then build "
+                                                   r"the controller on the model convert returns"):
+                abp.convert(net, recipe, inplace=inplace)
+    controller.remove()
+    converted, _ = abp.convert(net, "sampled", layers=["blocks.*.fc1"])
+    assert vcas.Controller.attached(converted) is None

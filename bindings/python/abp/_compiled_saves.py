@@ -222,6 +222,30 @@ def _compared(name: str, bw: torch.fx.Graph) -> bool:
                for user, _ in _uses(name, bw, _SAME_VALUE))
 
 
+#: Elementwise backward ops through which a recomputed value keeps following its saved input (a
+#: norm's affine recomputed from a saved convolution output), and what tests a value against a
+#: constant: a comparison with a number, or a kinked activation's own backward.
+_ELEMENTWISE = _ALIASES | {"add", "sub", "mul", "div", "neg", "rsqrt", "sqrt", "convert_element_type"}
+_SCALAR_COMPARISONS = frozenset({"gt", "ge", "lt", "le"})
+_KINKED_BACKWARD = frozenset({"leaky_relu_backward", "hardtanh_backward", "hardsigmoid_backward", "hardswish_backward",
+                              "elu_backward", "threshold_backward", "hardshrink_backward", "softshrink_backward"})
+
+
+def _tested_against_constant(name: str, bw: torch.fx.Graph) -> bool:
+    """True if backward tests the saved value `name`, or what it recomputes from it elementwise, for
+    the piece of a kinked function it lies on (x > 0 for LeakyReLU, min < x < max for ReLU6, ...):
+    codes near the breakpoint land on the other piece as often as not, and the gradient there is
+    wrong by the jump. Eager compress_saved keeps such a value's side exactly beside its codes
+    (compress.with_region); here the value is kept as it is."""
+    for user, node in _uses(name, bw, _ELEMENTWISE):
+        op = _op_name(user.target)
+        if op in _KINKED_BACKWARD:
+            return True
+        if op in _SCALAR_COMPARISONS and any(not isinstance(a, torch.fx.Node) for a in user.args[:2]):
+            return True
+    return False
+
+
 def _parameter_copy(node: torch.fx.Node) -> bool:
     """True if `node` is, through views and casts, a graph input torch.compile holds static (its
     module's parameter or buffer: dynamo marks them ``is_static_input``), as eager compress_saved
@@ -269,10 +293,13 @@ def _decide(x: torch.Tensor, context: Dict[str, Any], bits: int, min_numel: int,
     # A ReLU's output, which its backward reads for the sign (threshold_backward, or a comparison
     # and a where once decomposed): its support (x > 0) is kept exactly beside the codes, as eager
     # compress_saved keeps it, so the sign backward reads is exact and the values are codes.
-    if exact_relu and (_op_name(node.target) in _RELU_FORWARD or any(op in _RELU_BACKWARD for op, _ in readers)):
+    relu = _op_name(node.target) in _RELU_FORWARD or any(op in _RELU_BACKWARD for op, _ in readers)
+    if exact_relu and relu:
         return bits, SUPPORT_KEPT
     if not op_rules:
         return bits, "compressed"
+    if not relu and _tested_against_constant(node.name, bw):  # a ReLU's output: exact_relu decides
+        return 32, PIECE_KEPT
     floor = None
     for op, position in readers:
         if op in _ATTENTION_BACKWARD and position in _ATTENTION_FLOORED:
@@ -296,6 +323,9 @@ SUPPORT_KEPT = "compressed, with its support (x > 0) kept exactly in 1 bit (a Re
 PLANES_RAW = "kept: its planes (rows, channels), padded to whole groups, would take more bytes coded (compress.codes_pay)"
 DYNAMIC_PLANES_RAW = ("kept: its planes (rows, channels) have a dynamic size, so no code group can be kept within one "
                       "(compress.plane_groups)")
+#: Why a value backward tests for the piece of a kinked function it lies on is kept.
+PIECE_KEPT = ("kept as it is: backward tests it (or what it recomputes from it) for the piece of a kinked function "
+              "it lies on (LeakyReLU's x > 0, ReLU6's 0 < x < 6, ...), which codes near the breakpoint would flip")
 #: Why a value backward tests for equality is kept (amax's input and result, an infinity norm's).
 COMPARED_KEPT = "kept as it is: backward tests it for equality with another tensor (amax, an infinity norm)"
 #: Why a parameter's copy is kept (as eager compress_saved keeps it).

@@ -410,6 +410,9 @@ class Recorder(TorchFunctionMode):
         #: False while the block packs or unpacks (its own torch calls are not the model's) and
         #: once backward has begun.
         self.recording = True
+        #: Called with every result the model's calls return while recording (compress_saved
+        #: learns the node of an op that saved only its inputs from it).
+        self.watch: Optional[Callable[[Any], None]] = None
 
     def __torch_function__(self, func: Any, types: Any, args: Tuple[Any, ...] = (), kwargs: Optional[Dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
@@ -417,6 +420,8 @@ class Recorder(TorchFunctionMode):
         # torch.compile traces this handler when a compiled model runs in the block: its graph
         # recomputes on its own (the partitioner), and sees a plain call.
         if self.recording and not _compiling() and torch.is_grad_enabled():
+            if self.watch is not None:
+                self.watch(out)
             kind = kind_of(func)
             if kind is not None and (kind != "projection" or self.projections):
                 self._record(func, kind, args, kwargs, out)

@@ -38,6 +38,14 @@ tensor, an infinity norm) keeps that input as it is, and compress_saved recomput
 the input as backward reads it (`result_from_input`): codes of either side would match no element,
 and the gradient would be NaN.
 
+A kinked activation whose backward tests which piece its saved value lies on (LeakyReLU, ELU,
+CELU, SELU: x > 0; ReLU6 and Hardtanh: min < x < max; Hardsigmoid; Hardswish: -3 <= x <= 3;
+threshold, clamp, Hardshrink, Softshrink) reads a derivative that jumps there: codes of an element
+near a breakpoint land on the other side as often as not, and its gradient is then wrong by the
+jump (LeakyReLU's 1 against 0.01), not by a rounding error. The block keeps, beside the codes, one
+bit per element saying whether the value was inside the op's interval (`region_of`), and decodes
+each value onto its own side (compress.with_region), as it keeps a ReLU output's support.
+
 A rule is found from the op's autograd node. An op saves its inputs before it runs and its
 outputs after, so `compress_saved` holds one op's saves until the op is known (see there): a
 saved output whose grad_fn is the node reveals it.
@@ -45,9 +53,10 @@ saved output whose grad_fn is the node reveals it.
 from __future__ import annotations
 
 import inspect
+import math
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -165,6 +174,17 @@ _NONREENTRANT_RECOMPUTATION_CODE = _nested_codes("_checkpoint_without_reentrant"
 _TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
+def innermost_hooks() -> Optional[Tuple[Any, Any]]:
+    """The innermost saved-tensor hooks (pack, unpack), None if there are none or where torch
+    cannot say (before 2.1)."""
+    if _TOP_HOOKS is None:
+        return None
+    try:
+        return _TOP_HOOKS(False)
+    except TypeError:  # pragma: no cover - an older signature
+        return None
+
+
 def inside_checkpoint_hooks(depth: int = 128) -> bool:
     """True where a non-reentrant activation checkpoint's saved-tensor hooks are the innermost:
     its forward, or its recomputation in backward. Hooks opened there would take every save from
@@ -259,6 +279,71 @@ def rule_for(node: Any, *, recomputed: bool = False, uniform: bool = False) -> O
     if reduction is not None and reduction[1]:
         return _COMPARED_INPUT
     return None
+
+
+@dataclass(frozen=True)
+class Region:
+    """The interval a kinked activation's backward tests its saved value against: (lo, hi), or
+    [lo, hi] if `closed`; an infinite end is not tested."""
+
+    lo: float
+    hi: float
+    closed: bool
+
+    def inside(self, t: torch.Tensor) -> torch.Tensor:
+        """Where `t` lies in the interval (bool, t's shape)."""
+        above = t >= self.lo if self.closed else t > self.lo
+        if math.isinf(self.hi):
+            return above
+        return above & (t <= self.hi if self.closed else t < self.hi)
+
+
+_POSITIVE = Region(0.0, math.inf, False)
+_HARD = Region(-3.0, 3.0, False)
+
+#: Kinked activations by their backward node: the interval backward tests the saved value against
+#: (torch's derivatives.yaml and its CPU kernels: leaky_relu_backward tests x > 0, hardtanh_backward
+#: min < x < max, hardswish_backward x < -3 and x <= 3, clamp's backward min <= x <= max, ...).
+#: The in-place forms (…Backward1) save their result, the others their input.
+_REGIONS: Dict[str, Callable[[Any], Optional[Region]]] = {
+    **{name: (lambda node: _POSITIVE) for name in (
+        "LeakyReluBackward0", "LeakyReluBackward1", "EluBackward0", "EluBackward1", "CeluBackward0", "CeluBackward1",
+        "SeluBackward0", "SeluBackward1")},
+    "HardtanhBackward0": lambda node: Region(float(node._saved_min_val), float(node._saved_max_val), False),
+    "HardtanhBackward1": lambda node: Region(float(node._saved_min_val), float(node._saved_max_val), False),
+    "HardsigmoidBackward0": lambda node: _HARD,
+    "HardswishBackward0": lambda node: Region(-3.0, 3.0, True),
+    "ThresholdBackward0": lambda node: Region(float(node._saved_threshold), math.inf, False),
+    "ClampBackward1": lambda node: _clamp_region(node._saved_min, node._saved_max),
+    "ClampMinBackward0": lambda node: _clamp_region(node._saved_min, None),
+    "ClampMaxBackward0": lambda node: _clamp_region(None, node._saved_max),
+    "HardshrinkBackward0": lambda node: Region(-float(node._saved_lambd), float(node._saved_lambd), True),
+    "SoftshrinkBackward0": lambda node: Region(-float(node._saved_lambd), float(node._saved_lambd), True),
+}
+
+
+def _clamp_region(lo: Any, hi: Any) -> Optional[Region]:
+    if lo is None and hi is None:
+        return None
+    return Region(-math.inf if lo is None else float(lo), math.inf if hi is None else float(hi), True)
+
+
+def saves_result(node: Any) -> bool:
+    """Whether a kinked activation's node saved its result (an in-place form) rather than its input."""
+    return type(node).__name__.endswith("Backward1") and type(node).__name__ != "ClampBackward1"
+
+
+def region_of(node: Any) -> Optional[Region]:
+    """The interval the backward of `node` tests its saved value against, if it is a kinked
+    activation's (or clamp's, threshold's); None otherwise. ReLU is not here: compress_saved keeps
+    its output's support (exact zeros off it) with `exact_relu`."""
+    make = _REGIONS.get(type(node).__name__)
+    if make is None:
+        return None
+    try:
+        return make(node)
+    except (AttributeError, TypeError, ValueError):  # a tensor bound (clamp(x, t)): not a constant interval
+        return None
 
 
 _aten = torch.ops.aten

@@ -15,12 +15,13 @@ planes no group divides).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import re
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -105,7 +106,7 @@ class CompressedTensor:
     """
 
     __slots__ = ("kind", "bits", "group_size", "shape", "dtype", "device", "buffer", "layout", "support", "logs",
-                 "padded")
+                 "padded", "region")
 
     def __init__(self, kind: str, bits: int, group_size: int, shape: Tuple[int, ...], dtype: torch.dtype,
                  device: torch.device, buffer: torch.Tensor, layout: Tuple[Tuple[int, int, int, int, int], ...] = (),
@@ -116,8 +117,10 @@ class CompressedTensor:
         # 0, or the length each plane (`plane_dims`: a channel's pixels, a token's row) was padded
         # to before coding, so that no group spans two planes (`plane_groups`).
         self.padded = padded
-        # Optionally the exact support (x > 0) as a 1-bit mask: see compress_saved (ReLU outputs).
+        # Optionally the exact support (x > 0) as a 1-bit mask: see compress_saved (ReLU outputs);
+        # with `region`, where the value lay in that interval instead (kinked activations' saves).
         self.support: Optional["CompressedTensor"] = None
+        self.region: Optional[_save_rules.Region] = None
         # True if the codes hold exp(x) and x is their log (log-probabilities: see compress_saved).
         self.logs = False
 
@@ -490,7 +493,8 @@ def dequantize(c: CompressedTensor) -> torch.Tensor:
         # contiguous: the MS norms' backward reads its saved output as one dense row-major block
         out = out.view(-1, c.padded)[:, : math.prod(plane_dims(c.shape))].contiguous().view(c.shape)
     if c.support is not None:
-        out = with_support(out, dequantize(c.support))
+        mask = dequantize(c.support)
+        out = with_support(out, mask) if c.region is None else with_region(out, mask, c.region)
     if c.logs:
         out = out.log_()
     return out
@@ -547,7 +551,58 @@ def with_support(values: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
     it, and a positive value rounded down to its group's minimum 0 stays positive (the dtype's
     smallest normal: a bias of at most that much)."""
     tiny = torch.finfo(values.dtype).tiny
-    return torch.where(positive, values.clamp_min(tiny), torch.zeros((), dtype=values.dtype, device=values.device))
+    # By comparison, not clamp_min: torch 1.13 has no float16 clamp on the CPU.
+    raised = torch.where(values < tiny, values.new_full((), tiny), values)
+    return torch.where(positive, raised, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
+def _beside(bound: float, direction: float, dtype: torch.dtype) -> float:
+    """A value of `dtype` just beside `bound` in `direction` (+1 above, -1 below): within a few
+    units in the last place, never a subnormal (a GPU may flush one to zero)."""
+    info = torch.finfo(dtype)
+    step = max(abs(bound) * info.eps, info.tiny)
+    while True:
+        value = float(torch.tensor(bound + direction * step, dtype=torch.float64).to(dtype))
+        if (value - bound) * direction > 0:
+            return value
+        step *= 2
+
+
+@functools.lru_cache(maxsize=None)
+def _region_ends(region: "_save_rules.Region", dtype: torch.dtype) -> Tuple[float, float, float, float]:
+    """Values of `dtype` just inside the interval at each end and just outside it (an infinite end
+    stays infinite). Strictly beyond both the end and its rounding to `dtype`: backward may test
+    against either (clamp's backward compares with its double bound, a Python comparison with the
+    bound rounded to the tensor's dtype), and a value on either would fall on the wrong side."""
+    def beyond(bound: float, direction: float) -> float:
+        if math.isinf(bound):
+            return bound
+        rounded = float(torch.tensor(bound, dtype=torch.float64).to(dtype))
+        return _beside(max(bound, rounded) if direction > 0 else min(bound, rounded), direction, dtype)
+    return beyond(region.lo, 1), beyond(region.hi, -1), beyond(region.lo, -1), beyond(region.hi, 1)
+
+
+def with_region(values: torch.Tensor, inside: torch.Tensor, region: "_save_rules.Region") -> torch.Tensor:
+    """Decoded `values` of a tensor a kinked activation's backward tests against `region`, of which
+    `inside` says where each value lay: each value not safely on its own side (on an end counts as
+    not) moved just past the nearer end onto it (clamped into the interval, or pushed out of it),
+    so that backward takes the piece it took on the tensor; a value already there is unchanged
+    (a move is at most one code step)."""
+    lo_in, hi_in, lo_out, hi_out = _region_ends(region, values.dtype)
+    clamped = values  # by comparisons: torch 1.13 has no float16 clamp on the CPU
+    if not math.isinf(lo_in):
+        clamped = torch.where(clamped < lo_in, values.new_full((), lo_in), clamped)
+    if not math.isinf(hi_in):
+        clamped = torch.where(clamped > hi_in, values.new_full((), hi_in), clamped)
+    below, above = values.new_full((), lo_out), values.new_full((), hi_out)
+    if math.isinf(region.hi):
+        nearer_end, safe = below, values <= lo_out
+    elif math.isinf(region.lo):
+        nearer_end, safe = above, values >= hi_out
+    else:
+        nearer_end = torch.where(values - region.lo <= region.hi - values, below, above)
+        safe = (values <= lo_out) | (values >= hi_out)
+    return torch.where(inside, clamped, torch.where(safe, values, nearer_end))
 
 
 def _parameter_of(t: torch.Tensor) -> Optional[torch.Tensor]:
@@ -671,6 +726,31 @@ def open_block() -> Optional["compress_saved"]:
     """The compress_saved block open in this thread, or None."""
     return getattr(_OPEN, "block", None)
 
+
+def _unpacked(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@contextlib.contextmanager
+def outside_blocks() -> Iterator[None]:
+    """Runs what is inside as if no compress_saved block were open in this thread: its saves are
+    kept as they are (saved-tensor hooks that keep them, innermost, take them from the open
+    block), and a CompressionController's step ignores the model's calls made inside (neither
+    compressed nor replayed). VCAS's calibration passes run so: they measure exact gradients and
+    are no training step, whichever callback or block is around them."""
+    _OPEN.outside = getattr(_OPEN, "outside", 0) + 1
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(memory.without_node, _unpacked) \
+                if open_block() is not None else contextlib.nullcontext():
+            yield
+    finally:
+        _OPEN.outside -= 1
+
+
+def inside_outside_blocks() -> bool:
+    """True within outside_blocks() in this thread."""
+    return getattr(_OPEN, "outside", 0) > 0
+
 #: The narrowest uniform width compress_saved accepts unless told otherwise (`allow_low_bits`).
 MIN_UNIFORM_BITS = 4
 
@@ -691,7 +771,7 @@ class _Deferred:
     """What the pack hook returns for a tensor to compress: the tensor until the op saving it has
     saved everything (its rule may then ask for more bits), then what it is stored as."""
 
-    __slots__ = ("value", "bits", "choice", "tags", "pending", "version", "modified", "exact")
+    __slots__ = ("value", "bits", "choice", "tags", "pending", "version", "modified", "exact", "region")
 
     def __init__(self, t: torch.Tensor, bits: int, choice: int, tags: memory.Tags) -> None:
         self.value: Any = t
@@ -705,6 +785,8 @@ class _Deferred:
         self.modified = False
         # Its op's rule keeps it as it is (KEPT_BITS): stored, neither coded nor recomputed.
         self.exact = False
+        # The interval a kinked activation's backward tests it against (_save_rules.region_of).
+        self.region: Optional[_save_rules.Region] = None
 
 
 #: Switches torch function handling off, modes included (torch >= 2; the recorder needs torch >= 2).
@@ -867,6 +949,9 @@ class compress_saved(contextlib.ContextDecorator):
         self.rule_floors: Dict[int, int] = {}
         #: The last block's bits_for call indices whose tensor was recomputed instead (no width).
         self.derived_choices: Set[int] = set()
+        # bits_for indices of the saves stored with a region bit (a kinked activation's), which a
+        # controller's budget counts as it counts a ReLU output's support.
+        self.region_choices: Set[int] = set()
         self._hooks: Optional[Any] = None
         self._outer: Optional["compress_saved"] = None  # an outer block, open again when an inert one exits
         #: Warn when a block compressed nothing because what it saw were constants (a compiled
@@ -894,6 +979,10 @@ class compress_saved(contextlib.ContextDecorator):
         self._group: List[_Deferred] = []
         self._group_sequence: Optional[int] = None
         self._group_rule: Optional[Tuple[Any, _save_rules.Floors]] = None
+        # That op's autograd node, once a save of its own output shows it.
+        self._group_node: Any = None
+        # Saves of the op before, not yet told, stored at the next op's end (_flush).
+        self._waiting: List[_Deferred] = []
         # Set by the first unpack: a save after it is a rerun's (a reentrant checkpoint's).
         self._backward_begun = False
         # Where torch cannot say whether backward runs (1.13): set when a backward through this
@@ -953,12 +1042,15 @@ class compress_saved(contextlib.ContextDecorator):
         if self._backward_begun and self.op_rules and _save_rules.recomputing_checkpoint():
             return t  # neither counted nor offered: a non-reentrant rerun's saves are not seen either
         sequence = _save_rules.sequence_number() if self.op_rules else None
+        if (self._group or self._waiting) and t.grad_fn is not None:
+            self._mark_region(t.grad_fn)  # this op may save the output of a kinked activation
         if sequence != self._group_sequence:
-            self._flush()  # the previous op has saved all it saves
+            self._flush(final=False)  # the previous op has saved all it saves
         self._group_sequence = sequence
         if sequence is not None and t.grad_fn is not None and self._group_rule is None \
                 and t.grad_fn._sequence_nr() == sequence - 1:  # a save of the op saving now, by its node
             node = t.grad_fn
+            self._group_node = node
             # Fused attention's output and logsumexp will be recomputed from the stored query,
             # key and value (_flush), unless that turns out impossible there.
             self._group_attention = self._recorder is not None and _save_rules.recomputable_attention(node)
@@ -1010,6 +1102,37 @@ class compress_saved(contextlib.ContextDecorator):
             self._recorder.recording = True
         if self.guard and self._guarded is None:
             self._guarded, self._guarded_half = {}, False
+
+    def _saw_result(self, out: Any) -> None:
+        """A result of the model's call (the recorder's, torch >= 2): a kinked activation's output
+        tells the saves of its input, which are still pending (where nothing saves that output:
+        a scale, a pooling after it)."""
+        if self.op_rules and (self._group or self._waiting) and isinstance(out, torch.Tensor) and out.grad_fn is not None:
+            self._mark_region(out.grad_fn)
+
+    def _mark_region(self, node: Any) -> None:
+        """If `node` is a kinked activation's (_save_rules.region_of), the pending save it holds
+        takes its interval, which it is then stored with (a bit per element beside the codes). The
+        save is told by what it is, never by reading the node's saves (under a checkpoint's hooks
+        that would run its recomputation): the node's result (an in-place form), else its input,
+        or the copy of its input an in-place form saves."""
+        region = _save_rules.region_of(node)
+        if region is None:
+            return
+        result = _save_rules.saves_result(node)
+        edge = node.next_functions[0] if node.next_functions else (None, 0)
+        for box in (*self._group, *self._waiting):
+            value = box.value
+            if not box.pending or box.region is not None or not isinstance(value, torch.Tensor):
+                continue
+            made = value.grad_fn
+            if result:
+                found = made is node
+            else:
+                found = made is not None and ((made is edge[0] and value.output_nr == edge[1]) or (
+                    type(made).__name__ == "CloneBackward0" and made.next_functions[:1] == (edge,)))
+            if found:
+                box.region = region
 
     def _keep_checkpoint_input(self, t: torch.Tensor) -> torch.Tensor:
         """`t`, an activation checkpoint's input, kept as it is: backward reruns the block from it.
@@ -1177,7 +1300,13 @@ class compress_saved(contextlib.ContextDecorator):
         choice = self._choices - 1 if self.bits_for is not None and wanted else -1
         box = _Deferred(t, bits, choice, memory.current_tags())
         if not defer:  # ops are not told apart (torch 1.13): stored at once
-            box.value, box.pending = self._store(t, bits), False
+            # The op saving it is unknown; a kinked activation's own saved result is told by its node.
+            node = t.grad_fn
+            region = _save_rules.region_of(node) if self.op_rules and node is not None \
+                and _save_rules.saves_result(node) else None
+            if region is not None and choice >= 0:
+                self.region_choices.add(choice)
+            box.value, box.pending = self._store(t, bits, region), False
             return box
         # Stored when the op saving it has saved everything (the next op's first save, the
         # block's end or backward's first read): by then the op's rule is known.
@@ -1241,8 +1370,9 @@ class compress_saved(contextlib.ContextDecorator):
         if floor == _save_rules.KEPT_BITS:
             box.exact = True
 
-    def _store(self, t: torch.Tensor, bits: int) -> Any:
-        """`t` at `bits` (32: as it is), counted in stats."""
+    def _store(self, t: torch.Tensor, bits: int, region: Optional[_save_rules.Region] = None) -> Any:
+        """`t` at `bits` (32: as it is), counted in stats; codes keep `region` (where `t` lies in
+        the interval a kinked activation's backward tests it against) exactly, a bit per element."""
         if bits == 32:
             # A tensor kept as it is costs its storage, once however many views of it are saved.
             storage = memory.storage_key(t)
@@ -1261,6 +1391,8 @@ class compress_saved(contextlib.ContextDecorator):
         c.logs = logs
         if self.exact_relu and keeps_support(t):
             c.support = _pack_mask(t > 0)
+        elif region is not None and t.is_floating_point():
+            c.support, c.region = _pack_mask(region.inside(t)), region
         # Stretches start on multiples of 8, where the kernels draw four elements per Philox call.
         self._offset += (c.coded_numel + 7) // 8 * 8
         return self._count_compressed(c)
@@ -1271,9 +1403,20 @@ class compress_saved(contextlib.ContextDecorator):
         self.stats["bytes_stored"] += c.nbytes
         return c
 
-    def _flush(self) -> None:
-        """Stores the pending tensors of the last op, in the order it saved them."""
+    def _flush(self, final: bool = True) -> None:
+        """Stores the pending tensors of the last op, in the order it saved them. Not `final` (the
+        next op's first save): without the recorder, the saves of an op not yet told wait for the
+        next op's saves, one of which may be that op's output and tell a kinked activation
+        (_mark_region); those of the op before are stored now."""
+        waiting, self._waiting = self._waiting, []
+        for box in waiting:
+            if box.pending:
+                self._store_box(box, None)
         group, rule = self._group, self._group_rule
+        # A kinked activation's own output (an in-place one's: its backward reads its result).
+        node = rule[0] if rule is not None else self._group_node
+        region = _save_rules.region_of(node) if node is not None and _save_rules.saves_result(node) else None
+        self._group_node = None
         attention_reads = self._derive_attention(rule[0], group) if self._group_attention and rule is not None else None
         if self._group_attention and attention_reads is None:
             # Recomputing was planned and turned out impossible: the stored rule's floors.
@@ -1297,13 +1440,24 @@ class compress_saved(contextlib.ContextDecorator):
                     self.derived_choices.add(box.choice)
                 box.value, box.pending = derived, False
                 continue
-            box.modified = box.value._version != box.version
-            stored = self._store(box.value, box.bits)
-            box.value = memory.without_node(stored) if isinstance(stored, torch.Tensor) else stored
-            box.pending = False
-            memory.note_saved(_kept_tensors(box.value), box.tags)
+            if not final and region is None and self._recorder is None and self.op_rules and box.region is None:
+                self._waiting.append(box)
+                continue
+            self._store_box(box, region if region is not None and box.value.grad_fn is node else None)
         if attention_reads:
             _derived.claim(*attention_reads)  # the recomputed attention's own read of its inputs
+
+    def _store_box(self, box: _Deferred, own: Optional[_save_rules.Region]) -> None:
+        """Stores a pending save at its width, with the interval a kinked activation tests it
+        against (the one that saved it as its input, `box.region`; or as its own result, `own`)."""
+        box.modified = box.value._version != box.version
+        region = box.region or own
+        if region is not None and box.choice >= 0:
+            self.region_choices.add(box.choice)  # at every width: a controller's budget counts the bit
+        stored = self._store(box.value, box.bits, region)
+        box.value = memory.without_node(stored) if isinstance(stored, torch.Tensor) else stored
+        box.pending = False
+        memory.note_saved(_kept_tensors(box.value), box.tags)
 
     def unpack(self, saved: Any, memo: Optional[Dict[int, torch.Tensor]] = None) -> torch.Tensor:
         """The saved_tensors_hooks unpack hook; `memo`: what this unpack has recomputed so far
@@ -1364,7 +1518,7 @@ class compress_saved(contextlib.ContextDecorator):
                       "derived": 0, "numel_derived": 0, "numel_checkpointed": 0}
         self._reset()
         self.floors, self.rule_floors = {}, {}
-        self.derived_choices = set()
+        self.derived_choices, self.region_choices = set(), set()
         self._guarded = {} if self.guard and not inert else None  # id → parameter, until backward reads the first save
         self._guarded_half = False
         self._outer = None
@@ -1396,6 +1550,7 @@ class compress_saved(contextlib.ContextDecorator):
         self._hooks.__enter__()
         if self.recompute and _derived.AVAILABLE and not _compiling():
             recorder = _derived.Recorder(self._resolve, projections=self.bits_for is not None)
+            recorder.watch = self._saw_result
             recorder.__enter__()
             self._recorder = recorder
         _OPEN.block = self

@@ -43,7 +43,8 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Se
 import torch
 
 from . import _replay
-from .compress import MIN_UNIFORM_BITS, _compiling, check_generator, code_layout, coded_numel, compress_saved, keeps_support
+from .compress import (MIN_UNIFORM_BITS, _compiling, check_generator, code_layout, coded_numel, compress_saved,
+                       inside_outside_blocks, keeps_support)
 
 __all__ = ["CompressionController", "TensorKey", "allocate_bits", "RUNGS", "trainer_callback"]
 
@@ -444,7 +445,8 @@ class CompressionController:
         # The widths of the last estimate by position, for keys of other shapes (_bits_for).
         self._bits_by_position: Dict[_Position, int] = {}
         self._numels: Dict[TensorKey, int] = {}
-        # The keys saved as a ReLU's output, whose support costs a bit per element (stored_bits).
+        # The keys saved as a ReLU's output, whose support costs a bit per element (stored_bits),
+        # and those a kinked activation's backward tests, whose side of its breakpoints does.
         self._supported: Set[TensorKey] = set()
         self._sensitivity: Dict[TensorKey, float] = {}
         self._step = 0
@@ -562,7 +564,7 @@ class CompressionController:
         element as it is (`bits` 32, or codes that would take as many bytes as the tensor,
         ``abp.compress.codes_pay``), otherwise `bits` per coded element, its planes padded to
         whole groups (``abp.compress.plane_groups``: 7 x 7 pixels code 56 elements each), and a
-        ReLU output's support, a bit per element."""
+        ReLU output's support or a kinked activation's side of its breakpoints, a bit per element."""
         numel = math.prod(key.shape)
         layout = self._layout(key, bits)
         if layout is None:
@@ -785,6 +787,10 @@ class CompressionController:
             for index, floor in self._saver.rule_floors.items():
                 key = self._order[self._order_base + index]
                 self._floors[key] = max(self._floors.get(key, 1), floor)
+            # A kinked activation's saves keep their side of its breakpoints beside the codes, a
+            # bit per element, as a ReLU output keeps its support (compress_saved found which).
+            for index in self._saver.region_choices:
+                self._supported.add(self._order[self._order_base + index])
             # Tensors recomputed instead of stored have no width: their elements count as
             # compress_saved's numel_derived.
             for index in self._saver.derived_choices:
@@ -876,8 +882,8 @@ class CompressionController:
         # Wrapping forward, not a forward pre-hook: hooks see keyword arguments only on torch >= 2.0
         # (with_kwargs), and torch 1.13 must work too.
         def recording_forward(*args: Any, **kwargs: Any) -> Any:
-            if _compiling():  # a compiled call is not replayed (the hooks above)
-                return original(*args, **kwargs)
+            if _compiling() or inside_outside_blocks():  # a compiled call is not replayed (the hooks
+                return original(*args, **kwargs)         # above), nor one of a VCAS calibration
             call = _replay.record(model, args, kwargs)
             out = original(*args, **kwargs)
             self._watch(call, out)
@@ -920,8 +926,8 @@ class CompressionController:
         self._step_hooks = True
 
     def _forward_begins(self, module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-        if not (self._active and self._hooked) or self._replaying:
-            return None
+        if not (self._active and self._hooked) or self._replaying or inside_outside_blocks():
+            return None  # not a step's call (a VCAS calibration's passes run outside_blocks)
         call = None
         if self._probing:
             # What a hooked step's replays call: forward as __call__ runs it (an instance
@@ -1058,7 +1064,8 @@ class CompressionController:
             parts.append(("op rules' floors (fused attention's query and key, log_softmax's output, what amax-like reductions compare)", floors))
         support = [k for k in keys if k in self._supported and layouts[k] is not None]
         if support:
-            parts.append(("ReLU outputs' support, a bit per element", support))
+            parts.append(("ReLU outputs' support and kinked activations' sides of their breakpoints, a bit per element",
+                          support))
         padded = [k for k in keys if layouts[k] is not None and layouts[k][1]]
         if padded:
             parts.append(("planes padded to whole code groups", padded))

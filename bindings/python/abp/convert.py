@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from . import (_compiled_saves, _composition, _custom_ops, _dataflow, _derived, _recognise, _stale_optimizer, _structure,
-               autograd, compress, sampling)
+               autograd, compress, sampling, vcas)
 from . import nn as abp_nn
 from ._recognise import Activation, LinearMap, Norm, Unknown
 from ._roles import idle_blocks as _idle_blocks, sampled_linear_maps as _roles_of
@@ -1223,6 +1223,13 @@ def convert(
         raise TypeError(f"inplace: expected True or False, got {inplace!r}")
     options = _check_overrides(recipes, overrides)
     call = _example_call(example_inputs, example_kwargs)
+    if vcas.Controller.attached(model) is not None:
+        # Its samplers are the model's Linears: a copy would take a copy of the controller, which
+        # nobody calibrates (the caller's calibrates the original), and recipe sampled finds no
+        # Linear to sample. Built after convert, it samples what convert left.
+        raise RuntimeError("model: has an abp.vcas.Controller (its samplers replace the blocks' Linears); convert "
+                           "first, then build the controller on the model convert returns (or call the "
+                           "controller's remove() before converting)")
     # Under torch.inference_mode the copy's parameters would be inference tensors, which no
     # training can use (nor convert's count of saved bytes).
     with torch.inference_mode(False):

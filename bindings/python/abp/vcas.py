@@ -37,7 +37,7 @@ from . import _sample_kernels as kernels
 from . import _selection as selection
 from ._launch import compute_dtype
 from .autograd import NotScriptable
-from .compress import check_generator, draw_seed
+from .compress import check_generator, draw_seed, outside_blocks
 
 __all__ = [
     "Controller",
@@ -195,8 +195,9 @@ class _Sampler:
 
 @dataclass
 class _LinearState:
-    name: str
+    name: str  # in its block
     depth: int
+    key: str  # in the model: what weight_ratios, state_dict and `.last` call it
     ratio: float = 1.0  # ν
     variance: float = 0.0  # Σ V_w over the calibration's inner passes
     tokens: int = 0  # K′ of the last backward: ν below 1/K′ is a budget of 0 (exact)
@@ -353,13 +354,15 @@ class Controller:
         self.samplers = [_Sampler(depth) for depth in range(len(self.blocks))]
         self.linears: List[_VcasLinear] = []
         self._hooks = []
+        block_names = {id(m): n for n, m in model.named_modules()}
         for depth, block in enumerate(self.blocks):
             self._hooks.append(block.register_forward_hook(self._hook(self.samplers[depth])))
             for parent_name, parent in block.named_modules():
                 for child_name, child in list(parent.named_children()):
                     if _is_plain_linear(child):
                         name = ".".join(n for n in (parent_name, child_name) if n)
-                        layer = _VcasLinear(child, self, _LinearState(name, depth))
+                        key = ".".join(n for n in (block_names[id(block)], name) if n)
+                        layer = _VcasLinear(child, self, _LinearState(name, depth, key))
                         setattr(parent, child_name, layer)
                         self.linears.append(layer)
 
@@ -405,19 +408,20 @@ class Controller:
 
     def state_dict(self) -> Dict[str, Any]:
         """What a resumed run needs to continue as the uninterrupted one: the step count, the
-        schedule's s and every sampler's ratio (activations bottom block first, weights by layer
-        name). Plain values; save it with the model's and optimizer's."""
-        return {"version": 1, "s": self.s, "steps": self.steps, "calibrations": self.calibrations,
+        schedule's s and every sampler's ratio (activations bottom block first, weights by the
+        Linear's name in the model). Plain values; save it with the model's and optimizer's."""
+        return {"version": 2, "s": self.s, "steps": self.steps, "calibrations": self.calibrations,
                 "activations": [(sampler.ratio, sampler.active) for sampler in self.samplers],
-                "weights": {f"{layer.state.depth}.{layer.state.name}": (layer.state.ratio, layer.state.tokens)
-                            for layer in self.linears}}
+                "weights": {layer.state.key: (layer.state.ratio, layer.state.tokens) for layer in self.linears}}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restores what `state_dict` returned, into a Controller built on the resumed model (the
-        same blocks and Linears)."""
-        if not isinstance(state, dict) or state.get("version") != 1:
-            raise ValueError("state: expected what abp.vcas.Controller.state_dict() returned (a dict with version 1), "
-                             f"got {type(state).__name__}")
+        same blocks and Linears). A version 1 state (weights by '<block index>.<name in the
+        block>', as saved before the keys were the model's names) loads too."""
+        version = state.get("version") if isinstance(state, dict) else None
+        if version not in (1, 2):
+            raise ValueError("state: expected what abp.vcas.Controller.state_dict() returned (a dict with version 1 or "
+                             f"2), got {type(state).__name__}" + (f" with version {version!r}" if isinstance(state, dict) else ""))
         try:
             s, steps, calibrations = float(state["s"]), int(state["steps"]), int(state["calibrations"])
             activations = [(float(ratio), bool(active)) for ratio, active in state["activations"]]
@@ -425,7 +429,8 @@ class Controller:
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"state: expected what abp.vcas.Controller.state_dict() returned; this one does not read "
                              f"as such ({type(e).__name__}: {e})") from None
-        mine = {f"{layer.state.depth}.{layer.state.name}": layer.state for layer in self.linears}
+        mine = {(layer.state.key if version == 2 else f"{layer.state.depth}.{layer.state.name}"): layer.state
+                for layer in self.linears}
         if len(activations) != len(self.samplers) or set(weights) != set(mine):
             raise ValueError(f"state: saved for {len(activations)} blocks and the Linears {sorted(weights)}; this "
                              f"controller has {len(self.samplers)} blocks and {sorted(mine)}: build it on the same "
@@ -491,8 +496,8 @@ class Controller:
 
     @property
     def weight_ratios(self) -> Dict[str, float]:
-        """ν of every sampled Linear, by '<block index>.<name in the block>'."""
-        return {f"{layer.state.depth}.{layer.state.name}": layer.state.ratio for layer in self.linears}
+        """ν of every sampled Linear, by its name in the model."""
+        return {layer.state.key: layer.state.ratio for layer in self.linears}
 
     def flops_ratio(self) -> float:
         """The step's GEMM cost relative to exact training, (1 + mean ρ + mean ρ·ν)/3 over the
@@ -552,21 +557,25 @@ class Controller:
         exact: List[List[torch.Tensor]] = []
         v_act = 0.0
         self._keys = keys
-        try:
-            for batch in batches:
-                state = _rng_state()
-                self._mode, self._record = "exact", True
-                g = gradient(batch)
-                exact.append(g)
-                self._mode, self._record = "activations", False
-                for _ in range(m):
-                    _set_rng_state(state)
-                    sampled = gradient(batch)
-                    v_act += sum(float(((a - b) ** 2).sum()) * c for a, b, c in zip(sampled, g, scale))
-        finally:
-            self._mode, self._record, self._keys = "train", False, None
-            for p, grad in zip(params, saved_grads):
-                p.grad = grad
+        # Outside any compress block or CompressionController step around the call (a callback
+        # of the Trainer's before this one, `with controller:`): the passes measure exact
+        # gradients, and are no training step to compress or replay.
+        with outside_blocks():
+            try:
+                for batch in batches:
+                    state = _rng_state()
+                    self._mode, self._record = "exact", True
+                    g = gradient(batch)
+                    exact.append(g)
+                    self._mode, self._record = "activations", False
+                    for _ in range(m):
+                        _set_rng_state(state)
+                        sampled = gradient(batch)
+                        v_act += sum(float(((a - b) ** 2).sum()) * c for a, b, c in zip(sampled, g, scale))
+            finally:
+                self._mode, self._record, self._keys = "train", False, None
+                for p, grad in zip(params, saved_grads):
+                    p.grad = grad
         # V_SGD: the between-batch variance of the sampled entries, unbiased, scaled to all entries.
         sgd_param = [float(torch.stack([e[j] for e in exact]).var(dim=0, unbiased=True).sum()) * scale[j]
                      for j in range(len(params))]
@@ -578,7 +587,7 @@ class Controller:
             layer = layer_params.get(id(p))
             if layer is None:
                 continue
-            key = f"{layer.state.depth}.{layer.state.name}"
+            key = layer.state.key
             v_w[key] = layer.state.variance / (m * m)
             too_noisy.append((layer.state, v_w[key] > self.w_var_tau * sgd_param[j]))
         if all(math.isfinite(v) for v in (v_sgd, v_act, *v_w.values())):
