@@ -286,6 +286,19 @@ def test_import_abp_leaves_dynamo_unloaded_until_something_compiles() -> None:
     assert result.returncode == 0, result.stderr[-2000:]
 
 
+def _decider(forward, backward):  # type: ignore[no-untyped-def]
+    """_decide on the graphs of two traced functions (the forward's saved values by name) for a
+    2048-element value at 4 bits, min_numel 1024."""
+    fw, bw = torch.fx.symbolic_trace(forward).graph, torch.fx.symbolic_trace(backward).graph
+    nodes = {n.name: n for n in fw.nodes}
+    x = torch.randn(2048)
+
+    def decide(name: str, op_rules: bool = True, exact_relu: bool = True):  # type: ignore[no-untyped-def]
+        return _compiled_saves._decide(x, {"_node": nodes[name], "_fw_graph": fw, "_bw_graph": bw}, 4, 1024,
+                                       op_rules, exact_relu)
+    return decide
+
+
 def test_a_relu_output_keeps_its_support_when_its_backward_is_decomposed() -> None:
     """Inductor decomposes ReLU's backward into a comparison and a where, no threshold_backward:
     the output of a forward relu keeps its exact support whatever backward reads it with (as
@@ -297,17 +310,11 @@ def test_a_relu_output_keeps_its_support_when_its_backward_is_decomposed() -> No
     def backward(relu, sin, grad):  # type: ignore[no-untyped-def]
         return (torch.where(torch.le(relu, 0), 0.0, grad) + torch.where(torch.le(sin, 0), 0.0, grad),)
 
-    fw, bw = torch.fx.symbolic_trace(forward).graph, torch.fx.symbolic_trace(backward).graph
-    nodes = {n.name: n for n in fw.nodes}
-    x = torch.randn(2048)
-    decide = lambda name: _compiled_saves._decide(  # noqa: E731
-        x, {"_node": nodes[name], "_fw_graph": fw, "_bw_graph": bw}, 4, 1024, True, True)
+    decide = _decider(forward, backward)
     assert decide("relu") == (4, _compiled_saves.SUPPORT_KEPT)
     assert decide("sin") == (32, _compiled_saves.PIECE_KEPT)
-    assert _compiled_saves._decide(x, {"_node": nodes["sin"], "_fw_graph": fw, "_bw_graph": bw},
-                                   4, 1024, False, True) == (4, "compressed")  # op_rules=False
-    assert _compiled_saves._decide(x, {"_node": nodes["relu"], "_fw_graph": fw, "_bw_graph": bw},
-                                   4, 1024, True, False) == (4, "compressed")  # exact_relu=False
+    assert decide("sin", op_rules=False) == (4, "compressed")
+    assert decide("relu", exact_relu=False) == (4, "compressed")
 
 
 def test_a_transposed_save_comes_back_with_its_strides() -> None:
@@ -523,12 +530,7 @@ def test_a_comparison_with_a_constant_keeps_the_value_a_comparison_of_two_tensor
         shifted = sin * 2.0 + 1.0
         return torch.where(torch.gt(shifted, 0.0), grad, grad * 0.01), torch.where(torch.gt(cos, grad), grad * cos, 0.0)
 
-    fw, bw = torch.fx.symbolic_trace(forward).graph, torch.fx.symbolic_trace(backward).graph
-    nodes = {n.name: n for n in fw.nodes}
-    x = torch.randn(2048)
-    decide = lambda name: _compiled_saves._decide(  # noqa: E731
-        x, {"_node": nodes[name], "_fw_graph": fw, "_bw_graph": bw}, 4, 1024, True, True)
+    decide = _decider(forward, backward)
     assert decide("sin") == (32, _compiled_saves.PIECE_KEPT)
     assert decide("cos") == (4, "compressed")
-    assert _compiled_saves._decide(x, {"_node": nodes["sin"], "_fw_graph": fw, "_bw_graph": bw},
-                                   4, 1024, False, True) == (4, "compressed")  # op_rules=False
+    assert decide("sin", op_rules=False) == (4, "compressed")
