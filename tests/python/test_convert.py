@@ -1591,6 +1591,8 @@ def test_other_activations_switched_off_and_checked():
     assert type(kept[1]) is nn.Hardswish and set(by_action(changes, "replaced")) == {"3"}
     kept, _ = abp.convert(model, other_activations=False)  # False is None: off
     assert type(kept[1]) is nn.Hardswish
+    import numpy as np
+    assert abp.convert(model, other_activations=np.int64(2))[0][1].bits == 2
     for bad in (0, 5, 2.5, "3", True):
         with pytest.raises(ValueError, match=r"other_activations: expected the bits of the FewBit derivative \(1, 2, 3 or 4\)"):
             abp.convert(model, other_activations=bad)

@@ -721,6 +721,8 @@ def test_guard_warns_by_default_and_can_be_turned_off() -> None:
 _PIECEWISE_CONSTANT = {
     "leaky_relu": lambda h: F.leaky_relu(h, 0.01),
     "leaky_relu_inplace": lambda h: F.leaky_relu(h * 1.0, 0.01, inplace=True),
+    "prelu": lambda h: F.prelu(h, torch.tensor([0.25])),
+    "rrelu_eval": lambda h: F.rrelu(h, training=False),
     "relu6": F.relu6,
     "relu6_inplace": lambda h: F.relu6(h * 1.0, inplace=True),
     "hardtanh": lambda h: F.hardtanh(h, -0.5, 1.0),

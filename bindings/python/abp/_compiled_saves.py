@@ -228,7 +228,8 @@ def _compared(name: str, bw: torch.fx.Graph) -> bool:
 _ELEMENTWISE = _ALIASES | {"add", "sub", "mul", "div", "neg", "rsqrt", "sqrt", "convert_element_type"}
 _SCALAR_COMPARISONS = frozenset({"gt", "ge", "lt", "le"})
 _KINKED_BACKWARD = frozenset({"leaky_relu_backward", "hardtanh_backward", "hardsigmoid_backward", "hardswish_backward",
-                              "elu_backward", "threshold_backward", "hardshrink_backward", "softshrink_backward"})
+                              "elu_backward", "threshold_backward", "hardshrink_backward", "softshrink_backward",
+                              "_prelu_kernel_backward", "rrelu_with_noise_backward"})
 
 
 def _tested_against_constant(name: str, bw: torch.fx.Graph) -> bool:

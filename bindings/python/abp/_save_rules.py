@@ -38,8 +38,8 @@ tensor, an infinity norm) keeps that input as it is, and compress_saved recomput
 the input as backward reads it (`result_from_input`): codes of either side would match no element,
 and the gradient would be NaN.
 
-A kinked activation whose backward tests which piece its saved value lies on (LeakyReLU, ELU,
-CELU, SELU: x > 0; ReLU6 and Hardtanh: min < x < max; Hardsigmoid; Hardswish: -3 <= x <= 3;
+A kinked activation whose backward tests which piece its saved value lies on (LeakyReLU, PReLU,
+RReLU, ELU, CELU, SELU: x > 0; ReLU6 and Hardtanh: min < x < max; Hardsigmoid; Hardswish: -3 <= x <= 3;
 threshold, clamp, Hardshrink, Softshrink) reads a derivative that jumps there: codes of an element
 near a breakpoint land on the other side as often as not, and its gradient is then wrong by the
 jump (LeakyReLU's 1 against 0.01), not by a rounding error. The block keeps, beside the codes, one
@@ -308,7 +308,8 @@ _HARD = Region(-3.0, 3.0, False)
 _REGIONS: Dict[str, Callable[[Any], Optional[Region]]] = {
     **{name: (lambda node: _POSITIVE) for name in (
         "LeakyReluBackward0", "LeakyReluBackward1", "EluBackward0", "EluBackward1", "CeluBackward0", "CeluBackward1",
-        "SeluBackward0", "SeluBackward1")},
+        "SeluBackward0", "SeluBackward1", "PreluKernelBackward0", "PreluBackward0", "RreluWithNoiseBackward0",
+        "RreluWithNoiseBackward1")},
     "HardtanhBackward0": lambda node: Region(float(node._saved_min_val), float(node._saved_max_val), False),
     "HardtanhBackward1": lambda node: Region(float(node._saved_min_val), float(node._saved_max_val), False),
     "HardsigmoidBackward0": lambda node: _HARD,

@@ -34,6 +34,7 @@ import copy
 import difflib
 import fnmatch
 import functools
+import numbers
 import threading
 import warnings
 from collections.abc import Mapping
@@ -248,9 +249,11 @@ def _check_overrides(recipes: Tuple[str, ...], overrides: Dict[str, Any]) -> Dic
         bits = options["other_activations"]
         if bits is False:
             options["other_activations"] = None
-        elif bits is not None and (isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 4):
-            raise ValueError(f"other_activations: expected the bits of the FewBit derivative (1, 2, 3 or 4) or None "
-                             f"(off), got {bits!r}")
+        elif bits is not None:
+            if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or not 1 <= bits <= 4:
+                raise ValueError(f"other_activations: expected the bits of the FewBit derivative (1, 2, 3 or 4) or None "
+                                 f"(off), got {bits!r}")
+            options["other_activations"] = int(bits)  # a numpy integer too
     return options
 
 
