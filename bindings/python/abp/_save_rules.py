@@ -174,17 +174,6 @@ _NONREENTRANT_RECOMPUTATION_CODE = _nested_codes("_checkpoint_without_reentrant"
 _TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
-def innermost_hooks() -> Optional[Tuple[Any, Any]]:
-    """The innermost saved-tensor hooks (pack, unpack), None if there are none or where torch
-    cannot say (before 2.1)."""
-    if _TOP_HOOKS is None:
-        return None
-    try:
-        return _TOP_HOOKS(False)
-    except TypeError:  # pragma: no cover - an older signature
-        return None
-
-
 def inside_checkpoint_hooks(depth: int = 128) -> bool:
     """True where a non-reentrant activation checkpoint's saved-tensor hooks are the innermost:
     its forward, or its recomputation in backward. Hooks opened there would take every save from
@@ -299,12 +288,10 @@ class Region:
 
 
 _POSITIVE = Region(0.0, math.inf, False)
-_HARD = Region(-3.0, 3.0, False)
 
 #: Kinked activations by their backward node: the interval backward tests the saved value against
 #: (torch's derivatives.yaml and its CPU kernels: leaky_relu_backward tests x > 0, hardtanh_backward
 #: min < x < max, hardswish_backward x < -3 and x <= 3, clamp's backward min <= x <= max, ...).
-#: The in-place forms (…Backward1) save their result, the others their input.
 _REGIONS: Dict[str, Callable[[Any], Optional[Region]]] = {
     **{name: (lambda node: _POSITIVE) for name in (
         "LeakyReluBackward0", "LeakyReluBackward1", "EluBackward0", "EluBackward1", "CeluBackward0", "CeluBackward1",
@@ -312,7 +299,7 @@ _REGIONS: Dict[str, Callable[[Any], Optional[Region]]] = {
         "RreluWithNoiseBackward1")},
     "HardtanhBackward0": lambda node: Region(float(node._saved_min_val), float(node._saved_max_val), False),
     "HardtanhBackward1": lambda node: Region(float(node._saved_min_val), float(node._saved_max_val), False),
-    "HardsigmoidBackward0": lambda node: _HARD,
+    "HardsigmoidBackward0": lambda node: Region(-3.0, 3.0, False),
     "HardswishBackward0": lambda node: Region(-3.0, 3.0, True),
     "ThresholdBackward0": lambda node: Region(float(node._saved_threshold), math.inf, False),
     "ClampBackward1": lambda node: _clamp_region(node._saved_min, node._saved_max),
@@ -329,9 +316,14 @@ def _clamp_region(lo: Any, hi: Any) -> Optional[Region]:
     return Region(-math.inf if lo is None else float(lo), math.inf if hi is None else float(hi), True)
 
 
+#: The in-place forms among them: they save their result, the others their input.
+_SAVING_RESULT = frozenset({"LeakyReluBackward1", "EluBackward1", "CeluBackward1", "SeluBackward1", "HardtanhBackward1",
+                            "RreluWithNoiseBackward1"})
+
+
 def saves_result(node: Any) -> bool:
     """Whether a kinked activation's node saved its result (an in-place form) rather than its input."""
-    return type(node).__name__.endswith("Backward1") and type(node).__name__ != "ClampBackward1"
+    return type(node).__name__ in _SAVING_RESULT
 
 
 def region_of(node: Any) -> Optional[Region]:
