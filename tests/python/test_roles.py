@@ -197,16 +197,18 @@ class NormedQueryKey(nn.Module):
         return x + self.post_ffn(self.down(F.gelu(self.up(self.pre_b(x)))))
 
 
-class NormedQueryKeyNet(nn.Module):
-    def __init__(self, d: int = 8) -> None:
+class Stacked(nn.Module):
+    """An embedding and two blocks of `block(d)` in a ModuleList, the blocks' layer stack."""
+
+    def __init__(self, block: type, d: int = 8) -> None:
         super().__init__()
         self.embed = nn.Linear(4, d)
-        self.stack = nn.ModuleList([NormedQueryKey(d) for _ in range(2)])
+        self.blocks = nn.ModuleList([block(d) for _ in range(2)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x)
-        for layer in self.stack:
-            h = layer(h)
+        for block in self.blocks:
+            h = block(h)
         return h
 
 
@@ -216,7 +218,7 @@ def test_a_query_or_key_normed_before_its_scores_stays_exact() -> None:
     and put back only because they stored more); a norm after a residual add still ends the path,
     and one on the FFN's output before its add does not make the FFN score."""
     torch.manual_seed(0)
-    got = _sampled(NormedQueryKeyNet(), example_inputs=_example())
+    got = _sampled(Stacked(NormedQueryKey), example_inputs=_example())
     assert {n.split(".", 2)[2] for n in got} == {"o", "up", "down"}
 
 
@@ -438,24 +440,11 @@ class NormAttentionNormBlock(nn.Module):
         return h + self.ffn(normed)
 
 
-class NormAttentionNormNet(nn.Module):
-    def __init__(self, d: int = 8) -> None:
-        super().__init__()
-        self.embed = nn.Linear(4, d)
-        self.blocks = nn.ModuleList([NormAttentionNormBlock(d) for _ in range(2)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        for block in self.blocks:
-            h = block(h)
-        return h
-
-
 def test_a_module_holding_the_attention_and_a_norm_does_not_speak_for_its_output_projection() -> None:
     # Its output is past its second norm, and reaches the experts' product: taken for the output
     # projection's, it refused the projection ("ran no linear map in attention-output position").
     torch.manual_seed(0)
-    got = _sampled(NormAttentionNormNet(), example_inputs=_example())
+    got = _sampled(Stacked(NormAttentionNormBlock), example_inputs=_example())
     assert got == ["blocks.0.norm_attn_norm.attn.mix_out", "blocks.1.norm_attn_norm.attn.mix_out"]
 
 
