@@ -1532,6 +1532,25 @@ def test_relu_unknown_and_identity_like_activations():
     torch.testing.assert_close(converted.eval()(x), model.eval()(x), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_random_and_learned_activations_are_kept_with_the_reason(mode):
+    """RReLU draws its slope in training, and is a LeakyReLU in eval mode (a model fresh from
+    from_pretrained): replacing it there with a fixed LeakyReLU would train another function.
+    PReLU's slope is learned. Both stay, each named in the changes; Dropout is not mentioned."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.RReLU(), nn.Linear(8, 8), nn.PReLU(), nn.Dropout(0.1))
+    model.train(mode == "train")
+    converted, changes = abp.convert(model, example_inputs=(torch.randn(4, 8),))
+    assert not by_action(changes, "replaced")
+    assert [type(m) for m in converted] == [type(m) for m in model]
+    assert converted.training == (mode == "train")
+    assert by_action(changes, "refused") == {
+        "1": "RReLU not replaced: it draws at random in training mode (as RReLU's slope does), which no replacement with "
+        "a fixed derivative reproduces",
+        "3": "PReLU not replaced: its output depends on its learned parameters (weight) besides its input; abp replaces "
+        "activations that are fixed functions of their input",
+    }
+
+
 def test_leaky_relu_becomes_the_exact_one_bit_leaky_relu():
     model = nn.Sequential(nn.Linear(8, 8), nn.LeakyReLU(0.2), nn.Linear(8, 8), nn.LeakyReLU())
     converted, changes = abp.convert(model)

@@ -140,17 +140,56 @@ def test_leaky_relu_slope(slope):
     assert found.slope == pytest.approx(slope, rel=1e-12)
 
 
-@pytest.mark.parametrize("module", [QuickGELU(), nn.ELU(alpha=0.5), nn.CELU(alpha=2.0), nn.Hardtanh(-2, 2),
-                                    nn.Softplus(beta=2.0), nn.Softplus(threshold=10.0)],
-                         ids=lambda m: str(m))
-def test_other_elementwise_functions_are_unknown(module):
+@pytest.mark.parametrize("module, shown", [
+    (QuickGELU(), []), (nn.ELU(alpha=0.5), ["alpha=0.5"]), (nn.CELU(alpha=2.0, inplace=True), ["alpha=2"]),
+    (nn.Hardtanh(-2, 2), ["min_val=-2", "max_val=2"]), (nn.Softplus(beta=2.0), ["beta=2", "threshold=20"]),
+    (nn.Softplus(threshold=10.0), ["beta=1", "threshold=10"])], ids=lambda m: str(m))
+def test_other_elementwise_functions_are_unknown(module, shown):
     """Functions abp has no table for, and FewBit's own functions at other parameters than the
-    tables': Softplus's threshold 10 differs from 20 by 5e-5 at 11, which the far probes see."""
+    tables': Softplus's threshold 10 differs from 20 by 5e-5 at 11, which the far probes see. The
+    reason shows the module's parameters (as torch's extra_repr prints them, which differs between
+    versions: 2 or 2.0), not its in-place flag, before the tables' own."""
     found = recognise(module)
     assert isinstance(found, Unknown)
-    assert found.reason == ("an elementwise activation that is none of GELU (erf or tanh form), SiLU, the ReLU family "
-                            "(ReLU, LeakyReLU, ReLU6), Hardsigmoid, Sigmoid, Tanh, or Hardswish, Mish, ELU/CELU (alpha 1), "
-                            "SELU, Softplus (beta 1, threshold 20), LogSigmoid, Softsign, Tanhshrink")
+    tables = ("an elementwise activation that is none of GELU (erf or tanh form), SiLU, the ReLU family "
+              "(ReLU, LeakyReLU, ReLU6), Hardsigmoid, Sigmoid, Tanh, or Hardswish, Mish, ELU/CELU (alpha 1), "
+              "SELU, Softplus (beta 1, threshold 20), LogSigmoid, Softsign, Tanhshrink")
+    assert found.reason.endswith(tables)
+    parameters = found.reason[:-len(tables)]
+    if not shown:
+        assert parameters == ""
+    else:
+        assert parameters.startswith("with ") and parameters.endswith(" it is ") and "inplace" not in parameters
+        assert all(p in parameters for p in shown), parameters
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_an_activation_that_draws_in_training_is_unknown_in_either_mode(training):
+    """Probed in training mode, which its replacement trains in; the module's mode is left as it was.
+    Dropout draws too but is the identity in eval mode: nothing to replace."""
+    rrelu, dropout = nn.RReLU().train(training), nn.Dropout(0.2).train(training)
+    found = recognise(rrelu)
+    assert isinstance(found, Unknown) and "draws at random in training mode" in found.reason
+    assert recognise(dropout) is None
+    assert rrelu.training == training and dropout.training == training
+
+
+@pytest.mark.parametrize("module", [nn.PReLU(), nn.PReLU(5)], ids=str)
+def test_a_learned_activation_is_unknown(module):
+    found = recognise(module)
+    assert isinstance(found, Unknown) and found.reason.startswith("its output depends on its learned parameters (weight)")
+
+
+def test_unknown_activation_whose_extra_repr_fails_still_gets_a_reason():
+    class Odd(nn.Module):
+        def forward(self, x):
+            return torch.sin(x)
+
+        def extra_repr(self):
+            raise RuntimeError("broken repr")
+
+    found = recognise(Odd())
+    assert isinstance(found, Unknown) and found.reason.startswith("an elementwise activation that is none of")
 
 
 class _WrittenHardswish(nn.Module):

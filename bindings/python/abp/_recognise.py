@@ -154,6 +154,9 @@ def _activation_probe(dtype: torch.dtype) -> Tensor:
 
 
 def _recognise_activation(module: nn.Module) -> Optional[Recognised]:
+    """Probed in training mode, the mode its replacement trains in (a model fresh from
+    from_pretrained is in eval mode, where an RReLU is a LeakyReLU); the caller restores the mode."""
+    module.train(True)
     outputs = {}
     for dtype in (torch.float64, torch.float32):
         x = _activation_probe(dtype)
@@ -177,13 +180,42 @@ def _recognise_activation(module: nn.Module) -> Optional[Recognised]:
     again = _run(module, x64.clone())
     perm = torch.randperm(x64.numel(), generator=torch.Generator().manual_seed(7))
     permuted = _run(module, x64.flatten()[perm].reshape(x64.shape).clone())
-    if again is None or permuted is None or not torch.equal(again, y64):
+    if again is None or permuted is None:
         return None
+    if not torch.equal(again, y64):
+        return _random_in_training(module, x64)
     if not torch.equal(permuted.flatten(), y64.flatten()[perm]):
         return None
-    return Unknown("an elementwise activation that is none of GELU (erf or tanh form), SiLU, the ReLU family "
-                   "(ReLU, LeakyReLU, ReLU6), Hardsigmoid, Sigmoid, Tanh, or Hardswish, Mish, ELU/CELU (alpha 1), "
-                   "SELU, Softplus (beta 1, threshold 20), LogSigmoid, Softsign, Tanhshrink")
+    return Unknown(_parameters_phrase(module) + _UNKNOWN_ACTIVATION)
+
+
+def _random_in_training(module: nn.Module, x: Tensor) -> Optional[Recognised]:
+    """A module that draws at random in training: Dropout and its kind (the identity in eval mode)
+    are nothing to replace; one that computes an activation in eval mode (RReLU) is one that no
+    fixed replacement trains like."""
+    module.eval()
+    y = _run(module, x.clone())
+    if y is None or y.shape != x.shape or _close(y, x, 0.0):
+        return None
+    return Unknown("it draws at random in training mode (as RReLU's slope does), which no replacement with a fixed "
+                   "derivative reproduces")
+
+
+_UNKNOWN_ACTIVATION = ("an elementwise activation that is none of GELU (erf or tanh form), SiLU, the ReLU family "
+                       "(ReLU, LeakyReLU, ReLU6), Hardsigmoid, Sigmoid, Tanh, or Hardswish, Mish, ELU/CELU (alpha 1), "
+                       "SELU, Softplus (beta 1, threshold 20), LogSigmoid, Softsign, Tanhshrink")
+
+
+def _parameters_phrase(module: nn.Module) -> str:
+    """"with beta=2.0, threshold=20.0 it is ": the parameters the module shows (its extra_repr, the
+    in-place flag left out), so that a Softplus or ELU at parameters FewBit has no table for says
+    which; empty for a module that shows none."""
+    try:
+        shown = module.extra_repr()
+    except Exception:  # a user's extra_repr that fails is not convert's to report
+        return ""
+    parts = [p.strip() for p in shown.split(",") if p.strip() and not p.strip().startswith("inplace")]
+    return f"with {', '.join(parts)} it is " if parts else ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -435,6 +467,9 @@ def _recognise_leaf(module: nn.Module) -> Optional[Recognised]:
                 return Unknown("its parameters look like a norm's (one or two vectors of one shape), but it computes "
                                "neither LayerNorm nor RMSNorm over the last dimension (a channels-first norm, "
                                "batch statistics or another normalisation)")
+        if type(module).__module__ == nn.modules.activation.__name__ and is_leaf(module):
+            return Unknown(f"its output depends on its learned parameters ({', '.join(params)}) besides its input; abp "
+                           "replaces activations that are fixed functions of their input")
         if any(p.device.type == "meta" for p in params.values()):
             return None  # a linear map on the meta device cannot be run
         return _recognise_linear(module, params)
