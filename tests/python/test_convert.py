@@ -1551,6 +1551,17 @@ def test_random_and_learned_activations_are_kept_with_the_reason(mode):
     }
 
 
+def test_converting_a_converted_model_again_says_why_nothing_changed():
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 8))
+    once, changes = abp.convert(model, example_inputs=(torch.randn(4, 8),))
+    assert len(by_action(changes, "replaced")) == 2
+    twice, again = abp.convert(once, example_inputs=(torch.randn(4, 8),))
+    assert again == [abp.Change("", "refused", "recipe lowmembp: nothing left to replace; 2 module(s) are abp's already "
+                                "(GELU, MSLayerNorm: an earlier convert's), which convert leaves as they are")]
+    assert [type(m) for m in twice] == [type(m) for m in once]
+    assert abp.convert(nn.Sequential(nn.Linear(8, 8)))[1] == []  # nothing abp's: nothing to say
+
+
 def test_leaky_relu_becomes_the_exact_one_bit_leaky_relu():
     model = nn.Sequential(nn.Linear(8, 8), nn.LeakyReLU(0.2), nn.Linear(8, 8), nn.LeakyReLU())
     converted, changes = abp.convert(model)
