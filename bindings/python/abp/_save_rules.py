@@ -168,8 +168,12 @@ def _nested_codes(function_name: str, inner: str) -> Tuple[Any, ...]:
     return tuple(c for c in outer.co_consts if getattr(c, "co_name", None) == inner)
 
 
-# torch 1.13's non-reentrant checkpoint recomputes inside its unpack hook.
-_NONREENTRANT_RECOMPUTATION_CODE = _nested_codes("_checkpoint_without_reentrant", "unpack")
+# torch 1.13's non-reentrant checkpoint recomputes inside its unpack hook; torch 2.x (2.0 to 2.4
+# cannot name the innermost hooks either) in the recompute_fn its generator, or the generator's
+# body, defines.
+_NONREENTRANT_RECOMPUTATION_CODE = _nested_codes("_checkpoint_without_reentrant", "unpack") + \
+    _nested_codes("_checkpoint_without_reentrant_generator", "recompute_fn") + \
+    _nested_codes("_checkpoint_without_reentrant_generator_impl", "recompute_fn")
 # The innermost saved-tensor hooks (torch >= 2.1); torch 1.13 cannot say.
 _TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
@@ -178,9 +182,9 @@ def inside_checkpoint_hooks(depth: int = 128) -> bool:
     """True where a non-reentrant activation checkpoint's saved-tensor hooks are the innermost:
     its forward, or its recomputation in backward. Hooks opened there would take every save from
     it (the innermost win), so it would neither keep only its inputs nor recompute. Where torch
-    cannot name the innermost hooks (1.13), the stack says: torch.utils.checkpoint.checkpoint (a
-    reentrant checkpoint's forward runs without grad, so it saves nothing anyway) or 1.13's
-    non-reentrant recomputation, within `depth` frames."""
+    cannot name the innermost hooks (1.13 to 2.4), the stack says: torch.utils.checkpoint.checkpoint
+    (a reentrant checkpoint's forward runs without grad, so it saves nothing anyway) or a
+    non-reentrant checkpoint's recomputation, within `depth` frames."""
     if _TOP_HOOKS is not None:
         try:
             top = _TOP_HOOKS(False)
