@@ -462,3 +462,12 @@ def test_an_unrecognised_abp_plan_lane_value_warns_and_keeps_the_default(monkeyp
         assert _plan_lane._flag("ABP_PLAN_LANE", True) is True
     monkeypatch.setenv("ABP_PLAN_LANE", "off")
     assert _plan_lane._flag("ABP_PLAN_LANE", True) is False
+
+
+def test_status_answers_after_a_bare_import():
+    """docs/install.md's `abp._plan_lane.status()` works right after `import abp` (it raised
+    AttributeError until some abp call had loaded the module)."""
+    done = subprocess.run([sys.executable, "-c", "import abp; print(abp._plan_lane.status())"], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip()

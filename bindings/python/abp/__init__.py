@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional
 
 from . import _custom_ops, _lib, author, autograd, buckets, cache, compress, functional, memory, nn, sampling, vcas
 from . import convert as convert_  # the module (RECIPES, Change); `abp.convert` is the function
+from . import _plan_lane  # noqa: F401  `abp._plan_lane.status()` after a bare `import abp` (docs/install.md)
 from .compress import compress_saved
 from ._guard import DivergenceError, DivergenceWarning
 from .controller import CompressionController, TensorKey, allocate_bits
