@@ -17,13 +17,13 @@ _PER_DEVICE = hasattr(torch, "get_autocast_dtype")
 
 def state(kind: str) -> Tuple[bool, torch.dtype]:
     """(enabled, dtype) of autocast on device type `kind`, "cpu" or "cuda"."""
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"kind: expected 'cpu' or 'cuda', got {kind!r}")
     if _PER_DEVICE:
         return torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)  # type: ignore[call-arg,attr-defined]
     if kind == "cpu":
         return torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
-    if kind == "cuda":
-        return torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
-    raise ValueError(f"kind: expected 'cpu' or 'cuda', got {kind!r}")
+    return torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
 
 
 def dtype(kind: str) -> Optional[torch.dtype]:

@@ -88,7 +88,7 @@ def in_use() -> bool:
 
 if _custom_ops.enabled():  # registered at import (cheap); only compiled graphs call them
 
-    @torch.library.custom_op("abp::gact_pack", mutates_args=())
+    @_custom_ops.custom_op("abp::gact_pack", mutates_args=())
     def gact_pack(x: torch.Tensor, key: torch.Tensor, bits: int, group_size: int, padded: int) -> torch.Tensor:
         """`x` as `bits`-bit group codes: one uint8 buffer (compress.group_layout) keyed by `key`;
         `padded`: 0, or the length its channel planes are padded to (compress.plane_groups)."""
@@ -99,7 +99,7 @@ if _custom_ops.enabled():  # registered at import (cheap); only compiled graphs 
         size, _ = group_layout(coded_numel(x.shape, padded), bits, group_size, x.dtype)
         return x.new_empty((size,), dtype=torch.uint8)
 
-    @torch.library.custom_op("abp::gact_unpack", mutates_args=())
+    @_custom_ops.custom_op("abp::gact_unpack", mutates_args=())
     def gact_unpack(buffer: torch.Tensor, bits: int, group_size: int, padded: int, shape: List[int], stride: List[int],
                     dtype: torch.dtype) -> torch.Tensor:
         """The tensor of `shape`, `stride` and `dtype` that gact_pack's `buffer` stands for: laid out

@@ -12,6 +12,7 @@ default the gradients').
 """
 from __future__ import annotations
 
+import inspect
 import threading
 import warnings
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ import torch
 from . import _launch, _lib
 from ._manifest import Operator, packed_bytes, parse_ref
 
-__all__ = ["enabled", "compiling", "supported_torch", "registered", "registrable", "register", "plan", "apply_custom"]
+__all__ = ["enabled", "compiling", "custom_op", "supported_torch", "registered", "registrable", "register", "plan", "apply_custom"]
 
 
 def _torch_version() -> Tuple[int, int]:
@@ -58,6 +59,17 @@ def compiling() -> bool:
     calls its custom ops, else the cheaper eager autograd.Function (~10 us instead of ~30 us of
     host overhead per call)."""
     return _SUPPORTED and (torch.compiler.is_compiling() or _tracing_mode())
+
+
+def custom_op(name: str, **options: Any) -> Any:
+    """torch.library.custom_op(name, **options) for a function whose schema torch infers from its
+    annotations, evaluated first: abp's modules postpone them (``from __future__ import
+    annotations``), whose strings torch 2.4 refused ("Parameter x has unsupported type
+    torch.Tensor", at ``import abp``); later torch evaluates them itself."""
+    def define(fn: Any) -> Any:
+        fn.__signature__ = inspect.signature(fn, eval_str=True)
+        return torch.library.custom_op(name, **options)(fn)
+    return define
 
 
 # The dispatch-mode keys of fake and proxy tracing, looked up once (compiling() is on every call's path).

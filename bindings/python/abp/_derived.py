@@ -41,6 +41,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import _amp
+
 __all__ = ["AVAILABLE", "Derived", "Recorder", "kind_of"]
 
 #: Recording needs ATen's op tags (torch >= 2): on torch 1.13 nothing is recomputed.
@@ -361,12 +363,7 @@ def _autocast_state(device: torch.device) -> Optional[Tuple[str, bool, torch.dty
     kind = device.type
     if kind not in ("cpu", "cuda"):
         return None
-    try:
-        return (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
-    except TypeError:  # torch < 2.4: per-device functions
-        if kind == "cpu":
-            return (kind, torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype())
-        return (kind, torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype())
+    return (kind, *_amp.state(kind))
 
 
 class _NoAutocast:

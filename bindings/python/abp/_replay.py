@@ -21,7 +21,7 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional
 import torch
 from torch.utils import _pytree as pytree
 
-from . import _save_rules
+from . import _amp, _save_rules
 
 __all__ = [
     "Call",
@@ -107,10 +107,7 @@ def set_rng_state(state: RngState) -> None:
 
 
 def _autocast_state() -> AutocastState:
-    if hasattr(torch, "get_autocast_dtype"):  # torch >= 2.4 deprecates the per-device getters
-        return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
-    return (("cpu", torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()),
-            ("cuda", torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()))
+    return tuple((d, *_amp.state(d)) for d in ("cpu", "cuda"))
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from typing import Any, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from . import _custom_ops
 from . import _selection as selection
 from . import sampling
 from ._sample_kernels import check_key
@@ -36,7 +37,7 @@ def _count(n: int, method: str, keep: float) -> int:
     return selection.keep_count(n, keep, minimum=sampling.minimum_kept(method))
 
 
-@torch.library.custom_op("abp::sampled_linear_save", mutates_args=())
+@_custom_ops.custom_op("abp::sampled_linear_save", mutates_args=())
 def _save(x2: torch.Tensor, key: torch.Tensor, method: str, keep: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rows, index, key): the key comes back as an output for backward to read, so that the
     graph's partitioner cannot give backward a recomputed (that is, a fresh) torch.randint."""
@@ -64,7 +65,7 @@ def _(x2: torch.Tensor, key: torch.Tensor, method: str, keep: float) -> Tuple[to
     return x2.new_empty((rows, d)), x2.new_empty((index,), dtype=torch.int32), torch.empty_like(key)
 
 
-@torch.library.custom_op("abp::sampled_linear_dw", mutates_args=())
+@_custom_ops.custom_op("abp::sampled_linear_dw", mutates_args=())
 def _dw(g2: torch.Tensor, rows: torch.Tensor, index: torch.Tensor, key: torch.Tensor, method: str) -> torch.Tensor:
     if index.numel():
         return sampling.sampled_weight_grad("rows", [rows, index], g2, method, _seed(key))

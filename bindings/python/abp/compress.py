@@ -794,6 +794,25 @@ _NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
 #: Tensors whose properties need no torch function (a subclass's may: its hook keeps it on).
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
+try:
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+except ImportError:  # torch 1.13
+    def _is_fake(t: torch.Tensor) -> bool:
+        return False
+
+
+_is_functional = getattr(torch, "_is_functional_tensor", lambda t: False)
+try:
+    from torch._subclasses.functional_tensor import FunctionalTensor as _FunctionalTensor
+except ImportError:  # torch < 2.2
+    _FunctionalTensor = ()  # type: ignore[assignment,misc]
+
+
+def _without_data(t: torch.Tensor) -> bool:
+    """A tensor of tracing, with no data to code: a fake tensor, or a functional wrapper (of one)."""
+    return bool(_is_functional(t)) or (type(t) not in _PLAIN_TENSORS and (
+        isinstance(t, _FunctionalTensor) or bool(_is_fake(t))))
+
 
 class _Kept:
     """What the pack hook returns for a tensor kept as it is (a parameter, a small activation): the
@@ -1019,6 +1038,10 @@ class compress_saved(contextlib.ContextDecorator):
     def pack(self, t: torch.Tensor) -> Any:
         """The saved_tensors_hooks pack hook: a `_Deferred` for a tensor to compress, a `_Kept`
         for one kept as it is, or a CompressedTensor (a mask, or where ops are not told apart)."""
+        if _without_data(t):
+            # torch.compile tracing a model inside the block on a torch whose AOTAutograd does not
+            # take saved-tensor hooks (2.4 and before): its fake tensors pass through the eager hooks.
+            return t
         if self._recorder is not None and type(t) in _PLAIN_TENSORS and not _derived._compiling():
             # The recorder's torch function mode would see every tensor property this hook reads
             # (a Python call each, some 30 per save), although it records nothing while packing.
@@ -1254,6 +1277,8 @@ class compress_saved(contextlib.ContextDecorator):
         """What a recomputed function's tensor argument `a` becomes (abp._derived.Recorder): a
         parameter, what this block packed for it, its own derivation, or (a constant of at most a
         quarter of the `budget` bytes the function makes) itself; None if none of these."""
+        if _without_data(a):
+            return None  # tracing's fake tensors (pack): nothing is recorded from them
         if _parameter_of(a) is not None:
             return _derived.Use(a, a._version, parameter=True)
         seen = self._packed.get(self._identity(a))

@@ -30,7 +30,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import _affine_norm, _custom_ops, _launch, autograd
+from . import _affine_norm, _amp, _custom_ops, _launch, autograd
 
 __all__ = [
     "CONTINUOUS",
@@ -428,19 +428,8 @@ def check_eps(eps: Any) -> float:
 
 
 def _autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
-    """The autocast dtype active for `device`'s type, or None (torch 1.13 and 2.x spellings)."""
-    kind = device.type
-    try:  # torch >= 2.4
-        if torch.is_autocast_enabled(kind):  # type: ignore[call-arg]
-            return torch.get_autocast_dtype(kind)  # type: ignore[attr-defined]
-        return None
-    except TypeError:
-        pass
-    if kind == "cuda" and torch.is_autocast_enabled():
-        return torch.get_autocast_gpu_dtype()
-    if kind == "cpu" and torch.is_autocast_cpu_enabled():
-        return torch.get_autocast_cpu_dtype()
-    return None
+    """The autocast dtype active for `device`'s type, or None."""
+    return _amp.dtype(device.type)
 
 
 def _check_affine(name: str, value: Optional[Tensor], shape: Tuple[int, ...], input: Tensor) -> Optional[Tensor]:
