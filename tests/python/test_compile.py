@@ -224,3 +224,20 @@ def test_a_module_compiled_with_compile_disabled_stays_uncompiled_without_a_warn
     assert converted is not model and getattr(converted, "_compiled_call_impl", None) is None
     plain, _ = abp.convert(_block(), "lowmembp", example_inputs=(x,))
     assert torch.equal(converted(x), plain(x))
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_a_norm_is_not_checked_while_traced(affine):
+    """MSLayerNorm's one-time gamma check sets a flag on the module; torch 2.4's dynamo could not
+    trace that setattr under fullgraph=True (a norm without affine failed). The traced call leaves
+    the module untouched; the first eager call checks."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), abp.nn.MSLayerNorm(32, elementwise_affine=affine),
+                                torch.nn.Linear(32, 4))
+    x = torch.randn(8, 32)
+    torch._dynamo.reset()
+    y = torch.compile(model, backend="aot_eager", fullgraph=True)(x)
+    y.sum().backward()
+    assert "_gamma_checked" not in model[1].__dict__
+    torch.testing.assert_close(y, model(x))
+    assert model[1].__dict__.get("_gamma_checked") is True

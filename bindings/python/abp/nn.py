@@ -428,15 +428,15 @@ class _MSNorm(NotScriptable, torch.nn.Module):
     def _check_gamma(self) -> None:
         """At the first training call, one host read: features whose gamma (weight + weight_offset)
         is 0 lose their gradients (abp._affine_norm), so a weight set to 0 there would never leave
-        it. Warns once, naming them."""
-        if self.__dict__.get("_gamma_checked"):  # one dict read on every later call
+        it. Warns once, naming them. Not while torch.compile traces (its dynamo before 2.5 could not
+        trace the flag's setattr under fullgraph=True); the first eager call checks."""
+        if _custom_ops.compiling() or self.__dict__.get("_gamma_checked"):  # one dict read on every later call
             return
         weight = self.weight
         if weight is None:
             self._gamma_checked = True
             return
-        if not self.training or not weight.requires_grad or not torch.is_grad_enabled() or weight.device.type == "meta" \
-                or _custom_ops.compiling():
+        if not self.training or not weight.requires_grad or not torch.is_grad_enabled() or weight.device.type == "meta":
             return
         self._gamma_checked = True
         zero = (weight.detach() + self.weight_offset) == 0
