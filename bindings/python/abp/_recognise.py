@@ -467,7 +467,7 @@ def _recognise_leaf(module: nn.Module) -> Optional[Recognised]:
                 return Unknown("its parameters look like a norm's (one or two vectors of one shape), but it computes "
                                "neither LayerNorm nor RMSNorm over the last dimension (a channels-first norm, "
                                "batch statistics or another normalisation)")
-        if type(module).__module__ == nn.modules.activation.__name__ and is_leaf(module):
+        if type(module).__module__ == nn.modules.activation.__name__:  # torch's PReLU
             return Unknown(f"its output depends on its learned parameters ({', '.join(params)}) besides its input; abp "
                            "replaces activations that are fixed functions of their input")
         if any(p.device.type == "meta" for p in params.values()):

@@ -1277,9 +1277,8 @@ def convert(
 def _converted_before(model: nn.Module, recipes: Sequence[str]) -> List[Change]:
     """The one change of a convert that changed nothing on a model an earlier convert converted
     (an empty list would not say why); none where no module is abp's."""
-    ours = sorted({type(m).__name__ for m in model.modules() if type(m).__module__.startswith("abp.")})
+    ours = [type(m).__name__ for m in model.modules() if type(m).__module__.startswith("abp.")]
     if not ours:
         return []
-    count = sum(1 for m in model.modules() if type(m).__module__.startswith("abp."))
-    return [Change("", "refused", f"recipe {' and '.join(recipes)}: nothing left to replace; {count} module(s) are abp's "
-                   f"already ({', '.join(ours)}: an earlier convert's), which convert leaves as they are")]
+    return [Change("", "refused", f"recipe {' and '.join(recipes)}: nothing left to replace; {len(ours)} module(s) are "
+                   f"abp's already ({', '.join(sorted(set(ours)))}: an earlier convert's), which convert leaves as they are")]
