@@ -241,3 +241,29 @@ def test_a_norm_is_not_checked_while_traced(affine):
     assert "_gamma_checked" not in model[1].__dict__
     torch.testing.assert_close(y, model(x))
     assert model[1].__dict__.get("_gamma_checked") is True
+
+
+def test_the_compress_recipe_steps_aside_where_compiled_graphs_cannot_be_compressed(monkeypatch):
+    """On a torch whose AOTAutograd takes no saved-tensor hooks (2.4 and before), the recipe's block
+    cannot be kept out of the trace; traced, its own Python failed under inductor (torch 2.4.1:
+    "'NoneType' object has no attribute 'is_leaf'"). There it opens no block while compiled, says
+    so once, and the model trains as without the recipe."""
+    from abp import _compiled_saves
+
+    monkeypatch.setattr(_compiled_saves, "available", lambda: False)
+    monkeypatch.setattr(abp.convert_, "_BLOCK_FUNCTIONS", None)
+    monkeypatch.setattr(abp.compress, "_WARNED", set())
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.LayerNorm(64), torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                torch.nn.Linear(256, 64))
+    x = torch.randn(8, 16, 64)
+    converted, _ = abp.convert(block, "compress", bits=4)
+    torch._dynamo.reset()
+    with pytest.warns(RuntimeWarning, match="compresses nothing in compiled graphs"):
+        y = torch.compile(converted, backend="aot_eager")(x)
+    y.pow(2).mean().backward()
+    assert abp.compress.open_block() is None
+    block.zero_grad()
+    block(x).pow(2).mean().backward()
+    for mine, exact in zip(converted.parameters(), block.parameters()):
+        torch.testing.assert_close(mine.grad, exact.grad)

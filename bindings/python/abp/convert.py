@@ -837,6 +837,16 @@ class CompressSavedHooks:
             # model's compress_saved block): no block, so none nests in another's.
             opened.append(None)
             return
+        if _derived._compiling():
+            # Traced by torch.compile on a torch whose AOTAutograd does not take saved-tensor hooks
+            # (2.4 and before: _block_functions could not keep the block out of the trace). The
+            # graph saves without it; traced, the block's own Python failed under inductor.
+            compress._warn_once("compiled-uncompressed", f"abp: torch {torch.__version__} cannot compress what a "
+                                "torch.compile'd graph saves (its AOTAutograd takes no saved-tensor hooks): the "
+                                "compress recipe compresses nothing in compiled graphs, the rest of the model trains "
+                                "as converted (docs/install.md, \"Which torch\")")
+            opened.append(None)
+            return
         block = compress.compress_saved(bits=self.bits, group_size=self.group_size, allow_low_bits=self.allow_low_bits)
         block.__enter__()
         opened.append(block)
