@@ -29,8 +29,10 @@ def state(kind: str) -> Tuple[bool, torch.dtype]:
 def dtype(kind: str) -> Optional[torch.dtype]:
     """The dtype autocast runs device type `kind`'s ops in where it is on there, else None (so for a
     device type an older torch has no autocast state for)."""
-    if not _PER_DEVICE and kind not in ("cpu", "cuda"):
+    if kind in ("cpu", "cuda"):
+        enabled, chosen = state(kind)
+    elif _PER_DEVICE:
+        enabled, chosen = torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)  # type: ignore[call-arg,attr-defined]
+    else:
         return None
-    enabled, chosen = state(kind) if kind in ("cpu", "cuda") else \
-        (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))  # type: ignore[call-arg,attr-defined]
     return chosen if enabled else None

@@ -427,11 +427,6 @@ def check_eps(eps: Any) -> float:
     return value
 
 
-def _autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
-    """The autocast dtype active for `device`'s type, or None."""
-    return _amp.dtype(device.type)
-
-
 def _check_affine(name: str, value: Optional[Tensor], shape: Tuple[int, ...], input: Tensor) -> Optional[Tensor]:
     """`value` (gamma or beta): None, or a floating tensor of `shape` on `input`'s device."""
     if value is None:
@@ -459,7 +454,7 @@ def _ms_norm(
             and _F32_ROUNDS_TO_ZERO < eps < _F32_ROUNDS_TO_INF and type(weight_offset) in (float, int)
             and weight_offset == 0
             and type(autocast_output) is bool and (input.is_cpu or input.is_cuda)
-            and (input.dtype != torch.float32 or _autocast_dtype(input.device) is None)
+            and (input.dtype != torch.float32 or _amp.dtype(input.device.type) is None)
             and not _custom_ops.compiling()):
         out = autograd.run_lane(op_name, input, (eps,))
         if out is not None:
@@ -486,7 +481,7 @@ def _ms_norm(
     # its compute dtype directly so that it saves this very tensor (docs/algorithms.md §5). Where the
     # output also feeds something else (a residual stream), autocast_output=False keeps the
     # input's dtype, so an fp32 residual stream stays fp32.
-    autocast = _autocast_dtype(input.device) if input.dtype == torch.float32 else None
+    autocast = _amp.dtype(input.device.type) if input.dtype == torch.float32 else None
     out_dtype = autocast if autocast_output else None
     # An fp32 output kept for a residual stream is saved in the autocast dtype (affine norms): the
     # Linear reading it saves its own cast copy anyway, and backward is then bf16-accurate, as
