@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import abp
 import abp.compress as C
 import abp._replay as replay_engine
 import abp.controller as ctl
@@ -802,6 +803,20 @@ def test_bad_constructor_arguments_name_the_argument(kwargs, error, pattern):
     args.update(kwargs)
     with pytest.raises(error, match=pattern):
         CompressionController(args.pop("model"), **args)
+
+
+@pytest.mark.parametrize("recipe", ["compress", "all"])
+def test_a_model_converted_with_a_compress_recipe_is_refused_where_the_controller_is_made(kernels, recipe):
+    # The recipe's block would open inside the controller's at the first step; the constructor says so.
+    model, _ = abp.convert(nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)), recipe, bits=8)
+    with pytest.raises(ValueError, match=r"^model: its forward runs inside the compress_saved\(bits=8\) block .*"
+                                         r"convert with recipe lowmembp and/or sampled"):
+        CompressionController(model)
+    # A converted submodule is named.
+    outer = nn.Sequential(nn.Linear(8, 8), model)
+    with pytest.raises(ValueError, match=r"^model: its module '1' runs inside"):
+        CompressionController(outer)
+    CompressionController(abp.convert(nn.Sequential(nn.Linear(8, 8), nn.GELU()), "lowmembp")[0]).remove()
 
 
 def test_usage_errors_and_remove(kernels):

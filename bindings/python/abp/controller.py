@@ -43,6 +43,7 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Se
 import torch
 
 from . import _replay
+from .convert import _compress_hooks_of
 from .compress import (MIN_UNIFORM_BITS, _compiling, check_generator, code_layout, coded_numel, compress_saved,
                        inside_outside_blocks, keeps_support)
 
@@ -323,6 +324,21 @@ def _squared_distance(a: Sequence[Optional[torch.Tensor]], b: Sequence[Optional[
 _MISSING = object()
 
 
+def _refuse_recipe_blocks(model: torch.nn.Module) -> None:
+    """Raises where abp.convert's recipe compress or all opens a compress_saved block in a forward
+    of `model`: that block would open inside the controller's at the first step (blocks do not
+    nest), so say it now, where the controller is made, with what to do instead."""
+    for name, module in model.named_modules():
+        hooks = _compress_hooks_of(module)
+        if hooks is not None:
+            where = f"its module {name!r}" if name else "its forward"
+            raise ValueError(
+                f"model: {where} runs inside the compress_saved(bits={hooks.bits}) block that abp.convert's recipe "
+                "compress or all put there, and the controller opens its own block around each step (blocks do not "
+                "nest). For per-tensor widths, convert with recipe lowmembp and/or sampled and let the controller "
+                "compress; for a uniform width, keep the recipe and drop the controller")
+
+
 class CompressionController:
     """Compresses a model's saved activations at per-tensor widths chosen by sensitivity (GACT).
 
@@ -395,6 +411,7 @@ class CompressionController:
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        _refuse_recipe_blocks(model)
         if isinstance(min_bits, bool) or not isinstance(min_bits, int) or min_bits not in RUNGS[1:]:
             raise ValueError(f"min_bits: expected one of {', '.join(map(str, RUNGS[1:]))}, got {min_bits!r}")
         if not isinstance(allow_low_bits, bool):
