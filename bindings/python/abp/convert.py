@@ -756,26 +756,32 @@ def _open_block(hooks: "CompressSavedHooks") -> None:
     hooks._enter()
 
 
+def _open_block_for_graphs(hooks: "CompressSavedHooks") -> None:
+    hooks._enter(recompute=False)
+
+
 def _close_block(hooks: "CompressSavedHooks") -> None:
     hooks._leave()
 
 
-_BLOCK_FUNCTIONS: Optional[Tuple[Callable[["CompressSavedHooks"], None], Callable[["CompressSavedHooks"], None]]] = None
+_BlockFunction = Callable[["CompressSavedHooks"], None]
+_BLOCK_FUNCTIONS: Optional[Tuple[_BlockFunction, _BlockFunction, _BlockFunction]] = None
 
 
-def _block_functions() -> Tuple[Callable[["CompressSavedHooks"], None], Callable[["CompressSavedHooks"], None]]:
-    """(_open_block, _close_block), made to run eagerly even inside a model torch.compile traces
-    (a graph break at each): the block must be open when the rest of the forward is compiled,
-    for AOTAutograd to inline its hooks into that graph (abp._compiled_saves); traced instead,
-    the block would be dropped. Resolved when a recipe first makes its hooks (eagerly, before
-    any trace), not at import: it loads torch._dynamo, which `import abp` should not."""
+def _block_functions() -> Tuple[_BlockFunction, _BlockFunction, _BlockFunction]:
+    """(_open_block, _open_block_for_graphs, _close_block), made to run eagerly even inside a
+    model torch.compile traces (a graph break at each): the block must be open when the rest of
+    the forward is compiled, for AOTAutograd to inline its hooks into that graph
+    (abp._compiled_saves); traced instead, the block would be dropped. Resolved when a recipe
+    first makes its hooks (eagerly, before any trace), not at import: it loads torch._dynamo,
+    which `import abp` should not."""
     global _BLOCK_FUNCTIONS
     if _BLOCK_FUNCTIONS is None:
+        functions = (_open_block, _open_block_for_graphs, _close_block)
         if _compiled_saves.available():
-            _BLOCK_FUNCTIONS = (torch._dynamo.disable(_open_block), torch._dynamo.disable(_close_block))
-        else:
-            _BLOCK_FUNCTIONS = (_open_block, _close_block)
-    return _BLOCK_FUNCTIONS
+            functions = tuple(torch._dynamo.disable(f) for f in functions)  # type: ignore[assignment]
+        _BLOCK_FUNCTIONS = functions  # type: ignore[assignment]
+    return _BLOCK_FUNCTIONS  # type: ignore[return-value]
 
 
 _IS_EXPORTING: Optional[Callable[[], bool]] = getattr(getattr(torch, "compiler", None), "is_exporting", None)
@@ -812,12 +818,18 @@ class CompressSavedHooks:
         _block_functions()  # as __init__: a model unpickled in a new process may be compiled next
 
     def enter(self, module: nn.Module, args: Any) -> None:
-        _block_functions()[0](self)
+        # Traced by torch.compile (this test runs at trace time; the graph break calls the
+        # function it chose): the compiled graphs recompute on their own (the partitioner), so
+        # the block opens without its recorder, a torch function mode that dynamo would trace
+        # through for nothing, and mis-traces under FSDP2 (torch 2.15, per-layer fully_shard: a
+        # tensor's .device read as its shape).
+        functions = _block_functions()
+        (functions[1] if _derived._compiling() else functions[0])(self)
 
     def leave(self, module: nn.Module, args: Any, output: Any) -> None:
-        _block_functions()[1](self)
+        _block_functions()[2](self)
 
-    def _enter(self) -> None:
+    def _enter(self, recompute: bool = True) -> None:
         opened = self._open.setdefault(threading.get_ident(), [])
         if opened:
             self._close_interrupted(opened)
@@ -847,7 +859,8 @@ class CompressSavedHooks:
                                 "as converted (docs/install.md, \"Which torch\")")
             opened.append(None)
             return
-        block = compress.compress_saved(bits=self.bits, group_size=self.group_size, allow_low_bits=self.allow_low_bits)
+        block = compress.compress_saved(bits=self.bits, group_size=self.group_size, allow_low_bits=self.allow_low_bits,
+                                        recompute=recompute)
         block.__enter__()
         opened.append(block)
 
