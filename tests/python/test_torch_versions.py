@@ -77,3 +77,46 @@ def test_tracing_tensors_pass_through_compress_saved_unpacked():
     with fake_tensor.FakeTensorMode(), functional.FunctionalTensorMode():
         wrapped = torch.empty(8, 8) + 1
     assert isinstance(wrapped, functional.FunctionalTensor) and _without_data(wrapped)
+
+
+def test_compile_tracing_is_recognised_on_every_torch_that_compiles(monkeypatch):
+    """torch.compiler.is_compiling came in 2.2; on 2.0 and 2.1 torch._dynamo says it. Without it
+    abp never knew it was traced there: the compress recipe opened its block inside the trace
+    (a false "modified by an in-place operation" at backward, dynamo failing on the recorder)."""
+    from abp import _derived
+
+    if not hasattr(torch, "compile"):  # 1.13
+        assert _derived._is_compiling_function() is None and not _derived._compiling()
+        return
+    import importlib
+    import types
+
+    dynamo = importlib.import_module("torch._dynamo")  # (an `import torch._dynamo` here would make torch local)
+    with monkeypatch.context() as patched:
+        patched.setattr(torch, "compiler", types.SimpleNamespace())  # as on torch 2.1
+        found = _derived._is_compiling_function()
+    assert found is dynamo.is_compiling
+    monkeypatch.setattr(_derived, "_IS_COMPILING", found)
+
+    def shifted(x: torch.Tensor) -> torch.Tensor:
+        return x + (1.0 if _derived._compiling() else 0.0)
+
+    dynamo.reset()
+    assert shifted(torch.zeros(1)).item() == 0.0
+    assert torch.compile(shifted, backend="eager")(torch.zeros(1)).item() == 1.0
+
+
+def test_the_cpp_lane_is_not_built_or_cached_inside_a_trace(monkeypatch):
+    """On torch < 2.4 dynamo traces abp's Python (no custom ops): a first call inside the trace
+    built the C++ lane there, which failed and kept the process on the Python lane. Inside a
+    trace no lane is looked up or remembered; the first eager call finds it."""
+    from abp import _derived, autograd
+
+    monkeypatch.setattr(autograd, "_lanes", {})
+    monkeypatch.setattr(_derived, "_compiling", lambda: True)
+    assert autograd.lane_plan("regelu2", torch.float32) is None
+    assert autograd._lanes == {}
+    monkeypatch.setattr(_derived, "_compiling", lambda: False)
+    found = autograd.lane_plan("regelu2", torch.float32)
+    assert found is autograd._lanes[("regelu2", torch.float32)]
+    assert found is not None or abp._plan_lane.module() is None

@@ -34,6 +34,7 @@ recomputing it would be activation checkpointing, a different trade.
 """
 from __future__ import annotations
 
+import importlib
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -381,12 +382,22 @@ def _autocast(state: Optional[Tuple[str, bool, torch.dtype]]) -> Any:
     return torch.autocast(kind, dtype=dtype, enabled=enabled)
 
 
+def _is_compiling_function() -> Optional[Callable[[], bool]]:
+    """torch's "is torch.compile tracing?" (constant True in traced code): torch.compiler's on
+    torch >= 2.2, torch._dynamo's on 2.0 and 2.1 (imported for it there, ~0.2 s: read through
+    another path at trace time, dynamo 2.1 inlined it as the eager function, False); none on 1.13."""
+    found = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    if found is None and hasattr(torch, "compile"):
+        found = getattr(importlib.import_module("torch._dynamo"), "is_compiling", None)
+    return found
+
+
 # Looked up once: the recorder asks on every torch function of a forward.
-_IS_COMPILING: Optional[Callable[[], bool]] = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+_IS_COMPILING: Optional[Callable[[], bool]] = _is_compiling_function()
 
 
 def _compiling() -> bool:
-    """True while torch.compile traces (torch >= 2.2 says so; older torches: never)."""
+    """True while torch.compile traces (torch >= 2.0; 1.13 cannot compile)."""
     return _IS_COMPILING is not None and bool(_IS_COMPILING())
 
 

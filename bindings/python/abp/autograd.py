@@ -7,7 +7,7 @@ from typing import Any, Dict, NoReturn, Optional, Sequence, Tuple
 
 import torch
 
-from . import _eager, _launch, _lib
+from . import _derived, _eager, _launch, _lib
 
 __all__ = ["OperatorFunction", "NotScriptable", "apply_eager", "run_lane", "lane_plan", "not_twice", "once_only",
            "refuse_jit_trace", "refuse_twice"]
@@ -264,6 +264,11 @@ def lane_plan(op_name: str, dtype: torch.dtype) -> Optional[Tuple[Any, Any]]:
     key = (op_name, dtype)
     lane = _lanes.get(key, _UNSET)
     if lane is _UNSET:
+        if _derived._compiling():
+            # torch < 2.4 traces abp's Python here (no custom ops): building or loading the lane
+            # inside the trace failed and left the process on the Python lane. Not cached: the
+            # first eager call builds it.
+            return None
         op = _lib.kernel_library().operators.get(op_name)
         if op is None:
             return None  # not cached: an operator of that name may be defined later
