@@ -456,6 +456,40 @@ def test_a_lock_file_left_by_a_killed_build_does_not_hang_the_next(tmp_path):
     assert done.returncode == 0, done.stderr
 
 
+_CALL_GELU = """
+import torch, abp
+from abp import _plan_lane
+abp.nn.GELU()(torch.randn(8, requires_grad=True)).sum().backward()
+print(_plan_lane.status())
+"""
+
+
+def test_a_damaged_lane_library_is_built_again_not_loaded(tmp_path):
+    """A truncated library (a full disk, a build killed while linking) passed ninja's check (newer
+    than its objects) and killed every later process with SIGBUS at load. Its SHA-256, recorded
+    when it was built, no longer matches: the directory is emptied and the lane built again."""
+    _lane()
+    built = _plan_lane.build_directory(_plan_lane._key(_plan_lane._cuda_stream_support()))
+    name = next(built.glob("abp_plan_lane_*.so")).name
+    assert (built / f"{name}.sha256").read_text().strip() == _plan_lane._digest(built / name)
+    root = tmp_path / "cache"
+    (root / "plan-lane").mkdir(parents=True, mode=0o700)
+    root.chmod(0o700)
+    copy = root / "plan-lane" / built.name
+    copy.mkdir(mode=0o700)
+    for entry in built.iterdir():  # a copy of the built lane: ninja has nothing to do there
+        if entry.is_file() and entry.name != "lock":
+            (copy / entry.name).write_bytes(entry.read_bytes())
+    library = copy / name
+    library.write_bytes(library.read_bytes()[: library.stat().st_size // 2])
+    env = dict(os.environ, ABP_CACHE_DIR=str(root))
+    done = subprocess.run([sys.executable, "-c", _CALL_GELU], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, (done.returncode, done.stderr)  # -7 (SIGBUS) before
+    assert "does not match the checksum recorded when it was built" in done.stderr
+    assert done.stdout.strip() == "C++ lane"
+    assert (copy / f"{name}.sha256").read_text().strip() == _plan_lane._digest(library)  # recorded once loaded
+
+
 def test_an_unrecognised_abp_plan_lane_value_warns_and_keeps_the_default(monkeypatch):
     monkeypatch.setenv("ABP_PLAN_LANE", "enable")
     with pytest.warns(RuntimeWarning, match="ABP_PLAN_LANE='enable' is not one of"):

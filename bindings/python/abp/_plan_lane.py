@@ -21,6 +21,7 @@ import hashlib
 import io
 import logging
 import os
+import shutil
 import stat
 import sys
 import threading
@@ -150,16 +151,67 @@ def _build() -> Any:
     # holder ends. torch's own lock is a file that torch 1.13 makes and deletes: a build killed
     # midway leaves it, and every later process would wait on it forever; no abp process builds
     # here but this one now, so a lock file found is stale.
-    with open(directory / ".abp-build-lock", "a") as guard:
+    with open(directory / _LOCK, "a") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
         stale = directory / "lock"
         if stale.exists():
             stale.unlink()
-        if not (directory / f"{name}.so").exists() and not verbose:
+        library = directory / f"{name}.so"
+        _drop_unverified(directory, library)
+        if not library.exists() and not verbose:
             print(f"abp: building its C++ per-call lane for torch {torch.__version__} in {directory} "
                   f"(about a minute, once)", file=sys.stderr, flush=True)
-        return cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(directory),
-                                  extra_cflags=flags, verbose=verbose, **extra)
+        found = cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(directory),
+                                   extra_cflags=flags, verbose=verbose, **extra)
+        _record_digest(library)
+        return found
+
+
+_LOCK = ".abp-build-lock"
+
+
+def _digest_path(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _digest(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _record_digest(library: Path) -> None:
+    """Writes the built library's SHA-256 beside it (atomically: a rename), once it has loaded."""
+    record = _digest_path(library)
+    partial = record.with_name(record.name + f".{os.getpid()}.tmp")
+    partial.write_text(_digest(library) + "\n")
+    os.replace(partial, record)
+
+
+def _drop_unverified(directory: Path, library: Path) -> None:
+    """Empties the build directory when its library does not match the SHA-256 recorded when it
+    was built (or none was: a build killed before it loaded, a file truncated or changed since):
+    ninja would find the library newer than its objects and hand it to the loader as it is, and a
+    truncated shared library kills the process (SIGBUS) on every run. Emptied, the next load
+    builds it again. Called under the build lock."""
+    if not library.exists():
+        return
+    record = _digest_path(library)
+    try:
+        expected = record.read_text().strip()
+    except OSError:
+        expected = ""
+    if expected and _digest(library) == expected:
+        return
+    warnings.warn(f"abp: its C++ per-call lane in {directory} does not match the checksum recorded when it was "
+                  f"built ({'a different library' if expected else 'none recorded'}); building it again",
+                  RuntimeWarning, stacklevel=4)
+    for entry in directory.iterdir():
+        if entry.name == _LOCK:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
 
 
 def module() -> Optional[Any]:
