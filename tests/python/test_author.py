@@ -273,10 +273,49 @@ def test_arithmetic_on_parameters_and_python_builtins() -> None:
         return abs(x) + 2 ** x + x % 0.75 + x // 2, lambda dy: dy
 
     x = torch.randn(100)
-    expected = x.abs() + 2 ** x + torch.fmod(x, 0.75) + torch.floor(x / 2)
+    expected = x.abs() + 2 ** x + torch.remainder(x, 0.75) + torch.floor(x / 2)
     torch.testing.assert_close(builtins(x), expected, rtol=1e-6, atol=1e-6)
     with pytest.raises(TypeError, match="parameter 'b' must be a number, got str"):
         squareplus(x, "a")
+
+
+def test_remainder_is_pythons_and_torchs_not_cs_fmod() -> None:
+    """`%` takes the divisor's sign, as Python and torch.remainder do ((a // b) * b + a % b == a);
+    it traced to C's fmod, which keeps the dividend's: -1 % 0.3 gave -0.1, not 0.2."""
+    @operator(name=fresh("mod_number"))
+    def by_number(x):
+        return x % 0.3, lambda dy: dy
+
+    @operator(name=fresh("mod_negative"))
+    def by_negative(x):
+        return x % -0.3, lambda dy: dy
+
+    @operator(name=fresh("mod_tensor"))
+    def by_tensor(x, y):
+        return x % y, lambda dy: (dy, dy)
+
+    @operator(name=fresh("mod_reversed"))
+    def reversed_(x):
+        return 2.5 % x, lambda dy: dy
+
+    @operator(name=fresh("mod_param"), params=("m",))
+    def by_param(x, m):
+        return x % m, lambda dy: dy
+
+    inf, nan = float("inf"), float("nan")
+    x = torch.tensor([1.0, -1.0, 0.7, -0.7, 0.0, -0.0, 5.0, -5.0, nan, 1e-30, -0.6, 3.0])
+    y = torch.tensor([0.3, 0.3, -0.3, -0.3, 2.0, -2.0, inf, inf, 1.0, -1e-20, 0.3, -inf])
+    exact = lambda got, want: torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)  # noqa: E731
+    assert by_number(x)[1].item() == pytest.approx(0.2)  # not fmod's -0.1
+    exact(by_number(x), torch.remainder(x, 0.3))
+    exact(by_negative(x), torch.remainder(x, -0.3))
+    exact(by_tensor(x, y), torch.remainder(x, y))
+    exact(reversed_(x), torch.remainder(torch.full_like(x, 2.5), x))
+    for m in (0.3, -0.3, 2.0):
+        exact(by_param(x, m), torch.remainder(x, m))
+    finite = torch.randn(1000) * 10
+    divisor = torch.randn(1000)
+    exact(by_tensor(finite, divisor), torch.remainder(finite, divisor))
 
 
 def test_more_mistakes_name_the_line() -> None:

@@ -149,8 +149,8 @@ class Value:
     def __ne__(self, other: Any) -> "Value": return _compare("une", self, other)  # type: ignore[override]
     def __abs__(self) -> "Value": return _unary("math.absf", self)
     def __rpow__(self, other: Any) -> "Value": return _binary("math.powf", other, self)
-    def __mod__(self, other: Any) -> "Value": return _binary("arith.remf", self, other)
-    def __rmod__(self, other: Any) -> "Value": return _binary("arith.remf", other, self)
+    def __mod__(self, other: Any) -> "Value": return _remainder(self, other)
+    def __rmod__(self, other: Any) -> "Value": return _remainder(other, self)
     def __floordiv__(self, other: Any) -> "Value": return floor(self / other)
     def __rfloordiv__(self, other: Any) -> "Value": return floor(other / self)
 
@@ -349,6 +349,18 @@ def where(mask: Value, a: Any, b: Any) -> Value:
     return _map("tensor", [mask, a, b], lambda s: (
         ["    %z = arith.constant 0 : i8", f"    %c = arith.cmpi ne, {s[0]}, %z : i8",
          f"    %r = arith.select %c, {s[1]}, {s[2]} : f32"], "%r"), mask_at=0)
+
+
+def _remainder(a: Any, b: Any) -> Value:
+    """a % b as Python and torch.remainder define it: the remainder with the divisor's sign, so
+    that (a // b) * b + a % b == a. C's fmod (arith.remf) keeps the dividend's sign; a non-zero
+    result of the other sign than b is moved to b's side by adding b once, as torch.remainder
+    computes it (signs compared by copysign, which no underflow or parameter-only comparison
+    touches; an infinite b with a of the other sign gives that infinity, as there)."""
+    r = _binary("arith.remf", a, b)
+    sign_b = _binary("math.copysign", 1.0, b) if isinstance(b, Value) else math.copysign(1.0, float(b))
+    signs = _binary("math.copysign", 1.0, r) * sign_b
+    return where(signs < 0, where(r != 0, r + b, r), r)
 
 
 def maximum(a: Any, b: Any) -> Value:
