@@ -197,7 +197,8 @@ def test_deeply_nested_ir_is_a_located_error_not_a_stack_overflow() -> None:
     assert "deep.mlir:1:" in str(info.value) and "IR nested deeper than 256 levels" in str(info.value)
     fine = ("func.func private @f(%x: f32) -> f32 attributes {a = " + "[" * 100 + "]" * 100 + ", s = \"" + "[" * 300
             + "\"} {\n  return %x : f32\n}\n")
-    assert abp.compile_operators(fine, origin="fine.mlir") == []  # strings do not nest; nothing to compile
+    with pytest.raises(ValueError, match="defines no abp.operator"):  # compiled (strings do not nest): no operator
+        abp.compile_operators(fine, origin="fine.mlir")
 
 
 def test_a_recursive_callee_is_refused_instead_of_looping_forever() -> None:
@@ -210,6 +211,32 @@ def test_a_recursive_callee_is_refused_instead_of_looping_forever() -> None:
 def test_ir_must_be_text() -> None:
     with pytest.raises(TypeError, match="ir: expected the IR as a str"):
         abp.compile_operators(b"abp.operator")  # type: ignore[arg-type]
+
+
+def test_a_nul_character_is_a_located_error_not_the_end_of_the_text() -> None:
+    """The text crossed into C as a NUL-terminated string: IR then a NUL then anything compiled
+    the IR and dropped the rest, binary data starting with NUL "compiled" to no operator, and a
+    NUL inside an operator gave a parse error about what the cut left."""
+    cut = CUBE_IR.replace("@test_cube", "@test_nul")
+    at = cut.index("abp.operator")
+    with pytest.raises(AbpError) as info:
+        abp.compile_operators(cut[:at + 3] + "\0" + cut[at + 3:], origin="nul.mlir")
+    line = cut.count("\n", 0, at) + 1
+    column = at - cut.rfind("\n", 0, at)
+    assert info.value.status == Status.COMPILE
+    assert f"nul.mlir:{line}:{column + 3}: error: a NUL character (U+0000) in the IR text" in str(info.value)
+    with pytest.raises(AbpError, match=r"model\.py:7: IR line 1, column 1: error: a NUL character"):
+        abp.compile_operators("\0\x7fELF", origin="model.py:7")
+    with pytest.raises(ValueError, match="origin: holds a NUL character"):
+        abp.compile_operators(cut, origin="a\0b")
+
+
+@pytest.mark.parametrize("ir", ["", "  \n", "// only a comment\n", "func.func @test_lone(%x: f32) -> f32 {\n  return %x : f32\n}\n"])
+def test_ir_without_an_operator_says_so(ir: str) -> None:
+    """Such text compiled to an empty list, and the caller's names[0] failed with an IndexError."""
+    compiler_or_skip()
+    with pytest.raises(ValueError, match=r"^empty\.mlir: the IR defines no abp\.operator"):
+        abp.compile_operators(ir, origin="empty.mlir")
 
 
 def test_missing_compiler_library_is_a_clear_error(tmp_path) -> None:

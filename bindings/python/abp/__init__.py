@@ -23,7 +23,7 @@ from .compress import compress_saved
 from ._guard import DivergenceError, DivergenceWarning
 from .controller import CompressionController, TensorKey, allocate_bits
 from .convert import Change, convert
-from ._errors import AbpError, CompileError, Status
+from ._errors import AbpError, CompileError, Status, error_from_status
 
 __all__ = [
     "AbpError",
@@ -132,8 +132,9 @@ def compile_operators(ir: str, origin: Optional[str] = None) -> List[str]:
     ``abp.functional.apply(name, x, params)``. Diagnostics are located as
     ``<origin>:<line>:<col>`` with line and column inside `ir`, or as
     ``<file>:<line>: IR line <l>, column <c>`` when `origin` is a ``file:line``, which it is by
-    default (the caller's). Raises AbpError (COMPILE) with those diagnostics if the IR is rejected, and
-    AbpError (INVALID_ARGUMENT) if an operator name is already taken.
+    default (the caller's). Raises AbpError (COMPILE) with those diagnostics if the IR is rejected
+    (a NUL character in it included), AbpError (INVALID_ARGUMENT) if an operator name is already
+    taken, and ValueError if it defines no operator.
     """
     if not isinstance(ir, str):
         raise TypeError(f"ir: expected the IR as a str, got {type(ir).__name__}")
@@ -143,12 +144,26 @@ def compile_operators(ir: str, origin: Optional[str] = None) -> List[str]:
     if origin is None:
         caller = sys._getframe(1)
         origin = f"{caller.f_code.co_filename}:{caller.f_lineno}"
+    if "\0" in origin:
+        raise ValueError(f"origin: holds a NUL character (at index {origin.index(chr(0))}): expected a file name "
+                         f"or file:line, got {origin!r}")
+    if "\0" in ir:
+        # The text crosses into C as a NUL-terminated string: everything after a NUL would be
+        # silently dropped (a module cut short, or binary data read as an empty module).
+        at = ir.index("\0")
+        line, column = ir.count("\n", 0, at) + 1, at - (ir.rfind("\n", 0, at) + 1) + 1
+        raise _located_in_ir(error_from_status(
+            Status.COMPILE, f"{origin}:{line}:{column}: error: a NUL character (U+0000) in the IR text: IR is text "
+            "(binary data, or a file read in binary and decoded?)"), origin)
     try:
         directory = _lib.compile_ir(ir, origin)
     except AbpError as error:
         raise _located_in_ir(error, origin) from None
     library = _lib.kernel_library()
     names = library.add_directory(directory, origin)
+    if not names:
+        raise ValueError(f"{origin}: the IR defines no abp.operator (an empty module, or one of other ops "
+                         "only): nothing to compile into an operator (docs/dialect.md)")
     if _custom_ops.enabled():
         for name in names:
             if _custom_ops.registrable(library.operator(name)):
