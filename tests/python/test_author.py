@@ -318,6 +318,24 @@ def test_remainder_is_pythons_and_torchs_not_cs_fmod() -> None:
     exact(by_tensor(finite, divisor), torch.remainder(finite, divisor))
 
 
+def test_a_constant_beyond_float32_names_the_line() -> None:
+    """1e39 is finite in Python, infinite in the kernels' float32: a map constant became inf
+    silently, a table level an error located in the generated IR (a line the user never sees)."""
+    def constant():
+        @operator(name=fresh("huge_constant"))
+        def f(x):
+            return x * 1e39, lambda dy: dy
+
+    def level():
+        @operator(name=fresh("huge_level"))
+        def f(x):
+            codes = quantize(x, ([0.0], [0.0, 1e39]))
+            return x, lambda dy: dy * dequantize(codes)
+
+    for build in (constant, level):
+        assert "the constant 1e+39 is not finite in float32" in _authoring_error_at_this_file(build)
+
+
 def test_more_mistakes_name_the_line() -> None:
     import math
 

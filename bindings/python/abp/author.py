@@ -244,6 +244,13 @@ class _Trace:
 def _float(value: float) -> str:
     if not math.isfinite(value):
         raise AuthoringError(f"the constant {value!r} is not finite")
+    try:
+        rounded = struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # older Pythons refuse to pack it; newer ones give inf
+        rounded = math.inf
+    if math.isinf(rounded):  # finite in Python, infinite once the kernels' float32 holds it
+        raise AuthoringError(f"the constant {value!r} is not finite in float32 (the kernels' type: at most "
+                             f"3.4028235e+38 in magnitude)")
     return _bucket_solver.mlir_float(value)
 
 
