@@ -239,6 +239,16 @@ LogicalResult abp::verifyModuleContents(ModuleOp module, StringRef stage) {
 }
 
 LogicalResult OperatorOp::verifyRegions() {
+  // An attribute without a dialect prefix is one of the operator's own; any other such name is a
+  // misspelling (`no_gard`, `parms`) that would otherwise be kept and ignored, its meaning lost.
+  for (NamedAttribute attr : (*this)->getAttrs()) {
+    StringRef name = attr.getName().getValue();
+    if (name.contains('.') || llvm::is_contained(getAttributeNames(), attr.getName()))
+      continue;
+    return emitOpError() << "has no attribute '" << name
+                         << "'; an operator takes 'params', 'no_grad' and 'variants' (other "
+                            "attributes need a dialect prefix, as 'abp.saved_bits')";
+  }
   // The name becomes kernel symbols (<name>_fwd) in generated C++ and keys in the manifest.
   if (!isIdentifier(getSymName()))
     return emitOpError() << "name '" << getSymName()

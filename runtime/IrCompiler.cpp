@@ -131,12 +131,15 @@ std::string irRoot() {
   return chosen;
 }
 
-/// The SHA-256 of an entry's manifest and host library (what the runtime loads from it) and of
-/// its IR (what abp.inspect shows): an entry without its IR, as older versions wrote, is rebuilt.
+/// The SHA-256 of every file of an entry: its manifest and host library (what the runtime loads
+/// on the CPU path), its CUDA source (what NVRTC compiles on a GPU, and abp.inspect shows) and its
+/// IR (what abp.inspect shows). An entry written without one of them (older versions wrote no
+/// IR, and left the source out of the digest) is rebuilt.
 std::string entryDigest(const std::string &dir, const std::string &stem) {
   return Sha256::hex(readFile(dir + "/" + stem + ".json") + '\0' +
                      readFile(dir + "/" + stem + ".host.so") + '\0' +
-                     readFile(dir + "/" + stem + ".mlir"));
+                     readFile(dir + "/" + stem + ".mlir") + '\0' +
+                     readFile(dir + "/" + stem + ".cu"));
 }
 
 /// Whether a cached entry is complete and unchanged since it was written.

@@ -281,6 +281,12 @@ def test_the_ir_cache_is_private_and_heals(tmp_path: Path) -> None:
     library.write_bytes(library.read_bytes()[:100])  # truncated (a killed writer, a full disk)
     again = _compile_in_a_new_process(cache)
     assert Path(again.splitlines()[0]) == entry and library.stat().st_size > 100, "rebuilt in place"
+    # The CUDA source too (what a GPU compiles and abp.inspect shows; it was outside the digest).
+    source = next(entry.glob("*.cu"))
+    whole = source.read_bytes()
+    source.write_bytes(whole[: len(whole) // 2])
+    _compile_in_a_new_process(cache)
+    assert source.read_bytes() == whole, "rebuilt in place"
     # A compile killed before it published left its folder; a big old entry exceeds the limit.
     stale = cache / "ir" / "tmp-4194311-deadbeef"  # a pid above pid_max: no such process
     stale.mkdir()

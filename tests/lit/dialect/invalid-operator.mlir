@@ -208,3 +208,26 @@ abp.kernel @not_a_total_kernel attributes {ins = [#abp.dense], outs = [#abp.tota
 ^bb0(%x: f32):
   abp.yield %x : f32
 }
+
+// -----
+
+// A misspelt attribute (`no_gard` for `no_grad`) was kept and ignored.
+// expected-error @+1 {{'abp.operator' op has no attribute 'no_gard'; an operator takes 'params', 'no_grad' and 'variants' (other attributes need a dialect prefix, as 'abp.saved_bits')}}
+abp.operator @misspelt_attribute attributes {no_gard = array<i64: 1>} forward {
+^bb0(%x: tensor<?xf32>):
+  abp.return %x : tensor<?xf32>
+} backward {
+^bb0(%dy: tensor<?xf32>):
+  abp.return %dy : tensor<?xf32>
+}
+
+// -----
+
+// A prefixed attribute (a pass's record, a user's note) is kept.
+abp.operator @prefixed_attribute attributes {abp.note = "kept", params = []} forward {
+^bb0(%x: tensor<?xf32>):
+  abp.return %x : tensor<?xf32>
+} backward {
+^bb0(%dy: tensor<?xf32>):
+  abp.return %dy : tensor<?xf32>
+}
