@@ -383,9 +383,10 @@ def _autocast(state: Optional[Tuple[str, bool, torch.dtype]]) -> Any:
 
 
 def _is_compiling_function() -> Optional[Callable[[], bool]]:
-    """torch's "is torch.compile tracing?" (constant True in traced code): torch.compiler's on
-    torch >= 2.2, torch._dynamo's on 2.0 and 2.1 (imported for it there, ~0.2 s: read through
-    another path at trace time, dynamo 2.1 inlined it as the eager function, False); none on 1.13."""
+    """torch's "is torch.compile tracing?" (True in traced code): torch.compiler's on torch >= 2.2;
+    torch._dynamo's on 2.0 and 2.1, imported here for it (~0.2 s), because dynamo 2.1 folds it to
+    True only when it reads the function from a module global (looked up at trace time through
+    sys.modules, it ran the eager function: False); none on 1.13."""
     found = getattr(getattr(torch, "compiler", None), "is_compiling", None)
     if found is None and hasattr(torch, "compile"):
         found = getattr(importlib.import_module("torch._dynamo"), "is_compiling", None)

@@ -818,7 +818,7 @@ class CompressSavedHooks:
         _block_functions()  # as __init__: a model unpickled in a new process may be compiled next
 
     def enter(self, module: nn.Module, args: Any) -> None:
-        # Traced by torch.compile (this test runs at trace time; the graph break calls the
+        # Traced by torch.compile (the check runs at trace time; the graph break calls the
         # function it chose): the compiled graphs recompute on their own (the partitioner), so
         # the block opens without its recorder, a torch function mode that dynamo would trace
         # through for nothing, and mis-traces under FSDP2 (torch 2.15, per-layer fully_shard: a
