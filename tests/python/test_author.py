@@ -273,15 +273,16 @@ def test_arithmetic_on_parameters_and_python_builtins() -> None:
         return abs(x) + 2 ** x + x % 0.75 + x // 2, lambda dy: dy
 
     x = torch.randn(100)
-    expected = x.abs() + 2 ** x + torch.remainder(x, 0.75) + torch.floor(x / 2)
+    expected = x.abs() + 2 ** x + torch.remainder(x, 0.75) + torch.floor_divide(x, 2)
     torch.testing.assert_close(builtins(x), expected, rtol=1e-6, atol=1e-6)
     with pytest.raises(TypeError, match="parameter 'b' must be a number, got str"):
         squareplus(x, "a")
 
 
-def test_remainder_is_pythons_and_torchs_not_cs_fmod() -> None:
-    """`%` takes the divisor's sign, as Python and torch.remainder do ((a // b) * b + a % b == a);
-    it traced to C's fmod, which keeps the dividend's: -1 % 0.3 gave -0.1, not 0.2."""
+def test_remainder_and_floor_division_are_torchs_not_cs_fmod() -> None:
+    """`%` takes the divisor's sign, as torch.remainder (and Python, up to a zero's sign) do; it
+    traced to C's fmod, which keeps the dividend's: -1 % 0.3 gave -0.1, not 0.2. `//` is
+    torch.floor_divide's, so that (a // b) * b + a % b is a: floor(a / b) made 1.0 // 0.1 10."""
     @operator(name=fresh("mod_number"))
     def by_number(x):
         return x % 0.3, lambda dy: dy
@@ -316,6 +317,26 @@ def test_remainder_is_pythons_and_torchs_not_cs_fmod() -> None:
     finite = torch.randn(1000) * 10
     divisor = torch.randn(1000)
     exact(by_tensor(finite, divisor), torch.remainder(finite, divisor))
+
+    @operator(name=fresh("floordiv_tensor"))
+    def floor_divided(x, y):
+        return x // y, lambda dy: (dy, dy)
+
+    @operator(name=fresh("mod_params_alone"), params=("m", "n"))
+    def params_alone(x, m, n):  # a deferred expression of parameters, computed in the map using it
+        return x * (m % n) + (m // n) + (2.5 % m), lambda dy: dy
+
+    zeros = torch.tensor([1.0, 2.0, 0.0, -0.0])
+    over_zero = torch.tensor([0.0, -0.0, -3.0, 2.0])
+    for a, b in ((x, y), (finite, divisor), (zeros, over_zero)):
+        got, want = floor_divided(a, b), torch.floor_divide(a, b)
+        assert torch.equal(got.view(torch.int32)[~want.isnan()], want.view(torch.int32)[~want.isnan()])
+        assert torch.equal(got.isnan(), want.isnan())
+    assert floor_divided(torch.tensor([1.0]), torch.tensor([0.1])).item() == 9.0  # floor(1 / 0.1) is 10
+    for m, n in ((2.5, -0.7), (-2.5, 0.7), (3.0, 1.5)):
+        want = torch.remainder(torch.tensor(m), n) + torch.floor_divide(torch.tensor(m), n) + torch.remainder(
+            torch.tensor(2.5), m)
+        exact(params_alone(torch.ones(3), m, n), want.expand(3))
 
 
 def test_a_constant_beyond_float32_names_the_line() -> None:

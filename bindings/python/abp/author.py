@@ -151,8 +151,8 @@ class Value:
     def __rpow__(self, other: Any) -> "Value": return _binary("math.powf", other, self)
     def __mod__(self, other: Any) -> "Value": return _remainder(self, other)
     def __rmod__(self, other: Any) -> "Value": return _remainder(other, self)
-    def __floordiv__(self, other: Any) -> "Value": return floor(self / other)
-    def __rfloordiv__(self, other: Any) -> "Value": return floor(other / self)
+    def __floordiv__(self, other: Any) -> "Value": return _floor_divide(self, other)
+    def __rfloordiv__(self, other: Any) -> "Value": return _floor_divide(other, self)
 
     def __bool__(self) -> bool:
         raise AuthoringError("a traced value has no truth value while tracing (it is known only "
@@ -303,7 +303,7 @@ def _map(results_kind: str, operands: Sequence[Any], body: Callable[[List[str]],
             names = [expand(o) for o in v.operands]
             inner, result = v.body(names)
             tag = next(uid)
-            rename = functools.partial(re.sub, r"%(r|c|z)\b", lambda m: f"%{m.group(1)}_{tag}")
+            rename = functools.partial(re.sub, r"%(r|c|z|q\d+)\b", lambda m: f"%{m.group(1)}_{tag}")
             lines.extend(rename(line) for line in inner)
             return rename(result)
         if isinstance(v, Value):
@@ -359,15 +359,61 @@ def where(mask: Value, a: Any, b: Any) -> Value:
 
 
 def _remainder(a: Any, b: Any) -> Value:
-    """a % b as Python and torch.remainder define it: the remainder with the divisor's sign, so
-    that (a // b) * b + a % b == a. C's fmod (arith.remf) keeps the dividend's sign; a non-zero
-    result of the other sign than b is moved to b's side by adding b once, as torch.remainder
-    computes it (signs compared by copysign, which no underflow or parameter-only comparison
-    touches; an infinite b with a of the other sign gives that infinity, as there)."""
-    r = _binary("arith.remf", a, b)
-    sign_b = _binary("math.copysign", 1.0, b) if isinstance(b, Value) else math.copysign(1.0, float(b))
-    signs = _binary("math.copysign", 1.0, r) * sign_b
-    return where(signs < 0, where(r != 0, r + b, r), r)
+    """a % b as torch.remainder computes it (Python's up to the sign of a zero result): C's fmod
+    (arith.remf), which keeps the dividend's sign, then b added once where the result is non-zero
+    and of the other sign than b (signs compared by copysign, which no underflow touches; an
+    infinite b with a of the other sign gives that infinity, as there). One map body, so that it
+    also serves parameters alone (a deferred expression)."""
+    def body(s: List[str]) -> Tuple[List[str], str]:
+        a_, b_ = s
+        return [f"    %q0 = arith.remf {a_}, {b_} : f32",
+                "    %q1 = arith.constant 1.0 : f32",
+                "    %q2 = math.copysign %q1, %q0 : f32",
+                f"    %q3 = math.copysign %q1, {b_} : f32",
+                "    %q4 = arith.mulf %q2, %q3 : f32",
+                "    %z = arith.constant 0.0 : f32",
+                "    %c = arith.cmpf olt, %q4, %z : f32",
+                "    %q5 = arith.cmpf une, %q0, %z : f32",
+                "    %q6 = arith.andi %c, %q5 : i1",
+                f"    %q7 = arith.addf %q0, {b_} : f32",
+                "    %r = arith.select %q6, %q7, %q0 : f32"], "%r"
+    return _map("tensor", [a, b], body)
+
+
+def _floor_divide(a: Any, b: Any) -> Value:
+    """a // b as torch.floor_divide computes it on floats, so that (a // b) * b + a % b is a up to
+    rounding: (a − fmod(a, b)) / b, one less where fmod's result is non-zero and of the other sign
+    than b, then rounded to the nearest whole number (the quotient of an exact difference, off by
+    at most one ulp from it); a zero quotient keeps the sign of a / b, and b = 0 gives a / b.
+    floor(a / b) differs: 1.0 // 0.1 is 9 (a / b rounds up to 10 in float32)."""
+    def body(s: List[str]) -> Tuple[List[str], str]:
+        a_, b_ = s
+        return [f"    %q0 = arith.remf {a_}, {b_} : f32",
+                f"    %q1 = arith.subf {a_}, %q0 : f32",
+                f"    %q2 = arith.divf %q1, {b_} : f32",
+                "    %q3 = arith.constant 1.0 : f32",
+                "    %q4 = math.copysign %q3, %q0 : f32",
+                f"    %q5 = math.copysign %q3, {b_} : f32",
+                "    %q6 = arith.mulf %q4, %q5 : f32",
+                "    %z = arith.constant 0.0 : f32",
+                "    %c = arith.cmpf olt, %q6, %z : f32",
+                "    %q7 = arith.cmpf une, %q0, %z : f32",
+                "    %q8 = arith.andi %c, %q7 : i1",
+                "    %q9 = arith.subf %q2, %q3 : f32",
+                "    %q10 = arith.select %q8, %q9, %q2 : f32",
+                "    %q11 = math.floor %q10 : f32",
+                "    %q12 = arith.subf %q10, %q11 : f32",
+                "    %q13 = arith.constant 0.5 : f32",
+                "    %q14 = arith.cmpf ogt, %q12, %q13 : f32",
+                "    %q15 = arith.addf %q11, %q3 : f32",
+                "    %q16 = arith.select %q14, %q15, %q11 : f32",
+                f"    %q17 = arith.divf {a_}, {b_} : f32",
+                "    %q18 = math.copysign %z, %q17 : f32",
+                "    %q19 = arith.cmpf une, %q10, %z : f32",
+                "    %q20 = arith.select %q19, %q16, %q18 : f32",
+                f"    %q21 = arith.cmpf oeq, {b_}, %z : f32",
+                "    %r = arith.select %q21, %q17, %q20 : f32"], "%r"
+    return _map("tensor", [a, b], body)
 
 
 def maximum(a: Any, b: Any) -> Value:
