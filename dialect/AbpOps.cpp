@@ -243,7 +243,8 @@ LogicalResult OperatorOp::verifyRegions() {
   // misspelling (`no_gard`, `parms`) that would otherwise be kept and ignored, its meaning lost.
   for (NamedAttribute attr : (*this)->getAttrs()) {
     StringRef name = attr.getName().getValue();
-    if (name.contains('.') || llvm::is_contained(getAttributeNames(), attr.getName()))
+    if (name.contains('.') || llvm::is_contained(getAttributeNames(), attr.getName()) ||
+        name == SymbolTable::getVisibilityAttrName())  // MLIR's own, on any symbol
       continue;
     return emitOpError() << "has no attribute '" << name
                          << "'; an operator takes 'params', 'no_grad' and 'variants' (other "

@@ -309,11 +309,12 @@ def _compiled_recipe_under_fsdp(rank: int, rendezvous: str, out: str, backend: s
             loss.backward()
             opt.step()
             losses.append(loss.item())
-        torch.save(losses, f"{out}.{rank}")
+        coded = sum(1 for record in abp._compiled_saves.compiled_stats() if record["bits"] < 32)
+        torch.save((losses, coded), f"{out}.{rank}")
 
 
 @pytest.mark.skipif(not _fsdp2_available(), reason="FSDP2 (fully_shard) needs torch >= 2.6")
-@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_a_compiled_model_converted_with_recipe_compress_trains_under_per_layer_fsdp(backend: str) -> None:
     """The recipe's block opened its recompute recorder (a torch function mode) around the compiled
     forward, which dynamo traced through for nothing and, with FSDP2's per-layer hooks, mis-traced
@@ -329,10 +330,11 @@ def test_a_compiled_model_converted_with_recipe_compress_trains_under_per_layer_
         losses = [torch.load(f"{out}.{r}") for r in range(WORLD)]
     # The forward is exact (LLaMA has no dropout): each rank's first loss is the plain model's.
     plain, ids = _tiny_llama(), _llama_batch()
-    for rank, (first, second) in enumerate(losses):
+    for rank, ((first, second), coded) in enumerate(losses):
         part = ids[rank * 2:(rank + 1) * 2]
         assert abs(first - plain(input_ids=part, labels=part).loss.item()) < 1e-5
         assert math.isfinite(second) and second != first
+        assert coded > 0  # the compiled graphs' saves are codes
 
 
 class _Checkpointed(nn.Module):

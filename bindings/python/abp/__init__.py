@@ -134,7 +134,7 @@ def compile_operators(ir: str, origin: Optional[str] = None) -> List[str]:
     ``<file>:<line>: IR line <l>, column <c>`` when `origin` is a ``file:line``, which it is by
     default (the caller's). Raises AbpError (COMPILE) with those diagnostics if the IR is rejected
     (a NUL character in it included), AbpError (INVALID_ARGUMENT) if an operator name is already
-    taken, and ValueError if it defines no operator.
+    taken, and ValueError if it defines no operator or `origin` holds a NUL character.
     """
     if not isinstance(ir, str):
         raise TypeError(f"ir: expected the IR as a str, got {type(ir).__name__}")
@@ -151,7 +151,8 @@ def compile_operators(ir: str, origin: Optional[str] = None) -> List[str]:
         # The text crosses into C as a NUL-terminated string: everything after a NUL would be
         # silently dropped (a module cut short, or binary data read as an empty module).
         at = ir.index("\0")
-        line, column = ir.count("\n", 0, at) + 1, at - (ir.rfind("\n", 0, at) + 1) + 1
+        start = ir.rfind("\n", 0, at) + 1
+        line, column = ir.count("\n", 0, at) + 1, len(ir[start:at].encode()) + 1  # in bytes, as MLIR counts
         raise _located_in_ir(error_from_status(
             Status.COMPILE, f"{origin}:{line}:{column}: error: a NUL character (U+0000) in the IR text: IR is text "
             "(binary data, or a file read in binary and decoded?)"), origin)

@@ -389,7 +389,10 @@ def _is_compiling_function() -> Optional[Callable[[], bool]]:
     sys.modules, it ran the eager function: False); none on 1.13."""
     found = getattr(getattr(torch, "compiler", None), "is_compiling", None)
     if found is None and hasattr(torch, "compile"):
-        found = getattr(importlib.import_module("torch._dynamo"), "is_compiling", None)
+        try:
+            found = getattr(importlib.import_module("torch._dynamo"), "is_compiling", None)
+        except Exception:  # a torch whose dynamo does not import cannot compile either
+            found = None
     return found
 
 

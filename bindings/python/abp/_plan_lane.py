@@ -202,9 +202,9 @@ def _drop_unverified(directory: Path, library: Path) -> None:
         expected = ""
     if expected and _digest(library) == expected:
         return
-    warnings.warn(f"abp: its C++ per-call lane in {directory} does not match the checksum recorded when it was "
-                  f"built ({'a different library' if expected else 'none recorded'}); building it again",
-                  RuntimeWarning, stacklevel=4)
+    why = ("it does not match the checksum recorded when it was built" if expected else
+           "no checksum was recorded for it (a build that did not finish loading, or one by an older abp)")
+    warnings.warn(f"abp: its C++ per-call lane in {directory}: {why}; building it again", RuntimeWarning, stacklevel=4)
     for entry in directory.iterdir():
         if entry.name == _LOCK:
             continue

@@ -1038,13 +1038,13 @@ class compress_saved(contextlib.ContextDecorator):
     def pack(self, t: torch.Tensor) -> Any:
         """The saved_tensors_hooks pack hook: a `_Deferred` for a tensor to compress, a `_Kept`
         for one kept as it is, or a CompressedTensor (a mask, or where ops are not told apart)."""
-        if _without_data(t) or _compiling():
+        if _compiling() or _without_data(t):
             # torch.compile tracing a model inside the block on a torch whose AOTAutograd does not
             # take saved-tensor hooks (2.4 and before): its fake tensors pass through the eager hooks.
             # So does a save dynamo traces itself, outside AOTAutograd's hook context (FSDP2 sharded
             # per layer under inductor, torch 2.15: traced, this hook's Python failed in the graph).
             return t
-        if self._recorder is not None and type(t) in _PLAIN_TENSORS and not _derived._compiling():
+        if self._recorder is not None and type(t) in _PLAIN_TENSORS:
             # The recorder's torch function mode would see every tensor property this hook reads
             # (a Python call each, some 30 per save), although it records nothing while packing.
             with _NO_TORCH_FUNCTION():

@@ -223,8 +223,8 @@ abp.operator @misspelt_attribute attributes {no_gard = array<i64: 1>} forward {
 
 // -----
 
-// A prefixed attribute (a pass's record, a user's note) is kept.
-abp.operator @prefixed_attribute attributes {abp.note = "kept", params = []} forward {
+// A prefixed attribute (a pass's record, a user's note) is kept, and so is MLIR's symbol visibility.
+abp.operator @prefixed_attribute attributes {abp.note = "kept", params = [], sym_visibility = "private"} forward {
 ^bb0(%x: tensor<?xf32>):
   abp.return %x : tensor<?xf32>
 } backward {
