@@ -358,25 +358,30 @@ def where(mask: Value, a: Any, b: Any) -> Value:
          f"    %r = arith.select %c, {s[1]}, {s[2]} : f32"], "%r"), mask_at=0)
 
 
+def _fmod_lines(a: str, b: str) -> List[str]:
+    """Map-body lines shared by % and //: %q0 = fmod(a, b) (arith.remf, the dividend's sign),
+    %q1 = 1, and the i1 %q6: %q0 is non-zero and of the other sign than b (signs compared by
+    copysign, which no underflow touches), where torch.remainder adds b once."""
+    return [f"    %q0 = arith.remf {a}, {b} : f32",
+            "    %q1 = arith.constant 1.0 : f32",
+            "    %q2 = math.copysign %q1, %q0 : f32",
+            f"    %q3 = math.copysign %q1, {b} : f32",
+            "    %q4 = arith.mulf %q2, %q3 : f32",
+            "    %z = arith.constant 0.0 : f32",
+            "    %c = arith.cmpf olt, %q4, %z : f32",
+            "    %q5 = arith.cmpf une, %q0, %z : f32",
+            "    %q6 = arith.andi %c, %q5 : i1"]
+
+
 def _remainder(a: Any, b: Any) -> Value:
-    """a % b as torch.remainder computes it (Python's up to the sign of a zero result): C's fmod
-    (arith.remf), which keeps the dividend's sign, then b added once where the result is non-zero
-    and of the other sign than b (signs compared by copysign, which no underflow touches; an
-    infinite b with a of the other sign gives that infinity, as there). One map body, so that it
-    also serves parameters alone (a deferred expression)."""
+    """a % b as torch.remainder computes it (Python's up to the sign of a zero result): fmod,
+    then b added once where its result is non-zero and of the other sign than b (an infinite b
+    with a of the other sign gives that infinity, as there). One map body, so that it also serves
+    parameters alone (a deferred expression)."""
     def body(s: List[str]) -> Tuple[List[str], str]:
         a_, b_ = s
-        return [f"    %q0 = arith.remf {a_}, {b_} : f32",
-                "    %q1 = arith.constant 1.0 : f32",
-                "    %q2 = math.copysign %q1, %q0 : f32",
-                f"    %q3 = math.copysign %q1, {b_} : f32",
-                "    %q4 = arith.mulf %q2, %q3 : f32",
-                "    %z = arith.constant 0.0 : f32",
-                "    %c = arith.cmpf olt, %q4, %z : f32",
-                "    %q5 = arith.cmpf une, %q0, %z : f32",
-                "    %q6 = arith.andi %c, %q5 : i1",
-                f"    %q7 = arith.addf %q0, {b_} : f32",
-                "    %r = arith.select %q6, %q7, %q0 : f32"], "%r"
+        return _fmod_lines(a_, b_) + [f"    %q7 = arith.addf %q0, {b_} : f32",
+                                      "    %r = arith.select %q6, %q7, %q0 : f32"], "%r"
     return _map("tensor", [a, b], body)
 
 
@@ -388,31 +393,23 @@ def _floor_divide(a: Any, b: Any) -> Value:
     floor(a / b) differs: 1.0 // 0.1 is 9 (a / b rounds up to 10 in float32)."""
     def body(s: List[str]) -> Tuple[List[str], str]:
         a_, b_ = s
-        return [f"    %q0 = arith.remf {a_}, {b_} : f32",
-                f"    %q1 = arith.subf {a_}, %q0 : f32",
-                f"    %q2 = arith.divf %q1, {b_} : f32",
-                "    %q3 = arith.constant 1.0 : f32",
-                "    %q4 = math.copysign %q3, %q0 : f32",
-                f"    %q5 = math.copysign %q3, {b_} : f32",
-                "    %q6 = arith.mulf %q4, %q5 : f32",
-                "    %z = arith.constant 0.0 : f32",
-                "    %c = arith.cmpf olt, %q6, %z : f32",
-                "    %q7 = arith.cmpf une, %q0, %z : f32",
-                "    %q8 = arith.andi %c, %q7 : i1",
-                "    %q9 = arith.subf %q2, %q3 : f32",
-                "    %q10 = arith.select %q8, %q9, %q2 : f32",
-                "    %q11 = math.floor %q10 : f32",
-                "    %q12 = arith.subf %q10, %q11 : f32",
-                "    %q13 = arith.constant 0.5 : f32",
-                "    %q14 = arith.cmpf ogt, %q12, %q13 : f32",
-                "    %q15 = arith.addf %q11, %q3 : f32",
-                "    %q16 = arith.select %q14, %q15, %q11 : f32",
-                f"    %q17 = arith.divf {a_}, {b_} : f32",
-                "    %q18 = math.copysign %z, %q17 : f32",
-                "    %q19 = arith.cmpf une, %q10, %z : f32",
-                "    %q20 = arith.select %q19, %q16, %q18 : f32",
-                f"    %q21 = arith.cmpf oeq, {b_}, %z : f32",
-                "    %r = arith.select %q21, %q17, %q20 : f32"], "%r"
+        return _fmod_lines(a_, b_) + [
+            f"    %q7 = arith.subf {a_}, %q0 : f32",
+            f"    %q8 = arith.divf %q7, {b_} : f32",
+            "    %q9 = arith.subf %q8, %q1 : f32",
+            "    %q10 = arith.select %q6, %q9, %q8 : f32",
+            "    %q11 = math.floor %q10 : f32",
+            "    %q12 = arith.subf %q10, %q11 : f32",
+            "    %q13 = arith.constant 0.5 : f32",
+            "    %q14 = arith.cmpf ogt, %q12, %q13 : f32",
+            "    %q15 = arith.addf %q11, %q1 : f32",
+            "    %q16 = arith.select %q14, %q15, %q11 : f32",
+            f"    %q17 = arith.divf {a_}, {b_} : f32",
+            "    %q18 = math.copysign %z, %q17 : f32",
+            "    %q19 = arith.cmpf une, %q10, %z : f32",
+            "    %q20 = arith.select %q19, %q16, %q18 : f32",
+            f"    %q21 = arith.cmpf oeq, {b_}, %z : f32",
+            "    %r = arith.select %q21, %q17, %q20 : f32"], "%r"
     return _map("tensor", [a, b], body)
 
 
