@@ -43,7 +43,7 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Se
 import torch
 
 from . import _replay
-from .convert import _compress_hooks_of
+from .convert import recipe_block_in
 from .compress import (MIN_UNIFORM_BITS, _compiling, check_generator, code_layout, coded_numel, compress_saved,
                        inside_outside_blocks, keeps_support)
 
@@ -328,15 +328,15 @@ def _refuse_recipe_blocks(model: torch.nn.Module) -> None:
     """Raises where abp.convert's recipe compress or all opens a compress_saved block in a forward
     of `model`: that block would open inside the controller's at the first step (blocks do not
     nest), so say it now, where the controller is made, with what to do instead."""
-    for name, module in model.named_modules():
-        hooks = _compress_hooks_of(module)
-        if hooks is not None:
-            where = f"its module {name!r}" if name else "its forward"
-            raise ValueError(
-                f"model: {where} runs inside the compress_saved(bits={hooks.bits}) block that abp.convert's recipe "
-                "compress or all put there, and the controller opens its own block around each step (blocks do not "
-                "nest). For per-tensor widths, convert with recipe lowmembp and/or sampled and let the controller "
-                "compress; for a uniform width, keep the recipe and drop the controller")
+    found = recipe_block_in(model)
+    if found is not None:
+        name, hooks = found
+        where = f"its module {name!r}" if name else "its forward"
+        raise ValueError(
+            f"model: {where} runs inside the compress_saved(bits={hooks.bits}) block that abp.convert's recipe "
+            "compress or all put there, and the controller opens its own block around each step (blocks do not "
+            "nest). For per-tensor widths, convert with recipe lowmembp and/or sampled and let the controller "
+            "compress; for a uniform width, keep the recipe and drop the controller")
 
 
 class CompressionController:

@@ -907,13 +907,22 @@ def _compress_hooks_of(model: nn.Module) -> Optional[CompressSavedHooks]:
     return owner if isinstance(owner, CompressSavedHooks) else None
 
 
+def recipe_block_in(model: nn.Module) -> Optional[Tuple[str, CompressSavedHooks]]:
+    """(qualified name, hooks) of the first module of `model` ("" for itself) whose forward an
+    earlier convert put inside a compress_saved block (recipe compress or all), or None."""
+    for name, module in model.named_modules():
+        hooks = _compress_hooks_of(module)
+        if hooks is not None:
+            return name, hooks
+    return None
+
+
 def _convert_compress(model: nn.Module, options: Dict[str, Any]) -> List[Change]:
     """Runs the model's forward inside ``compress_saved``: every saved tensor that abp's recipes left
     as it was (codes and per-row values are not floating or too small) is stored as group codes."""
-    for name, module in model.named_modules():
-        earlier = _compress_hooks_of(module)
-        if earlier is None:
-            continue
+    found = recipe_block_in(model)
+    if found is not None:
+        name, earlier = found
         which = "the model already runs" if not name else f"its submodule {name!r} already runs"
         return [Change("", "refused", f"recipe compress: {which} inside compress_saved(bits={earlier.bits}, "
                        f"group_size={earlier.group_size}) from an earlier convert (blocks do not nest); kept as it was. "
