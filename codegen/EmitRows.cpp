@@ -249,10 +249,18 @@ struct RowKernelEmitter {
     out.indent();
     out.line("(void)sums;");
     out.line("(void)cols;");
+    // A mean divides its sum; a maximum or minimum leaves with one NaN and one zero
+    // (abp::reduceResult), whatever its device's combiner returned.
     if (s > 0)
-      for (auto [j, r] : llvm::enumerate(a.reductions[s - 1]))
-        out.line("{} = sums[{}]{};", a.field.lookup(r.getResult()), j,
-                 r.getKind() == ReduceKind::mean ? " / (C)cols" : "");
+      for (auto [j, r] : llvm::enumerate(a.reductions[s - 1])) {
+        std::string field = a.field.lookup(r.getResult());
+        if (r.getKind() == ReduceKind::mean)
+          out.line("{} = sums[{}] / (C)cols;", field, j);
+        else if (r.getKind() == ReduceKind::sum)
+          out.line("{} = sums[{}];", field, j);
+        else
+          out.line("{} = abp::reduceResult<C>({}, sums[{}]);", field, deviceOp(r), j);
+      }
     SmallVector<Operation *> ops;
     for (Operation &op : body().without_terminator())
       if ((!isConstant(&op) || a.field.count(op.getResult(0))) && !isa<ReduceRowsOp>(op) &&

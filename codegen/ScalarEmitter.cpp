@@ -158,6 +158,11 @@ LogicalResult ScalarEmitter::emit(Operation *op) {
       .Case([&](arith::AndIOp) { return binary("&"); })
       .Case([&](arith::OrIOp) { return binary("|"); })
       .Case([&](arith::XOrIOp) { return binary("^"); })
+      .Case([&](arith::MinUIOp o) {
+        std::string l = n(o.getLhs()), r = n(o.getRhs());
+        define(o, fmt::format("({} < {} ? {} : {})", l, r, l, r));
+        return success();
+      })
       .Case([&](arith::CmpIOp o) {
         using P = arith::CmpIPredicate;
         std::string l = n(o.getLhs()), r = n(o.getRhs());

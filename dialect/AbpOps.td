@@ -148,7 +148,9 @@ def Abp_ReduceRowsOp : Abp_Op<"reduce_rows", [Pure]> {
     In an operator: `tensor<?x?xf32> -> tensor<?xf32>`, one value per row. `sum` adds the row's
     elements, `mean` divides that sum by the row length; both accumulate in the compute type
     (fp32, or fp64 for fp64 launches). `max` and `min` propagate NaN (a NaN anywhere in the row
-    is the result); an empty row gives 0, -inf and +inf respectively. Inside a row kernel (after `abp-fuse-kernels`) the op
+    makes the result the one quiet NaN with every mantissa bit set), and a zero result is +0,
+    so that every device gives the same bits; an empty row gives 0, -inf and +inf
+    respectively. Inside a row kernel (after `abp-fuse-kernels`) the op
     takes the per-element `f32` and yields the row's `f32` to every element of the row.
 
     A row kernel reads its inputs once per reduction stage: a statistic that depends on
@@ -172,7 +174,8 @@ def Abp_ReduceTensorOp : Abp_Op<"reduce_tensor", [Pure]> {
     Reduces every element of a tensor of any rank to one `f32` value, which an `abp.map` then
     reads like a parameter (every element sees it) or the operator saves (a per-tensor scale
     costs one value, not bits per element). `sum` and `mean` accumulate in the compute type
-    (fp32, or fp64 for fp64 launches); `max` and `min` propagate NaN. An empty tensor gives 0,
+    (fp32, or fp64 for fp64 launches); `max` and `min` propagate NaN (as the one quiet NaN with every
+    mantissa bit set) and give +0 for a zero result. An empty tensor gives 0,
     NaN (0 / 0), -inf and +inf respectively.
 
     `abp-fuse-kernels` gives each reduction its own *total kernel*, launched before the

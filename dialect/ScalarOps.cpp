@@ -18,7 +18,7 @@ static constexpr llvm::StringLiteral kCompiledScalarOps[] = {
     "arith.cmpf", "arith.select",
     // arith: integer arithmetic on codes
     "arith.addi", "arith.subi", "arith.muli", "arith.andi", "arith.ori", "arith.xori",
-    "arith.cmpi",
+    "arith.cmpi", "arith.minui",
     // arith: casts
     "arith.extui", "arith.extsi", "arith.trunci", "arith.uitofp", "arith.sitofp", "arith.fptoui",
     "arith.fptosi",

@@ -128,10 +128,13 @@ void lowerQuantizeGroups(QuantizeGroupsOp op) {
                            Value scaled = m.create<arith::MulFOp>(loc, shifted, a[2]);
                            Value dithered = m.create<arith::AddFOp>(loc, scaled, a[3]);
                            Value q = m.create<math::FloorOp>(loc, dithered);
-                           // minimumf would keep a NaN; fptoui saturates NaN (and < 0) to 0.
-                           Value clamped =
-                               m.create<arith::MinimumFOp>(loc, q, f32Constant(m, loc, top));
-                           return m.create<arith::FPToUIOp>(loc, m.getI8Type(), clamped);
+                           // fptoui saturates (NaN and < 0 give 0, > 255 gives 255), then an
+                           // integer minimum caps the code: two instructions on a GPU, where a
+                           // float minimum that keeps NaN takes three before the conversion.
+                           Value code = m.create<arith::FPToUIOp>(loc, m.getI8Type(), q);
+                           Value cap = m.create<arith::ConstantOp>(
+                               loc, m.getIntegerAttr(m.getI8Type(), static_cast<int64_t>(top)));
+                           return m.create<arith::MinUIOp>(loc, code, cap);
                          });
   Value packed = b.create<PackOp>(loc, op.getCodes().getType(), codes);
   op.getCodes().replaceAllUsesWith(packed);

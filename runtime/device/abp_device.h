@@ -576,9 +576,49 @@ enum ReduceOp { kReduceSum = 0, kReduceMax = 1, kReduceMin = 2 };
 template <typename C> ABP_FN C reduceIdentity(int op) {
   return op == kReduceSum ? (C)0 : op == kReduceMax ? (C)bitsFloat(0xff800000u) : (C)bitsFloat(0x7f800000u);
 }
+/// A reduction's maximum and minimum of two partials: NaN if either is (which NaN, and which zero
+/// of +0 and -0, is left to the device: reduceResult fixes both once per reduction, so that the
+/// row's sweep pays no NaN handling). sm_80's max.NaN / min.NaN do it in one instruction per
+/// element where the IEEE maximum takes three; the CPU path and older GPUs take that maximum.
+template <typename C> ABP_FN C reduceMaximum(C a, C b) { return maximum(a, b); }
+template <typename C> ABP_FN C reduceMinimum(C a, C b) { return minimum(a, b); }
+#if ABP_GPU && __CUDA_ARCH__ >= 800
+ABP_FN float reduceMaximum(float a, float b) { // preferred to the template for floats
+  float d;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+ABP_FN float reduceMinimum(float a, float b) {
+  float d;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+#endif
 /// Combines two partials; max/min propagate NaN (a NaN anywhere in the row reaches the result).
 template <typename C> ABP_FN C reduceCombine(int op, C a, C b) {
-  return op == kReduceSum ? a + b : op == kReduceMax ? maximum(a, b) : minimum(a, b);
+  return op == kReduceSum ? a + b : op == kReduceMax ? reduceMaximum(a, b) : reduceMinimum(a, b);
+}
+/// The quiet NaN with every mantissa bit set, PTX's canonical NaN, in its argument's type (built
+/// from its bits: a conversion of a NaN between float and double need not keep them).
+ABP_FN float canonicalNaN(float) { return bitsFloat(0x7fffffffu); }
+ABP_FN double canonicalNaN(double) {
+#if ABP_GPU
+  return __longlong_as_double(0x7fffffffffffffffll);
+#else
+  const u64 bits = 0x7fffffffffffffffull;
+  double d;
+  std::memcpy(&d, &bits, 8);
+  return d;
+#endif
+}
+/// A reduction's result as it leaves the reduction: a maximum or minimum that is NaN becomes the
+/// one quiet NaN (all mantissa bits set, PTX's canonical NaN), and a zero becomes +0 (adding +0
+/// turns -0 into +0 and changes nothing else), so that every device and the CPU path give the
+/// same bits whatever NaN and zero their combiner returned. Sums pass unchanged.
+template <typename C> ABP_FN C reduceResult(int op, C v) {
+  if (op == kReduceSum)
+    return v;
+  return v != v ? canonicalNaN(v) : v + (C)0;
 }
 
 #if ABP_GPU
@@ -701,7 +741,7 @@ ABP_FN void totalFinish(C acc, C *ABP_RESTRICT total, C *scratch, i64 n, bool me
     w[0] = reduceCombine(OP, w[0], ((volatile C *)scratch)[b]);
   rowAllReduce<BLOCK, OP>(w, shared);
   if (threadIdx.x == 0) {
-    *total = mean ? w[0] / (C)n : w[0];
+    *total = mean ? w[0] / (C)n : reduceResult<C>(OP, w[0]);
     *totalCounter(scratch) = 0u;
   }
 }
@@ -722,7 +762,7 @@ ABP_FN void hostTotalFinish(C (*acc)[1], i64 block, i64 grid, C *total, C *scrat
       w[t][0] = reduceCombine(OP, w[t][0], scratch[b]);
   }
   hostRowAllReduce<BLOCK, OP>(w);
-  *total = mean ? w[0][0] / (C)n : w[0][0];
+  *total = mean ? w[0][0] / (C)n : reduceResult<C>(OP, w[0][0]);
   __atomic_store_n(totalCounter(scratch), 0u, __ATOMIC_RELEASE);
 }
 #endif

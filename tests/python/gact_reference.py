@@ -14,6 +14,8 @@ import numpy as np
 import torch
 
 _MASK = np.uint64(0xFFFFFFFF)
+_CANONICAL_NAN = {np.float32: np.array([0x7FFFFFFF], dtype=np.uint32).view(np.float32)[0],
+                  np.float64: np.array([0x7FFFFFFFFFFFFFFF], dtype=np.uint64).view(np.float64)[0]}
 
 
 def philox4x32_10(counters: np.ndarray, key0: int, key1: int) -> np.ndarray:
@@ -72,8 +74,10 @@ def quantize_groups(
         for g in range(groups):
             sl = slice(g * group_size, min(n, (g + 1) * group_size))
             v = flat[sl]
-            lo = ctype(np.nan) if np.isnan(v).any() else v.min()
-            hi = ctype(np.nan) if np.isnan(v).any() else v.max()
+            # A row reduction's NaN is the quiet NaN with every mantissa bit set, and its zero +0
+            # (abp.reduce_rows).
+            lo = _CANONICAL_NAN[ctype] if np.isnan(v).any() else ctype(v.min() + ctype(0))
+            hi = _CANONICAL_NAN[ctype] if np.isnan(v).any() else ctype(v.max() + ctype(0))
             rng = ctype(hi - lo)
             s = top / ctype(rng + ctype(np.float32(2e-6))) if abs(rng) < np.inf else ctype(np.nan)
             mins[g], scales[g] = lo, s

@@ -366,6 +366,37 @@ def test_non_finite_groups_decode_to_nan_and_constant_groups_exactly():
     assert torch.isfinite(y[64:]).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64], ids=str)
+def test_group_headers_hold_one_nan_and_a_positive_zero_whatever_the_input_held(dtype):
+    # The range sweep combines with max.NaN / min.NaN on a GPU from sm_80 on, which return a
+    # canonical NaN and either zero; the CPU path's IEEE maximum returns the NaN operand itself.
+    # Both leave the reduction as the quiet NaN with every mantissa bit set, and +0, so the
+    # headers are the same bits everywhere (abp.reduce_rows). The groups: a negative NaN with a
+    # payload, a -0 minimum, a -0 maximum (its sign reaches no header), a plain one.
+    x = torch.rand(4 * 16, dtype=torch.float64) + 1
+    payload = torch.tensor([0xFFF8_0000_0000_1234 - 2**64], dtype=torch.int64).view(torch.float64)[0]
+    x[5] = payload  # a negative NaN with a payload
+    x[16:32] = 0.5
+    x[16 + 3] = -0.0
+    x[32:48] = -0.5
+    x[32 + 7] = -0.0
+    x = x.to(dtype)
+    c = C.quantize(x, 4, 16, seed=3)
+    mins = torch.cat([p.mins for p in c.parts])
+    wide = mins.dtype == torch.float64
+    bits = mins.view(torch.int64 if wide else torch.int32)
+    canonical = 0x7FFF_FFFF_FFFF_FFFF if wide else 0x7FFF_FFFF
+    assert int(bits[0]) == canonical, hex(int(bits[0]) & (2**64 - 1))
+    assert int(bits[1]) == 0, "a -0 minimum is stored as +0"
+    assert torch.isnan(c.parts[0].scales[0]) and torch.isfinite(c.parts[0].scales[1:]).all()
+    ref_codes, ref_mins, ref_scales = ref.quantize_groups(x, 4, 16, 3)
+    assert np.array_equal(mins.numpy().view(np.int64 if wide else np.int32),
+                          ref_mins.view(np.int64 if wide else np.int32))
+    assert np.array_equal(codes_of(c), ref_codes)
+    y = C.dequantize(c)
+    assert torch.isnan(y[:16]).all() and torch.isfinite(y[16:]).all()
+
+
 @pytest.mark.parametrize("bits", C.BITS)
 @pytest.mark.parametrize("extreme", [torch.finfo(torch.float32).min, torch.finfo(torch.float32).max / 2])
 def test_a_group_spanning_nearly_every_float_decodes_finite_and_within_a_step(bits, extreme):

@@ -16,8 +16,8 @@ import torch
 
 import abp
 from abp import _custom_ops
-from abp.author import (AuthoringError, dequantize, max_all, mean_all, mean_rows, min_all, operator,
-                        quantize, sum_all, sum_rows, uniform, where)
+from abp.author import (AuthoringError, dequantize, max_all, max_rows, mean_all, mean_rows, min_all,
+                        min_rows, operator, quantize, sum_all, sum_rows, uniform, where)
 from abp_reference import compiler_or_skip
 
 _names = itertools.count()
@@ -120,6 +120,37 @@ def test_every_kind_exactly_where_exact_and_nan_propagates() -> None:
     assert torch.isnan(extremes(x)).all()
     # An empty tensor still runs (the totals are the identities, read by no element).
     assert extremes(torch.empty(0)).shape == (0,)
+
+
+# Totals in fp32 only: an operator of elementwise kernels has no fp64 form.
+@pytest.mark.parametrize("reduce,dtype", [(r, d) for r in ("max_rows", "min_rows", "max_all", "min_all")
+                                          for d in (torch.float32, torch.float64)
+                                          if r.endswith("rows") or d == torch.float32])
+def test_maxima_and_minima_leave_as_one_nan_and_a_positive_zero(dtype: torch.dtype, reduce: str) -> None:
+    # A GPU from sm_80 on combines with max.NaN / min.NaN (a canonical NaN, either zero), the CPU
+    # path with the IEEE maximum (the NaN operand itself): each reduction then leaves as the quiet
+    # NaN with every mantissa bit set and +0, the same bits on every device (abp.reduce_rows).
+    # x * 0 + m shows m's bits: +-0 + a NaN is that NaN, and -0 + m is -0 only if m is -0.
+    of = {"max_rows": max_rows, "min_rows": min_rows, "max_all": max_all, "min_all": min_all}[reduce]
+
+    @operator(name=fresh(reduce), rows=reduce.endswith("rows"))
+    def shifted(x):
+        return x * 0.0 + of(x), lambda dy: dy
+
+    int_type, canonical = (torch.int64, 0x7FFF_FFFF_FFFF_FFFF) if dtype == torch.float64 else (torch.int32, 0x7FFF_FFFF)
+    negative_nan = torch.tensor([-2**63 + 0x7FF8_0000_0000_1234], dtype=torch.int64).view(torch.float64)
+    x = torch.rand(2, 64, dtype=torch.float64) + 1
+    x[0, 5] = negative_nan[0]
+    x = x.to(dtype)
+    y = shifted(x).view(int_type)
+    holding = torch.isfinite(x) & (torch.arange(2)[:, None] == 0 if reduce.endswith("rows") else True)
+    assert (y[holding] == canonical).all(), "a row (a tensor) holding NaN gives the one NaN"
+    # Rows of negatives up to a -0 (a maximum of -0), or of positives down to one (a minimum).
+    sign = -1.0 if reduce.startswith("max") else 1.0
+    x = (sign * (torch.rand(2, 64, dtype=torch.float64) + 1)).to(dtype)
+    x[:, 7] = -0.0
+    y = shifted(x).view(int_type)
+    assert (y == 0).all(), "a zero maximum or minimum is +0: -0 + m is +0 everywhere"
 
 
 def test_a_row_operator_reads_a_total_and_runs_in_fp64() -> None:

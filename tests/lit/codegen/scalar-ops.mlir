@@ -66,7 +66,8 @@ abp.operator @every_scalar_op forward {
     %i6 = arith.andi %i5, %i3 : i32
     %i7 = arith.ori %i6, %i4 : i32
     %i8 = arith.xori %i7, %i5 : i32
-    %n8 = arith.trunci %i8 : i32 to i8
+    %i9 = arith.minui %i8, %i7 : i32
+    %n8 = arith.trunci %i9 : i32 to i8
     %s32 = arith.extsi %n8 : i8 to i32
     %pos = arith.cmpi sgt, %s32, %i8 : i32
     %u32 = arith.extui %pos : i1 to i32

@@ -68,8 +68,10 @@ abp.operator @q forward {
 // CHECK-NEXT: arith.mulf
 // CHECK-NEXT: arith.addf
 // CHECK-NEXT: math.floor
-// CHECK: arith.minimumf
-// CHECK-NEXT: arith.fptoui %{{.*}} : f32 to i8
+// The code saturates (NaN and below 0 give 0), then an integer minimum caps it at 2^b - 1.
+// CHECK-NEXT: %[[Q:.*]] = arith.fptoui %{{.*}} : f32 to i8
+// CHECK-NEXT: %[[TOP:.*]] = arith.constant 15 : i8
+// CHECK-NEXT: arith.minui %[[Q]], %[[TOP]] : i8
 // CHECK: abp.pack %{{.*}} : tensor<?x?xi8> -> !abp.codes<4>
 // CHECK: } backward {
 // CHECK: abp.unpack %{{.*}} : !abp.codes<4> -> tensor<?x?xi8>
