@@ -579,7 +579,8 @@ template <typename C> ABP_FN C reduceIdentity(int op) {
 /// A reduction's maximum and minimum of two partials: NaN if either is (which NaN, and which zero
 /// of +0 and -0, is left to the device: reduceResult fixes both once per reduction, so that the
 /// row's sweep pays no NaN handling). sm_80's max.NaN / min.NaN do it in one instruction per
-/// element where the IEEE maximum takes three; the CPU path and older GPUs take that maximum.
+/// element where the IEEE maximum takes up to four (a NaN test, a compare, an or, a select);
+/// the CPU path and older GPUs take that maximum.
 template <typename C> ABP_FN C reduceMaximum(C a, C b) { return maximum(a, b); }
 template <typename C> ABP_FN C reduceMinimum(C a, C b) { return minimum(a, b); }
 #if ABP_GPU && __CUDA_ARCH__ >= 800
