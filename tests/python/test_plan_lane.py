@@ -490,6 +490,42 @@ def test_a_damaged_lane_library_is_built_again_not_loaded(tmp_path):
     assert (copy / f"{name}.sha256").read_text().strip() == _plan_lane._digest(library)  # recorded once loaded
 
 
+def test_a_lane_that_builds_but_will_not_load_is_not_built_again_by_every_process(tmp_path, monkeypatch):
+    """A library that links but that the loader refuses (a symbol this torch lacks) raised before
+    its checksum was recorded, so every later process found none, emptied the directory and built
+    it again (a minute each) to fail the same way. Its checksum is now recorded: the next process
+    fails at the load at once and takes the Python lane, with a warning that says so. The build
+    is faked (a linked "library" and a refused import), as ninja and torch's loader would act."""
+    builds = []
+
+    class FakeCppExtension:
+        CUDA_HOME = None
+
+        @staticmethod
+        def load(name, sources, build_directory, **kwargs):
+            library = Path(build_directory, f"{name}.so")
+            if not library.exists():  # ninja: nothing to do when the library is there
+                builds.append(name)
+                library.write_bytes(b"\x7fELF linked, but with a symbol torch lacks")
+            raise ImportError(f"{library}: undefined symbol: _ZN3c105ErrorC2Ev")
+
+    monkeypatch.setenv("ABP_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(_plan_lane, "_cpp_extension", lambda: FakeCppExtension)
+    monkeypatch.setattr(_plan_lane, "_cuda_stream_support", lambda: False)
+    for process in range(2):  # each run of module() in a fresh process
+        monkeypatch.setattr(_plan_lane, "_state", {})
+        with pytest.warns(RuntimeWarning) as caught:
+            assert _plan_lane.module() is None
+        messages = [str(w.message) for w in caught]
+        assert not any("building it again" in m for m in messages), messages
+        assert any("was built but could not be loaded (ImportError: " in m and "Python lane" in m for m in messages)
+        assert _plan_lane.status().startswith("Python lane: the C++ lane was built but could not be loaded")
+    assert len(builds) == 1, builds  # two before: one per process
+    directory = _plan_lane.build_directory(_plan_lane._key(False))
+    library = directory / f"{builds[0]}.so"
+    assert (directory / f"{builds[0]}.so.sha256").read_text().strip() == _plan_lane._digest(library)
+
+
 def test_an_unrecognised_abp_plan_lane_value_warns_and_keeps_the_default(monkeypatch):
     monkeypatch.setenv("ABP_PLAN_LANE", "enable")
     with pytest.warns(RuntimeWarning, match="ABP_PLAN_LANE='enable' is not one of"):

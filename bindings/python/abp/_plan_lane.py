@@ -161,8 +161,17 @@ def _build() -> Any:
         if not library.exists() and not verbose:
             print(f"abp: building its C++ per-call lane for torch {torch.__version__} in {directory} "
                   f"(about a minute, once)", file=sys.stderr, flush=True)
-        found = cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(directory),
-                                   extra_cflags=flags, verbose=verbose, **extra)
+        try:
+            found = cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(directory),
+                                       extra_cflags=flags, verbose=verbose, **extra)
+        except ImportError:
+            # Built and linked (ninja finished), but the loader refused it (a symbol this torch
+            # lacks): its checksum is recorded all the same, so that later processes fail as
+            # fast, at the load, instead of emptying the directory and building it again (a
+            # minute each) to the same end. A build that failed raises RuntimeError instead.
+            if library.exists():
+                _record_digest(library)
+            raise
         _record_digest(library)
         return found
 
@@ -233,7 +242,8 @@ def module() -> Optional[Any]:
                 found.set_affine_create_graph(_affine_norm.backward_under_create_graph)
             except Exception as e:  # no compiler, no headers, a refused directory: Python lane
                 last = (str(e).strip().splitlines() or [""])[-1]
-                what = "refused its build directory" if isinstance(e, PermissionError) else "could not be built"
+                what = ("refused its build directory" if isinstance(e, PermissionError) else
+                        "was built but could not be loaded" if isinstance(e, ImportError) else "could not be built")
                 why = f"the C++ lane {what} ({type(e).__name__}: {last})"
                 warnings.warn(f"abp: {why}; abp ops take the Python lane (the same "
                               f"results, about twice the host time per call). Set ABP_PLAN_LANE=0 to "
