@@ -130,7 +130,7 @@ void lowerQuantizeGroups(QuantizeGroupsOp op) {
                            Value q = m.create<math::FloorOp>(loc, dithered);
                            // fptoui saturates (NaN and < 0 give 0, > 255 gives 255), then an
                            // integer minimum caps the code: two instructions on a GPU, where a
-                           // float minimum that keeps NaN takes three before the conversion.
+                           // float minimum that keeps NaN took up to four before the conversion.
                            Value code = m.create<arith::FPToUIOp>(loc, m.getI8Type(), q);
                            Value cap = m.create<arith::ConstantOp>(
                                loc, m.getIntegerAttr(m.getI8Type(), static_cast<int64_t>(top)));

@@ -549,8 +549,8 @@ template <typename S, typename F> ABP_FN S toSignedSat(F x) {
   return x >= (F)top ? top : (x <= (F)bottom ? bottom : (S)x);
 }
 /// IEEE maximum/minimum (arith.maximumf/minimumf): NaN if either operand is NaN, and then that
-/// operand itself (no arithmetic, so the GPU and the CPU return the same NaN bits). Three
-/// instructions on the GPU: two compares folded into one predicate, and a select.
+/// operand itself (no arithmetic, so the GPU and the CPU return the same NaN bits). Up to four
+/// instructions on the GPU: a NaN test and a compare, or-ed into one predicate, and a select.
 template <typename C> ABP_FN C maximum(C x, C y) { return (x > y || x != x) ? x : y; }
 template <typename C> ABP_FN C minimum(C x, C y) { return (x < y || x != x) ? x : y; }
 
