@@ -6,7 +6,7 @@ The architectures people train are checked in test_models.py."""
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import pytest
 import torch
@@ -243,8 +243,36 @@ def test_a_parametrized_linear_is_refused_alone_and_is_no_block() -> None:
     parametrize.register_parametrization(model[0], "weight", Identity())
     assert _roles.blocks(model) == []
     _, changes = abp.convert(model, "sampled", example_inputs=(torch.randn(4, 8, 16),))
-    assert [(c.module, c.action) for c in changes] == [("0", "refused"), ("2", "replaced"), ("4", "replaced")]
+    # The last map's output is the model's result: the head, exact (test_a_head_stays_exact_...).
+    assert [(c.module, c.action) for c in changes] == [("0", "refused"), ("2", "replaced")]
     assert "parametrized weights" in changes[0].detail
+
+
+class Stages(nn.Module):
+    """timm's RegNet shape: stages that are attributes of the model (no layer stack), then pooling
+    and a classifier, whose logits are returned (soft-capped, and with the features if asked)."""
+
+    def __init__(self, with_features: bool = False) -> None:
+        super().__init__()
+        self.with_features = with_features
+        self.s1, self.s2 = Layer(8), Layer(8)
+        self.head = nn.Sequential(nn.Dropout(0.0), nn.Linear(8, 3))
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h = self.s2(self.s1(x))
+        logits = torch.tanh(self.head(h.mean(1)) / 30.0) * 30.0
+        return (logits, h) if self.with_features else logits
+
+
+@pytest.mark.parametrize("with_features", [False, True])
+def test_a_head_stays_exact_where_the_model_has_no_layer_stack(with_features: bool) -> None:
+    """Without a layer stack the model is one block, so its classifier was sampled like a
+    feed-forward projection (timm's regnetx_002: a 10-class head's weight gradient 1.7 off exact at
+    a batch of 48). A map whose output is the model's result, with no residual sum between, is a
+    head and stays exact; the blocks' last projections, summed into the stream, are still sampled."""
+    torch.manual_seed(0)
+    got = _sampled(Stages(with_features), example_inputs=(torch.randn(2, 5, 8),))
+    assert got == sorted(f"s{i}.{m}" for i in (1, 2) for m in ("mixer.mix_out", "narrow", "widen"))
 
 
 class Lora(nn.Module):

@@ -21,6 +21,9 @@ This module finds those roles from a recorded call (``abp._structure``), not fro
   sum (the next sublayer's) or another linear map. Views, splits, rotary embeddings, dropout,
   activations and a norm of the projection alone (Qwen3's and OLMo2's query and key norms) are
   followed.
+- a linear map whose output is the model's result (through views, activations and dropout, with
+  no sum or product with another activation and no other layer between) is a *head*: a
+  classifier, which a model without a layer stack has inside its one block. It stays exact.
 - every other linear map inside a block that ran in the call is sampled.
 """
 from __future__ import annotations
@@ -150,6 +153,32 @@ def _scores(start: int, end: int, block: str, structure: Structure, leaves: Set[
     return None
 
 
+def _is_head(start: int, structure: Structure, leaves: Set[str], stops: Set[str], derived: Set[int],
+             returned: Set[int]) -> bool:
+    """Whether the output of event `start` (a linear map's call) is the model's result: it reaches
+    the tensors the model returned through views, activations, dropout and the like, with no other
+    linear map or norm and no sum or product with another activation between (a residual branch's
+    last projection is summed into the stream; a classifier's output is returned as it is). Such a
+    map is a head, wherever it sits: a model without a layer stack is one block, and a CNN whose
+    stages are attributes of the model (timm's RegNet) has its classifier in that block."""
+    reached = set(structure.events[start].outputs)
+    for event in structure.events[start + 1:]:
+        if not reached.intersection(event.inputs):
+            continue
+        if event.module is not None:
+            if event.module in leaves and event.module not in stops:
+                reached.update(event.outputs)  # an activation, dropout or pooling module
+            continue  # a container is followed event by event; a linear map or a norm ends the path
+        if event.within and event.within[-1] in leaves:
+            continue  # inside a leaf module: its module event stands for it
+        name = event.function or ""
+        activations = [i for i in event.inputs if i not in derived]
+        if (name in _SUMS or name in _PRODUCTS) and len(activations) >= 2:
+            continue  # mixed with another activation: a branch of something larger, not the result
+        reached.update(event.outputs)
+    return bool(reached & returned)
+
+
 def sampled_linear_maps(model: nn.Module, structure: Structure, recognised: Dict[int, object]) -> Dict[str, str]:
     """Name of each linear map the recipe may sample -> why (its role), for the linear maps that ran
     inside a block and do not score; see the module docstring."""
@@ -160,6 +189,8 @@ def sampled_linear_maps(model: nn.Module, structure: Structure, recognised: Dict
     norms = {n for n, m in modules.items() if n and isinstance(recognised.get(id(m)), Norm)}
     stops = linear | norms
     derived = _parameter_derived(structure)
+    # What the model's own call returned (its event is the last with the empty name).
+    returned = next((set(e.outputs) for e in reversed(structure.events) if e.module == ""), set())
     first: Dict[str, int] = {}  # module -> index of its first call's event (recorded when the call returned)
     for index, event in enumerate(structure.events):
         if event.module is not None and event.module not in first:
@@ -195,6 +226,8 @@ def sampled_linear_maps(model: nn.Module, structure: Structure, recognised: Dict
                   and (a == name or not any(n in norms and _inside(n, a) for n in first))]
         if any(scores(a, block) is not None for a in owners):
             continue
+        if _is_head(first[name], structure, leaves, stops, derived, returned):
+            continue  # heads stay exact
         chosen[name] = f"in block `{block}`" if block else "in the model (no layer stack found)"
     return {**chosen, **_like_chosen(modules, linear - set(first), chosen)}
 
