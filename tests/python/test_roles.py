@@ -329,6 +329,16 @@ def test_the_models_dummy_inputs_are_the_call_and_names_the_fallback() -> None:
     assert not [c for c in changes if c.action in ("replaced", "kept")]
 
 
+def test_converting_a_sampled_model_again_says_it_is_sampled_already() -> None:
+    """A second convert found no linear map to choose (abp's layers are not among them) and said the
+    call ran none in attention-output or feed-forward position, sending the user to `layers=`."""
+    torch.manual_seed(0)
+    once, _ = abp.convert(Net(), "sampled", example_inputs=_example())
+    _, changes = abp.convert(once, "sampled", example_inputs=_example())
+    assert [(c.module, c.action) for c in changes] == [("", "refused")]
+    assert changes[0].detail.startswith("recipe sampled: nothing left to sample; 6 linear map(s) are sampled already")
+
+
 def test_explicit_layers_choose_by_name() -> None:
     torch.manual_seed(0)
     assert _sampled(Net(), example_inputs=_example(), layers=["*.widen"]) == ["stack.0.widen", "stack.1.widen"]

@@ -700,7 +700,11 @@ def _convert_sampled_by_role(model: nn.Module, options: Dict[str, Any], recognis
                               "an example that runs them (every input the model takes, e.g. its images as well) "
                               "or layers=[...]"))
     if not roles:
-        changes.append(Change("", "refused", f"recipe sampled: {source} ran no linear map in attention-output or "
+        done = sum(isinstance(m, (abp_nn.SampledLinear, abp_nn.SampledConv1D)) for m in modules.values())
+        # Sampled by an earlier convert: abp's layers are no linear maps the call could choose.
+        changes.append(Change("", "refused", f"recipe sampled: nothing left to sample; {done} linear map(s) are sampled "
+                              "already (an earlier convert's), which convert leaves as they are" if done else
+                              f"recipe sampled: {source} ran no linear map in attention-output or "
                               "feed-forward position (abp._roles); pass layers=[...] to choose them by name"))
     return changes
 
