@@ -611,6 +611,32 @@ def test_estimates_happen_at_step_0_and_every_interval_steps(kernels):
     assert controller.step == 7
 
 
+def test_the_automatic_interval_spaces_estimates_by_twenty_steps_per_replay(kernels):
+    """interval="auto" (the default): an estimate replays the step once exact and once per probed
+    key, and the next comes AUTO_STEPS_PER_REPLAY steps per replay later, so estimates stay near
+    5 % of the training time however many keys a model has (a fixed 1000 steps did not)."""
+    from abp.controller import AUTO_STEPS_PER_REPLAY
+
+    torch.manual_seed(5)
+    model = Planted()
+    calls: List[int] = []
+    model.head.register_forward_pre_hook(lambda m, a: calls.append(1))
+    controller = CompressionController(model, 2.0, **GACT_LADDER)
+    assert controller.interval == "auto" and controller.next_estimate == 0
+    x, y = batch(0)
+    train_step(controller, model, x, y)
+    replays = len(calls) - 1  # the exact replay and one per key (the user's own pass aside)
+    assert replays == len(controller.bits) + 1 >= 3
+    due = AUTO_STEPS_PER_REPLAY * replays
+    assert controller.estimates == 1 and controller.next_estimate == due
+    for step in range(1, due + 1):
+        before = len(calls)
+        x, y = batch(step)
+        train_step(controller, model, x, y)
+        assert (len(calls) - before > 1) == (step == due), step  # only step `due` replays
+    assert controller.estimates == 2 and controller.next_estimate == 2 * due
+
+
 def test_probe_steps_leave_grad_rng_and_buffers_as_the_users_step_left_them(kernels):
     x, y = batch(6)
 
@@ -777,8 +803,9 @@ def test_training_with_the_controller_reduces_the_loss(kernels):
         (dict(avg_bits=0.5), ValueError, r"^avg_bits: expected a number >= 1"),
         (dict(avg_bits=33), ValueError, r"^avg_bits: expected a number in \[1, 32\]"),
         (dict(avg_bits=math.nan), ValueError, r"^avg_bits"),
-        (dict(interval=0), ValueError, r"^interval: expected an int >= 1, got 0"),
-        (dict(interval=2.0), TypeError, r"^interval: expected an int >= 1, got float"),
+        (dict(interval=0), ValueError, r"^interval: expected 'auto' or an int >= 1, got 0"),
+        (dict(interval=2.0), TypeError, r"^interval: expected 'auto' or an int >= 1, got float"),
+        (dict(interval="every 100"), ValueError, r"^interval: expected 'auto' or an int >= 1, got 'every 100'"),
         (dict(group_size=7), ValueError, r"^group_size"),
         (dict(min_numel=-1), ValueError, r"^min_numel"),
         (dict(filter=3), TypeError, r"^filter"),
@@ -1144,7 +1171,7 @@ def test_the_controller_refuses_pickling_and_a_wrong_state() -> None:
     pickle.loads(pickle.dumps(model))  # the model itself still pickles (its hooks go inert)
     with pytest.raises(ValueError, match="other settings: avg_bits=2.0 \\(this one 4.0\\)"):
         controller.load_state_dict(CompressionController(nn.Linear(1, 1), avg_bits=2).state_dict())
-    with pytest.raises(ValueError, match="other settings: interval=5 \\(this one 1000\\)"):
+    with pytest.raises(ValueError, match="other settings: interval=5 \\(this one 'auto'\\)"):
         controller.load_state_dict(CompressionController(nn.Linear(1, 1), interval=5).state_dict())
     with pytest.raises(ValueError, match="state: expected what CompressionController.state_dict"):
         controller.load_state_dict({"step": 3})
