@@ -399,6 +399,34 @@ def test_the_controller_estimates_under_ddp_with_reentrant_checkpoints() -> None
         torch.testing.assert_close(value, ranks[1]["params"][name], rtol=0, atol=1e-6, msg=name)
 
 
+def _automatic_schedule(rank: int, rendezvous: str, out: str) -> None:
+    """One estimate per rank on batches of different sizes: rank 1's tensors are too small to
+    compress (under min_numel), so its step probes fewer keys than rank 0's."""
+    with _process_group(rank, rendezvous):
+        model = converted()
+        controller = abp.CompressionController(model, avg_bits=4.0)  # interval="auto"
+        xs, ys = batches()
+        rows = 16 if rank == 0 else 1
+        with controller:
+            loss_of(model, xs[0][:rows], ys[0][:rows]).backward()
+        torch.save({"keys": len(controller.sensitivity), "next": controller.next_estimate}, f"{out}.{rank}")
+
+
+def test_the_automatic_interval_is_the_same_on_every_rank() -> None:
+    """interval="auto" spaces estimates by the replays an estimate ran, one per key the rank's own
+    step saved: ranks with other keys would estimate at different steps (under FSDP2 an estimate
+    gathers parameters, so ranks out of step would wait on each other). They take the largest."""
+    library_or_skip()
+    from abp.controller import AUTO_STEPS_PER_REPLAY
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rank")
+        mp.spawn(_automatic_schedule, args=(os.path.join(tmp, "rendezvous"), out), nprocs=WORLD)
+        ranks = [torch.load(f"{out}.{r}") for r in range(WORLD)]
+    assert ranks[0]["keys"] > ranks[1]["keys"], ranks
+    assert ranks[0]["next"] == ranks[1]["next"] == AUTO_STEPS_PER_REPLAY * (ranks[0]["keys"] + 1), ranks
+
+
 def _controllers_under_fsdp(rank: int, rendezvous: str, out: str) -> None:
     """FSDP2: one estimating step of the compression controller on this rank's half of a batch
     (its replays call the root's forward directly, past FSDP's gathering pre-forward), then a

@@ -362,8 +362,8 @@ class CompressionController:
     keys, not other saves), else the largest of (8, 4, 2, 1) that is ≤ `avg_bits`, over the
     budget only by what the op rules' minimum widths add.
 
-    **Sensitivity estimate** (at step 0, then every `interval` steps (below), after the user's backward,
-    in the exit of that step's block). During such a step the controller records each call of
+    **Sensitivity estimate** (at step 0, then every `interval` steps (below), after the user's
+    backward, in the exit of that step's block). During such a step the controller records each call of
     `model` (its inputs, copied; the RNG states, buffers, train/eval modes and autocast state at
     the call) and hooks the outputs to capture dL/d(output) from the user's backward. At the exit
     it replays the calls: once with every saved tensor raw, giving the exact gradient g, then once
@@ -385,8 +385,9 @@ class CompressionController:
     calls, plus one copy of the inputs and of dL/d(output) held until the estimate ends. With
     `interval="auto"` (the default) the next estimate comes AUTO_STEPS_PER_REPLAY (20) steps per
     pass later, so estimates take at most about 5 % of the training time whatever the number of
-    keys (`next_estimate` says when); an int fixes the steps between estimates instead. Between estimates the overhead is one forward pre-hook and one forward
-    hook per submodule call and a dict look-up per saved tensor.
+    keys (`next_estimate` says when; in a process group, the most passes of any rank); an int
+    fixes the steps between estimates instead. Between estimates the overhead is one forward
+    pre-hook and one forward hook per submodule call and a dict look-up per saved tensor.
 
     **Keys that cannot be probed** (saved outside every model call, e.g. by the loss, or not saved
     again by the replay) keep the initial width and count against the budget; the probed keys
@@ -548,10 +549,19 @@ class CompressionController:
         """The step at which the next sensitivity estimate runs."""
         return self._next_probe
 
-    def _steps_between(self) -> int:
-        if self._interval == "auto":
-            return AUTO_STEPS_PER_REPLAY * self._last_replays
-        return int(self._interval)
+    def _schedule_after_probe(self, estimated: bool) -> None:
+        """Sets the step of the next estimate after a probe step. With interval="auto" the ranks of
+        a process group agree on it: each rank probes the keys its own step saved, and ranks that
+        counted their own replays would estimate at different steps (under FSDP2 an estimate
+        gathers the parameters: ranks out of step would wait on each other's collectives). Every
+        rank's probe step makes one all-reduce of its count for that."""
+        if self._interval != "auto":
+            if estimated:
+                self._next_probe = self._step + int(self._interval)
+            return
+        replays = _largest_on_any_rank(self._last_replays if estimated else 0)
+        if replays:
+            self._next_probe = self._step + AUTO_STEPS_PER_REPLAY * replays
 
     @property
     def initial_bits(self) -> int:
@@ -849,13 +859,13 @@ class CompressionController:
             self._finish_probe()
             return
         try:
+            estimated = False
             if probing and calls:
                 if not any(g is not None for call in calls for g in call.grads):
                     raise RuntimeError(
                         "CompressionController: the model's outputs got no gradient inside the `with` block "
                         f"of step {self._step}, a sensitivity-estimation step: call loss.backward() inside it")
-                if self._estimate(calls, self._last_seen):
-                    self._next_probe = self._step + self._steps_between()
+                estimated = self._estimate(calls, self._last_seen)
             elif probing and self._stats.get("tensors", 0) and self._never_ran() and not self._warned_idle:
                 self._warned_idle = True  # once per controller
                 warnings.warn(
@@ -869,6 +879,8 @@ class CompressionController:
                 self._warn_unmeasured()
             # A probe step without a differentiable model call (an evaluation block): estimate at
             # the next step instead.
+            if probing:
+                self._schedule_after_probe(estimated)
         finally:
             self._finish_probe()
             self._step += 1
@@ -1161,6 +1173,18 @@ class CompressionController:
         # the model alive.
         self._model = None  # type: ignore[assignment]
         self._modules = {}
+
+
+def _largest_on_any_rank(value: int) -> int:
+    """The largest `value` of the ranks of torch.distributed's default group (`value` itself outside
+    one), by an all-reduce on the group's backend (a CUDA tensor for NCCL)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    found = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    return int(found.item())
 
 
 @contextlib.contextmanager
