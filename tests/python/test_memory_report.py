@@ -117,12 +117,37 @@ def test_output_tuple_is_summed_and_a_model_without_tensor_output_needs_loss_fn(
 
     class NoTensor(nn.Module):
         def forward(self, x: torch.Tensor):
-            return {"y": x.neg()}  # neg saves nothing
+            return {"ids": x.argmax(-1), "note": "none"}  # no floating-point tensor to sum
 
-    with pytest.raises(TypeError, match="pass loss_fn="):
+    with pytest.raises(TypeError, match=r"output \(dict\) holds no floating-point tensor; pass loss_fn="):
         abp.memory.report(NoTensor(), x)
-    r = abp.memory.report(NoTensor(), x, loss_fn=lambda out: out["y"].sum())
+    r = abp.memory.report(NoTensor(), x, loss_fn=lambda out: x.neg().sum())
     assert r.total_bytes == 0
+
+
+def test_outputs_in_mappings_and_dataclasses_are_summed_by_default():
+    """A model returning a dict, or a transformers ModelOutput (a mapping, and a dataclass), made
+    the default loss fail: "the model returned no tensor; pass loss_fn=" (a ViT classifier's
+    logits in `out.logits`). Their tensors, however nested, are summed as a tuple's are."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Output:
+        logits: torch.Tensor
+        extra: tuple
+
+    class Returns(nn.Module):
+        def __init__(self, wrap) -> None:
+            super().__init__()
+            self.a, self.b, self.wrap = nn.Linear(4, 4), nn.Linear(4, 4), wrap
+
+        def forward(self, x: torch.Tensor):
+            return self.wrap(self.a(x), self.b(x).exp())
+
+    x = torch.randn(2, 4, requires_grad=True)
+    expected = abp.memory.report(Returns(lambda a, b: (a, b)), x).per_module
+    for wrap in (lambda a, b: {"logits": a, "hidden": [b]}, lambda a, b: Output(a, (b, None))):
+        assert abp.memory.report(Returns(wrap), x).per_module == expected
 
 
 def test_argument_errors():
