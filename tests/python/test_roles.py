@@ -5,6 +5,8 @@ attention, a model without a layer stack, and a model that carries its own dummy
 The architectures people train are checked in test_models.py."""
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from typing import Any, Dict, List, Optional
 
@@ -327,6 +329,69 @@ def test_the_models_dummy_inputs_are_the_call_and_names_the_fallback() -> None:
     assert "pass example_inputs=" in changes[0].detail
     _, changes = abp.convert(Net(), "sampled")  # no call at all
     assert not [c for c in changes if c.action in ("replaced", "kept")]
+
+
+class Residual(nn.Module):
+    """A stackless residual MLP: out = d(gelu(c(h))), summed in place (`out += h`) or not."""
+
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        self.in_place = in_place
+        self.c, self.d = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out = self.d(F.gelu(self.c(h)))
+        if self.in_place:
+            out += h
+            return out
+        return h + out
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_projection_summed_into_the_result_is_no_head(in_place: bool) -> None:
+    """`out += h` kept the returned tensor's identity, so the head test (review) took `d`, summed
+    into the stream in place, for the model's result."""
+    torch.manual_seed(0)
+    assert _sampled(Residual(in_place), example_inputs=(torch.randn(2, 5, 8),)) == ["c", "d"]
+
+
+@dataclasses.dataclass
+class Out:
+    logits: torch.Tensor
+
+
+class Trunk(nn.Module):
+    """No residual: a -> gelu -> b -> head. Returns the logits alone, with the trunk's features
+    (which the head also reads), or in a dataclass of its own; optionally a LoRA-wrapped head."""
+
+    def __init__(self, returns: str, lora_head: bool = False) -> None:
+        super().__init__()
+        self.returns = returns
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 16)
+        self.head: nn.Module = Lora(nn.Linear(16, 3)) if lora_head else nn.Linear(16, 3)
+        if lora_head:
+            self.head.base_layer.requires_grad_(True)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        features = self.b(F.gelu(self.a(x)))
+        logits = self.head(features)
+        if self.returns == "logits_and_features":
+            return logits, features
+        return Out(logits) if self.returns == "dataclass" else logits
+
+
+@pytest.mark.parametrize("returns,lora_head,want", [
+    ("logits", False, ["a", "b"]),
+    ("dataclass", False, ["a", "b"]),  # its tensors were not found: the head was sampled
+    ("logits", True, ["a", "b"]),  # the adapters of a LoRA-wrapped head were sampled
+    # b's output is returned, but the head reads it: b is part of the network, not its result
+    ("features", False, ["a", "b"]),
+])
+def test_heads_are_found_through_wrappers_and_containers_and_features_are_no_heads(returns, lora_head, want) -> None:
+    torch.manual_seed(0)
+    got = _sampled(Trunk(returns if returns != "features" else "logits_and_features", lora_head),
+                   example_inputs=(torch.randn(2, 5, 8),))
+    assert got == want
 
 
 def test_converting_a_sampled_model_again_says_it_is_sampled_already() -> None:

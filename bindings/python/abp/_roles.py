@@ -155,25 +155,31 @@ def _scores(start: int, end: int, block: str, structure: Structure, leaves: Set[
 
 def _is_head(start: int, structure: Structure, leaves: Set[str], stops: Set[str], derived: Set[int],
              returned: Set[int]) -> bool:
-    """Whether the output of event `start` (a linear map's call) is the model's result: it reaches
-    the tensors the model returned through views, activations, dropout and the like, with no other
-    linear map or norm and no sum or product with another activation between (a residual branch's
-    last projection is summed into the stream; a classifier's output is returned as it is). Such a
-    map is a head, wherever it sits: a model without a layer stack is one block, and a CNN whose
-    stages are attributes of the model (timm's RegNet) has its classifier in that block."""
+    """Whether the output of event `start` (a call of a linear map, or of a module around one) is
+    the model's result and nothing more: it reaches the tensors the model returned through views,
+    activations, dropout and the like, with no sum or product with another activation between (a
+    residual branch's last projection is summed into the stream, in place or not; a classifier's
+    output is returned as it is), and no later layer (a linear map or a norm) reads it (a trunk
+    whose features are returned beside the logits, a stage output kept as a hidden state). Such
+    a map is a head, wherever it sits: a model without a layer stack is one block, and a CNN
+    whose stages are attributes of the model (timm's RegNet) has its classifier in that block."""
     reached = set(structure.events[start].outputs)
     for event in structure.events[start + 1:]:
         if not reached.intersection(event.inputs):
             continue
         if event.module is not None:
-            if event.module in leaves and event.module not in stops:
+            if event.module in stops and event.module in leaves:
+                return False  # a later layer reads it: part of the network, not its result
+            if event.module in leaves:
                 reached.update(event.outputs)  # an activation, dropout or pooling module
-            continue  # a container is followed event by event; a linear map or a norm ends the path
+            continue  # a container is followed event by event
         if event.within and event.within[-1] in leaves:
             continue  # inside a leaf module: its module event stands for it
         name = event.function or ""
         activations = [i for i in event.inputs if i not in derived]
         if (name in _SUMS or name in _PRODUCTS) and len(activations) >= 2:
+            if event.inputs and (name.endswith("_") or name.startswith("__i")):
+                reached.discard(event.inputs[0])  # `out += shortcut`: the tensor is a sum now
             continue  # mixed with another activation: a branch of something larger, not the result
         reached.update(event.outputs)
     return bool(reached & returned)
@@ -226,8 +232,8 @@ def sampled_linear_maps(model: nn.Module, structure: Structure, recognised: Dict
                   and (a == name or not any(n in norms and _inside(n, a) for n in first))]
         if any(scores(a, block) is not None for a in owners):
             continue
-        if _is_head(first[name], structure, leaves, stops, derived, returned):
-            continue  # heads stay exact
+        if any(_is_head(first[a], structure, leaves, stops - {a}, derived, returned) for a in owners):
+            continue  # heads stay exact, and so do the paths of a wrapper around one (LoRA's)
         chosen[name] = f"in block `{block}`" if block else "in the model (no layer stack found)"
     return {**chosen, **_like_chosen(modules, linear - set(first), chosen)}
 

@@ -76,12 +76,16 @@ class Structure:
 
 
 def _tensors(value: Any) -> List[Tensor]:
+    """The tensors in `value`, however nested in lists, tuples, dicts and dataclasses (a model
+    may return its logits in a dataclass of its own, as transformers' ModelOutput is one)."""
     if isinstance(value, Tensor):
         return [value]
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in _tensors(v)]
     if isinstance(value, dict):
         return [t for v in value.values() for t in _tensors(v)]
+    if hasattr(value, "__dataclass_fields__") and not isinstance(value, type):
+        return [t for f in value.__dataclass_fields__ for t in _tensors(getattr(value, f, None))]
     return []
 
 
