@@ -560,8 +560,9 @@ template <typename C> ABP_FN C minimum(C x, C y) { return (x < y || x != x) ? x 
 // partials (sums, maxima or minima); rowAllReduce leaves every thread of the row with the row's
 // R results, combined in one fixed order:
 //   1. within each warp (each group of RT < 32 lanes), an xor butterfly: for offset 16 (RT / 2),
-//      ..., 2, 1, v = v ⊕ v[lane ^ offset] (⊕ is commutative, so both lanes of a pair compute
-//      the same value and all lanes end with identical bits);
+//      ..., 2, 1, v = v ⊕ v[lane ^ offset] (both lanes of a pair compute the same value; for a
+//      maximum or minimum its bits may differ between lanes and devices only in which zero or
+//      which NaN, which reduceResult fixes);
 //   2. RT > 32: the warps' results go through shared memory and every warp repeats the
 //      butterfly over them (lanes past the warp count contribute the identity: 0, -inf, +inf).
 // The CPU path cannot run RT threads at once, so row kernels are emitted in phases split at

@@ -15,6 +15,7 @@ from torch import nn
 
 import abp
 from abp import compress
+from abp import controller as controller_module
 from abp_reference import library_or_skip
 
 _compiled_saves = pytest.importorskip("abp._compiled_saves")
@@ -227,6 +228,16 @@ def test_a_controller_of_a_compiled_model_says_it_cannot_estimate(monkeypatch) -
     said = [str(w.message) for w in caught if "no call of it could be recorded" in str(w.message)]
     assert len(said) == 1 and "compress_saved(bits=4)" in said[0], [str(w.message) for w in caught]
     assert controller.estimates == 0 and controller.average_bits() == 32
+    # interval="auto" does not try again at every step (each a recording step), nor every 20
+    # steps: it waits as long as the fixed default once did.
+    controller.remove()
+    auto = abp.CompressionController(model, avg_bits=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with auto:
+            compiled(x).square().mean().backward()
+    assert auto.estimates == 0 and auto.next_estimate == controller_module.UNMEASURED_STEPS
+    auto.remove()
     # An eager model under the same controller settings estimates and says nothing of the kind.
     eager = abp.CompressionController(_model(), avg_bits=4, interval=1)
     with warnings.catch_warnings(record=True) as caught:

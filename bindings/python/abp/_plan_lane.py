@@ -245,9 +245,11 @@ def module() -> Optional[Any]:
                 what = ("refused its build directory" if isinstance(e, PermissionError) else
                         "was built but could not be loaded" if isinstance(e, ImportError) else "could not be built")
                 why = f"the C++ lane {what} ({type(e).__name__}: {last})"
+                again = (f" It is not built again while {build_directory(_key(_cuda_stream_support()))} holds it: "
+                         "remove that directory to retry." if isinstance(e, ImportError) else "")
                 warnings.warn(f"abp: {why}; abp ops take the Python lane (the same "
                               f"results, about twice the host time per call). Set ABP_PLAN_LANE=0 to "
-                              f"skip the build.", RuntimeWarning, stacklevel=3)
+                              f"skip the build.{again}", RuntimeWarning, stacklevel=3)
         _state["why"] = why or "built"
         _state["module"] = found
         return found

@@ -95,6 +95,9 @@ OUTSIDE = "<outside>"
 #: keeps the estimates under 1 / 20 = 5 % of the training time however many keys a model has (a
 #: fixed 1000 steps gave a 6-layer encoder's 67 keys 5.1 %, and a model with 300 keys 25 %).
 AUTO_STEPS_PER_REPLAY = 20
+#: interval="auto": steps until the next estimate after a probe step that could measure nothing (a
+#: compiled model: its graph runs without the controller's hooks), instead of trying every step.
+UNMEASURED_STEPS = 1000
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -549,17 +552,19 @@ class CompressionController:
         """The step at which the next sensitivity estimate runs."""
         return self._next_probe
 
-    def _schedule_after_probe(self, estimated: bool) -> None:
+    def _schedule_after_probe(self, estimated: bool, unmeasured: bool = False) -> None:
         """Sets the step of the next estimate after a probe step. With interval="auto" the ranks of
         a process group agree on it: each rank probes the keys its own step saved, and ranks that
         counted their own replays would estimate at different steps (under FSDP2 an estimate
         gathers the parameters: ranks out of step would wait on each other's collectives). Every
-        rank's probe step makes one all-reduce of its count for that."""
+        rank's probe step makes one all-reduce of its count for that. A step the controller could
+        not measure (`unmeasured`: a compiled model's) waits UNMEASURED_STEPS before the next try."""
         if self._interval != "auto":
             if estimated:
                 self._next_probe = self._step + int(self._interval)
             return
-        replays = _largest_on_any_rank(self._last_replays if estimated else 0)
+        own = self._last_replays if estimated else UNMEASURED_STEPS // AUTO_STEPS_PER_REPLAY if unmeasured else 0
+        replays = _largest_on_any_rank(own, self._model)
         if replays:
             self._next_probe = self._step + AUTO_STEPS_PER_REPLAY * replays
 
@@ -855,11 +860,15 @@ class CompressionController:
         self._stats = dict(self._step_stats)
         self._last_seen = dict(self._seen)
         self._uninstall_recorder()
+        estimated = unmeasured = False
         if failed:
-            self._finish_probe()
+            try:
+                self._finish_probe()
+            finally:
+                if probing:  # every rank's probe step reaches its all-reduce, a failed one too
+                    self._schedule_after_probe(False)
             return
         try:
-            estimated = False
             if probing and calls:
                 if not any(g is not None for call in calls for g in call.grads):
                     raise RuntimeError(
@@ -877,13 +886,16 @@ class CompressionController:
             elif probing and self._ran and self._stats.get("tensors", 0) and \
                     any(p.grad is not None for p in self._model.parameters()):
                 self._warn_unmeasured()
+                unmeasured = True
             # A probe step without a differentiable model call (an evaluation block): estimate at
             # the next step instead.
-            if probing:
-                self._schedule_after_probe(estimated)
         finally:
-            self._finish_probe()
-            self._step += 1
+            try:
+                self._finish_probe()
+            finally:
+                if probing:  # also where the estimate raised: the other ranks wait in this all-reduce
+                    self._schedule_after_probe(estimated, unmeasured)
+                self._step += 1
 
     def _warn_unmeasured(self) -> None:
         """Once per controller: the step ran the model and its backward, but not so that the
@@ -1044,8 +1056,10 @@ class CompressionController:
                 # The calls were recorded at the model's edge (a hooked step's pre-hook runs
                 # eagerly around a compiled call), and their eager replay saves tensors the
                 # step's own saves never offered: those were a compiled graph's, which widths
-                # estimated here would never reach.
+                # estimated here would never reach. Nothing is measured, so "auto" waits as long
+                # as the fixed default once did (1000 steps) before it tries again.
                 self._warn_unmeasured()
+                self._last_replays = UNMEASURED_STEPS // AUTO_STEPS_PER_REPLAY
                 return True
             if not step_keys:
                 # It saved nothing it could compress (a short last batch, every tensor under
@@ -1175,13 +1189,17 @@ class CompressionController:
         self._modules = {}
 
 
-def _largest_on_any_rank(value: int) -> int:
+def _largest_on_any_rank(value: int, model: torch.nn.Module) -> int:
     """The largest `value` of the ranks of torch.distributed's default group (`value` itself outside
-    one), by an all-reduce on the group's backend (a CUDA tensor for NCCL)."""
+    one), by an all-reduce on the group's backend: for NCCL on the CUDA device of `model`'s
+    parameters (a rank that never called torch.cuda.set_device is on device 0 otherwise)."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()):
         return value
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = next((p.device for p in model.parameters() if p.is_cuda),
+                      torch.device("cuda", torch.cuda.current_device()))
     found = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(found, op=dist.ReduceOp.MAX)
     return int(found.item())
