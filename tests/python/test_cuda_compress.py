@@ -40,6 +40,29 @@ def test_cuda_codes_equal_the_cpu_path_bit_for_bit(bits, dtype, n, group):
     assert torch.equal(C.dequantize(gpu).cpu(), C.dequantize(cpu))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64], ids=str)
+def test_cuda_headers_of_nan_and_zero_groups_equal_the_cpu_paths_bits(dtype):
+    """From sm_80 on the range sweep combines with max.NaN / min.NaN (a canonical NaN, either
+    zero), the CPU path with the IEEE maximum (the NaN operand itself): each reduction leaves as
+    the one quiet NaN and +0 (abp::reduceResult), so the headers are the same bits. torch.equal
+    would not tell: it takes -0 for +0 and NaN for unequal to itself, hence the bit views."""
+    x = torch.rand(64 * 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) + 1
+    x[5] = torch.tensor([-2**63 + 0x7FF8_0000_0000_1234], dtype=torch.int64).view(torch.float64)[0]
+    x[16:32] = 0.5
+    x[16 + 3] = -0.0  # a -0 minimum
+    x[32:48] = -0.5
+    x[32 + 7] = -0.0  # a -0 maximum
+    x[48 + 2] = math.inf
+    x = x.to(dtype)
+    bits = torch.int64 if dtype == torch.float64 else torch.int32
+    cpu = C.quantize(x, 4, 16, seed=3)
+    gpu = C.quantize(x.to(CUDA), 4, 16, seed=3)
+    for p, q in zip(cpu.parts, gpu.parts):
+        assert torch.equal(p.codes, q.codes.cpu())
+        assert torch.equal(p.mins.view(bits), q.mins.cpu().view(bits))
+        assert torch.equal(p.scales.view(bits), q.scales.cpu().view(bits))
+
+
 def test_cuda_codes_equal_the_numpy_reference():
     x = torch.randn(3 * 256 + 17, generator=torch.Generator().manual_seed(1))
     c = C.quantize(x.to(CUDA), 4, 256, seed=123456789)
