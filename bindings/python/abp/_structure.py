@@ -18,6 +18,7 @@ only metadata (``.shape``, ``.size()``) is no use.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
@@ -25,7 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Event", "Structure", "Use", "own_rng", "record", "untouched"]
+__all__ = ["Event", "Structure", "Use", "own_rng", "record", "tensors_in", "untouched"]
 
 # Tensor methods and properties that read metadata only.
 _METADATA = {"size", "dim", "numel", "stride", "is_floating_point", "is_contiguous", "data_ptr",
@@ -75,17 +76,17 @@ class Structure:
     parameters: Set[int] = field(default_factory=set)  # ids of the model's parameters
 
 
-def _tensors(value: Any) -> List[Tensor]:
+def tensors_in(value: Any) -> List[Tensor]:
     """The tensors in `value`, however nested in lists, tuples, dicts and dataclasses (a model
     may return its logits in a dataclass of its own, as transformers' ModelOutput is one)."""
     if isinstance(value, Tensor):
         return [value]
     if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
+        return [t for v in value for t in tensors_in(v)]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in tensors_in(v)]
     if hasattr(value, "__dataclass_fields__") and not isinstance(value, type):
-        return [t for f in value.__dataclass_fields__ for t in _tensors(getattr(value, f, None))]
+        return [t for f in value.__dataclass_fields__ for t in tensors_in(getattr(value, f, None))]
     return []
 
 
@@ -116,14 +117,14 @@ class _Recorder(TorchFunctionMode):
         if kwargs.get("inplace") is True:  # F.relu(x, inplace=True) reaches the mode as `relu`
             name = f"{name}(inplace=True)"
         # A property read that returns a tensor (.T, .mT, .data, .real) is a use, not metadata.
-        if name not in _METADATA or _tensors(result):
-            tensors = _tensors(list(args)) + _tensors(kwargs)
+        if name not in _METADATA or tensors_in(result):
+            tensors = tensors_in(list(args)) + tensors_in(kwargs)
             if tensors:
                 self.keep.extend(tensors)
                 self.functions.append((name, tuple(id(t) for t in tensors), tuple(self.stack)))
-                outputs = tuple(id(t) for t in _tensors(result))
+                outputs = tuple(id(t) for t in tensors_in(result))
                 self.events.append(Event(name, None, self.functions[-1][1], outputs, tuple(n for n, _ in self.stack)))
-        self.keep.extend(_tensors(result))
+        self.keep.extend(tensors_in(result))
         return result
 
 
@@ -171,8 +172,8 @@ def record(model: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any], watch:
         if name is None:
             return
         counter[0] += 1
-        ids = tuple(id(t) for t in _tensors(inputs))
-        recorder.keep.extend(_tensors(inputs))
+        ids = tuple(id(t) for t in tensors_in(inputs))
+        recorder.keep.extend(tensors_in(inputs))
         recorder.module_calls.append((name, counter[0], ids))
         structure.calls[name] = structure.calls.get(name, 0) + 1
         structure.inputs.setdefault(name, list(ids))
@@ -183,12 +184,12 @@ def record(model: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any], watch:
         if name is None:
             return
         recorder.stack.pop()
-        recorder.keep.extend(_tensors(output))
-        recorder.events.append(Event(None, name, tuple(id(t) for t in _tensors(inputs)), tuple(id(t) for t in _tensors(output)),
+        recorder.keep.extend(tensors_in(output))
+        recorder.events.append(Event(None, name, tuple(id(t) for t in tensors_in(inputs)), tuple(id(t) for t in tensors_in(output)),
                                      tuple(n for n, _ in recorder.stack)))
         if name in watched and name not in outputs:
-            recorder.keep.extend(_tensors(output))
-            outputs[name] = {id(t) for t in _tensors(output)}
+            recorder.keep.extend(tensors_in(output))
+            outputs[name] = {id(t) for t in tensors_in(output)}
             created_at[name] = len(recorder.functions)
 
     handles = []
@@ -210,7 +211,7 @@ def record(model: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any], watch:
             m.training = training
     _attribute_uses(model, recorder, structure, outputs, created_at)
     # A tensor the model returns is read by the caller: a use no fold may change.
-    returned_ids = {id(t) for t in _tensors(_plain(returned))}
+    returned_ids = {id(t) for t in tensors_in(_plain(returned))}
     for name, ids in outputs.items():
         if ids & returned_ids:
             structure.uses[name].append(Use(None, "the model's return value", ""))

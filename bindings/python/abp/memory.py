@@ -1,12 +1,13 @@
 """Counts the bytes autograd saves for backward (saved_tensors_hooks), deduplicated by storage."""
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
+
+from . import _structure
 
 __all__ = [
     "MemoryReport",
@@ -267,22 +268,8 @@ def _measure(model: torch.nn.Module, inputs: Tuple[Any, ...], kwargs: Dict[str, 
     return sum(seen.values()), per_module
 
 
-def _output_tensors(value: Any) -> List[torch.Tensor]:
-    """The tensors in a model's output: itself, or those in its tuples, lists, mappings (a
-    transformers ModelOutput is one) and dataclasses, however nested."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, Mapping):
-        value = list(value.values())
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        value = [getattr(value, f.name) for f in dataclasses.fields(value)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _output_tensors(v)]
-    return []
-
-
 def _default_loss(output: Any) -> torch.Tensor:
-    tensors = [t for t in _output_tensors(output) if t.is_floating_point()]
+    tensors = [t for t in _structure.tensors_in(output) if t.is_floating_point()]
     if not tensors:
         raise TypeError(f"report: the model's output ({type(output).__name__}) holds no floating-point tensor; pass "
                         "loss_fn= to turn it into a loss")
