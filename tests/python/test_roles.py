@@ -371,10 +371,13 @@ class Trunk(nn.Module):
         self.head: nn.Module = Lora(nn.Linear(16, 3)) if lora_head else nn.Linear(16, 3)
         if lora_head:
             self.head.base_layer.requires_grad_(True)
+        self.register_buffer("prior", torch.randn(3))
 
     def forward(self, x: torch.Tensor) -> Any:
         features = self.b(F.gelu(self.a(x)))
         logits = self.head(features)
+        if self.returns == "logits_plus_prior":  # a registered buffer added: still the result
+            return logits + self.prior.to(logits.dtype)
         if self.returns == "logits_and_features":
             return logits, features
         return Out(logits) if self.returns == "dataclass" else logits
@@ -386,6 +389,7 @@ class Trunk(nn.Module):
     ("logits", True, ["a", "b"]),  # the adapters of a LoRA-wrapped head were sampled
     # b's output is returned, but the head reads it: b is part of the network, not its result
     ("features", False, ["a", "b"]),
+    ("logits_plus_prior", False, ["a", "b"]),  # the buffer counted as an activation: head sampled
 ])
 def test_heads_are_found_through_wrappers_and_containers_and_features_are_no_heads(returns, lora_head, want) -> None:
     torch.manual_seed(0)

@@ -113,9 +113,10 @@ def _block_of(name: str, found: List[str]) -> Optional[str]:
     return None
 
 
-def _parameter_derived(structure: Structure) -> Set[int]:
-    """Ids of the parameters and of what was computed from parameters alone (``W.T``, a cast)."""
-    derived = set(structure.parameters)
+def _parameter_derived(structure: Structure, constants: Set[int] = frozenset()) -> Set[int]:
+    """Ids of the parameters (and of `constants`) and of what was computed from them alone (``W.T``,
+    a cast)."""
+    derived = set(structure.parameters) | set(constants)
     for event in structure.events:
         if event.function is not None and event.inputs and all(i in derived for i in event.inputs):
             derived.update(event.outputs)
@@ -195,6 +196,10 @@ def sampled_linear_maps(model: nn.Module, structure: Structure, recognised: Dict
     norms = {n for n, m in modules.items() if n and isinstance(recognised.get(id(m)), Norm)}
     stops = linear | norms
     derived = _parameter_derived(structure)
+    # For the head rule the model's buffers are constants too: logits plus a registered prior or
+    # bias are still the result (elsewhere a buffer stays an activation: a rotary table's product
+    # with a query leads to the scores either way).
+    constants = _parameter_derived(structure, {id(b) for b in model.buffers()})
     # What the model's own call returned (its event is the last with the empty name).
     returned = next((set(e.outputs) for e in reversed(structure.events) if e.module == ""), set())
     first: Dict[str, int] = {}  # module -> index of its first call's event (recorded when the call returned)
@@ -232,7 +237,7 @@ def sampled_linear_maps(model: nn.Module, structure: Structure, recognised: Dict
                   and (a == name or not any(n in norms and _inside(n, a) for n in first))]
         if any(scores(a, block) is not None for a in owners):
             continue
-        if any(_is_head(first[a], structure, leaves, stops - {a}, derived, returned) for a in owners):
+        if any(_is_head(first[a], structure, leaves, stops - {a}, constants, returned) for a in owners):
             continue  # heads stay exact, and so do the paths of a wrapper around one (LoRA's)
         chosen[name] = f"in block `{block}`" if block else "in the model (no layer stack found)"
     return {**chosen, **_like_chosen(modules, linear - set(first), chosen)}
