@@ -813,6 +813,18 @@ class ReadsNormWeight(nn.Module):
         return self.q(self.norm(x)) * self.norm.weight
 
 
+class ReadsNormWeightDtype(nn.Module):
+    """Mamba's block: `self.norm(x.to(self.norm.weight.dtype))`. A folded norm has no weight, so the
+    folded model failed at that read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.q = nn.LayerNorm(16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.q(self.norm(x.to(dtype=self.norm.weight.dtype)))
+
+
 class UnusedNorm(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -868,6 +880,8 @@ NOT_FOLDED = [
     # A parametrized Linear is a container (of its parametrizations): looked through, F.linear reads the output.
     (into_parametrized_linear, "0", "its output also feeds `linear` in `1`, not only linear layers"),
     (ReadsNormWeight, "norm", "its parameters are also used outside it (`norm.weight` by `mul`"),
+    (ReadsNormWeightDtype, "norm", "its parameters are also read outside it (`norm.weight.dtype` read at the top "
+                                   "level); folding removes them"),
     (UnusedNorm, "norm", "its output is unused"),
     (NormNotRun, "norm", "it did not run in the example call"),
     (IntoGatedWrapper, "norm", "its output also feeds `sigmoid` in `block`, not only linear layers"),

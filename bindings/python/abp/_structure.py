@@ -70,6 +70,9 @@ class Structure:
     calls: Dict[str, int] = field(default_factory=dict)  # module name -> times called
     uses: Dict[str, List[Use]] = field(default_factory=dict)  # module name -> uses of its output(s), first call
     foreign_parameter_uses: Dict[str, List[str]] = field(default_factory=dict)  # module -> its parameters used outside it
+    # module -> its parameters whose metadata (dtype, device, shape) was read outside it: a fold that
+    # removes them (a folded norm's γ and β) breaks such a read (Mamba: `x.to(self.norm.weight.dtype)`)
+    foreign_parameter_reads: Dict[str, List[str]] = field(default_factory=dict)
     inputs: Dict[str, List[int]] = field(default_factory=dict)  # module name -> ids of its first call's tensor inputs
     modified: Dict[str, List[str]] = field(default_factory=dict)  # module name -> in-place ops on its output
     events: List[Event] = field(default_factory=list)  # the call's dataflow, in order (abp._roles reads it)
@@ -109,6 +112,8 @@ class _Recorder(TorchFunctionMode):
         self.keep: List[Tensor] = []
         self.module_calls: List[Tuple[str, int, Tuple[int, ...]]] = []  # (name, call number, input ids)
         self.events: List[Event] = []
+        self.parameter_ids: Set[int] = set()  # set by `record`: whose metadata reads are kept
+        self.parameter_reads: List[Tuple[str, int, Tuple[Tuple[str, int], ...]]] = []  # (what, id, stack)
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
@@ -124,6 +129,10 @@ class _Recorder(TorchFunctionMode):
                 self.functions.append((name, tuple(id(t) for t in tensors), tuple(self.stack)))
                 outputs = tuple(id(t) for t in tensors_in(result))
                 self.events.append(Event(name, None, self.functions[-1][1], outputs, tuple(n for n, _ in self.stack)))
+        elif args and id(args[0]) in self.parameter_ids:
+            # A property's getter reaches the mode as `__get__` of the property's descriptor.
+            what = getattr(getattr(func, "__self__", None), "__name__", None) if name == "__get__" else name
+            self.parameter_reads.append((f".{what}" if what else name, id(args[0]), tuple(self.stack)))
         self.keep.extend(tensors_in(result))
         return result
 
@@ -160,6 +169,7 @@ def record(model: nn.Module, args: Sequence[Any], kwargs: Dict[str, Any], watch:
     the RNG state, the buffers and the modes are restored. Every tensor of the call stays alive
     until it returns: pass a small example (one short sequence) for a large model."""
     recorder = _Recorder()
+    recorder.parameter_ids = {id(p) for p in model.parameters()}
     structure = Structure()
     names = {id(m): n for n, m in model.named_modules()}
     outputs: Dict[str, Set[int]] = {}
@@ -274,3 +284,11 @@ def _foreign_parameter_uses(model: nn.Module, recorder: _Recorder, structure: St
                     text = f"`{owner}.{pname}` by `{function}`" + (f" in `{stack[-1][0]}`" if stack and stack[-1][0] else " at the top level")
                     if text not in found:
                         found.append(text)
+    for what, tid, stack in recorder.parameter_reads:
+        running = {n for n, _ in stack}
+        for owner, pname in owners.get(tid, []):
+            if owner and owner not in running and not any(o in running for o, _ in owners[tid]):
+                found = structure.foreign_parameter_reads.setdefault(owner, [])
+                text = f"`{owner}.{pname}{what}` read" + (f" in `{stack[-1][0]}`" if stack and stack[-1][0] else " at the top level")
+                if text not in found:
+                    found.append(text)

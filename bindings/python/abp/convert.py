@@ -396,6 +396,9 @@ def _fold_targets(
     foreign = structure.foreign_parameter_uses.get(name)
     if foreign:
         return None, f"its parameters are also used outside it ({foreign[0]})"
+    read = structure.foreign_parameter_reads.get(name)
+    if read:  # a fold removes them: the read would fail
+        return None, f"its parameters are also read outside it ({read[0]}); folding removes them"
     uses = structure.uses.get(name, [])
     if not uses:
         return None, "its output is unused"
