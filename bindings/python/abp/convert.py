@@ -368,7 +368,8 @@ def _fold_into(module: nn.Module, spec: LinearMap, gamma: Optional[Tensor], beta
         if new_b is not None:
             bias.copy_(new_b.to(bias.dtype))
     parts = "gamma and beta" if beta is not None else "gamma"
-    note = " (bias added for beta: a new Parameter, not in an optimizer or DDP wrapper built before)" if added else ""
+    note = (" (bias added for beta: a new Parameter, not in an optimizer or DDP wrapper built before, and not one the"
+            " original class can load)") if added else ""
     return f"folded {parts} in float64{note}"
 
 
