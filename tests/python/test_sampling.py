@@ -110,6 +110,17 @@ def test_unsample_rows_puts_rows_back_with_zeros_elsewhere(dtype: torch.dtype) -
     assert torch.equal(got, expected)
 
 
+def test_rows_read_from_a_matrix_without_rows_are_zeros() -> None:
+    """Every index -1 into an empty matrix (nothing was kept): zeros, where the launch refused the
+    empty matrix's NULL data pointer."""
+    empty = torch.zeros(0, 3)
+    none = torch.full((4,), -1, dtype=torch.int32)
+    assert torch.equal(kernels.unsample_rows(empty, none), torch.zeros(4, 3))
+    assert torch.equal(kernels.sample_rows(empty, none, torch.ones(4)), torch.zeros(4, 3))
+    with pytest.raises(ValueError, match=r"slot: every entry must lie in \[-1, 0\)"):
+        kernels.unsample_rows(empty, torch.zeros(4, dtype=torch.int32))
+
+
 def test_sample_then_unsample_rebuilds_an_unbiased_input() -> None:
     # The codec of ops/sample: E[unsample(sample(x))] = x over the plan's randomness, row by row.
     x = torch.randn(12, 4, dtype=torch.float64)

@@ -157,6 +157,17 @@ def test_weight_sampler_skips_dropped_samples() -> None:
     assert sampled.variance == pytest.approx(float(((1 / q - 1) * live[live > 0] ** 2).sum()))
 
 
+@pytest.mark.parametrize("ratio", [1.0, 0.5])
+def test_weight_sampler_of_an_all_zero_gradient_gives_zero_gradients(ratio: float) -> None:
+    """Every sample's output gradient zero (a LoRA path's B starts at 0, so its A sees none): no
+    token is alive, and gathering none then putting back from an empty matrix failed on its NULL
+    data pointer, so VCAS's first calibration on any LoRA model raised."""
+    x, grad, w, lead = _linear_case()
+    out = vcas.sampled_linear_grads(x, torch.zeros_like(grad), w, ratio, 0, lead)
+    assert torch.equal(out.dx, torch.zeros_like(x)) and torch.equal(out.dw, torch.zeros_like(w))
+    assert torch.equal(out.db, torch.zeros(w.shape[0], dtype=x.dtype)) and out.variance == 0.0
+
+
 # --- the controller -------------------------------------------------------------------------------------
 
 
@@ -254,6 +265,23 @@ def _calibrated(tau: float, s: float, rho: float, nu: float) -> vcas.Controller:
     torch.manual_seed(11)
     controller.calibrate(lambda b: F.cross_entropy(net(b[0]), b[1]), data[:2])
     return controller
+
+
+def test_a_block_whose_second_linear_starts_at_zero_calibrates_and_trains() -> None:
+    """LoRA's shape: B = 0 at the start, so the first linear of the path gets no output gradient at
+    all (each block's fc2 zeroed here). Its weight sampler raised at the first calibration."""
+    net = _net()
+    with torch.no_grad():
+        for block in net.blocks:
+            block.fc2.weight.zero_()
+            block.fc2.bias.zero_()
+    controller = vcas.Controller(net, Block, cal_var_freq=1, param_sample_ratio=0.5)
+    data = _data()
+    controller.calibrate(lambda b: F.cross_entropy(net(b[0]), b[1]), data[:2])
+    loss = F.cross_entropy(net(data[2][0]), data[2][1])
+    loss.backward()
+    assert all(torch.equal(b.fc1.weight.grad, torch.zeros_like(b.fc1.weight)) for b in net.blocks)
+    assert all(b.fc2.weight.grad.abs().sum() > 0 for b in net.blocks)
 
 
 def test_ratios_move_up_when_the_added_variance_is_planted_high() -> None:

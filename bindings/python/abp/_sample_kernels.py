@@ -106,6 +106,8 @@ def sample_rows(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, trus
     weight = _rows("weight", weight, compute_dtype(x.dtype), k, x.device)
     if not trusted:
         _check_indices("index", index, -1, x.shape[0])
+    if x.shape[0] == 0:  # every index is -1 (nothing to read): zeros, and no launch from an empty tensor
+        return torch.zeros((k, x.shape[1]), dtype=x.dtype, device=x.device)
     out = torch.empty((k, x.shape[1]), dtype=x.dtype, device=x.device)
     values = {"input0": x.data_ptr(), "input1": index.data_ptr(), "input2": weight.data_ptr()}
     _launch("sample_rows", False, values, [out.data_ptr()], x.dtype, x.device, (k, x.shape[1]))
@@ -120,6 +122,8 @@ def unsample_rows(kept: torch.Tensor, slot: torch.Tensor, trusted: bool = False)
     slot = _rows("slot", slot, torch.int32, n, kept.device)
     if not trusted:
         _check_indices("slot", slot, -1, kept.shape[0])
+    if kept.shape[0] == 0:  # nothing was kept (VCAS: no sample's gradient was non-zero): every slot is -1
+        return torch.zeros((n, kept.shape[1]), dtype=kept.dtype, device=kept.device)
     out = torch.empty((n, kept.shape[1]), dtype=kept.dtype, device=kept.device)
     values = {"residual0": kept.data_ptr(), "residual1": slot.data_ptr()}
     _launch("sample_rows", True, values, [out.data_ptr()], kept.dtype, kept.device, (n, kept.shape[1]))
