@@ -71,6 +71,25 @@ def test_non_tensor_and_non_cpu_cuda_inputs_are_rejected():
         abp.functional.relu(torch.zeros(3, 3).to_sparse())
 
 
+def test_sampled_layers_and_vcas_on_meta_tensors_name_the_device():
+    """A model moved to "meta": the sampled layer and VCAS's samplers said "Found no NVIDIA driver"
+    (every device that is not the CPU was taken for CUDA); a GPU machine would have launched on a
+    meta pointer. Without gradients the sampled layer is a plain linear map, which meta runs."""
+    layer = abp.nn.SampledLinear(8, 4).to("meta")
+    x = torch.empty(64, 8, device="meta", requires_grad=True)
+    with pytest.raises(ValueError, match=r"^x: expected a CPU or CUDA tensor, got a tensor on meta"):
+        layer(x)
+    with torch.no_grad():
+        assert layer(x).shape == (64, 4)
+    with pytest.raises(ValueError, match=r"^grad: expected a CPU or CUDA tensor, got a tensor on meta"):
+        abp.vcas.sample_activation_grad(torch.empty(8, 100, device="meta"), 0.5, 0)
+    with pytest.raises(ValueError, match=r"^x: expected a CPU or CUDA tensor, got a tensor on meta"):
+        abp.vcas.sampled_linear_grads(torch.empty(8, 3, device="meta"), torch.empty(8, 2, device="meta"),
+                                      torch.empty(2, 3, device="meta"), 0.5, 0)
+    with pytest.raises(ValueError, match=r"^abp's kernels run on CPU and CUDA tensors, got a tensor on meta"):
+        abp.sampling.kernels.row_norms(torch.empty(4, 3, device="meta"))
+
+
 @pytest.mark.parametrize("bits", [0, 5, 8, 2.0, True, "3", None])
 def test_bits_outside_1_to_4_is_a_value_error_naming_bits(bits):
     x = torch.randn(4)

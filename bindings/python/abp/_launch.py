@@ -143,6 +143,8 @@ def device_and_stream(device: torch.device) -> Tuple[int, Optional[int]]:
     """(device index, or -1 for the CPU path; the current CUDA stream handle, or None)."""
     if device == _CPU:
         return -1, None
+    if device.type != "cuda":  # a meta (or other) tensor that reached a launch past its caller's checks
+        raise ValueError(f"abp's kernels run on CPU and CUDA tensors, got a tensor on {device}")
     index = device.index if device.index is not None else torch.cuda.current_device()
     # The raw handle without building a torch.cuda.Stream (a few microseconds per launch).
     stream = _RAW_STREAM(index) if _RAW_STREAM is not None else torch.cuda.current_stream(index).cuda_stream

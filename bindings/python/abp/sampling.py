@@ -252,6 +252,8 @@ def sampled_linear(
     if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad or
                                            (bias is not None and bias.requires_grad)):
         return F.linear(x, weight, bias)
+    if not (x.is_cpu or x.is_cuda):  # a model moved to "meta": its plan and kernels need data
+        raise ValueError(f"x: expected a CPU or CUDA tensor, got a tensor on {x.device}")
     if gamma is not None:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if not isinstance(gamma, torch.Tensor) or gamma.dim() != 1 or gamma.numel() != rows:
