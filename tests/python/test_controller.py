@@ -1156,7 +1156,8 @@ def test_a_run_resumed_from_the_controllers_state_dict_continues_as_the_uninterr
     for name, value in whole["model"].items():
         assert torch.equal(resumed["model"][name], value), name
     # Without the controller's state the allocation restarts (stored as it is, then re-estimated).
-    unmeasured = CompressionController(nn.Linear(1, 1), avg_bits=4, interval=3, min_numel=64).state_dict()
+    same = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+    unmeasured = CompressionController(same, avg_bits=4, interval=3, min_numel=64).state_dict()
     fresh = _resumable_run(4, {**torch.load(path, **load), "controller": unmeasured})
     assert any(not torch.equal(fresh["model"][n], v) for n, v in whole["model"].items())
 
@@ -1179,8 +1180,19 @@ def test_the_controller_refuses_pickling_and_a_wrong_state() -> None:
     with pytest.raises(ValueError, match="state: expected what .*does not read as such \\(KeyError"):
         controller.load_state_dict({k: v for k, v in state.items() if k != "bits"})
     other = CompressionController(nn.Sequential(nn.Conv1d(2, 2, 3)), avg_bits=4, interval=3, min_numel=64)
-    with pytest.raises(ValueError, match="saved on another model: its tensors were saved in"):
+    with pytest.raises(ValueError, match="saved on another model: 7 modules, this controller's model has 2"):
         other.load_state_dict(state)
+    # A deeper model of the same layers: every saved key names a module it has, so only the module
+    # list tells them apart (a 2-layer LLaMA's state loaded into a 3-layer one's controller).
+    deeper = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4),
+                           nn.GELU(), nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"saved on another model: 7 modules, this controller's model has 9 \(only in "
+                                         r"the saved one: \[\]; only in this one: \['6', '7'\]\)"):
+        CompressionController(deeper, avg_bits=4, interval=3, min_numel=64).load_state_dict(state)
+    # States saved before the module list was kept: the keys are checked.
+    old = {k: v for k, v in state.items() if k != "modules"}
+    with pytest.raises(ValueError, match="saved on another model: its tensors were saved in"):
+        other.load_state_dict(old)
 
 
 class _MaskedAttention(nn.Module):

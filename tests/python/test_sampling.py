@@ -673,6 +673,14 @@ def test_grad_norm_cache_fills_on_the_first_visit_and_is_used_on_the_next() -> N
         sampling.plan_rows = original
 
 
+def test_a_cache_attached_to_a_model_without_sampled_layers_says_so() -> None:
+    """Attached before convert (which returns a copy), or to a model recipe "all" left without
+    sampled layers, the cache attached nothing and said nothing; the batches then ran as without it."""
+    cache = abp.sampling.GradNormCache(num_examples=10, tokens=8)
+    with pytest.raises(ValueError, match=r"^model: has no sampled layer \(SampledLinear or SampledConv1D\)"):
+        cache.attach(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+
 def test_grad_norm_cache_state_dict_resumes_the_tables() -> None:
     """A resumed run attaches a new cache to the resumed model and loads the tables: the next
     visit of an example samples by the ‖dY_t‖ its last visit stored, as without the pause."""
@@ -691,8 +699,19 @@ def test_grad_norm_cache_state_dict_resumes_the_tables() -> None:
         assert torch.equal(resumed.tables[slot].nan_to_num(-1), table.nan_to_num(-1))
     with pytest.raises(ValueError, match="saved for 10 examples x 8 tokens.*holds 10 x 4"):
         abp.sampling.GradNormCache(num_examples=10, tokens=4).load_state_dict(state)
-    with pytest.raises(ValueError, match="tables for layer slots \\[0, 1\\], but 0 layers are attached"):
+    with pytest.raises(ValueError, match="saved from a cache attached to 2 sampled layers; 0 are attached"):
         abp.sampling.GradNormCache(num_examples=10, tokens=8).load_state_dict(state)
+    # A state of a model with fewer sampled layers loaded into a larger one (helper's trial).
+    larger = torch.nn.Sequential(model, torch.nn.ReLU(), abp.nn.SampledLinear(4, 4, keep=0.5))
+    bigger = abp.sampling.GradNormCache(num_examples=10, tokens=8)
+    assert bigger.attach(larger) == 3
+    with pytest.raises(ValueError, match="saved from a cache attached to 2 sampled layers; 3 are attached"):
+        bigger.load_state_dict(state)
+    # States saved before the layer count was kept: their slots are checked.
+    old = {k: v for k, v in state.items() if k != "layers"}
+    with pytest.raises(ValueError, match="tables for layer slots \\[0, 1\\], but 0 layers are attached"):
+        abp.sampling.GradNormCache(num_examples=10, tokens=8).load_state_dict(old)
+    resumed.load_state_dict(old)
     # A snapshot: training on does not change a state taken, nor a cache loaded from it.
     for table in cache.tables.values():
         table.fill_(7.0)

@@ -593,10 +593,15 @@ def test_a_run_resumed_from_the_controllers_state_dict_continues_as_the_uninterr
     assert resumed["ratios"] == whole["ratios"] and whole["vcas"]["calibrations"] == 4
     for name, value in whole["model"].items():
         assert torch.equal(resumed["model"][name], value), name
-    other = vcas.Controller(Net(depth=2).double(), Block)
+    other = vcas.Controller(Net(depth=2).double(), Block, cal_var_freq=2, param_sample_ratio=0.5)
     with pytest.raises(ValueError, match="saved for 3 blocks.*this controller has 2 blocks"):
         other.load_state_dict(whole["vcas"])
-    mine = vcas.Controller(_net(), Block)
+    with pytest.raises(ValueError, match=r"other settings: cal_var_freq=2 \(this one 100\), param_sample_ratio=0.5 "
+                                         r"\(this one 0.01\); build it with the saved settings"):
+        vcas.Controller(_net(), Block).load_state_dict(whole["vcas"])
+    # A state saved before the settings were kept loads (nothing to compare).
+    vcas.Controller(_net(), Block).load_state_dict({k: v for k, v in whole["vcas"].items() if k != "settings"})
+    mine = vcas.Controller(_net(), Block, cal_var_freq=2, param_sample_ratio=0.5)
     with pytest.raises(ValueError, match="does not read as such \\(KeyError"):
         mine.load_state_dict({k: v for k, v in whole["vcas"].items() if k != "s"})
     with pytest.raises(ValueError, match="every ratio in \\(0, 1\\]"):
@@ -617,11 +622,12 @@ def test_the_weight_samplers_are_named_as_the_model_names_their_linears() -> Non
     assert set(controller.last["v_w"]) == names
     state = controller.state_dict()
     assert state["version"] == 2 and set(state["weights"]) == names
-    old = {**state, "version": 1, "weights": {f"{n.split('.')[1]}.{n.split('.')[2]}": v for n, v in state["weights"].items()}}
+    before = {k: v for k, v in state.items() if k != "settings"}  # version 1 kept no settings
+    old = {**before, "version": 1, "weights": {f"{n.split('.')[1]}.{n.split('.')[2]}": v for n, v in state["weights"].items()}}
     twin = vcas.Controller(_net(), Block)
     twin.load_state_dict(old)
     assert twin.weight_ratios == controller.weight_ratios
-    with pytest.raises(ValueError, match="a dict with version 1 or 2\), got dict with version 3"):
+    with pytest.raises(ValueError, match=r"a dict with version 1 or 2\), got dict with version 3"):
         twin.load_state_dict({**state, "version": 3})
 
 

@@ -660,6 +660,7 @@ class CompressionController:
             "supported": sorted(_key_tuple(k) for k in self._supported if k in self._numels),
             "numel_at_zero_bits": self._numel_at_zero_bits,
             "replay_generator": self._replay_generator.get_state(),
+            "modules": sorted(self._modules),
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -697,6 +698,14 @@ class CompressionController:
         if differ:
             raise ValueError(f"state: saved by a controller with other settings: {', '.join(differ)}; build it with "
                              "the saved settings to resume")
+        # The model's module names (absent from states saved before they were kept): a state of a
+        # model with more or fewer layers would load its keys into the layers both have.
+        if "modules" in state and set(state["modules"]) != set(self._modules):
+            extra = sorted(set(state["modules"]) - set(self._modules))
+            missing = sorted(set(self._modules) - set(state["modules"]))
+            raise ValueError(f"state: saved on another model: {len(state['modules'])} modules, this controller's model "
+                             f"has {len(self._modules)} (only in the saved one: {extra[:3]}; only in this one: "
+                             f"{missing[:3]})")
         # Keys name the model's modules: a state saved on another model names others.
         names = set(self._modules) | {OUTSIDE}
         foreign = sorted({k.module for k in bits} - names)

@@ -312,6 +312,10 @@ class GradNormCache:
         from .nn import SAMPLED_LAYERS  # abp.nn imports this module
 
         layers = [m for m in model.modules() if isinstance(m, SAMPLED_LAYERS)]
+        if not layers:
+            raise ValueError("model: has no sampled layer (SampledLinear or SampledConv1D) to attach the cache to; "
+                             "attach it to the model abp.convert(model, 'sampled') returned (a copy, unless "
+                             "inplace=True), after converting")
         for layer in layers:
             attached = layer.grad_norm_cache
             if attached is None or attached[0] is not self:
@@ -340,6 +344,7 @@ class GradNormCache:
         to sample as the uninterrupted one; attach a new cache to the resumed model in the same
         order (the model's modules, as attach takes them), then load_state_dict."""
         return {"version": 1, "num_examples": self.num_examples, "tokens": self.tokens, "dtype": str(self.dtype),
+                "layers": self._slots,
                 "tables": {slot: table.clone() for slot, table in self.tables.items()}}  # a snapshot
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -349,6 +354,12 @@ class GradNormCache:
         if (state["num_examples"], state["tokens"], state["dtype"]) != (self.num_examples, self.tokens, str(self.dtype)):
             raise ValueError(f"state: saved for {state['num_examples']} examples x {state['tokens']} tokens in "
                              f"{state['dtype']}; this cache holds {self.num_examples} x {self.tokens} in {self.dtype}")
+        # States saved before the layer count was kept hold none: their tables' slots are checked.
+        layers = state.get("layers")
+        if layers is not None and layers != self._slots:
+            raise ValueError(f"state: saved from a cache attached to {layers} sampled layers; {self._slots} are "
+                             "attached to this one: attach it to the resumed model (the same sampled layers) "
+                             "before loading")
         beyond = sorted(int(slot) for slot in state["tables"] if not 0 <= int(slot) < self._slots)
         if beyond:
             raise ValueError(f"state: holds tables for layer slots {beyond}, but {self._slots} layers are attached to "

@@ -420,7 +420,16 @@ class Controller:
         Linear's name in the model). Plain values; save it with the model's and optimizer's."""
         return {"version": 2, "s": self.s, "steps": self.steps, "calibrations": self.calibrations,
                 "activations": [(sampler.ratio, sampler.active) for sampler in self.samplers],
-                "weights": {layer.state.key: (layer.state.ratio, layer.state.tokens) for layer in self.linears}}
+                "weights": {layer.state.key: (layer.state.ratio, layer.state.tokens) for layer in self.linears},
+                "settings": self._settings()}
+
+    def _settings(self) -> Dict[str, Any]:
+        """The settings a state belongs to: a resumed run with others would calibrate and adapt
+        differently from the uninterrupted one."""
+        return {"act_var_tau": self.act_var_tau, "w_var_tau": self.w_var_tau, "cal_var_freq": self.cal_var_freq,
+                "s_update_step": self.s_update_step, "w_ratio_mul": self.w_ratio_mul, "cal_var_m": self.cal_var_m,
+                "act_sched_decay": self.act_sched_decay, "param_sample_ratio": self.param_sample_ratio,
+                "batch_dim": self.batch_dim}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restores what `state_dict` returned, into a Controller built on the resumed model (the
@@ -437,6 +446,13 @@ class Controller:
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"state: expected what abp.vcas.Controller.state_dict() returned; this one does not read "
                              f"as such ({type(e).__name__}: {e})") from None
+        # States saved before the settings were kept hold none: nothing to compare.
+        saved_settings = state.get("settings") or {}
+        differ = [f"{k}={saved_settings[k]!r} (this one {v!r})" for k, v in self._settings().items()
+                  if k in saved_settings and saved_settings[k] != v]
+        if differ:
+            raise ValueError(f"state: saved by a controller with other settings: {', '.join(differ)}; build it with "
+                             "the saved settings to resume")
         mine = {(layer.state.key if version == 2 else f"{layer.state.depth}.{layer.state.name}"): layer.state
                 for layer in self.linears}
         if len(activations) != len(self.samplers) or set(weights) != set(mine):
