@@ -284,6 +284,28 @@ def test_a_block_whose_second_linear_starts_at_zero_calibrates_and_trains() -> N
     assert all(b.fc2.weight.grad.abs().sum() > 0 for b in net.blocks)
 
 
+def test_in_eval_mode_the_samplers_are_off_and_gradients_exact() -> None:
+    """A gradient taken in eval mode (saliency, an adversarial example) was sampled: two backward
+    passes gave two gradients. Eval mode is exact now, as recipe "sampled"'s layers are."""
+    controller = _calibrated(tau=0.025, s=0.5, rho=0.3, nu=0.3)
+    net, reference = controller.model, _net()
+    reference.load_state_dict(net.state_dict())
+    x, y = _data()[3]
+    net.eval()
+    reference.eval()
+    grads = []
+    for model in (net, net, reference):
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b, c in zip(*grads):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    net.train()
+    net.zero_grad()
+    F.cross_entropy(net(x), y).backward()
+    assert any(not torch.equal(p.grad, g) for p, g in zip(net.parameters(), grads[0])), "train mode samples"
+
+
 def test_ratios_move_up_when_the_added_variance_is_planted_high() -> None:
     # τ tiny: any sampling variance is too much, so s, ρ and ν must all grow.
     controller = _calibrated(tau=1e-9, s=0.5, rho=0.3, nu=0.3)

@@ -245,7 +245,9 @@ class _VcasLinear(NotScriptable, torch.nn.Linear):
         self._controller, self.state = controller, state
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled():
+        # In eval mode exact, as recipe "sampled"'s layers are: a gradient taken there (saliency, an
+        # adversarial example) is the model's own.
+        if not torch.is_grad_enabled() or not self.training:
             return F.linear(input, self.weight, self.bias)
         return _VcasLinearFunction.apply(input, self.weight, self.bias, self._controller, self.state)
 
@@ -389,7 +391,7 @@ class Controller:
             raise ValueError(f"batch_dim: {self.batch_dim} counts the samples, but the output of "
                              f"{type(module).__name__} (a block_type module) has {first.dim()} dimension(s), shape "
                              f"{tuple(first.shape)}")
-        if torch.is_grad_enabled() and isinstance(first, torch.Tensor) and first.requires_grad:
+        if module.training and torch.is_grad_enabled() and isinstance(first, torch.Tensor) and first.requires_grad:
             first.register_hook(partial(self._activation_backward, sampler))
 
     def remove(self) -> None:
