@@ -681,6 +681,21 @@ def test_a_cache_attached_to_a_model_without_sampled_layers_says_so() -> None:
         cache.attach(torch.nn.Sequential(torch.nn.Linear(4, 4)))
 
 
+def test_a_model_pickled_inside_a_cache_batch_comes_back_outside_it() -> None:
+    """torch.save(model) inside `with cache.batch(ids)`: the reloaded model ran as if still inside
+    that batch (a batch of another size was refused for the old ids' row count)."""
+    import pickle
+
+    model = torch.nn.Sequential(abp.nn.SampledLinear(6, 5, keep=0.5))
+    cache = abp.sampling.GradNormCache(num_examples=10, tokens=8)
+    cache.attach(model)
+    with cache.batch(torch.tensor([1, 2, 3])):
+        copy = pickle.loads(pickle.dumps(model))
+    restored = copy[0].grad_norm_cache[0]
+    assert restored is not cache and restored._ids is None
+    copy(torch.randn(5, 8, 6, requires_grad=True)).sum().backward()  # 5 examples: outside any batch
+
+
 def test_grad_norm_cache_state_dict_resumes_the_tables() -> None:
     """A resumed run attaches a new cache to the resumed model and loads the tables: the next
     visit of an example samples by the ‖dY_t‖ its last visit stored, as without the pause."""

@@ -306,6 +306,11 @@ class GradNormCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tables.values())
 
+    def __getstate__(self) -> Dict[str, Any]:
+        # A model pickled inside `batch()` (torch.save(model) mid-step) must not come back inside
+        # that batch: its ids belong to the block that was open.
+        return {**self.__dict__, "_ids": None}
+
     def attach(self, model: torch.nn.Module) -> int:
         """Makes every SampledLinear and SampledConv1D of `model` read and update a table of this
         cache; returns how many layers it attached."""
