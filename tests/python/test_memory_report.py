@@ -240,3 +240,15 @@ def test_a_counter_used_out_of_order_says_so() -> None:
             counter.__enter__()
     (torch.randn(3, requires_grad=True) * 2).sin()  # the hooks are gone: nothing is counted after
     assert counter.tensors == []
+
+
+def test_a_report_inside_a_compress_saved_block_warns_that_the_block_does_not_see_it():
+    """The report's hooks are innermost, so a compress_saved block open around the call compressed
+    nothing and the report showed raw bytes, without a word (helper's trial)."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 4))
+    x = torch.randn(32, 64)
+    plain = abp.memory.report(model, x).total_bytes
+    with pytest.warns(RuntimeWarning, match="inside an open compress_saved block, whose hooks never see"):
+        with abp.compress_saved(bits=4):
+            inside = abp.memory.report(model, x).total_bytes
+    assert inside == plain

@@ -1,6 +1,7 @@
 """Counts the bytes autograd saves for backward (saved_tensors_hooks), deduplicated by storage."""
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
@@ -308,6 +309,13 @@ def report(
     elif not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
         raise TypeError(f"kwargs: expected a mapping of argument names to values, got {type(kwargs).__name__}")
     named = dict(kwargs)
+    from . import compress  # here: compress imports this module
+
+    if compress.open_block() is not None and not compress.inside_outside_blocks():
+        warnings.warn("abp.memory.report: called inside an open compress_saved block, whose hooks never see the "
+                      "report's step (the report's own are innermost): it counts every tensor as saved uncompressed. "
+                      "To measure compression, report a model converted with recipe 'compress' (or 'all'), or read "
+                      "the block's `stats` after a step of your own", RuntimeWarning, stacklevel=2)
     total, per_module = _measure(model, args, named, loss_fn)
     if baseline is None:
         return MemoryReport(total, per_module)
