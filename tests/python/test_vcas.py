@@ -306,6 +306,16 @@ def test_in_eval_mode_the_samplers_are_off_and_gradients_exact() -> None:
     assert any(not torch.equal(p.grad, g) for p, g in zip(net.parameters(), grads[0])), "train mode samples"
 
 
+def test_a_removed_controller_refuses_to_count_and_calibrate() -> None:
+    """After remove(), due() said True and step() counted on, as if sampling went on."""
+    controller = _calibrated(tau=0.025, s=0.8, rho=0.7, nu=0.6)
+    controller.remove()
+    for call in (controller.due, controller.step,
+                 lambda: controller.calibrate(lambda b: F.cross_entropy(controller.model(b[0]), b[1]), _data()[:2])):
+        with pytest.raises(RuntimeError, match=r"^abp.vcas.Controller: used after remove\(\)"):
+            call()
+
+
 def test_ratios_move_up_when_the_added_variance_is_planted_high() -> None:
     # τ tiny: any sampling variance is too much, so s, ρ and ν must all grow.
     controller = _calibrated(tau=1e-9, s=0.5, rho=0.3, nu=0.3)

@@ -405,6 +405,11 @@ class Controller:
                     if isinstance(child, _VcasLinear):
                         setattr(parent, child_name, child.original)
         self.linears.clear()
+        self._removed = True
+
+    def _check_not_removed(self) -> None:
+        if getattr(self, "_removed", False):  # getattr: a controller unpickled from before this flag
+            raise RuntimeError("abp.vcas.Controller: used after remove(); build a new one on the model to sample again")
 
     @staticmethod
     def attached(model: torch.nn.Module) -> Optional["Controller"]:
@@ -509,10 +514,12 @@ class Controller:
 
     def due(self) -> bool:
         """True when this step should start with a calibration (every cal_var_freq steps)."""
+        self._check_not_removed()
         return self.steps % self.cal_var_freq == 0
 
     def step(self) -> None:
         """Counts one training step."""
+        self._check_not_removed()
         self.steps += 1
 
     @property
@@ -543,6 +550,7 @@ class Controller:
         draws, each pass its own, make them differ. Parameter .grad values are restored
         afterwards. Returns the variances it measured (also in `.last`).
         """
+        self._check_not_removed()
         if not torch.is_grad_enabled():
             raise RuntimeError("calibrate: gradients are off (torch.no_grad() or torch.inference_mode() is active); a "
                                "calibration runs 1 + M backward passes per batch: call it where gradients are on")
