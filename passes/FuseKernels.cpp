@@ -422,13 +422,53 @@ LogicalResult fuseDirection(OperatorOp op, Region &region, StringRef name) {
   return success();
 }
 
+/// Every output of an operator is a tensor of its own, as a torch op's are: a forward that
+/// returns one of its arguments, or one value twice, returned the argument itself or two tensors
+/// sharing one buffer (writing one in place changed the other, and autograd then gave wrong
+/// gradients). Such a result is copied by an identity abp.map, which the forward's kernel fuses
+/// (a forward with nothing else to do gets a copy kernel); a share_saved of a copied argument
+/// shares the copy. Results that are not f32 tensors cannot be copied so and are refused.
+LogicalResult freshOutputs(OperatorOp op) {
+  ReturnOp ret = op.getForwardReturn();
+  llvm::SmallPtrSet<Value, 4> returned;
+  llvm::DenseMap<Value, Value> firstCopy; // a returned argument -> its first copy
+  for (OpOperand &operand : ret->getOpOperands()) {
+    if (operand.getOperandNumber() >= ret.getResults().size())
+      break; // the residuals follow the results
+    Value v = operand.get();
+    bool argument = isa<BlockArgument>(v);
+    if (returned.insert(v).second && !argument)
+      continue;
+    auto tensor = dyn_cast<RankedTensorType>(v.getType());
+    if (!tensor || !tensor.getElementType().isF32())
+      return ret.emitOpError() << "returns " << (argument ? "a forward argument" : "a value twice")
+                               << " as output #" << operand.getOperandNumber()
+                               << "; every output is a tensor of its own, and a " << v.getType()
+                               << " cannot be copied: return it once, computed";
+    OpBuilder b(ret);
+    auto copy = b.create<MapOp>(ret.getLoc(), TypeRange{tensor}, FlatSymbolRefAttr(), ValueRange{v});
+    OpBuilder body(op.getContext());
+    Block *block = body.createBlock(&copy.getBody(), {}, {tensor.getElementType()}, {ret.getLoc()});
+    body.create<YieldOp>(ret.getLoc(), ValueRange{block->getArgument(0)});
+    operand.set(copy.getResult(0));
+    if (argument && !firstCopy.count(v))
+      firstCopy[v] = copy.getResult(0);
+  }
+  for (auto share : llvm::make_early_inc_range(op.getForward().front().getOps<ShareSavedOp>()))
+    if (Value copy = firstCopy.lookup(share.getInput())) {
+      share.getInputMutable().assign(copy);
+      share->moveBefore(ret); // after the copy it now shares
+    }
+  return success();
+}
+
 struct FuseKernels : abp::impl::AbpFuseKernelsBase<FuseKernels> {
   void runOnOperation() override {
     ModuleOp module = getOperation();
     SmallVector<OperatorOp> operators(module.getOps<OperatorOp>());
     for (OperatorOp op : operators) {
       std::string base = op.getSymName().str();
-      if (failed(fuseDirection(op, op.getForward(), base + "_fwd")) ||
+      if (failed(freshOutputs(op)) || failed(fuseDirection(op, op.getForward(), base + "_fwd")) ||
           failed(fuseDirection(op, op.getBackward(), base + "_bwd")))
         return signalPassFailure();
     }

@@ -797,3 +797,36 @@ def test_argument_errors_name_the_operator_and_the_argument() -> None:
         twice(torch.ones(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"twice_\d+: b: expected the shape of a, \(3,\), got \(4,\)"):
         twice(torch.ones(3), torch.ones(4))
+
+
+def test_every_output_is_a_tensor_of_its_own() -> None:
+    """An operator returning one value twice gave two tensors sharing one buffer (writing one in
+    place changed the other, and the gradient of the second came out wrong); one returning its
+    input returned the input's own memory. Each output is now a copy the kernel writes."""
+    @operator(name=fresh("twice"))
+    def twice(x):
+        y = x * 2.0
+        return (y, y), lambda g1, g2: g1 * 2.0 + g2 * 2.0
+
+    @operator(name=fresh("ident"))
+    def ident(x):
+        return x, lambda g: g
+
+    x = torch.arange(4.0, requires_grad=True)
+    a, b = twice(x)
+    assert a.data_ptr() != b.data_ptr()
+    with torch.no_grad():
+        a.add_(100.0)
+    assert torch.equal(b, torch.tensor([0.0, 2.0, 4.0, 6.0]))
+    (b * b).sum().backward()
+    assert torch.equal(x.grad, 8 * torch.arange(4.0))
+    h = torch.arange(4.0)
+    y = ident(h)
+    assert y.data_ptr() != h.data_ptr() and torch.equal(y, h)
+    y.mul_(0.0)
+    assert torch.equal(h, torch.arange(4.0))
+    x = torch.arange(4.0, requires_grad=True)
+    z = ident(x * 1.0)
+    z.add_(10.0)  # an output of its own: autograd allows the in-place change
+    z.sum().backward()
+    assert torch.equal(x.grad, torch.ones(4))

@@ -65,9 +65,10 @@ abp.operator @rms forward {
 }
 
 // Packed codes enter and leave row kernels, i64 parameters become #abp.scalar arguments of
-// type i64, and abp.uniform becomes the element's f32 draw.
+// type i64, and abp.uniform becomes the element's f32 draw. The returned argument is copied
+// (every output a tensor of its own): the last output.
 // CHECK-LABEL: abp.kernel @coded_fwd
-// CHECK-SAME: ins = [#abp.dense, #abp.scalar, #abp.scalar], outs = [#abp.rows, #abp.packed<8>], rows
+// CHECK-SAME: ins = [#abp.dense, #abp.scalar, #abp.scalar], outs = [#abp.rows, #abp.packed<8>, #abp.dense], rows
 // CHECK: ^bb0(%{{.*}}: f32, %[[SEED:.*]]: i64, %[[OFF:.*]]: i64):
 // CHECK: abp.uniform %[[SEED]], %[[OFF]] : i64, i64 -> f32
 // CHECK-LABEL: abp.kernel @coded_bwd

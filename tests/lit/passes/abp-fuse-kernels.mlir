@@ -244,3 +244,55 @@ abp.operator @doubling forward {
 ^bb0(%dy: tensor<?xf32>):
   abp.return %dy : tensor<?xf32>
 }
+
+// -----
+
+// Every output is a tensor of its own: a forward returning one value twice, or an argument, gets
+// a copy for each repeat (an identity map, fused), so the kernel writes three outputs; a
+// share_saved of the returned argument shares its copy.
+// CHECK-LABEL: abp.kernel @twice_fwd
+// CHECK-SAME: ins = [#abp.dense], outs = [#abp.dense, #abp.dense, #abp.dense]
+// CHECK: ^bb0(%[[X:.*]]: f32):
+// CHECK: %[[Y:.*]] = arith.mulf %[[X]], %{{.*}} : f32
+// CHECK: abp.yield %[[Y]], %[[Y]], %[[X]] : f32, f32, f32
+// CHECK-LABEL: abp.operator @twice
+// CHECK: %[[L:.*]]:3 = abp.launch @twice_fwd
+// CHECK: %[[S:.*]] = abp.share_saved %[[L]]#2
+// CHECK: abp.return %[[L]]#0, %[[L]]#1, %[[L]]#2 : tensor<?xf32>, tensor<?xf32>, tensor<?xf32> saves %[[S]]
+abp.operator @twice forward {
+^bb0(%x: tensor<?xf32>):
+  %y = abp.map(%x) : (tensor<?xf32>) -> tensor<?xf32> {
+  ^bb0(%a: f32):
+    %c = arith.constant 2.0 : f32
+    %p = arith.mulf %a, %c : f32
+    abp.yield %p : f32
+  }
+  %s = abp.share_saved %x : tensor<?xf32>
+  abp.return %y, %y, %x : tensor<?xf32>, tensor<?xf32>, tensor<?xf32> saves %s : tensor<?xf32>
+} backward {
+^bb0(%s: tensor<?xf32>, %g1: tensor<?xf32>, %g2: tensor<?xf32>, %g3: tensor<?xf32>):
+  %d = abp.map(%g1, %g2, %g3) : (tensor<?xf32>, tensor<?xf32>, tensor<?xf32>) -> tensor<?xf32> {
+  ^bb0(%a: f32, %b: f32, %e: f32):
+    %c = arith.constant 2.0 : f32
+    %t = arith.addf %a, %b : f32
+    %p = arith.mulf %t, %c : f32
+    %q = arith.addf %p, %e : f32
+    abp.yield %q : f32
+  }
+  abp.return %d : tensor<?xf32>
+}
+
+// -----
+
+// A forward that only returns its argument gets a copy kernel.
+// CHECK-LABEL: abp.kernel @ident_fwd
+// CHECK-SAME: ins = [#abp.dense], outs = [#abp.dense]
+// CHECK: ^bb0(%[[X:.*]]: f32):
+// CHECK-NEXT: abp.yield %[[X]] : f32
+abp.operator @ident forward {
+^bb0(%x: tensor<?xf32>):
+  abp.return %x : tensor<?xf32>
+} backward {
+^bb0(%g: tensor<?xf32>):
+  abp.return %g : tensor<?xf32>
+}
