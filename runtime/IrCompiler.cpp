@@ -89,20 +89,32 @@ struct CompilerString {
   std::string str() const { return text ? text : ""; }
 };
 
+/// The per-process directory of compiled IR (below), removed when the process exits: with
+/// ABP_CACHE_DISABLE nothing of it is left for another process to read.
+std::string *processDirectory = nullptr;
+
+void removeProcessDirectory() {
+  if (processDirectory)
+    removeTree(*processDirectory);
+}
+
 /// Where compiled IR lives: $ABP_CACHE_DIR/ir, else <temp>/abp-ir-<uid>, each only if this user
 /// alone can write into it (its host libraries are dlopen'ed: a library planted by another user
 /// would run in this process); else a fresh directory of this process's own (no reuse), with
-/// one warning.
+/// one warning. With ABP_CACHE_DISABLE, that fresh directory at once (no cache is read or
+/// written, as for the NVRTC cache), removed at exit.
 std::string irRoot() {
   static std::mutex mutex;
   static std::string chosen;
   std::lock_guard<std::mutex> lock(mutex);
+  const bool disabled = env::getBool(EnvVar::ABP_CACHE_DISABLE);
   std::string root = env::getString(EnvVar::ABP_CACHE_DIR);
   std::vector<std::string> candidates;
-  if (!root.empty())
+  if (!root.empty() && !disabled)
     candidates.push_back(root + "/ir");
-  candidates.push_back(
-      (std::filesystem::temp_directory_path() / ("abp-ir-" + std::to_string(getuid()))).string());
+  if (!disabled)
+    candidates.push_back(
+        (std::filesystem::temp_directory_path() / ("abp-ir-" + std::to_string(getuid()))).string());
   static std::set<std::string> warned;
   std::string refusals;
   for (const std::string &dir : candidates) {
@@ -125,8 +137,13 @@ std::string irRoot() {
       throw Error(ErrorCode::Io, "cannot create a private directory for compiled IR: " +
                                      std::string(std::strerror(errno)) + refusals);
     chosen = pattern;
-    warning("no private cache directory for compiled IR; compiling into " + chosen +
-            " for this process only:" + refusals);
+    if (disabled) {
+      processDirectory = new std::string(chosen); // never freed: read at exit
+      std::atexit(removeProcessDirectory);
+    } else {
+      warning("no private cache directory for compiled IR; compiling into " + chosen +
+              " for this process only:" + refusals);
+    }
   }
   return chosen;
 }

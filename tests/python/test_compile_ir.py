@@ -311,6 +311,19 @@ def test_the_ir_cache_is_private_and_heals(tmp_path: Path) -> None:
 
 
 
+def test_a_disabled_cache_leaves_no_compiled_ir_behind(tmp_path: Path) -> None:
+    # ABP_CACHE_DISABLE ("do not read or write the on-disk compile cache") held for NVRTC only:
+    # compiled IR was written to $ABP_CACHE_DIR/ir and loaded from there by the next process.
+    compiler_or_skip()
+    cache = tmp_path / "cache"
+    first = _compile_in_a_new_process(cache, ABP_CACHE_DISABLE="1")
+    entry = Path(first.splitlines()[0])
+    assert not (cache / "ir").exists() and not entry.exists(), "a per-process directory, removed at exit"
+    assert "compiled IR is not cached" not in first and "no private cache directory" not in first  # no warning
+    second = _compile_in_a_new_process(cache, ABP_CACHE_DISABLE="1")
+    assert Path(second.splitlines()[0]) != entry
+
+
 def test_a_rebuilt_compiler_does_not_reuse_the_cache(tmp_path: Path) -> None:
     # The IR cache is keyed by the compiler library's bytes too: a compiler rebuilt with another
     # pass or emitter (same version string) compiles the IR afresh instead of loading what the
