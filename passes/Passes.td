@@ -66,6 +66,10 @@ def AbpFuseKernels : Pass<"abp-fuse-kernels", "::mlir::ModuleOp"> {
     row's value is visible to all its elements), per-row tensors become `#abp.rows`
     arguments, and the whole direction — statistics, elementwise math and stores — is one
     kernel. `abp.share_saved` stays in the operator as an alias of the launch's output.
+
+    Every output is a tensor of its own: a forward result that is an argument of the forward,
+    or a value returned a second time, is first copied by an identity `abp.map`, which the
+    kernel fuses (results that are not f32 tensors cannot be copied so and are refused).
   }];
 }
 
