@@ -269,26 +269,26 @@ def _attribute_uses(
 
 
 def _foreign_parameter_uses(model: nn.Module, recorder: _Recorder, structure: Structure) -> None:
-    """For each module, its own parameters that a torch function used while it was not running."""
+    """For each module, its own parameters that a torch function used while it was not running
+    (`foreign_parameter_uses`), and those whose metadata was read so (`foreign_parameter_reads`)."""
     owners: Dict[int, List[Tuple[str, str]]] = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
         for pname, p in module._parameters.items():
             if p is not None:
                 owners.setdefault(id(p), []).append((prefix, pname))
-    for function, tensor_ids, stack in recorder.functions:
+
+    def note(found: Dict[str, List[str]], tid: int, stack: Tuple[Tuple[str, int], ...], suffix: str) -> None:
+        """Records in `found` a use of parameter `tid` outside its module, as "`owner.name<suffix> in ..."."""
         running = {n for n, _ in stack}
-        for tid in tensor_ids:
-            for owner, pname in owners.get(tid, []):
-                if owner and owner not in running and not any(o in running for o, _ in owners[tid]):
-                    found = structure.foreign_parameter_uses.setdefault(owner, [])
-                    text = f"`{owner}.{pname}` by `{function}`" + (f" in `{stack[-1][0]}`" if stack and stack[-1][0] else " at the top level")
-                    if text not in found:
-                        found.append(text)
-    for what, tid, stack in recorder.parameter_reads:
-        running = {n for n, _ in stack}
+        where = f" in `{stack[-1][0]}`" if stack and stack[-1][0] else " at the top level"
         for owner, pname in owners.get(tid, []):
             if owner and owner not in running and not any(o in running for o, _ in owners[tid]):
-                found = structure.foreign_parameter_reads.setdefault(owner, [])
-                text = f"`{owner}.{pname}{what}` read" + (f" in `{stack[-1][0]}`" if stack and stack[-1][0] else " at the top level")
-                if text not in found:
-                    found.append(text)
+                text = f"`{owner}.{pname}{suffix}{where}"
+                if text not in found.setdefault(owner, []):
+                    found[owner].append(text)
+
+    for function, tensor_ids, stack in recorder.functions:
+        for tid in tensor_ids:
+            note(structure.foreign_parameter_uses, tid, tuple(stack), f"` by `{function}`")
+    for what, tid, stack in recorder.parameter_reads:
+        note(structure.foreign_parameter_reads, tid, stack, f"{what}` read")
