@@ -16,6 +16,7 @@ __all__ = [
     "ROW_DTYPES",
     "compute_dtype",
     "device_and_stream",
+    "check_device",
     "check_float_tensor",
     "torch_dtypes",
     "check_inputs",
@@ -81,9 +82,15 @@ def check_float_tensor(
         raise TypeError(f"{name}: expected dtype {_dtype_list(dtypes)}, got {value.dtype}{hint}")
     if value.layout != torch.strided:
         raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {value.layout}")
+    check_device(name, value)
+    return value
+
+
+def check_device(name: str, value: torch.Tensor) -> None:
+    """abp's kernels and plans read data on the CPU or a CUDA device: a tensor elsewhere (a model
+    moved to "meta") is named, not launched."""
     if not (value.is_cpu or value.is_cuda):
         raise ValueError(f"{name}: expected a CPU or CUDA tensor, got a tensor on {value.device}")
-    return value
 
 
 

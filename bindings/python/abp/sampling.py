@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from . import _custom_ops, _scale, autograd
 from . import _sample_kernels as kernels
 from . import _selection as selection
-from ._launch import compute_dtype
+from ._launch import check_device, compute_dtype
 from .compress import check_generator, draw_seed, mark_activation
 
 __all__ = ["METHODS", "sampled_linear", "plan_rows", "sketch_product", "GradNormCache"]
@@ -252,8 +252,7 @@ def sampled_linear(
     if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad or
                                            (bias is not None and bias.requires_grad)):
         return F.linear(x, weight, bias)
-    if not (x.is_cpu or x.is_cuda):  # a model moved to "meta": its plan and kernels need data
-        raise ValueError(f"x: expected a CPU or CUDA tensor, got a tensor on {x.device}")
+    check_device("x", x)  # a model moved to "meta": its plan and kernels need data
     if gamma is not None:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if not isinstance(gamma, torch.Tensor) or gamma.dim() != 1 or gamma.numel() != rows:

@@ -35,7 +35,7 @@ import torch.utils.data
 
 from . import _sample_kernels as kernels
 from . import _selection as selection
-from ._launch import compute_dtype
+from ._launch import check_device, compute_dtype
 from .autograd import NotScriptable
 from .compress import check_generator, draw_seed, outside_blocks
 
@@ -62,12 +62,6 @@ def activation_budget(n: int, ratio: float) -> float:
     return max(n * ratio, 1.0)
 
 
-def _check_device(name: str, t: torch.Tensor) -> None:
-    """The samplers' plans and kernels read data: a model moved to "meta" is named, not launched."""
-    if not (t.is_cpu or t.is_cuda):
-        raise ValueError(f"{name}: expected a CPU or CUDA tensor, got a tensor on {t.device}")
-
-
 def sample_activation_grad(grad: torch.Tensor, ratio: float, seed: int, batch_dim: int = 0) -> torch.Tensor:
     """The activation sampler's backward (§7.1): each sample (index along `batch_dim`) is kept
     with the water-filled probability p_i = min(1, c·‖G_i‖), Σp = activation_budget(N, ratio),
@@ -79,7 +73,7 @@ def sample_activation_grad(grad: torch.Tensor, ratio: float, seed: int, batch_di
     """
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
         raise ValueError(f"ratio: expected the kept fraction of samples in (0, 1], got {ratio!r}")
-    _check_device("grad", grad)
+    check_device("grad", grad)
     n = grad.shape[batch_dim] if grad.dim() else 0
     k = activation_budget(n, ratio)
     if n == 0 or k >= n:
@@ -131,7 +125,7 @@ def sampled_linear_grads(
     False); db is exact. Also returns V_w = Σ_t (1/q_t − 1)‖G_t‖²‖X_t‖² for this ratio, which
     the controller needs even from exact passes.
     """
-    _check_device("x", x)
+    check_device("x", x)
     n = x.shape[0]
     g = grad.contiguous()
     gn = kernels.row_norms(g)
