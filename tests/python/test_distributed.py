@@ -427,35 +427,6 @@ def test_the_automatic_interval_is_the_same_on_every_rank() -> None:
     assert ranks[0]["next"] == ranks[1]["next"] == AUTO_STEPS_PER_REPLAY * (ranks[0]["keys"] + 1), ranks
 
 
-def _fixed_schedule(rank: int, rendezvous: str, out: str) -> None:
-    """interval=3 over four steps; at step 0 rank 1's batch is one row, every tensor of it under min_numel:
-    its estimate has nothing to allocate, while rank 0's estimates."""
-    with _process_group(rank, rendezvous):
-        model = converted()
-        controller = abp.CompressionController(model, avg_bits=4.0, interval=3, min_numel=2048)
-        xs, ys = batches()
-        schedule = []
-        for step in range(4):
-            rows = 1 if rank == 1 and step == 0 else 16
-            with controller:
-                loss_of(model, xs[step][:rows], ys[step][:rows]).backward()
-            schedule.append(controller.next_estimate)
-        torch.save({"schedule": schedule, "estimates": controller.estimates}, f"{out}.{rank}")
-
-
-def test_a_fixed_interval_is_the_same_on_every_rank() -> None:
-    """An int interval: a rank whose probe step saved nothing to compress estimated again at its
-    next step, alone, while the others waited `interval` steps (under FSDP2 its replay would
-    gather parameters no other rank gathers). The ranks agree: if any estimated, all wait."""
-    library_or_skip()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rank")
-        mp.spawn(_fixed_schedule, args=(os.path.join(tmp, "rendezvous"), out), nprocs=WORLD)
-        ranks = [torch.load(f"{out}.{r}") for r in range(WORLD)]
-    assert ranks[0]["schedule"] == ranks[1]["schedule"] == [3, 3, 3, 6], ranks
-    assert ranks[0]["estimates"] == 2 and ranks[1]["estimates"] == 1, ranks
-
-
 def _controllers_under_fsdp(rank: int, rendezvous: str, out: str) -> None:
     """FSDP2: one estimating step of the compression controller on this rank's half of a batch
     (its replays call the root's forward directly, past FSDP's gathering pre-forward), then a

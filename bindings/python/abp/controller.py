@@ -558,12 +558,9 @@ class CompressionController:
         counted their own replays would estimate at different steps (under FSDP2 an estimate
         gathers the parameters: ranks out of step would wait on each other's collectives). Every
         rank's probe step makes one all-reduce of its count for that. A step the controller could
-        not measure (`unmeasured`: a compiled model's) waits UNMEASURED_STEPS before the next try.
-        An int interval agrees the same way: the next estimate is `interval` steps on if any rank
-        estimated (or could measure nothing), else at the next step on every rank; a rank whose
-        step saved nothing to compress (a short last batch) no longer estimates alone after it."""
+        not measure (`unmeasured`: a compiled model's) waits UNMEASURED_STEPS before the next try."""
         if self._interval != "auto":
-            if _largest_on_any_rank(int(estimated or unmeasured), self._model):
+            if estimated:
                 self._next_probe = self._step + int(self._interval)
             return
         own = self._last_replays if estimated else UNMEASURED_STEPS // AUTO_STEPS_PER_REPLAY if unmeasured else 0
