@@ -13,9 +13,11 @@ import contextlib
 import faulthandler
 import math
 import os
+import signal
 import sys
 import tempfile
-from typing import Dict, Iterator, Tuple
+import time
+from typing import Any, Callable, Dict, Iterator, Tuple
 
 import pytest
 import torch
@@ -32,6 +34,29 @@ if not dist.is_available() or not dist.is_gloo_available():
 WORLD = 2
 
 
+#: Seconds a spawned pair of ranks may take: each takes a few; one past it is hung.
+DEADLINE_S = 240
+
+
+def _spawn(rank_fn: Callable[..., None], tmp: str, *args: Any) -> None:
+    """Runs rank_fn(rank, rendezvous, *args) on WORLD spawned processes. A rank that hangs (a
+    collective one rank never joins, a teardown deadlock) fails the test at DEADLINE_S with every
+    live rank's Python stacks, rather than hanging the lane."""
+    context = mp.spawn(rank_fn, args=(os.path.join(tmp, "rendezvous"), *args), nprocs=WORLD, join=False)
+    deadline = time.monotonic() + DEADLINE_S
+    while not context.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() < deadline:
+            continue
+        alive = [p for p in context.processes if p.is_alive()]
+        for process in alive:
+            os.kill(process.pid, signal.SIGUSR1)
+        time.sleep(2)  # the stacks reach stderr
+        for process in alive:
+            process.kill()
+        pytest.fail(f"{rank_fn.__name__}: {len(alive)} of {WORLD} ranks still running after {DEADLINE_S} s "
+                    "(their stacks are above)")
+
+
 @contextlib.contextmanager
 def _process_group(rank: int, rendezvous: str) -> Iterator[None]:
     """A rank's gloo group (one torch thread), destroyed when the rank's work ends. faulthandler
@@ -40,6 +65,7 @@ def _process_group(rank: int, rendezvous: str) -> Iterator[None]:
     without an active exception"), never alone; the next one will say whether in the work, in the
     group's teardown or in the interpreter's exit."""
     faulthandler.enable()
+    faulthandler.register(signal.SIGUSR1)  # _spawn's stacks of a rank past its deadline
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
     try:
@@ -113,7 +139,7 @@ def test_data_parallel_training_matches_one_process(wrapper: str) -> None:
     library_or_skip()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.pt")
-        mp.spawn(_rank, args=(os.path.join(tmp, "rendezvous"), out, wrapper), nprocs=WORLD)
+        _spawn(_rank, tmp, out, wrapper)
         distributed = torch.load(out)
     single = converted()
     opt = torch.optim.SGD(single.parameters(), lr=0.1)
@@ -166,7 +192,7 @@ def test_random_recipes_draw_distinct_reproducible_streams_per_rank() -> None:
     for attempt in range(2):
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rank")
-            mp.spawn(_random_recipes, args=(os.path.join(tmp, "rendezvous"), out), nprocs=WORLD)
+            _spawn(_random_recipes, tmp, out)
             runs.append([torch.load(f"{out}.{r}") for r in range(WORLD)])
     first, second = runs
     # Rank 0 draws what one process draws; rank 1, seeded alike, other keys and other rows.
@@ -254,7 +280,7 @@ def _recompute_under_fsdp(case: str) -> Dict[str, int]:
         pytest.skip("recompute needs torch >= 2")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.pt")
-        mp.spawn(_fsdp_recompute, args=(os.path.join(tmp, "rendezvous"), out, case), nprocs=WORLD)
+        _spawn(_fsdp_recompute, tmp, out, case)
         grads, stats = torch.load(out)
     model = _SHARDINGS[case][0]()
     x, y = (b[0] for b in batches())
@@ -326,7 +352,7 @@ def test_a_compiled_model_converted_with_recipe_compress_trains_under_per_layer_
     library_or_skip()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank")
-        mp.spawn(_compiled_recipe_under_fsdp, args=(os.path.join(tmp, "rendezvous"), out, backend), nprocs=WORLD)
+        _spawn(_compiled_recipe_under_fsdp, tmp, out, backend)
         losses = [torch.load(f"{out}.{r}") for r in range(WORLD)]
     # The forward is exact (LLaMA has no dropout): each rank's first loss is the plain model's.
     plain, ids = _tiny_llama(), _llama_batch()
@@ -384,7 +410,7 @@ def test_the_controller_estimates_under_ddp_with_reentrant_checkpoints() -> None
     library_or_skip()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank")
-        mp.spawn(_controller_reentrant, args=(os.path.join(tmp, "rendezvous"), out), nprocs=WORLD)
+        _spawn(_controller_reentrant, tmp, out)
         ranks = [torch.load(f"{out}.{r}") for r in range(WORLD)]
     assert all(r["estimates"] == 3 for r in ranks)
     for r in ranks:  # step 0 under the controller is DDP's own step, the replays' hooks ignored
@@ -421,10 +447,39 @@ def test_the_automatic_interval_is_the_same_on_every_rank() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank")
-        mp.spawn(_automatic_schedule, args=(os.path.join(tmp, "rendezvous"), out), nprocs=WORLD)
+        _spawn(_automatic_schedule, tmp, out)
         ranks = [torch.load(f"{out}.{r}") for r in range(WORLD)]
     assert ranks[0]["keys"] > ranks[1]["keys"], ranks
     assert ranks[0]["next"] == ranks[1]["next"] == AUTO_STEPS_PER_REPLAY * (ranks[0]["keys"] + 1), ranks
+
+
+def _fixed_schedule(rank: int, rendezvous: str, out: str) -> None:
+    """interval=3 over four steps; at step 0 rank 1's batch is one row, every tensor of it under min_numel:
+    its estimate has nothing to allocate, while rank 0's estimates."""
+    with _process_group(rank, rendezvous):
+        model = converted()
+        controller = abp.CompressionController(model, avg_bits=4.0, interval=3, min_numel=2048)
+        xs, ys = batches()
+        schedule = []
+        for step in range(4):
+            rows = 1 if rank == 1 and step == 0 else 16
+            with controller:
+                loss_of(model, xs[step][:rows], ys[step][:rows]).backward()
+            schedule.append(controller.next_estimate)
+        torch.save({"schedule": schedule, "estimates": controller.estimates}, f"{out}.{rank}")
+
+
+def test_a_fixed_interval_is_the_same_on_every_rank() -> None:
+    """An int interval: a rank whose probe step saved nothing to compress estimated again at its
+    next step, alone, while the others waited `interval` steps (under FSDP2 its replay would
+    gather parameters no other rank gathers). The ranks agree: if any estimated, all wait."""
+    library_or_skip()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rank")
+        _spawn(_fixed_schedule, tmp, out)
+        ranks = [torch.load(f"{out}.{r}") for r in range(WORLD)]
+    assert ranks[0]["schedule"] == ranks[1]["schedule"] == [3, 3, 3, 6], ranks
+    assert ranks[0]["estimates"] == 2 and ranks[1]["estimates"] == 1, ranks
 
 
 def _controllers_under_fsdp(rank: int, rendezvous: str, out: str) -> None:
@@ -469,7 +524,7 @@ def test_the_controllers_estimate_under_fsdp_as_one_process_does_on_its_micro_ba
     library_or_skip()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank")
-        mp.spawn(_controllers_under_fsdp, args=(os.path.join(tmp, "rendezvous"), out), nprocs=WORLD)
+        _spawn(_controllers_under_fsdp, tmp, out)
         ranks = [torch.load(f"{out}.{r}") for r in range(WORLD)]
     xs, ys = batches()
     half = xs.shape[1] // WORLD

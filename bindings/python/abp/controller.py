@@ -558,9 +558,12 @@ class CompressionController:
         counted their own replays would estimate at different steps (under FSDP2 an estimate
         gathers the parameters: ranks out of step would wait on each other's collectives). Every
         rank's probe step makes one all-reduce of its count for that. A step the controller could
-        not measure (`unmeasured`: a compiled model's) waits UNMEASURED_STEPS before the next try."""
+        not measure (`unmeasured`: a compiled model's) waits UNMEASURED_STEPS before the next try.
+        An int interval agrees the same way: the next estimate is `interval` steps on if any rank
+        estimated (or could measure nothing), else at the next step on every rank; a rank whose
+        step saved nothing to compress (a short last batch) no longer estimates alone after it."""
         if self._interval != "auto":
-            if estimated:
+            if _largest_on_any_rank(int(estimated or unmeasured), self._model):
                 self._next_probe = self._step + int(self._interval)
             return
         own = self._last_replays if estimated else UNMEASURED_STEPS // AUTO_STEPS_PER_REPLAY if unmeasured else 0
@@ -1211,7 +1214,17 @@ def _largest_on_any_rank(value: int, model: torch.nn.Module) -> int:
                       torch.device("cuda", torch.cuda.current_device()))
     found = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    # gloo's worker thread drops its reference to `found` just after the all-reduce completes. Were
+    # that the last one, it would free the tensor's Python object and so wait for the GIL; if the
+    # main thread is by then tearing down the process group (joining that worker, GIL held: DDP's
+    # reducer freed at the end of training), neither goes on (torch 1.13). Python keeps the tensor
+    # until the next agreement, long after the worker let it go.
+    _LAST_AGREEMENT[:] = [found]
     return int(found.item())
+
+
+#: The tensor of the last all-reduce of _largest_on_any_rank (see there).
+_LAST_AGREEMENT: List[torch.Tensor] = []
 
 
 @contextlib.contextmanager
