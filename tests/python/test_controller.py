@@ -1232,3 +1232,44 @@ def test_a_finite_mask_beside_the_scores_keeps_gradients_and_sensitivities_finit
         with controller:
             model(x).square().mean().backward()
     assert controller.sensitivity and all(math.isfinite(v) for v in controller.sensitivity.values()), controller.sensitivity
+
+
+def _functional_call() -> Any:
+    """torch.func.functional_call (torch >= 2.0), torch.nn.utils.stateless's before."""
+    func = getattr(torch, "func", None)
+    return func.functional_call if func is not None else torch.nn.utils.stateless.functional_call
+
+
+def test_a_stateless_step_is_estimated_at_the_weights_it_ran_with(kernels):
+    """A step that calls the model through functional_call (stateless, MAML-style or ensemble
+    training) runs it with tensors of its own in the parameters' places. The replays ran the
+    module's own parameters instead: here zeros, so every sensitivity came out 0 and the widths
+    were allocated on no evidence. They now put the step's tensors back, and estimate exactly
+    what the same step with those weights in the module estimates."""
+    torch.manual_seed(5)
+    model = Planted()
+    weights = {name: p.detach().clone().requires_grad_() for name, p in model.named_parameters()}
+    stateless = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in stateless.parameters():
+            p.zero_()  # not the weights the steps train
+    direct = CompressionController(model, 2.0, **GACT_LADDER, interval=2)
+    functional = CompressionController(stateless, 2.0, **GACT_LADDER, interval=2)
+    call = _functional_call()
+    for step in range(3):
+        x, y = batch(step)
+        torch.manual_seed(100 + step)  # the codes' keys
+        train_step(direct, model, x, y)
+        for w in weights.values():
+            w.grad = None
+        torch.manual_seed(100 + step)
+        with functional:
+            F.mse_loss(call(stateless, weights, (x,)), y).backward()
+        for name, p in model.named_parameters():
+            assert torch.equal(weights[name].grad, p.grad), (step, name)
+    assert functional.estimates == direct.estimates == 2
+    assert sum(direct.sensitivity.values()) > 0
+    assert functional.sensitivity == direct.sensitivity
+    assert functional.bits == direct.bits
+    # The module's own parameters were put back in their places, untouched.
+    assert all(isinstance(p, nn.Parameter) and not p.any() for p in stateless.parameters())

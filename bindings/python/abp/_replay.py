@@ -1,7 +1,8 @@
 """Record and replay of a model's calls: the engine of abp.controller's sensitivity estimate.
 
 `record` takes, before a call of the model runs, what running it again needs: copies of its
-inputs, the RNG states, the buffers, the modules' training modes and autocast. `watch_outputs`
+inputs, the RNG states, the buffers, the modules' training modes, autocast, and the tensors
+torch.func.functional_call put in parameters' places (a stateless step's weights). `watch_outputs`
 hooks the call's outputs so that the user's backward leaves dL/d(output) on the record.
 `replay` runs recorded calls again, as the user's step ran them, and returns the gradients of
 the parameters and of the inputs that required grad.
@@ -31,6 +32,7 @@ __all__ = [
     "set_rng_state",
     "snapshot_buffers",
     "restore_buffers",
+    "substitutes",
     "record",
     "watch_outputs",
     "replay",
@@ -39,6 +41,8 @@ __all__ = [
 RngState = Tuple[torch.Tensor, Optional[List[torch.Tensor]]]
 AutocastState = Tuple[Tuple[str, bool, torch.dtype], ...]
 BufferSnapshot = List[Tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]]
+#: (module, parameter name, the tensor in its place during the call).
+Substitutes = List[Tuple[torch.nn.Module, str, torch.Tensor]]
 
 
 def _subtree(leaf: Any) -> Optional[Any]:
@@ -147,6 +151,7 @@ class Call:
     buffers: BufferSnapshot
     modes: List[bool]
     autocast: AutocastState
+    substitutes: Substitutes  # functional_call's tensors in parameters' places
     grads: List[Optional[torch.Tensor]] = field(default_factory=list)  # dL/d(output), per output
     handles: List[Any] = field(default_factory=list)
     closed: bool = False
@@ -155,7 +160,42 @@ class Call:
         for h in self.handles:
             h.remove()
         self.args, self.kwargs, self.buffers, self.grads, self.handles = (), {}, [], [], []
+        self.substitutes = []
         self.closed = True
+
+
+def substitutes(model: torch.nn.Module) -> Substitutes:
+    """The parameters of `model` that torch.func.functional_call (torch.nn.utils.stateless) has
+    replaced for the call it runs, with the tensors in their places. torch >= 2.0 puts each in
+    the parameter's slot: a plain tensor where an nn.Parameter was (nothing else puts one there;
+    a wrapper's own parameter objects, FSDP's shards and gathered parameters, are Parameters).
+    torch 1.13 leaves the slots alone and gives the module a class whose attribute lookup answers
+    the replaced names (`_attr_to_path`) with the caller's tensors."""
+    found: Substitutes = []
+    for m in model.modules():
+        replaced = m.__dict__.get("_attr_to_path", {})
+        for name, p in m._parameters.items():
+            if p is None:
+                continue
+            if name in replaced:
+                found.append((m, name, getattr(m, name)))
+            elif not isinstance(p, torch.nn.Parameter):
+                found.append((m, name, p))
+    return found
+
+
+@contextlib.contextmanager
+def _substituted(slots: Substitutes) -> Iterator[None]:
+    """Puts the recorded tensors back in their parameters' places for a replayed call, as
+    functional_call did for the user's."""
+    kept = [(m, name, m._parameters[name]) for m, name, _ in slots]
+    try:
+        for m, name, t in slots:
+            m._parameters[name] = t
+        yield
+    finally:
+        for m, name, p in kept:
+            m._parameters[name] = p
 
 
 def record(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Call:
@@ -169,7 +209,8 @@ def record(model: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]
         requires_grad=[t.requires_grad for t in inputs],
         was_leaf=[t.is_leaf for t in inputs],
         rng=rng_state(), buffers=snapshot_buffers(model),
-        modes=[m.training for m in model.modules()], autocast=_autocast_state())
+        modes=[m.training for m in model.modules()], autocast=_autocast_state(),
+        substitutes=substitutes(model))
 
 
 def watch_outputs(call: Call, out: Any) -> bool:
@@ -264,11 +305,14 @@ def replay(
 ) -> List[Optional[torch.Tensor]]:
     """Runs `forward` again on every recorded call, each in its recorded RNG state, buffers,
     training modes and autocast, inside `around_forward()`; feeds each output its recorded
-    gradient and returns the gradients of `params` and of the inputs that required grad (none
-    when nothing requires grad). The caller restores the model's state afterwards."""
+    gradient and returns the gradients of `params`, of the tensors functional_call put in
+    parameters' places that require grad (the weights a stateless step trained) and of the
+    inputs that required grad (none when nothing requires grad). The caller restores the
+    model's state afterwards."""
     outputs: List[torch.Tensor] = []
     grad_outputs: List[torch.Tensor] = []
     leaves: List[torch.Tensor] = []
+    stateless: Dict[int, torch.Tensor] = {}
     with torch.enable_grad():
         for call in calls:
             set_rng_state(call.rng)
@@ -276,7 +320,10 @@ def replay(
             for m, mode in zip(modules, call.modes):
                 m.training = mode
             args, kwargs = _replay_inputs(call, leaves)
-            with _autocast(call.autocast), around_forward():
+            for _, _, t in call.substitutes:
+                if t.requires_grad:
+                    stateless.setdefault(id(t), t)
+            with _autocast(call.autocast), _substituted(call.substitutes), around_forward():
                 out = forward(*args, **kwargs)
             produced = tensors(out)
             if len(produced) != len(call.grads):
@@ -287,7 +334,7 @@ def replay(
                 if g is not None and t.requires_grad:
                     outputs.append(t)
                     grad_outputs.append(g)
-        inputs = params + leaves
+        inputs = params + list(stateless.values()) + leaves
         if not inputs or not outputs:
             return []
         if not _reentrant_checkpoint_in(outputs):
