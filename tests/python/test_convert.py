@@ -1960,7 +1960,7 @@ def test_recipe_lists_and_all():
         ({"recipe": ["lowmembp", "GACT"]}, ValueError, "GACT's compressed saved tensors are recipe='compress'"),
         ({"recipe": "vcas"}, ValueError, "VCAS is not a convert recipe: build abp.vcas.Controller"),
         ({"recipe": "sampeld"}, ValueError, "got 'sampeld'; did you mean 'sampled'\\?"),
-        ({"recipe": []}, TypeError, "recipe: expected a recipe name or a list of them, got \\[\\]"),
+        ({"recipe": []}, TypeError, "recipe: expected a recipe name or a non-empty list of them, got \\[\\]"),
         ({"recipe": 3}, TypeError, "recipe: expected a recipe name or a list of them, got 3"),
         ({"recipe": ["lowmembp", 3]}, TypeError, "recipe: expected a recipe name or a list of them"),
         ({"nonsense": 1}, TypeError,
@@ -2400,3 +2400,19 @@ def test_an_in_place_activation_stays_in_place(act):
     torch.testing.assert_close(converted(x), model(x), rtol=1e-6, atol=1e-6)
     converted(x).sum().backward()  # the write is recorded: backward runs
     assert torch.isfinite(converted.fc.weight.grad).all()
+
+
+@pytest.mark.parametrize("recipe", ["lowmembp", ["lowmembp", "sampled"], "all"])
+@pytest.mark.parametrize("leaf", [lambda: nn.GELU(), lambda: nn.LayerNorm(8), lambda: nn.Linear(8, 8)])
+def test_a_model_without_submodules_says_convert_replaced_nothing_in_it(recipe, leaf) -> None:
+    """A replacement takes a module's place in its parent: a model that is itself a GELU came
+    back unchanged with an empty change list, which said nothing."""
+    model = leaf()
+    converted, changes = abp.convert(model, recipe)
+    assert type(converted) is type(model)
+    refused = [c for c in changes if c.action == "refused" and "without submodules" in c.detail]
+    assert len(refused) == 1 and refused[0].module == "", changes
+    assert f"itself a {type(model).__name__} without submodules" in refused[0].detail
+    assert "nn.Sequential(module)" in refused[0].detail
+    wrapped, changes = abp.convert(nn.Sequential(leaf()), recipe)
+    assert not any("without submodules" in c.detail for c in changes)

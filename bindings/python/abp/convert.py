@@ -191,7 +191,8 @@ def _method_hint(name: str) -> str:
 def _recipes(recipe: Union[str, Sequence[str]]) -> Tuple[str, ...]:
     names = [recipe] if isinstance(recipe, str) else recipe
     if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) for n in names):
-        raise TypeError(f"recipe: expected a recipe name or a list of them, got {recipe!r}")
+        what = "a non-empty list" if isinstance(names, (list, tuple)) and not names else "a list"
+        raise TypeError(f"recipe: expected a recipe name or {what} of them, got {recipe!r}")
     out: List[str] = []
     for n in names:
         expanded = RECIPES if n == "all" else (n,)
@@ -1311,6 +1312,13 @@ def convert(
         if "compress" in recipes:
             changes += _convert_compress(model, options)
         changes = _keep_what_saves(model, changes, before, options, chosen, recognised, call)
+        if not any(True for _ in model.children()) and {"lowmembp", "sampled"} & set(recipes):
+            # Replacements take the place of a module in its parent; a model without submodules
+            # has nothing convert can replace, and an empty list would not say so.
+            changes.append(Change("", "refused", f"the model is itself a {type(model).__name__} without submodules; "
+                                  f"recipe {' and '.join(r for r in recipes if r in ('lowmembp', 'sampled'))} replaces "
+                                  "modules inside a model (their parent then holds the replacement): convert a model "
+                                  "that contains it, e.g. nn.Sequential(module), or build the abp.nn module directly"))
         return model, changes or _converted_before(model, recipes)
 
 
