@@ -93,6 +93,45 @@ void makeDirectories(const std::string &dir) {
     throw Error(ErrorCode::Io, "cannot create directory " + dir + ": " + ec.message());
 }
 
+/// "775": the permission bits of `mode`, in octal.
+static std::string octalMode(mode_t mode) {
+  char octal[8];
+  std::snprintf(octal, sizeof octal, "%03o", static_cast<unsigned>(mode & 0777));
+  return octal;
+}
+
+/// The directories above `dir` (links resolved) must keep others from moving it: a directory
+/// another user may write into unsticky lets them rename `dir` away and put their own in its place
+/// between the check and a later load (a world-writable $ABP_CACHE_DIR did: another user's
+/// library ran in this process).
+static void checkAncestors(const std::string &dir) {
+  std::error_code ec;
+  fs::path resolved = fs::canonical(dir, ec);
+  if (ec)
+    throw Error(ErrorCode::Io, "cannot resolve directory " + dir + ": " + ec.message());
+  bool parent = true;
+  for (fs::path p = resolved.parent_path();; p = p.parent_path()) {
+    struct stat st;
+    if (::stat(p.c_str(), &st) != 0)
+      throw ioError("cannot inspect directory", p.string(), errno);
+    if (st.st_uid != ::geteuid() && st.st_uid != 0)
+      throw Error(ErrorCode::Io, p.string() + " (above " + dir + ") is owned by user " +
+                                     std::to_string(st.st_uid) +
+                                     ", neither this user nor root: its owner could move " + dir +
+                                     " away and put another in its place");
+    const mode_t shared = parent ? (S_IWGRP | S_IWOTH) : S_IWOTH;
+    if ((st.st_mode & shared) && !(st.st_mode & S_ISVTX))
+      throw Error(ErrorCode::Io, p.string() + " (above " + dir + ") is writable by " +
+                                     (parent ? "its group or others" : "everyone") + " (mode " +
+                                     octalMode(st.st_mode) +
+                                     ") and not sticky: another user could move " + dir +
+                                     " away and put another in its place");
+    parent = false;
+    if (p == p.parent_path())
+      break;
+  }
+}
+
 void makePrivateDirectories(const std::string &dir) {
   if (dir.empty())
     throw Error(ErrorCode::Io, "cannot use an empty directory name");
@@ -121,12 +160,8 @@ void makePrivateDirectories(const std::string &dir) {
                                    "): another user could have put files there");
   if (st.st_mode & (S_IWGRP | S_IWOTH))
     throw Error(ErrorCode::Io, dir + " is writable by its group or by others (mode " +
-                                   ([&] {
-                                     char octal[8];
-                                     std::snprintf(octal, sizeof octal, "%03o", st.st_mode & 0777);
-                                     return std::string(octal);
-                                   })() +
-                                   "): another user could put files there");
+                                   octalMode(st.st_mode) + "): another user could put files there");
+  checkAncestors(dir);
 }
 
 bool removeTree(const std::string &path) noexcept {

@@ -15,9 +15,13 @@ void writeFileSynced(const std::string &path, std::string_view data);
 void syncDirectory(const std::string &dir) noexcept;
 /// Creates `dir` and its parents; throws Error(Io) with the OS error.
 void makeDirectories(const std::string &dir);
-/// Creates `dir` (missing parts with mode 0700) and checks that only this user can write into it:
-/// a real directory (not a symlink), owned by this user, not writable by group or others.
-/// Throws Error(Io) saying which check failed. Caches use it before they load what is inside.
+/// Creates `dir` (missing parts with mode 0700) and checks that only this user can write into it
+/// or move it: a real directory (not a symlink), owned by this user, not writable by group or
+/// others; its parent owned by this user or root and writable by no one else unless sticky (as
+/// /tmp is: others cannot move what is not theirs); every directory above (links resolved) owned
+/// by this user or root and not writable by everyone unless sticky (a directory of one's own
+/// that a umask of 002 made group-writable is allowed there). Throws Error(Io) saying which check
+/// failed. Caches use it before they load what is inside.
 void makePrivateDirectories(const std::string &dir);
 /// Removes a file or a directory tree; tolerates entries vanishing concurrently. Returns false
 /// if something could not be removed.

@@ -10,6 +10,8 @@
 #include "runtime/SymbolResolver.h"
 
 #include <dlfcn.h>
+#include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -182,8 +184,30 @@ void removeStaleTemporaries(const std::string &root) {
   }
 }
 
+/// Opens and share-locks entry `dir`; -1 if it is not there (removed meanwhile). A process holds
+/// such a lock on every entry it uses until it exits (an operator's host library is loaded at its
+/// first call, which may come much later): size limits, its own and other processes', leave
+/// those entries alone.
+int lockShared(const std::string &dir) {
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0)
+    return -1;
+  while (::flock(fd, LOCK_SH) != 0 && errno == EINTR) {
+  }
+  return fd;
+}
+
+/// Keeps `fd` (a shared lock on an entry) open for the rest of the process.
+void holdForever(int fd) {
+  static std::mutex mutex;
+  static std::vector<int> *held = new std::vector<int>(); // never freed: the locks last until exit
+  std::lock_guard<std::mutex> lock(mutex);
+  held->push_back(fd);
+}
+
 /// Keeps the compiled IR under ABP_CACHE_MAX_MB (as the NVRTC cache): the least recently
-/// written entries go first, never `keep` (the one just compiled or used).
+/// written entries go first, never `keep` (the one just compiled or used) nor one that a process
+/// uses (share-locked: taking it exclusively fails).
 void enforceSizeLimit(const std::string &root, const std::string &keep) {
   uint64_t limit = static_cast<uint64_t>(env::getInt(EnvVar::ABP_CACHE_MAX_MB)) << 20;
   if (!limit)
@@ -212,8 +236,15 @@ void enforceSizeLimit(const std::string &root, const std::string &keep) {
       break;
     if (e.path == keep)
       continue;
-    removeTree(e.path);
-    total -= e.bytes;
+    int fd = ::open(e.path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0)
+      continue; // gone meanwhile
+    bool unused = ::flock(fd, LOCK_EX | LOCK_NB) == 0;
+    if (unused) {
+      removeTree(e.path); // under the lock: a process that locks it next finds it gone
+      total -= e.bytes;
+    }
+    ::close(fd);
   }
 }
 
@@ -229,11 +260,19 @@ std::string compileIrToKernelDir(const std::string &irText, const std::string &o
   std::string root = irRoot();
   std::string dir = root + "/" + stem;
   removeStaleTemporaries(root); // on every call: a cached entry's call cleans up after killed compiles too
-  if (isDirectory(dir)) {
-    if (entryIsIntact(dir, stem))
+  // Locked before it is checked: a size limit elsewhere removes only entries no one locks.
+  if (int fd = lockShared(dir); fd >= 0) {
+    if (entryIsIntact(dir, stem)) {
+      holdForever(fd);
       return dir;
-    removeTree(dir); // truncated, edited or half-written by a killed compile: build it again
+    }
+    ::close(fd);
   }
+  // Truncated, edited, half-written by a killed compile, or not a directory at all (a file in
+  // its place): build it again.
+  std::error_code gone;
+  if (std::filesystem::exists(std::filesystem::symlink_status(dir, gone)))
+    removeTree(dir);
 
   CompilerString source, manifest, diagnostics;
   int rc = compiler.compile(irText.c_str(), origin.c_str(), stem.c_str(), &source.text,
@@ -258,6 +297,15 @@ std::string compileIrToKernelDir(const std::string &irText, const std::string &o
   }
   if (std::rename(tmp.c_str(), dir.c_str()) != 0)
     removeTree(tmp); // another process published the same IR first
+  int fd = lockShared(dir);
+  if (fd < 0 || !entryIsIntact(dir, stem)) {
+    if (fd >= 0)
+      ::close(fd);
+    throw Error(ErrorCode::Io, "cannot publish compiled IR at " + dir +
+                                   ": the entry is missing or damaged after the compile (another "
+                                   "process's size limit or a concurrent change); compile again");
+  }
+  holdForever(fd);
   enforceSizeLimit(root, dir);
   return dir;
 }

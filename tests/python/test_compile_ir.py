@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -304,10 +305,53 @@ def test_the_ir_cache_is_private_and_heals(tmp_path: Path) -> None:
     _compile_in_a_new_process(cache)
     assert not stale.exists() and live.exists()
     live.rmdir()
+    # An entry that became a plain file (it said "kernel directory ... does not exist" in every
+    # later process, and stayed).
+    shutil.rmtree(entry)
+    entry.write_bytes(b"not a directory")
+    assert Path(_compile_in_a_new_process(cache).splitlines()[0]) == entry and entry.is_dir()
     (cache / "ir").chmod(0o777)  # now anyone could plant a library there
     moved = _compile_in_a_new_process(cache)
     assert Path(moved.splitlines()[0]).parent != cache / "ir"
     assert "is writable by its group or by others" in moved  # the warning says why
+    # A cache directory others may write into lets them move ir/ away and put their own in its
+    # place between the compile and the first call, which loads the library (another user's
+    # library ran in this process so).
+    (cache / "ir").chmod(0o700)
+    cache.chmod(0o777)
+    moved = _compile_in_a_new_process(cache)
+    assert Path(moved.splitlines()[0]).parent != cache / "ir"
+    assert f"{cache} (above {cache / 'ir'}) is writable by its group or others (mode 777) and not sticky" in moved
+    cache.chmod(0o700)
+
+
+def test_a_size_limit_leaves_the_entries_of_compiled_operators_in_place(tmp_path: Path) -> None:
+    """ABP_CACHE_MAX_MB removed the least recently written entries, also those of operators a
+    process had compiled and not yet called (an operator's host library loads at its first
+    call), which then failed with "cannot load the host kernel library". A process now holds
+    every entry it uses, and no size limit removes one so held."""
+    compiler_or_skip()
+    first = CUBE_IR.replace("@test_cube", "@test_evict_first")
+    second = CUBE_IR.replace("@test_cube", "@test_evict_second").replace("%x, %x", "%x, %x ")
+    code = (
+        "import abp, os, pathlib, torch\n"
+        f"abp.compile_operators({first!r}, origin='first.mlir')\n"
+        "entry = pathlib.Path(abp._lib.kernel_library().directory_of('test_evict_first'))\n"
+        "(entry / 'ballast').write_bytes(b'x' * (2 << 20))  # the oldest entry, over the limit\n"
+        "os.utime(entry, (1, 1))\n"
+        f"abp.compile_operators({second!r}, origin='second.mlir')\n"
+        "x = torch.arange(4.0)\n"
+        "print(abp.functional.apply('test_evict_first', x).tolist(), entry.is_dir())\n"
+    )
+    env = dict(os.environ, ABP_CACHE_DIR=str(tmp_path / "cache"), ABP_CACHE_MAX_MB="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[0.0, 1.0, 8.0, 27.0] True"
+    # Once no process holds it, the limit removes it.
+    out = subprocess.run([sys.executable, "-c", f"import abp\nabp.compile_operators({first.replace('test_evict_first', 'test_evict_third')!r})"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert not any((tmp_path / "cache" / "ir").glob("*/ballast"))
 
 
 

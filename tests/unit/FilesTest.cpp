@@ -95,6 +95,41 @@ TEST(Files, PrivateDirectoriesAreThisUsersAlone) {
   }
 }
 
+TEST(Files, PrivateDirectoriesCannotBeMovedByOthers) {
+  // A world-writable $ABP_CACHE_DIR let another user rename its ir/ away and put their own in its
+  // place, with a library that then ran in this process.
+  TempDir dir;
+  auto parentOf = [&](const char *name, mode_t mode) {
+    std::string parent = dir / name;
+    EXPECT_EQ(::mkdir(parent.c_str(), 0700), 0);
+    EXPECT_EQ(::chmod(parent.c_str(), mode), 0);
+    return parent;
+  };
+  std::string open = parentOf("open", 0777);
+  EXPECT_NE(messageOf(open + "/ir").find(open + " (above " + open + "/ir) is writable by its group "
+                                         "or others (mode 777) and not sticky"),
+            std::string::npos)
+      << messageOf(open + "/ir");
+  std::string group = parentOf("group", 0775);
+  EXPECT_NE(messageOf(group + "/ir").find("(mode 775) and not sticky"), std::string::npos);
+  // Sticky, as /tmp: others cannot move what is not theirs.
+  std::string sticky = parentOf("sticky", 01777);
+  EXPECT_EQ(messageOf(sticky + "/ir"), "");
+  // Further up, a directory of one's own that a umask of 002 made group-writable is allowed; a
+  // world-writable one is not.
+  EXPECT_EQ(messageOf(group + "/cache/ir"), "");
+  EXPECT_NE(messageOf(open + "/cache/ir").find("is writable by everyone (mode 777) and not sticky"),
+            std::string::npos);
+  if (::geteuid() == 0) { // owned by another user (only root can make one here)
+    std::string theirs = parentOf("theirs", 0755);
+    ASSERT_EQ(::chown(theirs.c_str(), 65534, 65534), 0);
+    std::string mine = theirs + "/ir";
+    ASSERT_EQ(::mkdir(mine.c_str(), 0700), 0);
+    EXPECT_NE(messageOf(mine).find("is owned by user 65534, neither this user nor root"),
+              std::string::npos);
+  }
+}
+
 TEST(Files, DirectoryOf) {
   EXPECT_EQ(directoryOf("/a/b/c.json"), "/a/b");
   EXPECT_EQ(directoryOf("c.json"), ".");
