@@ -454,6 +454,72 @@ const KernelRecord *findKernel(const std::vector<KernelRecord> &kernels, const s
   return nullptr;
 }
 
+/// What a direction produces from its kernel's results must fit how the kernel writes them: the
+/// binding sizes each result's buffer from the residual (or output, or gradient) it becomes. A
+/// forward kernel writing 3-bit codes into a residual the manifest said held 1-bit ones wrote
+/// past the buffer (heap corruption at the first call). So a packed result is exactly a codes
+/// residual of its width, and a codes residual comes from a packed result of its width.
+void checkProducedResults(const Checker &check, const DirectionRecord &d, const std::string &at,
+                          const OperatorRecord &op, const std::vector<KernelRecord> &kernels,
+                          bool forward) {
+  const KernelRecord *record = d.kernel.empty() ? nullptr : findKernel(kernels, d.kernel);
+  for (size_t i = 0; i < d.produces.size(); ++i) {
+    std::string kind;
+    int index = 0;
+    splitRef(d.produces[i], kind, index);
+    const bool residual = forward && i >= static_cast<size_t>(op.outputs);
+    const ResidualRecord *saved = residual ? &op.residuals[i - op.outputs] : nullptr;
+    const bool savedCodes = saved && saved->kind == ResidualKind::Codes;
+    if (kind != "result" || !record) {
+      if (savedCodes)
+        check.fail(Checker::index(at, i), "\"" + d.produces[i] + "\" feeds residual " +
+                                              std::to_string(i - op.outputs) +
+                                              " of kind codes, which only a packed kernel result "
+                                              "holds");
+      continue;
+    }
+    const KernelArg *out = nullptr;
+    int seen = 0;
+    for (const KernelArg &a : record->args)
+      if (a.role == ArgRole::Out && seen++ == index)
+        out = &a;
+    const bool packed = out->layout == ArgLayout::Packed;
+    if (packed != savedCodes || (packed && out->bits != saved->bits))
+      check.fail(Checker::index(at, i),
+                 "\"" + d.produces[i] + "\" is " +
+                     (packed ? std::to_string(out->bits) + "-bit codes" : std::string("not packed")) +
+                     " as kernel \"" + record->name + "\" writes it, but it becomes " +
+                     (savedCodes ? std::to_string(saved->bits) + "-bit codes (residual " +
+                                       std::to_string(i - op.outputs) + ")"
+                      : residual ? "residual " + std::to_string(i - op.outputs) + ", not codes"
+                      : forward  ? "output " + std::to_string(i)
+                                 : "a gradient"));
+  }
+}
+
+/// Bucket schemes: inner borders, strictly increasing, and one more level than borders.
+void parseTables(const Checker &check, const Json &tables, const std::string &at) {
+  for (size_t i = 0; i < tables.size(); ++i) {
+    std::string tAt = Checker::index(at, i);
+    check.object(tables[i], tAt);
+    const Json &borders = check.array(tables[i], tAt, "borders");
+    const Json &levels = check.array(tables[i], tAt, "levels");
+    for (const auto &[name, list] : {std::pair<const char *, const Json *>{"borders", &borders},
+                                     {"levels", &levels}})
+      for (size_t k = 0; k < list->size(); ++k)
+        if (!(*list)[k].is_number())
+          check.fail(Checker::index(tAt + "." + name, k), "expected a number");
+    for (size_t k = 1; k < borders.size(); ++k)
+      if (!(borders[k - 1].get<double>() < borders[k].get<double>()))
+        check.fail(Checker::index(tAt + ".borders", k), "borders must increase strictly");
+    if (levels.size() != borders.size() + 1)
+      check.fail(tAt + ".levels", "expected " + std::to_string(borders.size() + 1) +
+                                      " levels (one more than the " +
+                                      std::to_string(borders.size()) + " borders), got " +
+                                      std::to_string(levels.size()));
+  }
+}
+
 DirectionRecord parseDirection(const Checker &check, const Json &value, const std::string &at,
                                const OperatorRecord &op, const std::vector<KernelRecord> &kernels,
                                size_t expectedProduces) {
@@ -577,7 +643,7 @@ OperatorRecord parseOperator(const Checker &check, const Json &value, const std:
       op.noGrad.push_back(input);
     }
   }
-  check.array(value, at, "tables");
+  parseTables(check, check.array(value, at, "tables"), at + ".tables");
   op.forward = parseDirection(check, check.member(value, at, "forward"), at + ".forward", op,
                               kernels, op.outputs + op.residuals.size());
   // Backward produces one gradient per input that has one.
@@ -601,6 +667,8 @@ OperatorRecord parseOperator(const Checker &check, const Json &value, const std:
     if (isTotalRef(op.backward.produces[i]))
       check.fail(Checker::index(at + ".backward.produces", i),
                  "\"" + op.backward.produces[i] + "\" is a total (one value), not a gradient");
+  checkProducedResults(check, op.forward, at + ".forward.produces", op, kernels, true);
+  checkProducedResults(check, op.backward, at + ".backward.produces", op, kernels, false);
   return op;
 }
 

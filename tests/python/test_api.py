@@ -1,6 +1,7 @@
 """The public surface: errors that name the bad argument, modules, training, inspect, cache, loading."""
 from __future__ import annotations
 
+import ctypes.util
 import hashlib
 import json
 import math
@@ -479,6 +480,28 @@ except abp.AbpError as e:
     result = run_python(code, ABP_LIBRARY="/nonexistent/libabp.so")
     assert result.returncode == 0, result.stderr
     assert "ERR None" in result.stdout and "ABP_LIBRARY='/nonexistent/libabp.so' is not a file" in result.stdout
+
+
+def test_another_shared_library_named_by_abp_library_is_reported_at_first_use():
+    # A real library that is not libabp.so (zlib, a kernel's host library) made `import abp`
+    # itself raise ctypes' AttributeError ("undefined symbol: abp_last_error").
+    other = ctypes.util.find_library("z") or ctypes.util.find_library("m")
+    if other is None:
+        pytest.skip("no libz or libm to point ABP_LIBRARY at")
+    path = next((os.path.join(d, other) for d in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib")
+                 if os.path.isfile(os.path.join(d, other))), None)
+    if path is None:
+        pytest.skip(f"{other} not found on disk")
+    code = """
+import abp
+try:
+    abp.operators()
+except abp.AbpError as e:
+    print("ERR", e.status, e)
+"""
+    result = run_python(code, ABP_LIBRARY=path)
+    assert result.returncode == 0, result.stderr
+    assert f"{path}: not abp's runtime library (it has no abp_last_error)" in result.stdout, result.stdout
 
 
 def test_library_search_order(monkeypatch):

@@ -423,6 +423,9 @@ def test_bad_arguments_raise_clear_errors() -> None:
         sampling.sampled_linear(torch.ones(5, 4, dtype=torch.long), w, b)
     with pytest.raises(ValueError, match=r"weight: expected \(out_features, in_features\)"):
         sampling.sampled_linear(x, torch.randn(4), b)
+    # torch's own "mat1 and mat2 must have the same dtype" named neither argument.
+    with pytest.raises(ValueError, match=r"x is torch.float64 but weight torch.float32; expected the same dtype"):
+        sampling.sampled_linear(x.double().requires_grad_(), w, b)
 
 
 # --- the module ------------------------------------------------------------------------------------

@@ -194,6 +194,26 @@ TEST(Manifest, RejectsInvalidManifestsNamingFileAndField) {
   };
   auto op = [](Json &j, size_t i) -> Json & { return at(member(j, "operators"), i); };
   const Case cases[] = {
+      // A forward kernel writing wider codes than its residual holds wrote past the buffer the
+      // binding sized from the residual (heap corruption at the first call).
+      {[&](Json &j) { member(kernelArg(j, 1, 2), "bits") = Json(4); },
+       "operators[1].forward.produces[1]: \"result1\" is 4-bit codes as kernel "
+       "\"test_sign_codes\" writes it, but it becomes 2-bit codes (residual 0)"},
+      {[&](Json &j) { member(kernelArg(j, 1, 1), "layout") = Json("packed"); kernelArg(j, 1, 1)["bits"] = Json(8); },
+       "operators[1].forward.produces[0]: \"result0\" is 8-bit codes as kernel "
+       "\"test_sign_codes\" writes it, but it becomes output 0"},
+      {[&](Json &j) { member(op(j, 1), "residuals") = Json::array({Json{{"kind", "tensor"}, {"bits", 32}}}); },
+       "operators[1].forward.produces[1]: \"result1\" is 2-bit codes as kernel "
+       "\"test_sign_codes\" writes it, but it becomes residual 0, not codes"},
+      {[&](Json &j) {
+         member(op(j, 0), "tables") = Json::array({Json{{"borders", Json::array({0.5})}, {"levels", Json::array({1.0})}}});
+       },
+       "operators[0].tables[0].levels: expected 2 levels (one more than the 1 borders), got 1"},
+      {[&](Json &j) {
+         member(op(j, 0), "tables") =
+             Json::array({Json{{"borders", Json::array({0.5, 0.5})}, {"levels", Json::array({1.0, 2.0, 3.0})}}});
+       },
+       "operators[0].tables[0].borders[1]: borders must increase strictly"},
       {[](Json &j) { member(j, "format") = Json(4); },
        "format: unsupported manifest format 4 (this runtime reads formats 1 to 3)"},
       {[](Json &j) { member(j, "format") = Json(0); },

@@ -129,10 +129,14 @@ def _load() -> ctypes.CDLL:
         except OSError as e:
             errors.append(f"{candidate}: {e}")
             continue
-        for name, (argtypes, restype) in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes = argtypes
-            fn.restype = restype
+        try:
+            for name, (argtypes, restype) in _SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.argtypes = argtypes
+                fn.restype = restype
+        except AttributeError:  # another library (zlib, a kernel's host library, the compiler)
+            errors.append(f"{candidate}: not abp's runtime library (it has no {name})")
+            continue
         global _loaded_path
         _loaded_path = candidate
         _preload_pip_nvrtc()

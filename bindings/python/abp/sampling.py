@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from . import _custom_ops, _scale, autograd
+from . import _amp, _custom_ops, _scale, autograd
 from . import _sample_kernels as kernels
 from . import _selection as selection
 from ._launch import check_device, compute_dtype
@@ -229,8 +229,10 @@ def sampled_linear(
     x: (..., in_features), fp32/fp16/bf16/fp64; weight: (out_features, in_features); bias:
     (out_features,) or None. keep ∈ (0, 1]: the kept fraction of the N = x.numel() / in_features
     token rows. seed: the Philox key of this call (else drawn from `generator`). gamma: one
-    value ≥ 0 per token row, WTA-CRS's cached ‖dY_t‖ (p ∝ ‖x_t‖·γ_t); record(norms) receives
-    ‖dY_t‖ per row in backward (GradNormCache uses both).
+    value ≥ 0 per token row, WTA-CRS's cached ‖dY_t‖ (p ∝ ‖x_t‖·γ_t); where one is negative or
+    not finite, the plan uses ‖x_t‖ alone (decided on the device: the values are not checked on
+    the host, which would synchronise); record(norms) receives ‖dY_t‖ per row in backward
+    (GradNormCache uses both). x and weight have one dtype, as for F.linear, unless autocast is on.
     """
     method = check_method(method)
     keep = check_keep(keep)
@@ -249,6 +251,9 @@ def sampled_linear(
             raise ValueError(f"{name}: expected dtype float32, float16, bfloat16 or float64, got {t.dtype}")
     if x.device != weight.device:
         raise ValueError(f"x is on {x.device} but weight on {weight.device}; expected the same device")
+    if x.dtype != weight.dtype and _amp.dtype(x.device.type) is None:
+        raise ValueError(f"x is {x.dtype} but weight {weight.dtype}; expected the same dtype (as F.linear), "
+                         "or autocast on")
     if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad or
                                            (bias is not None and bias.requires_grad)):
         return F.linear(x, weight, bias)
