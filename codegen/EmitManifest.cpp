@@ -338,7 +338,7 @@ std::string abp::emitManifest(
   llvm::raw_string_ostream os(text);
   json::OStream j(os, /*IndentSize=*/2);
   j.object([&] {
-    j.attribute("format", static_cast<int64_t>(3));
+    j.attribute("format", static_cast<int64_t>(4));
     j.attribute("file", utf8(options.inputFile));
     j.attribute("source", utf8(options.sourceName));
     j.attribute("host_library", utf8(options.hostLibrary));

@@ -194,8 +194,8 @@ TEST(Manifest, RejectsInvalidManifestsNamingFileAndField) {
   };
   auto op = [](Json &j, size_t i) -> Json & { return at(member(j, "operators"), i); };
   const Case cases[] = {
-      {[](Json &j) { member(j, "format") = Json(4); },
-       "format: unsupported manifest format 4 (this runtime reads formats 1 to 3)"},
+      {[](Json &j) { member(j, "format") = Json(5); },
+       "format: unsupported manifest format 5 (this runtime reads formats 1 to 4)"},
       {[](Json &j) { member(j, "format") = Json(0); },
        "format: unsupported manifest format 0"},
       {[&](Json &j) { member(kernelArg(j, 0, 0), "layout") = Json("rows"); },
