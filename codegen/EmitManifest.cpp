@@ -46,9 +46,23 @@ void f32Array(json::OStream &j, ArrayRef<double> values) {
   });
 }
 
-/// One residual: packed codes, a shared output (`output`: which one), a per-row statistic (a
-/// tensor of lower rank than the inputs), a dense tensor, or an f32 scalar.
-void residualJson(json::OStream &j, Value saved, ReturnOp ret, int64_t inputRank) {
+/// Whether a launch reads `value` as one value per column (#abp.cols).
+bool readPerColumn(Value value) {
+  for (OpOperand &use : value.getUses()) {
+    auto launch = dyn_cast<LaunchOp>(use.getOwner());
+    if (!launch)
+      continue;
+    auto kernel = SymbolTable::lookupNearestSymbolFrom<KernelOp>(launch, launch.getKernelAttr());
+    if (kernel && isa<ColsLayoutAttr>(kernel.getIns()[use.getOperandNumber()]))
+      return true;
+  }
+  return false;
+}
+
+/// One residual: packed codes, a shared output (`output`: which one), a per-column vector (read
+/// so by either direction: `perColumn`), a per-row statistic (a tensor of lower rank than the
+/// inputs), a dense tensor, or an f32 scalar.
+void residualJson(json::OStream &j, Value saved, ReturnOp ret, int64_t inputRank, bool perColumn) {
   Type type = saved.getType();
   j.object([&] {
     if (auto codes = dyn_cast<CodesType>(type)) {
@@ -59,7 +73,7 @@ void residualJson(json::OStream &j, Value saved, ReturnOp ret, int64_t inputRank
       j.attribute("kind", "shared");
       j.attribute("output", static_cast<int64_t>(std::distance(ret.getResults().begin(), it)));
     } else if (auto tensor = dyn_cast<RankedTensorType>(type)) {
-      j.attribute("kind", tensor.getRank() < inputRank ? "rows" : "tensor");
+      j.attribute("kind", perColumn ? "cols" : tensor.getRank() < inputRank ? "rows" : "tensor");
       j.attribute("bits", static_cast<int64_t>(tensor.getElementTypeBitWidth()));
     } else if (saved.getDefiningOp<LaunchOp>()) {
       j.attribute("kind", "total"); // a whole-tensor reduction's one value
@@ -100,6 +114,10 @@ void directionJson(json::OStream &j, Region &region, const DirectionNames &base,
   if (launch)
     for (auto [i, r] : llvm::enumerate(launch.getResults()))
       names.names[r] = fmt::format("result{}", i);
+  // Column sums follow the kernel, each naming its result colsumN.
+  SmallVector<ReduceColsOp> colSums(region.front().getOps<ReduceColsOp>());
+  for (auto [i, sum] : llvm::enumerate(colSums))
+    names.names[sum.getResult()] = fmt::format("colsum{}", i);
   // A shared residual is the very output it aliases.
   for (Operation &op : region.front())
     if (auto share = dyn_cast<ShareSavedOp>(op))
@@ -124,6 +142,11 @@ void directionJson(json::OStream &j, Region &region, const DirectionNames &base,
                 j.value(names.of(v));
             });
           });
+      });
+    if (!colSums.empty())
+      j.attributeArray("col_sums", [&] {
+        for (ReduceColsOp sum : colSums)
+          j.value(names.of(sum.getInput()));
       });
     j.attributeArray("produces", [&] {
       for (Value v : produced)
@@ -207,8 +230,8 @@ void operatorJson(json::OStream &j, OperatorOp op) {
     });
     compactAttribute(j, "residuals", [&](json::OStream &c) {
       c.array([&] {
-        for (Value v : fret.getSaved())
-          residualJson(c, v, fret, inputRank);
+        for (auto [i, v] : llvm::enumerate(fret.getSaved()))
+          residualJson(c, v, fret, inputRank, readPerColumn(v) || readPerColumn(bwd.getArgument(i)));
       });
     });
     j.attribute("saved_bits_per_element", bits);
@@ -257,6 +280,9 @@ void kernelJson(json::OStream &j, KernelOp kernel, const KernelSymbols &symbols)
       } else if (isa<TotalLayoutAttr>(a)) {
         j.attribute("role", role);
         j.attribute("layout", "total");
+      } else if (isa<ColsLayoutAttr>(a)) {
+        j.attribute("role", role);
+        j.attribute("layout", "cols");
       } else if (auto gathered = dyn_cast<GatheredLayoutAttr>(a)) {
         j.attribute("role", "in");
         j.attribute("layout", "gathered");
@@ -312,7 +338,7 @@ std::string abp::emitManifest(
   llvm::raw_string_ostream os(text);
   json::OStream j(os, /*IndentSize=*/2);
   j.object([&] {
-    j.attribute("format", static_cast<int64_t>(3));
+    j.attribute("format", static_cast<int64_t>(4));
     j.attribute("file", utf8(options.inputFile));
     j.attribute("source", utf8(options.sourceName));
     j.attribute("host_library", utf8(options.hostLibrary));

@@ -38,7 +38,8 @@ using namespace abp;
 
 namespace {
 /// Total: one compute-type value for the whole launch, read through a pointer (#abp.total).
-enum class ArgKind { Dense, Packed, Rows, Scalar, Gathered, Total };
+/// Cols: one launch-dtype value per column, the same row for every row (#abp.cols).
+enum class ArgKind { Dense, Packed, Rows, Scalar, Gathered, Total, Cols };
 
 struct RowArg {
   ArgKind kind;
@@ -50,10 +51,13 @@ struct RowArg {
   unsigned by = 0;      ///< Gathered: the argument holding each row's source row
   /// One value per element of the row (dense values, gathered rows or packed codes).
   bool perElement() const {
-    return kind == ArgKind::Dense || kind == ArgKind::Packed || kind == ArgKind::Gathered;
+    return kind == ArgKind::Dense || kind == ArgKind::Packed || kind == ArgKind::Gathered ||
+           kind == ArgKind::Cols;
   }
   /// Elements of the launch dtype (read or written with loadChunk / storeChunk).
-  bool elements() const { return kind == ArgKind::Dense || kind == ArgKind::Gathered; }
+  bool elements() const {
+    return kind == ArgKind::Dense || kind == ArgKind::Gathered || kind == ArgKind::Cols;
+  }
 };
 
 /// The per-element / row-uniform split of a row kernel's body and the stage of every value.
@@ -585,6 +589,7 @@ struct RowKernelEmitter {
       for (unsigned i : indices)
         s += args[i].kind == ArgKind::Packed     ? fmt::format(", {} + base * {} / 8", args[i].name, args[i].bits)
              : args[i].kind == ArgKind::Gathered ? fmt::format(", g_{}", args[i].name)
+             : args[i].kind == ArgKind::Cols     ? fmt::format(", {}", args[i].name) // every row's
                                                  : fmt::format(", {} + base", args[i].name);
       return s;
     };
@@ -771,6 +776,7 @@ SmallVector<RowArg> rowArgsOf(KernelOp kernel) {
   Block &body = kernel.getBody().front();
   auto add = [&](Attribute layout, bool isOutput, size_t index) {
     ArgKind kind = isa<RowsLayoutAttr>(layout)       ? ArgKind::Rows
+                   : isa<ColsLayoutAttr>(layout)     ? ArgKind::Cols
                    : isa<ScalarLayoutAttr>(layout)   ? ArgKind::Scalar
                    : isa<PackedLayoutAttr>(layout)   ? ArgKind::Packed
                    : isa<GatheredLayoutAttr>(layout) ? ArgKind::Gathered

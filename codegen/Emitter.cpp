@@ -36,7 +36,7 @@ FailureOr<EmittedBundle> abp::emitBundle(ModuleOp module, const EmitOptions &opt
       bool lowered = true;
       oper.walk([&](Operation *inner) {
         if (isa<MapOp, PackOp, UnpackOp, QuantizeOp, DequantizeOp, ReduceRowsOp, ReduceTensorOp,
-                BroadcastRowsOp>(inner))
+                BroadcastRowsOp, BroadcastColsOp>(inner))
           lowered = false;
       });
       if (!lowered)

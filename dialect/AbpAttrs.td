@@ -70,6 +70,16 @@ def Abp_RowsLayoutAttr : AttrDef<Abp_Dialect, "RowsLayout"> {
   }];
 }
 
+def Abp_ColsLayoutAttr : AttrDef<Abp_Dialect, "ColsLayout"> {
+  let mnemonic = "cols";
+  let summary = "a row-kernel input holding one value per column, the same for every row";
+  let description = [{
+    Example: `ins = [#abp.dense, #abp.cols]` — every row of a row kernel reads the second
+    argument's element at its column: `cols` elements of the launch dtype (a per-feature
+    parameter, such as a norm's gain). This is how `abp.broadcast_cols` reads its input.
+  }];
+}
+
 def Abp_GatheredLayoutAttr : AttrDef<Abp_Dialect, "GatheredLayout"> {
   let mnemonic = "gathered";
   let summary = "a row-kernel input whose row r is row index[r] of a larger matrix";

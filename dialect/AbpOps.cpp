@@ -554,6 +554,56 @@ LogicalResult BroadcastRowsOp::verify() {
 }
 
 //===----------------------------------------------------------------------===//
+// BroadcastColsOp / ReduceColsOp
+//===----------------------------------------------------------------------===//
+
+/// `matrix` is tensor<R x C x f32> and `cols` tensor<C x f32> (C may be dynamic on either side).
+static LogicalResult verifyColShapes(Operation *op, Type matrix, Type cols) {
+  auto m = dyn_cast<RankedTensorType>(matrix);
+  auto c = dyn_cast<RankedTensorType>(cols);
+  if (!m || !c || m.getRank() != 2 || c.getRank() != 1)
+    return op->emitOpError() << "expects a row-wide tensor<?x?xf32> and a per-column "
+                                "tensor<?xf32>, got "
+                             << matrix << " and " << cols;
+  if (!ShapedType::isDynamic(m.getDimSize(1)) && !ShapedType::isDynamic(c.getDimSize(0)) &&
+      m.getDimSize(1) != c.getDimSize(0))
+    return op->emitOpError() << "expects one value per column: " << matrix << " has "
+                             << m.getDimSize(1) << " columns but " << cols << " has "
+                             << c.getDimSize(0);
+  return success();
+}
+
+LogicalResult BroadcastColsOp::verify() {
+  if (failed(verifyColShapes(*this, getResult().getType(), getInput().getType())))
+    return failure();
+  for (Operation *user : getInput().getUsers())
+    if (isa<BroadcastRowsOp, ReduceRowsOp>(user))
+      return emitOpError() << "broadcasts a value that '" << user->getName()
+                           << "' uses per row; a tensor<?xf32> is either one value per row or "
+                              "one per column";
+  return success();
+}
+
+LogicalResult ReduceColsOp::verify() {
+  if (getKind() != ReduceKind::sum)
+    return emitOpError() << "supports only `sum` (the gradient of a per-column input), got `"
+                         << stringifyReduceKind(getKind()) << "`";
+  if (failed(verifyColShapes(*this, getInput().getType(), getResult().getType())))
+    return failure();
+  auto op = (*this)->getParentOfType<OperatorOp>();
+  if (!op || (*this)->getParentRegion() != &op.getBackward())
+    return emitOpError() << "must be in an operator's backward region: it sums a per-column "
+                            "input's gradient over the rows";
+  for (Operation *user : getResult().getUsers())
+    if (!isa<ReturnOp>(user))
+      return emitOpError() << "result may only be returned as a gradient by backward's "
+                              "abp.return (the sum runs after the direction's kernel), but it is "
+                              "used by "
+                           << user->getName();
+  return success();
+}
+
+//===----------------------------------------------------------------------===//
 // ShareSavedOp
 //===----------------------------------------------------------------------===//
 
@@ -692,9 +742,10 @@ LogicalResult KernelOp::verifyRegions() {
   Block &body = getBody().front();
   for (Attribute layout : getIns())
     if (!isa<DenseLayoutAttr, PackedLayoutAttr, ScalarLayoutAttr, RowsLayoutAttr,
-             GatheredLayoutAttr, TotalLayoutAttr>(layout))
+             ColsLayoutAttr, GatheredLayoutAttr, TotalLayoutAttr>(layout))
       return emitOpError() << "expects each of 'ins' to be #abp.dense, #abp.packed<b>, "
-                              "#abp.scalar, #abp.rows, #abp.gathered<i> or #abp.total, got "
+                              "#abp.scalar, #abp.rows, #abp.cols, #abp.gathered<i> or "
+                              "#abp.total, got "
                            << layout;
   if (isTotalKernel()) {
     // One reduction of the body's per-element value: its only output is the total.
@@ -716,6 +767,8 @@ LogicalResult KernelOp::verifyRegions() {
   for (Attribute layout : llvm::concat<const Attribute>(getIns(), getOuts())) {
     if (isa<RowsLayoutAttr>(layout) && !isRowKernel())
       return emitOpError() << "has a #abp.rows argument but is not a row kernel (`rows`)";
+    if (isa<ColsLayoutAttr>(layout) && !isRowKernel())
+      return emitOpError() << "has a #abp.cols argument but is not a row kernel (`rows`)";
   }
   for (auto [i, layout] : llvm::enumerate(getIns())) {
     auto gathered = dyn_cast<GatheredLayoutAttr>(layout);
@@ -773,6 +826,8 @@ static bool matchesLayout(Type type, Attribute layout) {
   if (isa<RowsLayoutAttr>(layout))
     return tensor && tensor.getRank() == 1 &&
            (tensor.getElementType().isF32() || tensor.getElementType().isInteger(32));
+  if (isa<ColsLayoutAttr>(layout))
+    return tensor && tensor.getRank() == 1 && tensor.getElementType().isF32();
   return tensor && tensor.getElementType().isF32();
 }
 

@@ -212,6 +212,49 @@ def Abp_BroadcastRowsOp : Abp_Op<"broadcast_rows", [Pure]> {
   let hasVerifier = 1;
 }
 
+def Abp_BroadcastColsOp : Abp_Op<"broadcast_cols", [Pure]> {
+  let summary = "repeats one value per column down every row (a per-feature vector)";
+  let description = [{
+    Turns a per-column `tensor<?xf32>` (as many values as the rows have elements: a norm's gain
+    or bias) into a row-wide `tensor<?x?xf32>` whose every row is that vector, so that an
+    `abp.map` can combine it with row-wide tensors. It makes the kernel a row kernel, which
+    reads the vector at each element's column (`#abp.cols`). A value broadcast so is per
+    column, and cannot also be used per row.
+
+    Example:
+    ```mlir
+    %wb = abp.broadcast_cols %w : tensor<?xf32> -> tensor<?x?xf32>
+    ```
+  }];
+  let arguments = (ins RankedTensorOf<[F32]>:$input);
+  let results = (outs RankedTensorOf<[F32]>:$result);
+  let assemblyFormat = "$input attr-dict `:` type($input) `->` type($result)";
+  let hasVerifier = 1;
+}
+
+def Abp_ReduceColsOp : Abp_Op<"reduce_cols", [Pure]> {
+  let summary = "sums every column over the rows: the gradient of a per-column input";
+  let description = [{
+    `tensor<?x?xf32> -> tensor<?xf32>`, one value per column: the sum over the rows, as
+    autograd reduces a broadcast operand's gradient. Only `sum`, and only as a gradient that
+    backward's `abp.return` returns: it is not fused into the direction's kernel, which writes
+    the row-wide operand as an output; the framework sums it over the rows after the launch
+    (the manifest's `col_sums`). No cross-row reduction is generated, so results stay
+    deterministic on every device.
+
+    Example (the gradient of a gain `%w` applied as `n · w`):
+    ```mlir
+    %gn = abp.map(%g, %n) : (tensor<?x?xf32>, tensor<?x?xf32>) -> tensor<?x?xf32> { ... }
+    %dw = abp.reduce_cols sum %gn : tensor<?x?xf32> -> tensor<?xf32>
+    abp.return %dx, %dw : tensor<?x?xf32>, tensor<?xf32>
+    ```
+  }];
+  let arguments = (ins Abp_ReduceKind:$kind, RankedTensorOf<[F32]>:$input);
+  let results = (outs RankedTensorOf<[F32]>:$result);
+  let assemblyFormat = "$kind $input attr-dict `:` type($input) `->` type($result)";
+  let hasVerifier = 1;
+}
+
 //===----------------------------------------------------------------------===//
 // Residual approximations: share-saved
 //===----------------------------------------------------------------------===//

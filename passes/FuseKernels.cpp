@@ -18,7 +18,12 @@ using namespace abp;
 
 namespace {
 bool isRowOp(Operation *op) {
-  return isa<ReduceRowsOp, BroadcastRowsOp, SampleOp, UnsampleOp>(op);
+  return isa<ReduceRowsOp, BroadcastRowsOp, BroadcastColsOp, SampleOp, UnsampleOp>(op);
+}
+
+/// Whether `value` is read one value per column (abp.broadcast_cols's operand): #abp.cols.
+bool isPerColumn(Value value) {
+  return llvm::any_of(value.getUsers(), [](Operation *user) { return isa<BroadcastColsOp>(user); });
 }
 
 /// The matrix abp.sample / abp.unsample reads at gathered rows, and the row indices it reads
@@ -105,8 +110,8 @@ Attribute layoutOf(Value value, bool rowKernel, OperatorOp op) {
   if (value.getType().isF32() || value.getType().isInteger(64))
     return ScalarLayoutAttr::get(ctx);
   if (rowKernel && cast<RankedTensorType>(value.getType()).getRank() == 1)
-    // One value per row: f32, or i32 row indices.
-    return RowsLayoutAttr::get(ctx);
+    // One value per column (a per-feature vector), or per row: f32, or i32 row indices.
+    return isPerColumn(value) ? Attribute(ColsLayoutAttr::get(ctx)) : Attribute(RowsLayoutAttr::get(ctx));
   return DenseLayoutAttr::get(ctx);
 }
 
@@ -160,6 +165,9 @@ void translateOps(ArrayRef<Operation *> fused, OpBuilder &body, IRMapping &scala
       scalars.map(unsample.getResult(), scalars.lookup(unsample.getKept()));
     } else if (auto broadcast = dyn_cast<BroadcastRowsOp>(inner)) {
       // Every element of a row sees its row's value: nothing to compute.
+      scalars.map(broadcast.getResult(), scalars.lookup(broadcast.getInput()));
+    } else if (auto broadcast = dyn_cast<BroadcastColsOp>(inner)) {
+      // Every element reads its column's value (#abp.cols): nothing to compute.
       scalars.map(broadcast.getResult(), scalars.lookup(broadcast.getInput()));
     } else if (auto uniform = dyn_cast<UniformOp>(inner)) {
       auto draw = body.create<UniformOp>(uniform.getLoc(), Float32Type::get(ctx),
@@ -329,16 +337,23 @@ LogicalResult fuseDirection(OperatorOp op, Region &region, StringRef name) {
   if (failed(fuseTotals(op, region, name)))
     return failure();
   Block &block = region.front();
+  // Column sums run after the kernel, which writes their operands (the verifier lets only the
+  // terminator use their results): they move next to it.
+  SmallVector<ReduceColsOp> colSums(block.getOps<ReduceColsOp>());
+  for (ReduceColsOp sum : colSums)
+    sum->moveBefore(block.getTerminator());
   SmallVector<Operation *> fused;
   for (Operation &inner : block.without_terminator()) {
     // Constants hoisted out of map bodies by canonicalization are re-materialized in the kernel;
-    // a shared residual stays an alias of the kernel's output; total kernels are launched.
-    if (inner.hasTrait<OpTrait::ConstantLike>() || isa<ShareSavedOp, LaunchOp>(inner))
+    // a shared residual stays an alias of the kernel's output; total kernels are launched;
+    // column sums follow the launch.
+    if (inner.hasTrait<OpTrait::ConstantLike>() || isa<ShareSavedOp, LaunchOp, ReduceColsOp>(inner))
       continue;
     if (!isFusable(&inner))
       return inner.emitOpError() << "cannot be fused into a kernel; only abp.map, abp.pack, "
                                     "abp.unpack, abp.uniform, abp.reduce_rows, "
-                                    "abp.reduce_tensor, abp.broadcast_rows, abp.sample and "
+                                    "abp.reduce_tensor, abp.broadcast_rows, "
+                                    "abp.broadcast_cols, abp.reduce_cols, abp.sample and "
                                     "abp.unsample may remain after lowering";
     fused.push_back(&inner);
   }
@@ -373,6 +388,25 @@ LogicalResult fuseDirection(OperatorOp op, Region &region, StringRef name) {
                << "gathers rows of a matrix that the kernel also reads otherwise; a kernel "
                   "reads each matrix either row by row or through one index";
     gatheredBy[matrix] = index;
+  }
+
+  // A per-column vector is read at each element's column: it must come from outside (an operator
+  // argument or residual), and the kernel may only broadcast it (any other use would take it
+  // for one value per row).
+  for (Operation *inner : fused) {
+    auto broadcast = dyn_cast<BroadcastColsOp>(inner);
+    if (!broadcast)
+      continue;
+    Value vector = broadcast.getInput();
+    if (!inputs.contains(vector))
+      return broadcast.emitOpError()
+             << "broadcasts a per-column value computed in the same kernel; broadcast an "
+                "operator argument or residual, and compute on its row-wide broadcast";
+    for (Operation *user : vector.getUsers())
+      if (inSet.contains(user) && !isa<BroadcastColsOp>(user))
+        return user->emitOpError()
+               << "uses a per-column vector (an abp.broadcast_cols operand) directly; use its "
+                  "row-wide broadcast";
   }
 
   SmallVector<Attribute> ins, outs;

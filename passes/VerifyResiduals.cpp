@@ -36,6 +36,13 @@ struct VerifyResiduals : abp::impl::AbpVerifyResidualsBase<VerifyResiduals> {
         // A shared output is the consumer's own tensor: it costs this operator nothing.
         if (isa_and_nonnull<ShareSavedOp>(saved.getDefiningOp()))
           continue;
+        // A per-column vector (read through abp.broadcast_cols: a norm's gain) is a forward input
+        // saved as it is, the caller's own tensor; its cols values do not grow with the batch.
+        auto perColumn = [](Value v) {
+          return llvm::any_of(v.getUsers(), [](Operation *u) { return isa<BroadcastColsOp>(u); });
+        };
+        if (perColumn(saved) || perColumn(backward.getArgument(i)))
+          continue;
         std::optional<unsigned> b = savedBitsPerElement(saved.getType());
         if (!b)
           continue;

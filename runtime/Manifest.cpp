@@ -327,6 +327,10 @@ KernelRecord parseKernel(const Checker &check, const Json &value, const std::str
                                         "given; compute-type rows have none");
           arg.rowIndex = true;
         }
+      } else if (layout == "cols") {
+        if (!rows || arg.role != ArgRole::In)
+          check.fail(argAt + ".layout", "the \"cols\" layout is only valid for inputs of a row kernel");
+        arg.layout = ArgLayout::Cols;
       } else if (layout == "total") {
         if (arg.role == ArgRole::Out && !total)
           check.fail(argAt + ".layout", "only a total kernel writes a \"total\" output");
@@ -341,7 +345,7 @@ KernelRecord parseKernel(const Checker &check, const Json &value, const std::str
       } else {
         check.fail(argAt + ".layout",
                    "unknown layout \"" + layout +
-                       "\" (expected dense, packed, rows, gathered or total)");
+                       "\" (expected dense, packed, rows, cols, gathered or total)");
       }
     }
     k.args.push_back(arg);
@@ -363,7 +367,7 @@ KernelRecord parseKernel(const Checker &check, const Json &value, const std::str
 
 /// Splits "residual12" into ("residual", 12); returns false if it is not such a reference.
 bool splitRef(const std::string &ref, std::string &kind, int &index) {
-  static const char *const kKinds[] = {"input", "param", "residual", "grad", "result", "total"};
+  static const char *const kKinds[] = {"input", "param", "residual", "grad", "result", "total", "colsum"};
   for (const char *k : kKinds) {
     size_t len = std::strlen(k);
     if (ref.size() <= len || ref.compare(0, len, k) != 0)
@@ -383,10 +387,11 @@ bool splitRef(const std::string &ref, std::string &kind, int &index) {
 
 /// Checks the references `items` (at `at`) and appends them to `out`: each names an existing
 /// input, parameter, residual, gradient, result of `record` (the direction's kernel; none for
-/// a total launch) or one of the first `totals` total kernel results.
+/// a total launch), one of the first `totals` total kernel results or of the `colSums` column
+/// sums.
 void parseRefs(const Checker &check, const Json &items, const std::string &at,
                const OperatorRecord &op, const KernelRecord *record, int totals,
-               std::vector<std::string> &out) {
+               std::vector<std::string> &out, int colSums = 0) {
   if (!items.is_array())
     check.fail(at, "expected an array, got " + kindName(items));
   for (size_t i = 0; i < items.size(); ++i) {
@@ -399,12 +404,13 @@ void parseRefs(const Checker &check, const Json &items, const std::string &at,
     if (!splitRef(ref, kind, index))
       check.fail(refAt, "\"" + ref +
                             "\" is not a reference (inputN, paramN, residualN, gradN, resultN, "
-                            "totalN)");
+                            "totalN, colsumN)");
     int limit = kind == "input"      ? op.inputs
                 : kind == "param"    ? static_cast<int>(op.params.size())
                 : kind == "residual" ? static_cast<int>(op.residuals.size())
                 : kind == "grad"     ? op.outputs
                 : kind == "total"    ? totals
+                : kind == "colsum"   ? colSums
                                      : (record ? record->numOutputs() : 0);
     if (index >= limit)
       check.fail(refAt, "\"" + ref + "\" is out of range (" + std::to_string(limit) + " " + kind +
@@ -433,6 +439,16 @@ void checkArgs(const Checker &check, const std::vector<std::string> &args, const
     };
     bool scalarRef = kind == "param" || residualIs(ResidualKind::Scalar);
     bool totalRef = kind == "total" || residualIs(ResidualKind::Total);
+    // A per-column vector is an input, or a residual of kind cols (an input saved as it is).
+    bool colsResidual = residualIs(ResidualKind::Cols);
+    if ((arg.layout == ArgLayout::Cols) != colsResidual &&
+        !(arg.layout == ArgLayout::Cols && kind == "input"))
+      check.fail(refAt, "\"" + args[i] + "\" feeds argument " + std::to_string(i) +
+                            " of kernel \"" + record.name + "\"" +
+                            (colsResidual ? ", which is not a \"cols\" input, but the residual "
+                                            "holds one value per column"
+                                          : ", a \"cols\" input (one value per column), but is "
+                                            "neither an input nor a residual of kind cols"));
     if (scalarRef != (arg.role == ArgRole::Scalar) ||
         totalRef != (arg.role == ArgRole::In && arg.layout == ArgLayout::Total))
       check.fail(refAt, "\"" + args[i] + "\" feeds argument " + std::to_string(i) +
@@ -563,8 +579,10 @@ DirectionRecord parseDirection(const Checker &check, const Json &value, const st
                                      "\"; a direction launches those under \"totals\"");
   }
   parseRefs(check, check.member(value, at, "args"), at + ".args", op, record, totals, d.args);
+  if (const Json *sums = findMember(value, "col_sums"))
+    parseRefs(check, *sums, at + ".col_sums", op, record, totals, d.colSums);
   parseRefs(check, check.member(value, at, "produces"), at + ".produces", op, record, totals,
-            d.produces);
+            d.produces, static_cast<int>(d.colSums.size()));
   if (d.produces.size() != expectedProduces)
     check.fail(at + ".produces", "expected " + std::to_string(expectedProduces) +
                                      " references, got " + std::to_string(d.produces.size()));
@@ -606,6 +624,9 @@ OperatorRecord parseOperator(const Checker &check, const Json &value, const std:
     } else if (kind == "rows") {
       r.kind = ResidualKind::Rows;
       r.bits = static_cast<int>(check.integer(residuals[i], rAt, "bits", 1, 64));
+    } else if (kind == "cols") {
+      r.kind = ResidualKind::Cols;
+      r.bits = static_cast<int>(check.integer(residuals[i], rAt, "bits", 1, 64));
     } else if (kind == "shared") {
       r.kind = ResidualKind::Shared;
       r.output = static_cast<int>(check.integer(residuals[i], rAt, "output", 0, op.outputs - 1));
@@ -615,7 +636,7 @@ OperatorRecord parseOperator(const Checker &check, const Json &value, const std:
       r.kind = ResidualKind::Total;
     } else {
       check.fail(rAt + ".kind", "unknown residual kind \"" + kind +
-                                    "\" (expected codes, tensor, rows, shared, scalar or total)");
+                                    "\" (expected codes, tensor, rows, cols, shared, scalar or total)");
     }
     op.residuals.push_back(r);
   }

@@ -19,7 +19,7 @@ namespace abp::rt {
 /// and "shared"/"rows" residuals; format 3 total kernels ("kind": "total"), the "total" layout,
 /// the "scratch" role, "total" residuals and a direction's "totals". This runtime still reads
 /// formats 1 and 2 (subsets).
-constexpr int kManifestFormatVersion = 3;
+constexpr int kManifestFormatVersion = 4;
 /// The scratch a total kernel takes, in compute-type values (runtime/device/abp_device.h's
 /// kTotalScratchValues; the manifest states it too).
 constexpr int kTotalScratchValues = 1025;
@@ -45,7 +45,7 @@ enum class ArgRole { In, Out, Scalar, Count, Rows, Cols, Scratch };
 /// row index per row. Gathered: dense rows of another matrix, row r being the one that the
 /// i32 rows input `by` names (zeros where it is negative). Total: one compute-type value for
 /// the whole launch (a total kernel's output, another kernel's input).
-enum class ArgLayout { None, Dense, Packed, Rows, Gathered, Total };
+enum class ArgLayout { None, Dense, Packed, Rows, Cols, Gathered, Total };
 const char *argRoleName(ArgRole role);
 
 /// One kernel argument, in calling-convention order.
@@ -86,7 +86,7 @@ struct KernelRecord {
 
 /// Shared: the forward output `output` itself (its consumer keeps it; no memory of its own).
 /// Rows: one value per row. Total: a total kernel's one value.
-enum class ResidualKind { Codes, Tensor, Scalar, Shared, Rows, Total };
+enum class ResidualKind { Codes, Tensor, Scalar, Shared, Rows, Cols, Total };
 
 struct ResidualRecord {
   ResidualKind kind = ResidualKind::Scalar;
@@ -105,6 +105,8 @@ struct DirectionRecord {
   std::vector<TotalLaunch> totals;
   std::string kernel;
   std::vector<std::string> args;
+  /// After the kernel: each is summed over the rows (a per-column input's gradient), "colsumN".
+  std::vector<std::string> colSums;
   std::vector<std::string> produces;
 };
 

@@ -569,3 +569,41 @@ def test_the_autograd_path_runs_per_row_inputs_without_gradient_per_row_outputs_
     # The per-row input is checked like any argument, by its reference name.
     with pytest.raises(ValueError, match=r"test_row_dropout: input1 must be a contiguous torch.float32 tensor of one value per row \(12\)"):
         OperatorFunction.apply("test_row_dropout", (seed, offset), None, x, torch.rand(11))
+
+
+# An affine MS-LayerNorm authored in IR (the lit test's operator): the gain and bias are
+# per-column inputs (abp.broadcast_cols, #abp.cols), their gradients column sums
+# (abp.reduce_cols), taken after the backward kernel.
+AFFINE_IR = (Path(__file__).resolve().parents[1] / "lit" / "codegen" / "emit-rows-cols.mlir").read_text()
+
+
+@pytest.fixture(scope="module")
+def affine() -> str:
+    compiler_or_skip()
+    return abp.compile_operators(AFFINE_IR, origin="emit-rows-cols.mlir")[0]
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.float64, 1e-12)])
+@pytest.mark.parametrize("shape", [(4, 32), (3, 5, 100), (2, 1500), (1, 3)])
+def test_per_column_inputs_and_their_column_sums_are_layer_norms_affine(affine: str, shape, dtype, tol) -> None:
+    d = shape[-1]
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(*shape, generator=g, dtype=dtype, requires_grad=True)
+    w = (torch.rand(d, generator=g, dtype=dtype) + 0.5).requires_grad_()
+    b = torch.randn(d, generator=g, dtype=dtype).requires_grad_()
+    y = abp.functional.apply(affine, (x, w, b), (1e-5,))
+    want = torch.nn.functional.layer_norm(x, (d,), w, b, 1e-5)
+    torch.testing.assert_close(y, want, rtol=0, atol=tol * 4)
+    dy = torch.randn(want.shape, generator=g, dtype=dtype)
+    got = torch.autograd.grad(y, (x, w, b), dy)
+    exact = torch.autograd.grad(want, (x, w, b), dy)
+    for name, a, e in zip(("dx", "dw", "db"), got, exact):
+        assert a.shape == e.shape and a.dtype == e.dtype, name
+        torch.testing.assert_close(a, e, rtol=0, atol=tol * max(1.0, e.abs().max().item()) * 8, msg=name)
+
+
+def test_a_per_column_input_of_the_wrong_length_is_named(affine: str) -> None:
+    x = torch.randn(4, 32)
+    with pytest.raises(ValueError, match=r"input1 must be a contiguous torch.float32 tensor of one value per column \(32\), "
+                                         r"got torch.float32 with 31 elements"):
+        abp.functional.apply(affine, (x, torch.ones(31), torch.zeros(32)), (1e-5,))

@@ -214,12 +214,22 @@ TEST(Manifest, RejectsInvalidManifestsNamingFileAndField) {
              Json::array({Json{{"borders", Json::array({0.5, 0.5})}, {"levels", Json::array({1.0, 2.0, 3.0})}}});
        },
        "operators[0].tables[0].borders[1]: borders must increase strictly"},
-      {[](Json &j) { member(j, "format") = Json(4); },
-       "format: unsupported manifest format 4 (this runtime reads formats 1 to 3)"},
+      {[](Json &j) { member(j, "format") = Json(5); },
+       "format: unsupported manifest format 5 (this runtime reads formats 1 to 4)"},
       {[](Json &j) { member(j, "format") = Json(0); },
        "format: unsupported manifest format 0"},
       {[&](Json &j) { member(kernelArg(j, 0, 0), "layout") = Json("rows"); },
        "kernels[0].args[0].layout: the \"rows\" layout is only valid in a row kernel"},
+      {[&](Json &j) { member(kernelArg(j, 0, 0), "layout") = Json("cols"); },
+       "kernels[0].args[0].layout: the \"cols\" layout is only valid for inputs of a row kernel"},
+      {[&](Json &j) { member(member(op(j, 0), "backward"), "produces") = Json::array({"colsum0"}); },
+       "operators[0].backward.produces[0]: \"colsum0\" is out of range (0 colsums available)"},
+      {[&](Json &j) {
+         member(op(j, 0), "residuals") = Json::array({Json{{"kind", "cols"}, {"bits", 32}}});
+         member(member(op(j, 0), "forward"), "produces") = Json::array({"result0", "input0"});
+       },
+       "operators[0].backward.args[1]: \"residual0\" feeds argument 1 of kernel \"test_scale\", which is "
+       "not a \"cols\" input, but the residual holds one value per column"},
       {[](Json &j) { at(member(j, "kernels"), 0)["kind"] = Json("tiles"); },
        "kernels[0].kind: expected \"elementwise\", \"rows\" or \"total\""},
       {[](Json &j) { at(member(j, "kernels"), 0)["kind"] = Json("total"); },

@@ -115,13 +115,14 @@ def registered(op_name: str) -> bool:
 def registrable(op: Operator) -> bool:
     """True for the operators abp registers: those with an output whose shapes follow from a dense
     input (dense outputs like it, per-row ones without its last dimension; per-row and no_grad
-    inputs too). Ones reading rows by index run eagerly (their row count is the index's), draws
-    without an input are abp.sampling's, and codecs without an output (gact_b<k>: input to
-    codes) are abp.compress's."""
+    inputs too). Ones reading rows by index run eagerly (their row count is the index's), and so
+    do ones with per-column inputs (their fake kernels do not shape those yet); draws without an
+    input are abp.sampling's, and codecs without an output (gact_b<k>: input to codes) are
+    abp.compress's."""
     if op.inputs == 0 or op.outputs == 0 or op.forward is None:
         return False
     layouts = [spec.layout if spec is not None else None for spec in op.input_args]
-    return "gathered" not in layouts and "dense" in layouts
+    return "gathered" not in layouts and "cols" not in layouts and "dense" in layouts
 
 
 def param_kinds(op: Operator) -> Tuple[str, ...]:

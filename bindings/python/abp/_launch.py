@@ -294,6 +294,12 @@ def _check_argument(op: Operator, ref: str, value: Any, spec: KernelArg, n: int,
         if value.dtype != compute_dtype(dtype) or value.numel() != 1:
             raise ValueError(f"{op.name}: {ref} must hold one {compute_dtype(dtype)} value (a whole-tensor "
                              f"reduction), got {value.dtype} with {value.numel()} elements")
+    elif layout == "cols":
+        if value.dtype != dtype or value.numel() != cols or not value.is_contiguous():
+            raise ValueError(
+                f"{op.name}: {ref} must be a contiguous {dtype} tensor of one value per column "
+                f"({cols}), got {value.dtype} with {value.numel()} elements"
+            )
     elif layout == "rows":
         row_dtype = torch.int32 if spec.type == "i32" else compute_dtype(dtype)
         if value.dtype != row_dtype or value.numel() != rows or not value.is_contiguous():
@@ -450,6 +456,12 @@ def _run(
         _launch_totals(op, backward, values, dtype, device, shape, device_index, stream)
     if direction.kernel is not None:
         values.update(zip(_RESULT_REFS, _launch_kernel(op, backward, values, dtype, device, shape, device_index, stream)))
+    for i, ref in enumerate(direction.col_sums):
+        # A per-column input's gradient: the row-wide value summed over the rows (in the compute
+        # dtype), as autograd reduces a broadcast operand's.
+        wide = values[ref]
+        cols = shape[-1] if len(shape) else 1
+        values[f"colsum{i}"] = wide.reshape(-1, cols).sum(0, dtype=compute_dtype(dtype)).to(dtype)
     try:
         return [values[ref] for ref in direction.produces]
     except KeyError:

@@ -37,8 +37,8 @@ def packed_bytes(bits: int, n: int) -> int:
 
 @dataclass(frozen=True)
 class KernelArg:
-    """One kernel argument: role in/out/scalar/count/scratch; layout dense/packed/rows/gathered/
-    total for in/out; `type` of a scalar (f32/i64) or of a rows input holding row indices (i32);
+    """One kernel argument: role in/out/scalar/count/scratch; layout dense/packed/rows/cols/
+    gathered/total for in/out; `type` of a scalar (f32/i64) or of a rows input holding row indices (i32);
     `by`: the argument holding a gathered input's row indices; `values`: a total kernel's scratch
     size, in compute-type values."""
 
@@ -77,19 +77,22 @@ class KernelRecord:
 @dataclass(frozen=True)
 class Direction:
     """A direction (forward or backward): the kernel, where its inputs come from, what it produces;
-    before it, its total kernels (kernel, args), whose results are total0, total1, ..."""
+    before it, its total kernels (kernel, args), whose results are total0, total1, ...; after it,
+    the row-wide values summed over the rows (a per-column input's gradient), colsum0, ..."""
 
     kernel: Optional[str]
     args: Tuple[str, ...]
     produces: Tuple[str, ...]
     totals: Tuple[Tuple[str, Tuple[str, ...]], ...] = ()
+    col_sums: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class Residual:
     """What forward saves: `codes` (packed, `bits` per element), `tensor` (dense), `rows` (one
-    value per row), `shared` (forward output `output` itself: no memory of its own), `scalar` (f32)
-    or `total` (a whole-tensor reduction: one compute-dtype value on the device, a 0-d tensor)."""
+    value per row), `cols` (a per-column input saved as it is: one value per column), `shared`
+    (forward output `output` itself: no memory of its own), `scalar` (f32) or `total` (a
+    whole-tensor reduction: one compute-dtype value on the device, a 0-d tensor)."""
 
     kind: str
     bits: Optional[int] = None
@@ -201,6 +204,7 @@ def _direction(raw: Optional[Mapping[str, Any]]) -> Optional[Direction]:
         args=tuple(raw.get("args", ())),
         produces=tuple(raw["produces"]),
         totals=tuple((t["kernel"], tuple(t["args"])) for t in raw.get("totals", ())),
+        col_sums=tuple(raw.get("col_sums", ())),
     )
 
 

@@ -37,7 +37,7 @@
 // CHECK: op_bwd_body((abp::u8)e_a0[k], e_a1[k], a2, e_r0[k]);
 // CHECK: ABP_KERNEL void abp_op_bwd_f32_{{[0-9a-f]+}}(const abp::u8 *ABP_RESTRICT a0, const float *ABP_RESTRICT a1, float a2, float *ABP_RESTRICT r0, abp::i64 n) {
 
-// MANIFEST: "format": 3,
+// MANIFEST: "format": 4,
 // MANIFEST: "name": "op",
 // MANIFEST: "inputs": 1,
 // MANIFEST: "outputs": 1,

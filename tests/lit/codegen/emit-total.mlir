@@ -19,7 +19,7 @@
 // The direction's kernel reads the mean through a pointer, once per element of its chunk.
 // CHECK: ABP_KERNEL void abp_scaled_fwd_f32_{{[0-9a-f]+}}(const float *ABP_RESTRICT a0, const float *ABP_RESTRICT a1, float *ABP_RESTRICT r0, abp::i64 n) {
 
-// MANIFEST: "format": 3,
+// MANIFEST: "format": 4,
 // MANIFEST: "residuals": [{"kind":"total"}],
 // MANIFEST: "forward": {"kernel":"scaled_fwd","args":["input0","total0"],"totals":[{"kernel":"scaled_fwd_total0","args":["input0"]}],"produces":["result0","total0"]},
 // MANIFEST: "backward": {"kernel":"scaled_bwd","args":["grad0","residual0"],"produces":["result0"]}

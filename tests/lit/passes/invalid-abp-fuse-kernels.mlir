@@ -2,7 +2,7 @@
 
 abp.operator @unlowered forward {
 ^bb0(%x: tensor<?xf32>):
-  // expected-error @+1 {{cannot be fused into a kernel; only abp.map, abp.pack, abp.unpack, abp.uniform, abp.reduce_rows, abp.reduce_tensor, abp.broadcast_rows, abp.sample and abp.unsample may remain after lowering}}
+  // expected-error @+1 {{cannot be fused into a kernel; only abp.map, abp.pack, abp.unpack, abp.uniform, abp.reduce_rows, abp.reduce_tensor, abp.broadcast_rows, abp.broadcast_cols, abp.reduce_cols, abp.sample and abp.unsample may remain after lowering}}
   %c = abp.quantize %x {scheme = #abp.buckets<borders = [0.0], levels = [0.0, 1.0]>} : tensor<?xf32> -> !abp.codes<1>
   abp.return %x : tensor<?xf32> saves %c : !abp.codes<1>
 } backward {
@@ -108,4 +108,34 @@ abp.operator @total_of_a_per_row_value forward {
 } backward {
 ^bb0(%g: tensor<?x?xf32>):
   abp.return %g : tensor<?x?xf32>
+}
+
+// -----
+
+// A per-column vector is read at each element's column: one the kernel computes (a rank-1 map
+// there is per row) cannot be.
+abp.operator @computed_cols forward {
+^bb0(%x: tensor<?x?xf32>, %w: tensor<?xf32>):
+  %w2 = abp.map(%w) : (tensor<?xf32>) -> tensor<?xf32> {
+  ^bb0(%a: f32):
+    %p = arith.mulf %a, %a : f32
+    abp.yield %p : f32
+  }
+  // expected-error @+1 {{broadcasts a per-column value computed in the same kernel; broadcast an operator argument or residual, and compute on its row-wide broadcast}}
+  %wb = abp.broadcast_cols %w2 : tensor<?xf32> -> tensor<?x?xf32>
+  %y = abp.map(%x, %wb) : (tensor<?x?xf32>, tensor<?x?xf32>) -> tensor<?x?xf32> {
+  ^bb0(%a: f32, %b: f32):
+    %p = arith.mulf %a, %b : f32
+    abp.yield %p : f32
+  }
+  abp.return %y : tensor<?x?xf32> saves %w : tensor<?xf32>
+} backward {
+^bb0(%w: tensor<?xf32>, %dy: tensor<?x?xf32>):
+  %wb = abp.broadcast_cols %w : tensor<?xf32> -> tensor<?x?xf32>
+  %dx = abp.map(%dy, %wb) : (tensor<?x?xf32>, tensor<?x?xf32>) -> tensor<?x?xf32> {
+  ^bb0(%a: f32, %b: f32):
+    %p = arith.mulf %a, %b : f32
+    abp.yield %p : f32
+  }
+  abp.return %dx, %w : tensor<?x?xf32>, tensor<?xf32>
 }
