@@ -150,22 +150,28 @@ def keep_what_saves(model: nn.Module, candidates: Sequence[Candidate], count: Ca
     idle: List[Tuple[Tuple[str, type, type, str], List[Candidate]]] = []
     kept: List[Tuple[Tuple[str, type, type, str], List[Candidate]]] = []  # ran, and stayed
 
+    def place(members: Sequence[Candidate], originals: bool) -> None:
+        for c in members:
+            put(model, c.paths, c.original if originals else c.new)
+
+    def counted_with(members: Sequence[Candidate], originals: bool) -> int:
+        """count() with `members` as their originals (or their replacements); where it raises,
+        they are placed back as they were and the error goes on."""
+        place(members, originals)
+        try:
+            return count()
+        except Exception:
+            place(members, not originals)
+            raise
+
     def without(chosen: Sequence[Tuple[Tuple[str, type, type, str], List[Candidate]]]) -> bool:
         """Puts back the groups `chosen` if the model then stores fewer bytes; raises what the count
         raised, with the groups replaced again."""
         nonlocal current
         members = [c for _, group in chosen for c in group]
-        for c in members:
-            put(model, c.paths, c.original)
-        try:
-            counted = count()
-        except Exception:
-            for c in members:
-                put(model, c.paths, c.new)
-            raise
+        counted = counted_with(members, originals=True)
         if counted >= current:
-            for c in members:
-                put(model, c.paths, c.new)
+            place(members, originals=False)
             return False
         before, current = current, counted
         if len(chosen) > 1:
@@ -173,19 +179,11 @@ def keep_what_saves(model: nn.Module, candidates: Sequence[Candidate], count: Ca
             # part ties) is replaced again: a tie keeps the replacement.
             needed = []
             for key, group in chosen:
-                for c in group:
-                    put(model, c.paths, c.new)
-                try:
-                    again = count()
-                except Exception:
-                    for c in group:
-                        put(model, c.paths, c.original)
-                    raise
+                again = counted_with(group, originals=False)
                 if again <= current:
                     current = again
                 else:
-                    for c in group:
-                        put(model, c.paths, c.original)
+                    place(group, originals=True)
                     needed.append((key, group))
             chosen = needed
         put_back.extend(PutBack(c, before, current) for _, group in chosen for c in group)
