@@ -520,20 +520,25 @@ static bool inRowKernel(Operation *op) {
   return kernel && kernel.isRowKernel();
 }
 
-/// `matrix` is tensor<R x C x f32> and `rows` tensor<R x f32> (R may be dynamic on either side).
-static LogicalResult verifyRowShapes(Operation *op, Type matrix, Type rows) {
+/// `matrix` is tensor<R x C x f32> and `vector` tensor<N x f32> with N the matrix's rows R (`dim`
+/// 0: one value per row) or columns C (`dim` 1: one per column); sizes may be dynamic.
+static LogicalResult verifyVectorShape(Operation *op, Type matrix, Type vector, unsigned dim) {
+  const char *per = dim == 0 ? "row" : "column";
   auto m = dyn_cast<RankedTensorType>(matrix);
-  auto r = dyn_cast<RankedTensorType>(rows);
-  if (!m || !r || m.getRank() != 2 || r.getRank() != 1)
-    return op->emitOpError() << "expects a row-wide tensor<?x?xf32> and a per-row "
-                                "tensor<?xf32>, got "
-                             << matrix << " and " << rows;
-  if (!ShapedType::isDynamic(m.getDimSize(0)) && !ShapedType::isDynamic(r.getDimSize(0)) &&
-      m.getDimSize(0) != r.getDimSize(0))
-    return op->emitOpError() << "expects one value per row: " << matrix << " has "
-                             << m.getDimSize(0) << " rows but " << rows << " has "
-                             << r.getDimSize(0);
+  auto v = dyn_cast<RankedTensorType>(vector);
+  if (!m || !v || m.getRank() != 2 || v.getRank() != 1)
+    return op->emitOpError() << "expects a row-wide tensor<?x?xf32> and a per-" << per
+                             << " tensor<?xf32>, got " << matrix << " and " << vector;
+  if (!ShapedType::isDynamic(m.getDimSize(dim)) && !ShapedType::isDynamic(v.getDimSize(0)) &&
+      m.getDimSize(dim) != v.getDimSize(0))
+    return op->emitOpError() << "expects one value per " << per << ": " << matrix << " has "
+                             << m.getDimSize(dim) << (dim == 0 ? " rows" : " columns") << " but "
+                             << vector << " has " << v.getDimSize(0);
   return success();
+}
+
+static LogicalResult verifyRowShapes(Operation *op, Type matrix, Type rows) {
+  return verifyVectorShape(op, matrix, rows, 0);
 }
 
 LogicalResult ReduceRowsOp::verify() {
@@ -557,24 +562,8 @@ LogicalResult BroadcastRowsOp::verify() {
 // BroadcastColsOp / ReduceColsOp
 //===----------------------------------------------------------------------===//
 
-/// `matrix` is tensor<R x C x f32> and `cols` tensor<C x f32> (C may be dynamic on either side).
-static LogicalResult verifyColShapes(Operation *op, Type matrix, Type cols) {
-  auto m = dyn_cast<RankedTensorType>(matrix);
-  auto c = dyn_cast<RankedTensorType>(cols);
-  if (!m || !c || m.getRank() != 2 || c.getRank() != 1)
-    return op->emitOpError() << "expects a row-wide tensor<?x?xf32> and a per-column "
-                                "tensor<?xf32>, got "
-                             << matrix << " and " << cols;
-  if (!ShapedType::isDynamic(m.getDimSize(1)) && !ShapedType::isDynamic(c.getDimSize(0)) &&
-      m.getDimSize(1) != c.getDimSize(0))
-    return op->emitOpError() << "expects one value per column: " << matrix << " has "
-                             << m.getDimSize(1) << " columns but " << cols << " has "
-                             << c.getDimSize(0);
-  return success();
-}
-
 LogicalResult BroadcastColsOp::verify() {
-  if (failed(verifyColShapes(*this, getResult().getType(), getInput().getType())))
+  if (failed(verifyVectorShape(*this, getResult().getType(), getInput().getType(), 1)))
     return failure();
   for (Operation *user : getInput().getUsers())
     if (isa<BroadcastRowsOp, ReduceRowsOp>(user))
@@ -588,7 +577,7 @@ LogicalResult ReduceColsOp::verify() {
   if (getKind() != ReduceKind::sum)
     return emitOpError() << "supports only `sum` (the gradient of a per-column input), got `"
                          << stringifyReduceKind(getKind()) << "`";
-  if (failed(verifyColShapes(*this, getInput().getType(), getResult().getType())))
+  if (failed(verifyVectorShape(*this, getInput().getType(), getResult().getType(), 1)))
     return failure();
   auto op = (*this)->getParentOfType<OperatorOp>();
   if (!op || (*this)->getParentRegion() != &op.getBackward())

@@ -21,6 +21,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -197,12 +198,18 @@ int lockShared(const std::string &dir) {
   return fd;
 }
 
-/// Keeps `fd` (a shared lock on an entry) open for the rest of the process.
-void holdForever(int fd) {
+/// Keeps `fd` (a shared lock on entry `dir`) open for the rest of the process: one descriptor per
+/// entry, however often its IR is compiled again (an entry rebuilt meanwhile is a new directory,
+/// whose lock replaces the old one's).
+void holdForever(const std::string &dir, int fd) {
   static std::mutex mutex;
-  static std::vector<int> *held = new std::vector<int>(); // never freed: the locks last until exit
+  static auto *held = new std::map<std::string, int>(); // never freed: the locks last until exit
   std::lock_guard<std::mutex> lock(mutex);
-  held->push_back(fd);
+  auto [it, fresh] = held->emplace(dir, fd);
+  if (!fresh) {
+    ::close(it->second);
+    it->second = fd;
+  }
 }
 
 /// Keeps the compiled IR under ABP_CACHE_MAX_MB (as the NVRTC cache): the least recently
@@ -263,7 +270,7 @@ std::string compileIrToKernelDir(const std::string &irText, const std::string &o
   // Locked before it is checked: a size limit elsewhere removes only entries no one locks.
   if (int fd = lockShared(dir); fd >= 0) {
     if (entryIsIntact(dir, stem)) {
-      holdForever(fd);
+      holdForever(dir, fd);
       return dir;
     }
     ::close(fd);
@@ -305,7 +312,7 @@ std::string compileIrToKernelDir(const std::string &irText, const std::string &o
                                    ": the entry is missing or damaged after the compile (another "
                                    "process's size limit or a concurrent change); compile again");
   }
-  holdForever(fd);
+  holdForever(dir, fd);
   enforceSizeLimit(root, dir);
   return dir;
 }

@@ -325,6 +325,19 @@ def test_the_ir_cache_is_private_and_heals(tmp_path: Path) -> None:
     cache.chmod(0o700)
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts this process's descriptors in /proc")
+def test_compiling_the_same_ir_again_holds_its_entry_once() -> None:
+    # A process holds a lock on every entry it uses (below); compiling one IR again took another
+    # descriptor each time (20 compiles, 20 descriptors), which a long authoring session runs out of.
+    compiler_or_skip()
+    ir = CUBE_IR.replace("@test_cube", "@test_held_once")
+    abp.compile_operators(ir, origin="held.mlir")
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        abp.compile_operators(ir, origin="held.mlir")
+    assert len(os.listdir("/proc/self/fd")) <= before + 1
+
+
 def test_a_size_limit_leaves_the_entries_of_compiled_operators_in_place(tmp_path: Path) -> None:
     """ABP_CACHE_MAX_MB removed the least recently written entries, also those of operators a
     process had compiled and not yet called (an operator's host library loads at its first
