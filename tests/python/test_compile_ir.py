@@ -615,6 +615,16 @@ def test_per_column_inputs_and_their_column_sums_are_layer_norms_affine(affine: 
         torch.testing.assert_close(a, e, rtol=0, atol=tol * max(1.0, e.abs().max().item()) * 8, msg=name)
 
 
+def test_rows_of_no_columns_and_no_rows_give_empty_and_zero_column_sums(affine: str) -> None:
+    for shape in ((4, 0), (0, 8)):
+        x = torch.randn(*shape, requires_grad=True)
+        w, b = torch.ones(shape[-1], requires_grad=True), torch.zeros(shape[-1], requires_grad=True)
+        y = abp.functional.apply(affine, (x, w, b), (1e-5,))
+        dx, dw, db = torch.autograd.grad(y, (x, w, b), torch.ones_like(y))
+        assert y.shape == x.shape and dx.shape == x.shape and dw.shape == db.shape == (shape[-1],)
+        assert not dw.any() and not db.any()  # no rows: sums of nothing
+
+
 def test_a_per_column_input_of_the_wrong_length_is_named(affine: str) -> None:
     x = torch.randn(4, 32)
     with pytest.raises(ValueError, match=r"input1 must be a contiguous torch.float32 tensor of one value per column \(32\), "

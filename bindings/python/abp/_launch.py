@@ -459,9 +459,8 @@ def _run(
     for i, ref in enumerate(direction.col_sums):
         # A per-column input's gradient: the row-wide value summed over the rows (in the compute
         # dtype), as autograd reduces a broadcast operand's.
-        wide = values[ref]
-        cols = shape[-1] if len(shape) else 1
-        values[f"colsum{i}"] = wide.reshape(-1, cols).sum(0, dtype=compute_dtype(dtype)).to(dtype)
+        rows, cols = (math.prod(shape[:-1]), shape[-1]) if len(shape) else (1, 1)
+        values[f"colsum{i}"] = values[ref].reshape(rows, cols).sum(0, dtype=compute_dtype(dtype)).to(dtype)
     try:
         return [values[ref] for ref in direction.produces]
     except KeyError:
