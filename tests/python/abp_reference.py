@@ -309,12 +309,14 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
             and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
 
 
-def plan_served(dtype: torch.dtype) -> List[str]:
-    """The operators abp._eager's per-call plans serve at launch dtype `dtype`, by name."""
+def plan_served(dtype: torch.dtype, inputs: int = 1) -> List[str]:
+    """The operators of `inputs` inputs (1: one-input operators, which OperatorFunction's lane
+    takes; more: a dense input and per-column ones, the affine norms') that abp._eager's per-call
+    plans serve at launch dtype `dtype`, by name."""
     from abp import _eager, _launch, _lib
     library_or_skip()
     return [name for name, op in sorted(_lib.kernel_library().operators.items())
-            if _launch.DTYPE_NAMES[dtype] in op.dtypes and _eager.plan(op, dtype) is not None]
+            if op.inputs == inputs and _launch.DTYPE_NAMES[dtype] in op.dtypes and _eager.plan(op, dtype) is not None]
 
 
 def _sequences(seed: int, length: int) -> torch.Tensor:

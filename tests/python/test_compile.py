@@ -51,6 +51,29 @@ def test_opcheck_validates_schema_fake_and_autograd(op, params):
     torch.library.opcheck(bwd, bwd_args)
 
 
+@pytest.mark.parametrize("op", ["ms_layernorm_affine", "ms_layernorm_gain", "ms_rmsnorm_affine", "ms_rmsnorm_gain"])
+def test_opcheck_validates_per_column_inputs_and_their_gradients(op):
+    # The affine norms' gain and bias: per-column inputs, saved from the inputs (not returned),
+    # whose gradients hold one value per column.
+    columns = _custom_ops.plan(op).op.inputs - 1
+    x = torch.randn(6, 5, 16, requires_grad=True)
+    cols = [torch.randn(16, requires_grad=True) for _ in range(columns)]
+    fwd = getattr(torch.ops.abp, f"{op}_fwd").default
+    torch.library.opcheck(fwd, (x, *cols, 1e-5, 0.5))
+    y, statistic = fwd(x.detach(), *[c.detach() for c in cols], 1e-5, 0.5)
+    assert y.shape == x.shape and statistic.shape == (6, 5)
+    bwd = getattr(torch.ops.abp, f"{op}_bwd").default
+    torch.library.opcheck(bwd, (y, statistic, *[c.detach() for c in cols], torch.randn(6, 5, 16), 0.5))
+    grads = bwd(y, statistic, *[c.detach() for c in cols], torch.randn(6, 5, 16), 0.5)
+    assert [tuple(g.shape) for g in grads] == [(6, 5, 16)] + [(16,)] * columns
+    # Through autograd: the eager operator's gradients, bit for bit.
+    dy = torch.randn(6, 5, 16)
+    got = torch.autograd.grad(fwd(x, *cols, 1e-5, 0.5)[0], [x, *cols], dy)
+    eager = abp.functional.apply(op, (x, *cols), (1e-5, 0.5))
+    want = torch.autograd.grad(eager, [x, *cols], dy)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 @pytest.mark.parametrize("op,params", [("resilu2", ()), ("silu_b2_uniform", ()), ("leaky_relu", (0.25,))])
 def test_custom_op_autograd_equals_the_eager_function(op, params):
     x = sample_inputs(1000, torch.float32, seed=11).reshape(10, 100).t().requires_grad_()

@@ -75,6 +75,43 @@ def test_every_served_operator_gives_the_general_paths_bytes(dtype):
             assert _same_bytes(dx[0], want[0]), (name, shape)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_plans_with_per_column_inputs_give_the_general_paths_bytes(dtype):
+    # The affine norms: a dense input and a gain (and bias) read per column, whose gradients are
+    # the backward's column sums.
+    names = _served(dtype, inputs=2) + _served(dtype, inputs=3)
+    assert {"ms_layernorm_gain", "ms_layernorm_affine", "ms_rmsnorm_gain", "ms_rmsnorm_affine"} <= set(names)
+    gen = torch.Generator().manual_seed(3)
+    for name in names:
+        op = _lib.kernel_library().operator(name)
+        plan = _eager.plan(op, dtype)
+        params = _params(op)
+        for shape in [(5, 33), (2, 3, 64), (7,), (0, 4), (3, 0)]:
+            x = torch.randn(shape, dtype=dtype, generator=gen)
+            cols = [torch.randn(shape[-1], dtype=dtype, generator=gen) for _ in range(op.inputs - 1)]
+            assert plan.forward(x, params) is None, name  # without its per-column inputs: declined
+            fast = plan.forward(x, params, cols)
+            assert fast is not None, (name, shape)
+            slow = _launch.forward(op, (x, *cols), params)
+            for a, b in zip(fast[0] + fast[1], slow[0] + slow[1]):
+                assert _same_bytes(a, b) if isinstance(a, torch.Tensor) else a == b, (name, shape)
+            residuals = list(fast[1])
+            g = torch.randn(shape, dtype=dtype, generator=gen)
+            dxs = plan.backward(residuals, (g,), x.shape, x.device)
+            want = _launch.backward(op, residuals, (g,), x.shape, dtype, x.device)
+            assert dxs is not None and len(dxs) == op.inputs == len(want), (name, shape)
+            assert all(_same_bytes(a, b) for a, b in zip(dxs, want)), (name, shape)
+        # A per-column input of the wrong length, dtype or layout, or a saved one changed: the general path's.
+        x = torch.randn(4, 8, dtype=dtype)
+        good = [torch.randn(8, dtype=dtype) for _ in range(op.inputs - 1)]
+        other = torch.float64 if dtype != torch.float64 else torch.float32
+        for bad in (torch.randn(7, dtype=dtype), torch.randn(8, dtype=other), torch.randn(16, dtype=dtype)[::2]):
+            assert plan.forward(x, params, [bad, *good[1:]]) is None, name
+        outputs, residuals = plan.forward(x, params, good)
+        changed = [r[:7] if isinstance(r, torch.Tensor) and r.dim() == 1 and r.numel() == 8 else r for r in residuals]
+        assert plan.backward(changed, (torch.randn(4, 8, dtype=dtype),), x.shape, x.device) is None, name
+
+
 def test_a_non_contiguous_input_and_gradient_take_the_lane_as_copies():
     op = _lib.kernel_library().operator("ms_layernorm")
     x = torch.randn(16, 8).t()  # (8, 16), transposed

@@ -262,8 +262,9 @@ def test_the_build_directory_follows_abp_cache_dir(monkeypatch, tmp_path):
 
 
 def _affine_python(op_name, x, eps, weight, bias, offset, out_dtype, save_dtype):
-    from abp._affine_norm import _AffineMSNorm
-    return _AffineMSNorm.apply(op_name, eps, offset, out_dtype, save_dtype, x, weight, bias)
+    from abp._affine_norm import _AffineMSNorm, affine_operator
+    return _AffineMSNorm.apply(affine_operator(op_name, bias is not None), eps, offset, out_dtype, save_dtype,
+                               x, weight, bias)
 
 
 @pytest.mark.parametrize("op_name", ["ms_layernorm", "ms_rmsnorm"])
@@ -271,7 +272,8 @@ def _affine_python(op_name, x, eps, weight, bias, offset, out_dtype, save_dtype)
 def test_the_affine_norm_gives_the_python_lanes_bytes(op_name, dtype):
     from abp import _affine_norm
     _lane()
-    assert autograd.lane_plan(op_name, _launch.compute_dtype(dtype)) is not None
+    for bias in (False, True):
+        assert autograd.lane_plan(_affine_norm.affine_operator(op_name, bias), _launch.compute_dtype(dtype)) is not None
     gen = torch.Generator().manual_seed(2)
     cases = [  # (shape, weight, bias, offset, out_dtype, save_dtype)
         ((6, 16), True, True, 0.0, None, None),
@@ -302,6 +304,31 @@ def test_the_affine_norm_gives_the_python_lanes_bytes(op_name, dtype):
         assert len(sa) == len(sb) and all(_same_bytes(a, b) for a, b in zip(sa, sb)), case
         for a, b in zip(ga, gb):
             assert (a is None) == (b is None) and (a is None or _same_bytes(a, b)), case
+
+
+def test_the_affine_norm_declines_a_changed_statistic_to_the_python_lanes_error():
+    # A saved-tensor hook that hands the per-row statistic back in another dtype: the C++ plan
+    # declines it, and the Python lane's general path names it, its type kept through the engine.
+    from abp import _affine_norm
+    _lane()
+    errors = []
+    for run in (_affine_norm.affine_ms_norm, _affine_python):
+        x = torch.randn(4, 8, requires_grad=True)
+        w, b = torch.randn(8, requires_grad=True), torch.randn(8, requires_grad=True)
+        unpack = lambda t: t.double() if t.dim() == 1 and t.numel() == 4 else t  # noqa: E731
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+            y = run("ms_layernorm", x, 1e-5, w, b, 0.0, None, None)
+        with pytest.raises(ValueError) as info:
+            y.sum().backward()
+        errors.append(str(info.value))
+    assert errors[0] == errors[1] and "one value per row" in errors[0], errors
+
+
+def test_a_plan_of_per_column_inputs_is_not_a_one_input_lane():
+    # The affine norms' plans take per-column inputs: the one-input entry declines them.
+    lane = _lane()
+    native = _eager.native_plan(_lib.kernel_library().operator("ms_rmsnorm_gain"), torch.float32)
+    assert native is not None and lane.run(native, torch.randn(3, 8), (1e-6, 0.0)) is None
 
 
 def test_integer_parameters_are_exact_and_several_outputs_are_a_tuple():

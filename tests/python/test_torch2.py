@@ -129,16 +129,25 @@ def test_dynamic_eps_and_slope_of_modules_compile():
         assert torch.equal(g, p.grad)
 
 
-_PARAMS = {"negative_slope": 0.1, "min_val": -1.0, "max_val": 2.0, "threshold": 0.5, "value": -2.0, "lambd": 0.5, "eps": 1e-5}
+_PARAMS = {"negative_slope": 0.1, "min_val": -1.0, "max_val": 2.0, "threshold": 0.5, "value": -2.0, "lambd": 0.5, "eps": 1e-5,
+           "offset": 0.5}
+
+
+def _inputs(plan: Any, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """x, and a vector of x's last dimension for each per-column input (a norm's gain and bias)."""
+    gen = torch.Generator().manual_seed(7)
+    return (x, *[torch.randn(x.shape[-1], generator=gen) for _ in plan.op.input_args[1:]])
 
 
 def _bwd_args(plan: Any, x: torch.Tensor, params: Tuple[float, ...]) -> Tuple[Any, ...]:
     """Arguments of abp::<op>_bwd from a real forward: its saved residuals, output grads, scalars."""
-    produced = plan.fwd(x, *params)
+    inputs = _inputs(plan, x)
+    produced = plan.fwd(*inputs, *params)
     produced = produced if isinstance(produced, tuple) else (produced,)
     n_out = plan.op.outputs
     returned = iter(produced[n_out:])
-    saved = [produced[k] if kind == "output" else next(returned) for kind, k in plan.residual_sources if kind != "param"]
+    saved = [produced[k] if kind == "output" else inputs[k] if kind == "input" else next(returned)
+             for kind, k in plan.residual_sources if kind != "param"]
     # A per-row output's gradient is per row (row_norms); the launch shape is then given.
     grads = [torch.randn(x.shape[:-1] if layout == "rows" else x.shape, dtype=x.dtype) for layout in plan.op.output_layouts]
     scalars = [params[plan.residual_sources[i][1]] for i in plan.scalar_residuals]
@@ -153,14 +162,14 @@ def test_opcheck_every_registered_custom_op():
     # The op library's operators (the build's manifests), not ones other tests compiled from IR.
     built = {o["name"] for path in abp.kernel_dir().glob("*.json") for o in json.loads(path.read_text()).get("operators", [])}
     names = sorted(n for n in built if _custom_ops.registrable(library.operator(n)))
-    assert len(names) >= 100 and "regelu2" in names and "ms_layernorm" in names
+    assert len(names) >= 100 and {"regelu2", "ms_layernorm", "ms_layernorm_affine", "ms_rmsnorm_gain"} <= set(names)
     failures: Dict[str, str] = {}
     for name in names:
         plan = _custom_ops.register(library.operator(name))
         params = tuple(_PARAMS[p] for p in plan.op.params)
         x = torch.randn(5, 33, generator=torch.Generator().manual_seed(len(name)), requires_grad=True)
         try:
-            torch.library.opcheck(plan.fwd, (x, *params))
+            torch.library.opcheck(plan.fwd, (*_inputs(plan, x), *params))
             torch.library.opcheck(plan.bwd, _bwd_args(plan, x.detach(), params))
         except Exception as e:  # collect them all: one report names every failing op
             failures[name] = f"{type(e).__name__}: {e}"[:400]

@@ -94,7 +94,8 @@ class _Plan:
     op: Operator
     # For each residual: ("tensor", k) = the k-th tensor the fwd op returns after the outputs,
     # ("output", k) = forward output k itself (a shared residual: custom ops may not return
-    # aliases, so it is saved from the outputs), or ("param", k) = the operator's k-th parameter.
+    # aliases, so it is saved from the outputs), ("input", k) = input k itself (a per-column
+    # input, saved as it is), or ("param", k) = the operator's k-th parameter.
     residual_sources: Tuple[Tuple[str, int], ...]
     tensor_residuals: Tuple[int, ...]  # indices of the residuals that are tensors
     scalar_residuals: Tuple[int, ...]  # indices of the residuals that are scalars
@@ -114,15 +115,14 @@ def registered(op_name: str) -> bool:
 
 def registrable(op: Operator) -> bool:
     """True for the operators abp registers: those with an output whose shapes follow from a dense
-    input (dense outputs like it, per-row ones without its last dimension; per-row and no_grad
-    inputs too). Ones reading rows by index run eagerly (their row count is the index's), and so
-    do ones with per-column inputs (their fake kernels do not shape those yet); draws without an
-    input are abp.sampling's, and codecs without an output (gact_b<k>: input to codes) are
-    abp.compress's."""
+    input (dense outputs like it, per-row ones without its last dimension; per-row, per-column
+    and no_grad inputs too). Ones reading rows by index run eagerly (their row count is the
+    index's); draws without an input are abp.sampling's, and codecs without an output (gact_b<k>:
+    input to codes) are abp.compress's."""
     if op.inputs == 0 or op.outputs == 0 or op.forward is None:
         return False
     layouts = [spec.layout if spec is not None else None for spec in op.input_args]
-    return "gathered" not in layouts and "cols" not in layouts and "dense" in layouts
+    return "gathered" not in layouts and "dense" in layouts
 
 
 def param_kinds(op: Operator) -> Tuple[str, ...]:
@@ -165,6 +165,8 @@ def _residual_sources(op: Operator) -> Tuple[Tuple[str, int], ...]:
         elif residual.kind == "shared":
             assert residual.output is not None
             sources.append(("output", residual.output))
+        elif kind == "input":
+            sources.append(("input", index))
         else:
             sources.append(("tensor", tensors))
             tensors += 1
@@ -220,6 +222,7 @@ def _define(op: Operator) -> _Plan:
     kinds = param_kinds(op)
     per_row_outputs = tuple(layout == "rows" for layout in op.output_layouts)
     per_row_inputs = tuple(spec is not None and spec.layout == "rows" for spec in op.input_args)
+    per_column_inputs = tuple(spec is not None and spec.layout == "cols" for spec in op.input_args)
     differentiated = tuple(i for i in range(n_in) if i not in op.no_grad)
     name = op.name
 
@@ -231,6 +234,12 @@ def _define(op: Operator) -> _Plan:
         if per_row:
             return first.new_empty(tuple(shape)[:-1], dtype=_launch.compute_dtype(dtype))
         return first.new_empty(tuple(shape), dtype=dtype)
+
+    def gradient_like(first: torch.Tensor, i: int, dtype: torch.dtype, shape: Sequence[Any]) -> torch.Tensor:
+        """An empty tensor shaped as input i's gradient: a per-column input's holds one value per column."""
+        if per_column_inputs[i]:
+            return first.new_empty(tuple(shape)[-1:], dtype=dtype)
+        return like(first, per_row_inputs[i], dtype, shape)
 
     # abp::<op>_fwd(Tensor input0, ..., float|SymInt param0, ..., ScalarType? out_dtype=None)
     #   -> (outputs..., tensor residuals...)
@@ -294,7 +303,7 @@ def _define(op: Operator) -> _Plan:
         residuals = [next(scalars) if s[0] == "param" else next(tensors) for s in sources]
         first, dtype, shape = bwd_options(args)
         dxs = _launch.backward(op, residuals, grads, torch.Size(shape), dtype, first.device)
-        dxs = [dx if dx is not None else like(first, per_row_inputs[i], dtype, shape)
+        dxs = [dx if dx is not None else gradient_like(first, i, dtype, shape)
                for i, dx in enumerate(dxs) if i in differentiated]
         return dxs[0] if len(dxs) == 1 else tuple(dxs)
 
@@ -306,15 +315,15 @@ def _define(op: Operator) -> _Plan:
     @bwd.register_fake
     def _(*args: Any) -> Any:
         first, dtype, shape = bwd_options(args)
-        dxs = [like(first, per_row_inputs[i], dtype, shape) for i in differentiated]
+        dxs = [gradient_like(first, i, dtype, shape) for i in differentiated]
         return dxs[0] if len(dxs) == 1 else tuple(dxs)
 
     def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
         produced = output if isinstance(output, tuple) else (output,)
         returned = iter(produced[n_out:])
-        ctx.save_for_backward(
-            *[produced[sources[i][1]] if sources[i][0] == "output" else next(returned) for i in saved_residuals]
-        )
+        ctx.save_for_backward(*[produced[sources[i][1]] if sources[i][0] == "output" else
+                                inputs[sources[i][1]] if sources[i][0] == "input" else next(returned)
+                                for i in saved_residuals])
         ctx.abp_scalars = tuple(inputs[n_in + sources[i][1]] for i in scalar_residuals)
         ctx.abp_input_shapes = tuple(inputs[i].shape for i in range(n_in))
         first = launch_input(inputs[:n_in])

@@ -19,14 +19,15 @@ __all__ = [
     "packed_bytes",
 ]
 
-_REF = re.compile(r"^(input|param|residual|grad|result|total)(0|[1-9][0-9]{0,5})$")
+_REF = re.compile(r"^(input|param|residual|grad|result|total|colsum)(0|[1-9][0-9]{0,5})$")
 
 
 def parse_ref(ref: str) -> Tuple[str, int]:
     """Splits a manifest reference ("residual1") into its kind and index (("residual", 1))."""
     m = _REF.match(ref)
     if m is None:
-        raise ValueError(f"manifest reference {ref!r} is not inputN, paramN, residualN, gradN, resultN or totalN")
+        raise ValueError(f"manifest reference {ref!r} is not inputN, paramN, residualN, gradN, resultN, totalN "
+                         "or colsumN")
     return m.group(1), int(m.group(2))
 
 

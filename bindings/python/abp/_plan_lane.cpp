@@ -1,5 +1,6 @@
 // The per-call lane of abp/_eager.py in C++: a one-input operator's forward and backward as a
-// torch::autograd::Function, so that neither direction enters Python.
+// torch::autograd::Function, so that neither direction enters Python; and the affine norms' (a
+// dense input and per-column gain and bias, abp/_affine_norm.py) on the same plans.
 //
 // Built on first use against the torch it runs in (abp/_plan_lane.py, torch.utils.cpp_extension),
 // because torch's C++ ABI changes between releases: this is the one native file of abp that is
@@ -10,8 +11,10 @@
 // the call back to Python (run returns None; the backward calls the general path), which handles
 // it or raises the error that names it. tests/python/test_plan_lane.py holds both lanes to the
 // same bytes.
+#include <ATen/autocast_mode.h>
 #include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/extension.h>
+#include <torch/version.h>
 
 #include <cmath>
 #include <cstdint>
@@ -35,10 +38,10 @@ namespace {
 // so that this module links against torch only.
 using LaunchEntry = int (*)(void *kernel, int device, void **args, int nargs, int64_t n, void *stream);
 
-// Where a kernel argument or a produced value comes from (abp._eager's _INPUT ... _GRAD).
-enum Source : int64_t { kInput = 0, kParam = 1, kResult = 2, kResidual = 3, kGrad = 4 };
+// Where a kernel argument or a produced value comes from (abp._eager's _INPUT ... _COLSUM).
+enum Source : int64_t { kInput = 0, kParam = 1, kResult = 2, kResidual = 3, kGrad = 4, kColsum = 5 };
 // What a backward argument must be (abp._eager.Plan.backward_checks' layouts).
-enum Check : int64_t { kDense = 0, kPacked = 1, kRows = 2, kF32 = 3, kI64 = 4 };
+enum Check : int64_t { kDense = 0, kPacked = 1, kRows = 2, kF32 = 3, kI64 = 4, kCols = 5 };
 
 using Pairs = std::vector<std::pair<int64_t, int64_t>>;
 
@@ -98,18 +101,20 @@ struct Plan {
   void *forward_kernel = nullptr;
   void *backward_kernel = nullptr;  // null: no backward (the general path returns no gradients)
   at::ScalarType dtype, compute;
+  int64_t inputs = 1;   // the dense input, then per-column ones (one value per column each)
   int64_t params = 0;
   bool rows = false;
-  Pairs forward_args;   // (kInput, 0) or (kParam, index); second of a param: 1 for i64, 0 for f32
+  Pairs forward_args;   // (kInput, index) or (kParam, index)
   std::vector<bool> forward_i64;
   Pairs produces;       // (kind, index) per produced value: outputs first, then residuals
   int64_t outputs = 0;
   std::vector<int64_t> forward_allocs, backward_allocs;  // packed bits; 0: one per row; -1: dense
   Pairs backward_args;    // (kResidual or kGrad, index)
   Pairs backward_checks;  // (Check, packed bits)
-  // A norm's plan (affine_norm): per residual, 0 for the normalised rows (the shared output), 1
-  // for the per-row statistic; empty for other plans.
-  std::vector<int64_t> norm_roles;
+  // A per-column input's gradient: a backward value (kResult or kGrad 0) summed over the rows.
+  Pairs col_sums;
+  // One gradient per input: (kResult, 0) for the dense input's, then (kColsum, index).
+  Pairs backward_produces;
   py::object check_status;      // abp._lib.check: raises the runtime's error for a status
   // (saved, grads, shape, device string) -> the input's gradient by the general path
   py::object general_backward;
@@ -218,17 +223,20 @@ int64_t rowsOf(c10::IntArrayRef shape) {
   return rows;
 }
 
-// The forward kernel on a contiguous x: (outputs, residuals).
-std::pair<std::vector<torch::Tensor>, std::vector<Residual>> runForward(const Plan &plan, const torch::Tensor &x,
+// The forward kernel on contiguous inputs (x, then the per-column ones, checked by the caller):
+// (outputs, residuals).
+std::pair<std::vector<torch::Tensor>, std::vector<Residual>> runForward(const Plan &plan,
+                                                                      const std::vector<torch::Tensor> &inputs,
                                                                       const std::vector<Param> &params, int device,
                                                                       void *stream) {
+  const torch::Tensor &x = inputs.at(0);
   const int64_t n = x.numel();
   std::vector<uint64_t> words;
   words.reserve(plan.forward_args.size() + plan.forward_allocs.size() + 2);
   for (size_t i = 0; i < plan.forward_args.size(); ++i) {
     const auto &source = plan.forward_args[i];
     if (source.first == kInput) {
-      words.push_back(address(x));
+      words.push_back(address(inputs[source.second]));
     } else {
       const Param &value = params[source.second];  // run() checked the form this argument takes
       words.push_back(plan.forward_i64[i] ? value.i : f32Bits(value.f));
@@ -258,7 +266,7 @@ std::pair<std::vector<torch::Tensor>, std::vector<Residual>> runForward(const Pl
       value.scalar = params[source.second].f;
     } else {
       value.is_tensor = true;
-      value.tensor = source.first == kResult ? results[source.second] : x;
+      value.tensor = source.first == kResult ? results[source.second] : inputs[source.second];
     }
     if (static_cast<int64_t>(i) < plan.outputs)
       outputs.push_back(value.tensor);
@@ -268,9 +276,11 @@ std::pair<std::vector<torch::Tensor>, std::vector<Residual>> runForward(const Pl
   return {std::move(outputs), std::move(residuals)};
 }
 
-// The backward kernel, or an undefined tensor where Plan.backward would return None.
-torch::Tensor runBackward(const Plan &plan, const std::vector<Residual> &residuals, const torch::Tensor &g,
-                          c10::IntArrayRef shape, c10::Device device_) {
+const int64_t kFirstDim[] = {0};
+
+// The backward kernel: one gradient per input, or none where Plan.backward would return None.
+std::vector<torch::Tensor> runBackward(const Plan &plan, const std::vector<Residual> &residuals,
+                                       const torch::Tensor &g, c10::IntArrayRef shape, c10::Device device_) {
   if (!plan.backward_kernel || !g.defined() || g.layout() != torch::kStrided || g.scalar_type() != plan.dtype ||
       g.sizes() != shape || g.device() != device_)
     return {};
@@ -315,6 +325,9 @@ torch::Tensor runBackward(const Plan &plan, const std::vector<Residual> &residua
     } else if (layout == kPacked) {
       if (value.scalar_type() != torch::kUInt8 || value.numel() < packedBytes(bits, n))
         return {};
+    } else if (layout == kCols) {
+      if (value.scalar_type() != plan.dtype || value.numel() != cols || value.is_neg())
+        return {};
     } else if (value.scalar_type() != plan.compute || value.numel() != rows) {
       return {};
     }
@@ -332,7 +345,27 @@ torch::Tensor runBackward(const Plan &plan, const std::vector<Residual> &residua
     }
     launch(plan, plan.backward_kernel, device, n, stream, words, /*from_python=*/false);
   }
-  return results.at(0);
+  if (plan.col_sums.empty())
+    return {results.at(0)};
+  // As abp._launch._run sums them: over the rows, in the compute dtype (the launch dtype of a row
+  // kernel). Over the leading dimensions as they are (a reshape is one more op per sum); one row
+  // of a 1-d launch as a (1, cols) matrix, since a sum over no dimension would sum everything.
+  std::vector<int64_t> leading;
+  for (int64_t d = 0; d + 1 < static_cast<int64_t>(shape.size()); ++d)
+    leading.push_back(d);
+  std::vector<torch::Tensor> sums;
+  for (const auto &source : plan.col_sums) {
+    const torch::Tensor &value = source.first == kResult ? results[source.second] : grad;
+    // (A dtype argument only where it differs: asked for, it costs the sum more host time.)
+    const torch::Tensor rows2d = leading.empty() ? value.reshape({1, cols}) : value;
+    const at::IntArrayRef dims = leading.empty() ? at::IntArrayRef(kFirstDim) : at::IntArrayRef(leading);
+    torch::Tensor sum = value.scalar_type() == plan.compute ? rows2d.sum(dims) : rows2d.sum(dims, false, plan.compute);
+    sums.push_back(sum.scalar_type() == plan.dtype ? sum : sum.to(plan.dtype));
+  }
+  std::vector<torch::Tensor> out;
+  for (const auto &p : plan.backward_produces)
+    out.push_back(p.first == kResult ? results[p.second] : sums[p.second]);
+  return out;
 }
 
 // What a PlanFunction node keeps besides its saved tensors, in one capsule (one entry of the
@@ -389,7 +422,7 @@ struct PlanFunction : public torch::autograd::Function<PlanFunction> {
     void *stream;
     deviceAndStream(input, &device, &stream);  // run() took only devices it serves
     // C++14: torch 1.13's extensions build with -std=c++14 (no structured bindings).
-    auto done = runForward(*plan, input.resolve_neg().contiguous(), params, device, stream);
+    auto done = runForward(*plan, {input.resolve_neg().contiguous()}, params, device, stream);
     auto state = c10::make_intrusive<NodeState>();
     state->plan = plan.get();
     std::vector<torch::Tensor> tensors;
@@ -418,8 +451,11 @@ struct PlanFunction : public torch::autograd::Function<PlanFunction> {
     // Under backward(create_graph=True) the general path makes a second backward fail loudly
     // (once_differentiable); so do several output gradients and anything runBackward refuses.
     torch::Tensor dx;
-    if (grads.size() == 1 && !torch::GradMode::is_enabled())
-      dx = runBackward(plan, residuals, grads[0], shape, device);
+    if (grads.size() == 1 && !torch::GradMode::is_enabled()) {
+      std::vector<torch::Tensor> dxs = runBackward(plan, residuals, grads[0], shape, device);
+      if (!dxs.empty())
+        dx = dxs[0];
+    }
     if (!dx.defined())
       dx = generalBackward(plan, residuals, grads, shape, device);
     // One gradient per forward argument: the input's, none for the plan and the parameters.
@@ -428,11 +464,11 @@ struct PlanFunction : public torch::autograd::Function<PlanFunction> {
 };
 
 std::shared_ptr<Plan> makePlan(std::string op, uint64_t launch_entry, uint64_t forward_kernel, uint64_t backward_kernel,
-                               const torch::Tensor &dtype_of, const torch::Tensor &compute_of, int64_t params,
-                               bool rows,
+                               const torch::Tensor &dtype_of, const torch::Tensor &compute_of, int64_t inputs,
+                               int64_t params, bool rows,
                                Pairs forward_args, Pairs produces, int64_t outputs,
                                std::vector<int64_t> forward_allocs, Pairs backward_args, Pairs backward_checks,
-                               std::vector<int64_t> backward_allocs, std::vector<int64_t> norm_roles,
+                               std::vector<int64_t> backward_allocs, Pairs col_sums, Pairs backward_produces,
                                py::object check_status, py::object general_backward) {
   // Nodes refer to their plan by address: plans live as long as the process, as the Python
   // plans they mirror do (cached on their operator, which is never replaced). Never destroyed:
@@ -446,15 +482,19 @@ std::shared_ptr<Plan> makePlan(std::string op, uint64_t launch_entry, uint64_t f
   plan->backward_kernel = reinterpret_cast<void *>(backward_kernel);
   plan->dtype = dtype_of.scalar_type();  // dtypes come as empty tensors: one caster on every torch
   plan->compute = compute_of.scalar_type();
+  plan->inputs = inputs;
   plan->params = params;
   plan->rows = rows;
+  if (inputs < 1 || (inputs > 1 && !rows))
+    throw std::invalid_argument("plan: one dense input, and per-column ones only in a row kernel");
+  // A parameter's index is 2 * index + 1 for an i64 argument, 2 * index for an f32 one.
   for (const auto &a : forward_args) {
     if (a.first != kInput && a.first != kParam)
-      throw std::invalid_argument("plan: a forward argument is the input or a parameter");
-    if (a.first == kParam && (a.second < 0 || a.second >= 2 * params))
-      throw std::invalid_argument("plan: forward parameter index out of range");
+      throw std::invalid_argument("plan: a forward argument is an input or a parameter");
+    if (a.second < 0 || a.second >= (a.first == kParam ? 2 * params : inputs))
+      throw std::invalid_argument("plan: forward argument index out of range");
     plan->forward_i64.push_back(a.first == kParam && (a.second & 1));
-    plan->forward_args.emplace_back(a.first, a.first == kParam ? a.second >> 1 : 0);
+    plan->forward_args.emplace_back(a.first, a.first == kParam ? a.second >> 1 : a.second);
   }
   plan->produces = std::move(produces);
   plan->outputs = outputs;
@@ -472,7 +512,7 @@ std::shared_ptr<Plan> makePlan(std::string op, uint64_t launch_entry, uint64_t f
     throw std::invalid_argument("plan: output count out of range");
   for (const auto &p : plan->produces) {
     const int64_t bound = p.first == kResult ? static_cast<int64_t>(plan->forward_allocs.size())
-                          : p.first == kParam ? params : p.first == kInput ? 1 : 0;
+                          : p.first == kParam ? params : p.first == kInput ? inputs : 0;
     if (p.second < 0 || p.second >= bound)
       throw std::invalid_argument("plan: produced value out of range");
   }
@@ -483,42 +523,96 @@ std::shared_ptr<Plan> makePlan(std::string op, uint64_t launch_entry, uint64_t f
   }
   if (plan->backward_kernel && plan->backward_allocs.empty())
     throw std::invalid_argument("plan: a backward kernel without a result");
-  if (!norm_roles.empty()) {
-    int found = 0;
-    for (int64_t role : norm_roles)
-      found |= role == 0 || role == 1 ? 1 << role : 4;
-    if (found != 3 || static_cast<int64_t>(norm_roles.size()) != produced - plan->outputs || !plan->rows ||
-        !plan->backward_kernel)
-      throw std::invalid_argument("plan: norm roles are 0 (normalised rows) or 1 (statistic), one per residual");
+  for (const auto &c : col_sums) {
+    const int64_t bound = c.first == kResult ? static_cast<int64_t>(plan->backward_allocs.size())
+                          : c.first == kGrad ? 1 : 0;
+    if (c.second < 0 || c.second >= bound)
+      throw std::invalid_argument("plan: column sum out of range");
   }
-  plan->norm_roles = std::move(norm_roles);
+  if (plan->backward_kernel) {
+    const bool one = backward_produces.size() == static_cast<size_t>(inputs) && !backward_produces.empty() &&
+                     backward_produces[0] == std::make_pair(int64_t(kResult), int64_t(0));
+    bool sums = one;
+    for (size_t i = 1; sums && i < backward_produces.size(); ++i)
+      sums = backward_produces[i].first == kColsum && backward_produces[i].second >= 0 &&
+             backward_produces[i].second < static_cast<int64_t>(col_sums.size());
+    if (!sums)
+      throw std::invalid_argument("plan: backward produces the dense input's gradient, then a column sum per input");
+  }
+  plan->col_sums = std::move(col_sums);
+  plan->backward_produces = std::move(backward_produces);
   plan->check_status = std::move(check_status);
   plan->general_backward = std::move(general_backward);
   return plan;
 }
 
-// The memory-sharing norm with its affine map (abp/_affine_norm.py's _AffineMSNorm, op for op, so
-// that both give the same bytes) around the row plan of the compute dtype:
-// y = n * (weight + offset) + bias, saving y, the per-row statistic, weight and bias; backward
-// recovers n = (y - bias) / gamma and hands dn = dy * gamma to the plan's backward kernel.
-// `roles` says which of the plan's residuals is n (0) and which the statistic (1).
-// What an AffineNormFunction node keeps besides its saved tensors.
+// The memory-sharing norms with their affine map (abp/_affine_norm.py's _AffineMSNorm, step for
+// step, so that both lanes give the same bytes), on the plan of ms_<norm>_gain or _affine: x and
+// the per-column gain (weight, with `offset` added in the kernel) and bias, cast to the launch
+// dtype, go to one row kernel each way; the gain's and the bias's gradients are the backward's
+// column sums. Saved: y (in the save dtype where given), the per-row statistic, and the caller's
+// weight and bias as they are (a bias without a weight runs the affine plan with a gain of ones).
 struct AffineState : torch::CustomClassHolder {
   const Plan *plan = nullptr;
-  double offset = 0.0;
+  double eps = 0.0, offset = 0.0;
   at::ScalarType dtype = at::ScalarType::Float;
   bool has_weight = false, has_bias = false;
 };
 
-// abp._affine_norm.backward_under_create_graph, set once when the module loads; never released
-// (a Python object must not be released after the interpreter finalizes).
-py::object *affineCreateGraph = nullptr;
+// abp._affine_norm.backward_in_python, set once when the module loads; never released (a Python
+// object must not be released after the interpreter finalizes).
+py::object *affinePythonBackward = nullptr;
 
 py::object tensorOrNone(const torch::Tensor &t) { return t.defined() ? py::cast(t) : py::none(); }
 
-// The affine norm's backward under backward(create_graph=True), by the Python lane, whose
-// gradients are marked not differentiable (abp.autograd.once_only): the kernels' backward is not.
-variable_list createGraphBackward(AutogradContext *ctx, const AffineState &state, const variable_list &grads) {
+// `t` contiguous in `dtype`, with its values in memory (a negative-bit view resolved), without an
+// op where it already is (this is every call's path).
+torch::Tensor launchable(const torch::Tensor &t, at::ScalarType dtype) {
+  if (t.scalar_type() == dtype && t.is_contiguous() && !t.is_neg())
+    return t;
+  return t.to(dtype).resolve_neg().contiguous();
+}
+
+// The per-column inputs of the plan's launch (index 0, the dense input, left undefined): the gain
+// and, for the affine plan, the bias, contiguous in the launch dtype.
+std::vector<torch::Tensor> columnInputs(const Plan &plan, const torch::Tensor &weight, const torch::Tensor &bias,
+                                        int64_t columns, const torch::Tensor &like) {
+  std::vector<torch::Tensor> inputs(1);
+  inputs.push_back(weight.defined() ? launchable(weight, plan.dtype)
+                                    : torch::ones({columns}, like.options().dtype(plan.dtype)));
+  if (plan.inputs == 3)
+    inputs.push_back(launchable(bias, plan.dtype));
+  return inputs;
+}
+
+// The saved values in the plan's residual order: y (the shared output), the statistic, the
+// per-column inputs and the parameters; false where a residual is none of these.
+bool affineResiduals(const Plan &plan, const torch::Tensor &y, const torch::Tensor &statistic,
+                     const std::vector<torch::Tensor> &inputs, const AffineState &state,
+                     std::vector<Residual> *out) {
+  const int64_t output = plan.produces.at(0).second;
+  for (size_t i = plan.outputs; i < plan.produces.size(); ++i) {
+    const auto &source = plan.produces[i];
+    Residual value;
+    value.is_tensor = source.first != kParam;
+    if (source.first == kResult)
+      value.tensor = source.second == output ? y : statistic;
+    else if (source.first == kInput && source.second > 0)
+      value.tensor = inputs.at(source.second);
+    else if (source.first == kParam)
+      value.scalar = source.second == 0 ? state.eps : state.offset;
+    else
+      return false;
+    out->push_back(std::move(value));
+  }
+  return true;
+}
+
+// The affine norm's backward by the Python lane: under backward(create_graph=True), whose
+// gradients it marks not differentiable (abp.autograd.once_only: the kernels' backward is not),
+// and wherever the plan declines (a saved tensor a saved-tensor hook changed), which names what.
+variable_list pythonBackward(AutogradContext *ctx, const AffineState &state, const variable_list &grads,
+                             bool create_graph) {
   variable_list saved = ctx->get_saved_variables();
   torch::Tensor weight = state.has_weight ? saved[2] : torch::Tensor();
   torch::Tensor bias = state.has_bias ? saved[state.has_weight ? 3 : 2] : torch::Tensor();
@@ -526,13 +620,14 @@ variable_list createGraphBackward(AutogradContext *ctx, const AffineState &state
   {
     py::gil_scoped_acquire gil;
     try {
-      if (affineCreateGraph == nullptr)
-        throw std::runtime_error("abp plan lane: the create_graph backward of the affine norms is not set");
-      py::tuple result = (*affineCreateGraph)(state.plan->op, state.offset,
-                                              torch::empty({0}, torch::dtype(state.dtype)), saved[0], saved[1],
-                                              tensorOrNone(weight), tensorOrNone(bias), grads[0],
-                                              state.has_weight && ctx->needs_input_grad(1),
-                                              state.has_bias && ctx->needs_input_grad(state.has_weight ? 2 : 1));
+      if (affinePythonBackward == nullptr)
+        throw std::runtime_error("abp plan lane: the affine norms' Python backward is not set");
+      py::tuple result = (*affinePythonBackward)(state.plan->op, state.eps, state.offset,
+                                                 torch::empty({0}, torch::dtype(state.dtype)), saved[0], saved[1],
+                                                 tensorOrNone(weight), tensorOrNone(bias), grads[0],
+                                                 state.has_weight && ctx->needs_input_grad(1),
+                                                 state.has_bias && ctx->needs_input_grad(state.has_weight ? 2 : 1),
+                                                 create_graph);
       out.push_back(result[0].is_none() ? torch::Tensor() : result[0].cast<torch::Tensor>());
       if (state.has_weight)
         out.push_back(result[1].is_none() ? torch::Tensor() : result[1].cast<torch::Tensor>());
@@ -554,25 +649,24 @@ struct AffineNormFunction : public torch::autograd::Function<AffineNormFunction>
     const torch::Tensor &x = inputs[0];
     const torch::Tensor weight = has_weight ? inputs[1] : torch::Tensor();
     const torch::Tensor bias = has_bias ? inputs[has_weight ? 2 : 1] : torch::Tensor();
-    torch::Tensor xc = x.to(plan->dtype).resolve_neg().contiguous();  // half-precision rows run in fp32: y rounds once
+    // Half-precision rows run in fp32: y is rounded once, as torch's norms do.
+    std::vector<torch::Tensor> launched = columnInputs(*plan, weight, bias, x.size(-1), x);
+    launched[0] = launchable(x, plan->dtype);
     int device;
     void *stream;
-    deviceAndStream(xc, &device, &stream);
-    auto done = runForward(*plan, xc, {paramOf(eps)}, device, stream);
-    torch::Tensor n = done.first.at(0), r;
-    for (size_t i = 0; i < done.second.size(); ++i)
-      if (plan->norm_roles.at(i) == 1)
-        r = done.second[i].tensor;
-    torch::Tensor y = n;
-    if (weight.defined())
-      y = offset != 0.0 ? y * (weight.to(n.scalar_type()) + offset) : y * weight.to(n.scalar_type());
-    if (bias.defined())
-      y = y + bias.to(n.scalar_type());
+    deviceAndStream(launched[0], &device, &stream);
+    auto done = runForward(*plan, launched, {paramOf(eps), paramOf(offset)}, device, stream);
+    torch::Tensor y = done.first.at(0), statistic;
+    for (size_t i = plan->outputs; i < plan->produces.size(); ++i)
+      if (plan->produces[i].first == kResult && plan->produces[i].second != plan->produces[0].second)
+        statistic = done.second.at(i - plan->outputs).tensor;
     at::ScalarType target = out_dtype.has_value() ? *out_dtype : x.scalar_type();
     if (target != y.scalar_type())
       y = y.to(target);
+    // y is saved as the very tensor returned (the next Linear saves the same storage), or a copy
+    // in the save dtype (abp/_affine_norm.py).
     torch::Tensor saved = !save_dtype.has_value() || *save_dtype == y.scalar_type() ? y : y.to(*save_dtype);
-    variable_list to_save = {saved, r};
+    variable_list to_save = {saved, statistic};
     if (has_weight)
       to_save.push_back(weight);
     if (has_bias)
@@ -580,6 +674,7 @@ struct AffineNormFunction : public torch::autograd::Function<AffineNormFunction>
     ctx->save_for_backward(to_save);
     auto state = c10::make_intrusive<AffineState>();
     state->plan = plan.get();
+    state->eps = eps;
     state->offset = offset;
     state->dtype = x.scalar_type();
     state->has_weight = has_weight;
@@ -592,54 +687,31 @@ struct AffineNormFunction : public torch::autograd::Function<AffineNormFunction>
     const auto &state = *static_cast<const AffineState *>(ctx->saved_data.at("abp").toCapsule().get());
     checkGradients(state.plan->op, grads);
     if (torch::GradMode::is_enabled())  // backward(create_graph=True): the Python lane's, marked
-      return createGraphBackward(ctx, state, grads);
+      return pythonBackward(ctx, state, grads, /*create_graph=*/true);
     const Plan &plan = *state.plan;
-    const double offset = state.offset;
-    const at::ScalarType dtype = state.dtype;
-    const bool has_weight = state.has_weight, has_bias = state.has_bias;
     variable_list saved = ctx->get_saved_variables();
-    const torch::Tensor &y = saved[0], &r = saved[1];
-    const torch::Tensor weight = has_weight ? saved[2] : torch::Tensor();
-    const torch::Tensor bias = has_bias ? saved[has_weight ? 3 : 2] : torch::Tensor();
+    const torch::Tensor weight = state.has_weight ? saved[2] : torch::Tensor();
+    const torch::Tensor bias = state.has_bias ? saved[state.has_weight ? 3 : 2] : torch::Tensor();
     const torch::Tensor &dy = grads[0];
-    const at::ScalarType compute = plan.dtype;
-    torch::Tensor centred = y.to(compute);
-    if (bias.defined())
-      centred = centred - bias.to(compute);
-    torch::Tensor dy_c = dy.to(compute), n, dn;
-    if (weight.defined()) {
-      torch::Tensor gamma = offset != 0.0 ? weight.to(compute) + offset : weight.to(compute);
-      // A zero gamma makes n unrecoverable there (abp/_affine_norm.py); other features stay exact.
-      n = centred / torch::where(gamma == 0, torch::ones_like(gamma), gamma);
-      dn = dy_c * gamma;
-    } else {
-      n = centred;
-      dn = dy_c;
-    }
-    n = n.contiguous();
-    std::vector<Residual> residuals(plan.norm_roles.size());
-    for (size_t i = 0; i < residuals.size(); ++i) {
-      residuals[i].is_tensor = true;
-      residuals[i].tensor = plan.norm_roles[i] == 0 ? n : r;
-    }
-    dn = dn.contiguous();
-    torch::Tensor dx = runBackward(plan, residuals, dn, n.sizes(), n.device());
-    if (!dx.defined())  // a statistic a saved-tensor hook changed: the general path names it
-      dx = generalBackward(plan, residuals, {dn}, n.sizes(), n.device());
-    dx = dx.to(dtype);
-    std::vector<int64_t> rows;
-    for (int64_t d = 0; d + 1 < dy.dim(); ++d)
-      rows.push_back(d);
-    // Summed over the rows; one row (a 1-d input) is its own sum (sum over no dimension sums all).
-    auto overRows = [&](const torch::Tensor &t) { return rows.empty() ? t : t.sum(rows); };
-    variable_list out = {dx};
-    if (has_weight)
-      out.push_back(ctx->needs_input_grad(1) ? overRows(dy_c * n).to(weight.scalar_type()) : torch::Tensor());
-    if (has_bias)
-      out.push_back(ctx->needs_input_grad(out.size()) ? overRows(dy_c).to(bias.scalar_type()) : torch::Tensor());
+    // The launch dtype's y (a save dtype's or an autocast output's copy), as the kernel reads it.
+    torch::Tensor y = launchable(saved[0], plan.dtype);
+    std::vector<torch::Tensor> launched = columnInputs(plan, weight, bias, y.dim() ? y.size(-1) : 1, y);
+    std::vector<Residual> residuals;
+    std::vector<torch::Tensor> out;
+    if (dy.defined() && affineResiduals(plan, y, saved[1], launched, state, &residuals))
+      out = runBackward(plan, residuals, dy.scalar_type() == plan.dtype ? dy : dy.to(plan.dtype), y.sizes(),
+                        y.device());
+    if (out.empty())  // what the plan does not take (a statistic a saved-tensor hook changed): Python names it
+      return pythonBackward(ctx, state, grads, /*create_graph=*/false);
+    auto as = [](const torch::Tensor &t, at::ScalarType dtype) { return t.scalar_type() == dtype ? t : t.to(dtype); };
+    variable_list result = {as(out[0], state.dtype)};
+    if (state.has_weight)
+      result.push_back(ctx->needs_input_grad(1) ? as(out[1], weight.scalar_type()) : torch::Tensor());
+    if (state.has_bias)
+      result.push_back(ctx->needs_input_grad(result.size()) ? as(out.back(), bias.scalar_type()) : torch::Tensor());
     // None for the seven other arguments (flags, plan, eps, offset, dtypes).
-    out.resize(out.size() + 7);
-    return out;
+    result.resize(result.size() + 7);
+    return result;
   }
 };
 
@@ -649,28 +721,57 @@ c10::optional<at::ScalarType> dtypeOf(const py::object &like) {
   return like.cast<torch::Tensor>().scalar_type();
 }
 
+// A dtype of rows abp's norms take (abp._launch.ROW_DTYPES).
+bool rowDtype(at::ScalarType t) {
+  return t == torch::kFloat || t == torch::kHalf || t == torch::kBFloat16 || t == torch::kDouble;
+}
+
+// True where `t` is a per-column input the plan can read: None, or what abp.functional's
+// _check_affine accepts for rows of x (a strided vector of a row dtype, one value per column, on
+// x's device). Anything else takes the Python lane, whose checks name it.
+bool columnInput(const torch::Tensor &t, const torch::Tensor &x) {
+  return !t.defined() || (t.layout() == torch::kStrided && t.has_storage() && rowDtype(t.scalar_type()) &&
+                          t.dim() == 1 && t.size(0) == x.size(-1) && t.device() == x.device());
+}
+
+// Whether autocast is on for x's device type, as abp._amp reads it (torch 2.4 asks by device type).
+bool autocastOn(const torch::Tensor &x) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+  return at::autocast::is_autocast_enabled(x.device().type());
+#else
+  return x.is_cuda() ? at::autocast::is_enabled() : at::autocast::is_cpu_enabled();
+#endif
+}
+
 // _AffineMSNorm.apply in C++: y, or None where the plan does not serve the input (another compute
-// dtype, a device this lane leaves to Python); `weight` and `bias` are tensors or None, the
-// dtypes None or an empty tensor of that dtype. The caller has checked the arguments.
+// dtype, a device this lane leaves to Python); `plan` is ms_<norm>_affine's where `bias` is given,
+// else ms_<norm>_gain's; `weight` and `bias` are tensors or None (not both), the dtypes None or an
+// empty tensor of that dtype. The caller has checked the arguments; with `unless_autocast`, an
+// fp32 x under autocast is declined (abp.functional's fast path leaves that case, whose output
+// dtype autocast decides, to its checks).
 py::object affineNorm(const std::shared_ptr<Plan> &plan, const torch::Tensor &x, py::object weight, py::object bias,
-                      double eps, double offset, py::object out_like, py::object save_like) {
+                      double eps, double offset, py::object out_like, py::object save_like, bool unless_autocast) {
   int device;
   void *stream;
-  if (plan->norm_roles.empty() || plan->params != 1 || x.layout() != torch::kStrided || !x.has_storage() ||
-      x.dim() == 0 || torch::jit::tracer::isTracing() || !deviceAndStream(x, &device, &stream))
+  if (plan->inputs != (bias.is_none() ? 2 : 3) || plan->params != 2 || !plan->rows || !plan->backward_kernel ||
+      x.layout() != torch::kStrided || !x.has_storage() || x.dim() == 0 || !rowDtype(x.scalar_type()) ||
+      torch::jit::tracer::isTracing() ||
+      !deviceAndStream(x, &device, &stream))
     return py::none();
   const at::ScalarType compute = x.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
-  if (compute != plan->dtype)
+  if (compute != plan->dtype || (unless_autocast && x.scalar_type() == torch::kFloat && autocastOn(x)))
     return py::none();
   torch::Tensor w = weight.is_none() ? torch::Tensor() : weight.cast<torch::Tensor>();
   torch::Tensor b = bias.is_none() ? torch::Tensor() : bias.cast<torch::Tensor>();
+  if ((!w.defined() && !b.defined()) || !columnInput(w, x) || !columnInput(b, x))
+    return py::none();
   variable_list inputs = {x};
   if (w.defined())
     inputs.push_back(w);
   if (b.defined())
     inputs.push_back(b);
-  variable_list out = AffineNormFunction::apply(at::TensorList(inputs), w.defined(), b.defined(), plan, eps, offset, dtypeOf(out_like),
-                                                dtypeOf(save_like));
+  variable_list out = AffineNormFunction::apply(at::TensorList(inputs), w.defined(), b.defined(), plan, eps, offset,
+                                                dtypeOf(out_like), dtypeOf(save_like));
   return py::cast(out[0]);
 }
 
@@ -681,7 +782,7 @@ py::object affineNorm(const std::shared_ptr<Plan> &plan, const torch::Tensor &x,
 py::object run(const std::shared_ptr<Plan> &plan, const torch::Tensor &input, const py::tuple &params) {
   int device;
   void *stream;
-  if (input.scalar_type() != plan->dtype || static_cast<int64_t>(params.size()) != plan->params ||
+  if (plan->inputs != 1 || input.scalar_type() != plan->dtype || static_cast<int64_t>(params.size()) != plan->params ||
       input.layout() != torch::kStrided || !input.has_storage() || (plan->rows && input.dim() == 0) ||
       torch::jit::tracer::isTracing() || !deviceAndStream(input, &device, &stream))
     return py::none();
@@ -713,10 +814,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Plan, std::shared_ptr<Plan>>(m, "Plan").def_readonly("op", &Plan::op);
   m.def("make_plan", &makePlan);
   m.def("run", &run, py::arg("plan"), py::arg("input"), py::arg("params"));
-  m.def("set_affine_create_graph", [](py::object fn) {
-    if (affineCreateGraph == nullptr)
-      affineCreateGraph = new py::object(std::move(fn));
+  m.def("set_affine_backward", [](py::object fn) {
+    if (affinePythonBackward == nullptr)
+      affinePythonBackward = new py::object(std::move(fn));
   });
   m.def("affine_norm", &affineNorm, py::arg("plan"), py::arg("input"), py::arg("weight"), py::arg("bias"),
-        py::arg("eps"), py::arg("offset"), py::arg("out_like"), py::arg("save_like"));
+        py::arg("eps"), py::arg("offset"), py::arg("out_like"), py::arg("save_like"), py::arg("unless_autocast"));
 }

@@ -239,7 +239,7 @@ def module() -> Optional[Any]:
             try:
                 found = _build()
                 from . import _affine_norm
-                found.set_affine_create_graph(_affine_norm.backward_under_create_graph)
+                found.set_affine_backward(_affine_norm.backward_in_python)
             except Exception as e:  # no compiler, no headers, a refused directory: Python lane
                 last = (str(e).strip().splitlines() or [""])[-1]
                 what = ("refused its build directory" if isinstance(e, PermissionError) else
@@ -295,31 +295,21 @@ def native_plan(plan: Any) -> Optional[Any]:
     if lane is None:
         return None
     import functools
-
-    from ._eager import _INPUT, _PARAM
+    from ._eager import _PARAM
 
     def encode_arg(source: Any) -> tuple:
-        return (_INPUT, 0) if source is None else (_PARAM, 2 * source[0] + (source[1] == "i64"))
-
+        kind, index, scalar = source  # a parameter's index says its launch form: 2i + 1 for i64
+        return (kind, 2 * index + (scalar == "i64")) if kind == _PARAM else (kind, index)
     launch_entry = _lib.kernel_launch_entry()
     op = plan.op.name
     fallback = functools.partial(general_backward, op, plan.dtype)
     return lane.make_plan(
         op, launch_entry, plan.forward_kernel, plan.backward_kernel or 0,
-        torch.empty(0, dtype=plan.dtype), torch.empty(0, dtype=plan.compute), plan.params, bool(plan.rows_kernel),
-        [encode_arg(s) for s in plan.forward_args], list(plan.forward_produces), plan.outputs,
+        torch.empty(0, dtype=plan.dtype), torch.empty(0, dtype=plan.compute), plan.inputs, plan.params,
+        bool(plan.rows_kernel), [encode_arg(s) for s in plan.forward_args], list(plan.forward_produces), plan.outputs,
         list(plan.forward_allocs), list(plan.backward_args),
         [(_CHECKS[layout], bits or 0) for layout, bits in plan.backward_checks], list(plan.backward_allocs),
-        _norm_roles(plan.op), _lib.check, fallback)
+        list(plan.col_sums), list(plan.backward_produces), _lib.check, fallback)
 
 
-def _norm_roles(op: Any) -> List[int]:
-    """For a memory-sharing norm (its residuals: its shared output and one value per row), each
-    residual's role in the affine norm's backward: 0 the normalised rows, 1 the statistic; else []."""
-    kinds = [r.kind for r in op.residuals]
-    if not op.row_wise or sorted(kinds) != ["rows", "shared"] or op.backward is None:
-        return []
-    return [0 if kind == "shared" else 1 for kind in kinds]
-
-
-_CHECKS = {"dense": 0, "packed": 1, "rows": 2, "f32": 3, "i64": 4}
+_CHECKS = {"dense": 0, "packed": 1, "rows": 2, "f32": 3, "i64": 4, "cols": 5}

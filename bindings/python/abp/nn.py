@@ -430,7 +430,7 @@ class _MSNorm(NotScriptable, torch.nn.Module):
         is 0 lose their gradients (abp._affine_norm), so a weight set to 0 there would never leave
         it. Warns once, naming them. Not while torch.compile traces (its dynamo before 2.5 could not
         trace the flag's setattr under fullgraph=True); the first eager call checks."""
-        if _custom_ops.compiling() or self.__dict__.get("_gamma_checked"):  # one dict read on every later call
+        if _custom_ops.compiling() or self.__dict__.get("_gamma_checked"):
             return
         weight = self.weight
         if weight is None:
@@ -450,6 +450,13 @@ class _MSNorm(NotScriptable, torch.nn.Module):
                 "the weight at those features are wrong (the weight's is 0, so a weight initialised at 0 never "
                 "leaves it). Initialise the weight non-zero, or use torch's norm for this layer (abp.convert "
                 "refuses such norms)", RuntimeWarning, stacklevel=2)
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not self.__dict__.get("_gamma_checked"):  # one dict read on every call after the first
+            self._check_gamma()
+        # functional.ms_layer_norm / ms_rms_norm without their one extra call.
+        return functional._ms_norm(self.operator, input, self.normalized_shape, self.eps, self.weight, self.bias,
+                                   self.weight_offset, self.autocast_output)
 
     @property
     def saved_bits_per_row(self) -> float:
@@ -478,12 +485,6 @@ class MSLayerNorm(_MSNorm):
     ) -> None:
         super().__init__(normalized_shape, eps, elementwise_affine, bias, weight_offset, device, dtype, autocast_output)
 
-    def forward(self, input: Tensor) -> Tensor:
-        self._check_gamma()
-        return functional.ms_layer_norm(input, self.normalized_shape, self.eps, weight=self.weight,
-                                        bias=self.bias, weight_offset=self.weight_offset,
-                                        autocast_output=self.autocast_output)
-
 
 class MSRMSNorm(_MSNorm):
     """RMSNorm whose backward reads only its output and one value per row; with
@@ -497,12 +498,6 @@ class MSRMSNorm(_MSNorm):
         weight_offset: float = 0.0, device: Any = None, dtype: Any = None, autocast_output: bool = True,
     ) -> None:
         super().__init__(normalized_shape, eps, elementwise_affine, bias, weight_offset, device, dtype, autocast_output)
-
-    def forward(self, input: Tensor) -> Tensor:
-        self._check_gamma()
-        return functional.ms_rms_norm(input, self.normalized_shape, self.eps, weight=self.weight,
-                                      bias=self.bias, weight_offset=self.weight_offset,
-                                      autocast_output=self.autocast_output)
 
 
 class _SampledRows:

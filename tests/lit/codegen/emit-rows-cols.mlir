@@ -7,26 +7,26 @@
 // RUN: abp-compile %s --emit=manifest | FileCheck %s --check-prefix=MANIFEST
 // RUN: abp-compile %s --emit=host -o %t.so && abp-compile %s --emit=ptx --arch=sm_80 -o %t.ptx
 
-// CHECK: abp.kernel @ms_layernorm_affine_fwd attributes {{{.*}}ins = [#abp.dense, #abp.scalar, #abp.cols, #abp.cols], outs = [#abp.rows, #abp.dense], rows
-// CHECK: abp.kernel @ms_layernorm_affine_bwd attributes {{{.*}}ins = [#abp.cols, #abp.cols, #abp.dense, #abp.dense, #abp.rows], outs = [#abp.dense, #abp.dense], rows
-// CHECK: abp.operator @ms_layernorm_affine attributes {abp.saved_bits = 0 : i64, abp.saved_row_bits = 32 : i64
-// CHECK: %[[L:.*]]:2 = abp.launch @ms_layernorm_affine_bwd
+// CHECK: abp.kernel @cols_layernorm_fwd attributes {{{.*}}ins = [#abp.dense, #abp.scalar, #abp.cols, #abp.cols], outs = [#abp.rows, #abp.dense], rows
+// CHECK: abp.kernel @cols_layernorm_bwd attributes {{{.*}}ins = [#abp.cols, #abp.cols, #abp.dense, #abp.dense, #abp.rows], outs = [#abp.dense, #abp.dense], rows
+// CHECK: abp.operator @cols_layernorm attributes {abp.saved_bits = 0 : i64, abp.saved_row_bits = 32 : i64
+// CHECK: %[[L:.*]]:2 = abp.launch @cols_layernorm_bwd
 // CHECK-NEXT: %[[DW:.*]] = abp.reduce_cols sum %[[L]]#1 : tensor<?x?xf32> -> tensor<?xf32>
 // CHECK-NEXT: %[[DB:.*]] = abp.reduce_cols sum %arg4 : tensor<?x?xf32> -> tensor<?xf32>
 // CHECK-NEXT: abp.return %[[L]]#0, %[[DW]], %[[DB]]
 
 // Every row reads the vector itself: its pointer goes to the sweeps without the row's offset.
-// SOURCE: ms_layernorm_affine_fwd_sweep2<T, C, RT, K>(u, a0 + base, a2, a3, r1 + base, cols, lane
+// SOURCE: cols_layernorm_fwd_sweep2<T, C, RT, K>(u, a0 + base, a2, a3, r1 + base, cols, lane
 
 // MANIFEST: "format": 4,
 // MANIFEST: "residuals": [{"kind":"shared","output":0},{"kind":"rows","bits":32},{"kind":"cols","bits":32},{"kind":"cols","bits":32}],
 // MANIFEST: "saved_bits_per_row": 32,
-// MANIFEST: "forward": {"kernel":"ms_layernorm_affine_fwd","args":["input0","param0","input1","input2"],"produces":["result1","result1","result0","input1","input2"]},
-// MANIFEST: "backward": {"kernel":"ms_layernorm_affine_bwd","args":["residual2","residual3","residual0","grad0","residual1"],"col_sums":["result1","grad0"],"produces":["result0","colsum0","colsum1"]}
+// MANIFEST: "forward": {"kernel":"cols_layernorm_fwd","args":["input0","param0","input1","input2"],"produces":["result1","result1","result0","input1","input2"]},
+// MANIFEST: "backward": {"kernel":"cols_layernorm_bwd","args":["residual2","residual3","residual0","grad0","residual1"],"col_sums":["result1","grad0"],"produces":["result0","colsum0","colsum1"]}
 // MANIFEST: "args":[{"role":"in","layout":"dense"},{"role":"scalar","type":"f32"},{"role":"in","layout":"cols"},{"role":"in","layout":"cols"},{"role":"out","layout":"rows"},{"role":"out","layout":"dense"},{"role":"rows"},{"role":"cols"}]
 
 // Affine MS-LayerNorm: y = n·γ + β, backward from y (n recovered as (y − β)/γ, 0 where γ = 0).
-abp.operator @ms_layernorm_affine attributes {params = ["eps"]} forward {
+abp.operator @cols_layernorm attributes {params = ["eps"]} forward {
 ^bb0(%x: tensor<?x?xf32>, %w: tensor<?xf32>, %b: tensor<?xf32>, %eps: f32):
   %mean = abp.reduce_rows mean %x : tensor<?x?xf32> -> tensor<?xf32>
   %mb = abp.broadcast_rows %mean : tensor<?xf32> -> tensor<?x?xf32>
