@@ -437,7 +437,8 @@ def test_rms_norm_look_alike_with_eps_attribute():
 
 
 class StandInTorchRMSNorm(nn.Module):
-    """torch.nn.RMSNorm's documented interface and function, for torch < 2.4 (eps=None: finfo(x.dtype).eps)."""
+    """torch.nn.RMSNorm's documented interface and function, for torch < 2.4 (eps=None: the epsilon of
+    the dtype it computes in, float32's for half-precision rows)."""
 
     def __init__(self, normalized_shape, eps=None, elementwise_affine=True) -> None:
         super().__init__()
@@ -449,9 +450,10 @@ class StandInTorchRMSNorm(nn.Module):
             self.register_parameter("weight", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+        eps = self.eps if self.eps is not None else torch.finfo(compute).eps
         dims = tuple(range(-len(self.normalized_shape), 0))
-        y = x * torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)
+        y = (x.to(compute) * torch.rsqrt(x.to(compute).pow(2).mean(dims, keepdim=True) + eps)).to(x.dtype)
         return y * self.weight if self.weight is not None else y
 
 
@@ -481,6 +483,17 @@ def test_torch_rms_norm(torch_rms_norm, eps):
     assert by_action(changes, "folded") == {"1": "folded gamma in float64 from `0`"}
     assert isinstance(folded[0], abp.nn.MSRMSNorm) and folded[0].weight is None
     torch.testing.assert_close(folded(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_torch_rms_norm_without_eps_in_half_precision_takes_float32s_epsilon(torch_rms_norm, dtype):
+    # Half-precision rows are normalised in float32, with float32's epsilon, not their own (bf16's
+    # 0.0078 would change every output of rows of small values).
+    model = nn.Sequential(torch_rms_norm(16, eps=None), nn.Linear(16, 8)).to(dtype)
+    converted, _ = abp.convert(model)
+    assert converted[0].eps == torch.finfo(torch.float32).eps
+    x = (0.05 * torch.randn(3, 16)).to(dtype)
+    torch.testing.assert_close(converted[0](x), model[0](x), rtol=0, atol=torch.finfo(dtype).eps * 4)
 
 
 def test_norm_without_affine_is_replaced(torch_rms_norm):

@@ -315,3 +315,25 @@ def test_row_max_and_min_reductions(cols, dtype):
     assert torch.isnan(y[2]).all(), "max/min propagate a NaN to its whole row"
     rows = [0, 1, 4, 5] + ([3] if cols > 1 else [])
     assert torch.equal(torch.nan_to_num(y[rows]), torch.nan_to_num(want[rows]))
+
+
+@pytest.mark.parametrize("cls", [abp.nn.MSLayerNorm, abp.nn.MSRMSNorm])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_reset_parameters_initialises_as_torchs_norms(cls, offset):
+    # The meta-device pattern: made on "meta", materialised with to_empty(), then reset_parameters().
+    norm = cls(8, elementwise_affine=True, bias=True, weight_offset=offset, device="meta").to_empty(device="cpu")
+    norm.reset_parameters()
+    assert torch.equal(norm.weight + offset, torch.ones(8)) and torch.equal(norm.bias, torch.zeros(8))
+    plain = cls(8)
+    plain.reset_parameters()  # nothing to initialise
+    assert plain.weight is None and plain.bias is None
+
+
+@pytest.mark.parametrize("offset", [float("nan"), float("inf"), -float("inf"), 1e40])
+def test_a_non_finite_weight_offset_is_named(offset):
+    x, w = torch.randn(3, 8), torch.randn(8)
+    for fn in (abp.functional.ms_layer_norm, abp.functional.ms_rms_norm):
+        with pytest.raises(ValueError, match="weight_offset: expected a finite number representable in float32"):
+            fn(x, 8, weight=w, weight_offset=offset)
+    with pytest.raises(ValueError, match="weight_offset"):
+        abp.nn.MSRMSNorm(8, elementwise_affine=True, weight_offset=offset)

@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ._launch import compute_dtype
+
 __all__ = ["Activation", "LinearMap", "Norm", "Unknown", "recognise", "is_leaf"]
 
 #: Attribute names under which modules keep their epsilon.
@@ -309,8 +311,9 @@ def _recognise_norm(module: nn.Module, params: Dict[str, nn.Parameter]) -> Optio
         assignments = [(names[0], None)]
     elif len(names) == 2:
         assignments = [(names[0], names[1]), (names[1], names[0])]
-    # torch.nn.RMSNorm(eps=None) uses its input dtype's epsilon: float64's on the probe, the
-    # parameters' (float32's by default) in the model.
+    # torch.nn.RMSNorm(eps=None) uses the epsilon of the dtype it computes in: float64's on the
+    # probe; in the model, float32's for float32, float16 and bfloat16 parameters (half-precision
+    # rows are normalised in float32), float64's for float64 ones.
     dtype_eps = isinstance(module, getattr(nn, "RMSNorm", ())) and getattr(module, "eps", 0) is None
     model_dtype = next(iter(params.values())).dtype if params else torch.get_default_dtype()
     for kind in ("layer", "rms"):
@@ -320,7 +323,8 @@ def _recognise_norm(module: nn.Module, params: Dict[str, nn.Parameter]) -> Optio
                 beta = values[bias] if bias is not None else None
                 if dtype_eps:
                     if _norm_matches(kind, probe, gamma, beta, shape, float(torch.finfo(torch.float64).eps)):
-                        return Norm(kind, shape, float(torch.finfo(model_dtype).eps), weight, bias, offset)
+                        return Norm(kind, shape, float(torch.finfo(compute_dtype(model_dtype)).eps), weight,
+                                    bias, offset)
                     continue
                 candidates = _eps_candidates(module, torch.float32)
                 estimate = _estimate_eps(kind, probe, gamma, beta, shape)

@@ -427,6 +427,15 @@ def check_eps(eps: Any) -> float:
     return value
 
 
+def check_weight_offset(weight_offset: Any) -> float:
+    """``weight_offset`` as a float: finite and finite once rounded to fp32 (the kernels' parameter
+    type: gamma = weight + weight_offset is computed there)."""
+    value = _launch.check_param("weight_offset", weight_offset)
+    if not (-_F32_ROUNDS_TO_INF < value < _F32_ROUNDS_TO_INF):
+        raise ValueError(f"weight_offset: expected a finite number representable in float32, got {weight_offset!r}")
+    return value
+
+
 def _check_affine(name: str, value: Optional[Tensor], shape: Tuple[int, ...], input: Tensor) -> Optional[Tensor]:
     """`value` (gamma or beta): None, or a floating tensor of `shape` on `input`'s device."""
     if value is None:
@@ -453,6 +462,7 @@ def _ms_norm(
             and len(normalized_shape) == 1 and type(normalized_shape[0]) is int and normalized_shape[0] > 0
             and input.dim() >= 1 and input.shape[-1] == normalized_shape[0] and type(eps) is float
             and _F32_ROUNDS_TO_ZERO < eps < _F32_ROUNDS_TO_INF and type(weight_offset) in (float, int)
+            and -_F32_ROUNDS_TO_INF < weight_offset < _F32_ROUNDS_TO_INF
             and type(autocast_output) is bool and (input.is_cpu or input.is_cuda)
             and not _custom_ops.compiling()):
         if weight is None and bias is None:
@@ -477,7 +487,7 @@ def _ms_norm(
     eps = check_eps(eps)
     weight = _check_affine("weight", weight, shape, input)
     bias = _check_affine("bias", bias, shape, input)
-    offset = _launch.check_param("weight_offset", weight_offset)
+    offset = check_weight_offset(weight_offset)
     if offset and weight is None:
         raise ValueError("weight_offset: needs a weight (gamma = weight + weight_offset)")
     cols = math.prod(shape)

@@ -412,18 +412,27 @@ class _MSNorm(NotScriptable, torch.nn.Module):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name}: expected True or False, got {flag!r}")
         self.elementwise_affine = elementwise_affine
-        self.weight_offset: float = check_param("weight_offset", weight_offset)
+        self.weight_offset: float = functional.check_weight_offset(weight_offset)
         if self.weight_offset and not elementwise_affine:
             raise ValueError("weight_offset: needs elementwise_affine=True (gamma = weight + weight_offset)")
         self.weight: Optional[torch.nn.Parameter]
         self.bias: Optional[torch.nn.Parameter]
         if elementwise_affine:
-            start = 1.0 - self.weight_offset
-            self.weight = torch.nn.Parameter(torch.full(self.normalized_shape, start, device=device, dtype=dtype))
-            self.bias = torch.nn.Parameter(torch.zeros(self.normalized_shape, device=device, dtype=dtype)) if bias else None
+            self.weight = torch.nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
+            self.bias = torch.nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype)) if bias else None
         else:
             self.register_parameter("weight", None)
             self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """gamma = 1 (weight = 1 - weight_offset) and beta = 0, as torch's norms initialise theirs (and
+        as a model made on the meta device and then materialised with to_empty() asks for)."""
+        with torch.no_grad():
+            if self.weight is not None:
+                self.weight.fill_(1.0 - self.weight_offset)
+            if self.bias is not None:
+                self.bias.zero_()
 
     def _check_gamma(self) -> None:
         """At the first training call, one host read: features whose gamma (weight + weight_offset)
