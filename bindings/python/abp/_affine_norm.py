@@ -36,11 +36,6 @@ __all__ = ["affine_ms_norm", "affine_operator"]
 _PLAIN = (type(None), torch.Tensor, torch.nn.Parameter)
 
 
-# (norm, no bias, input dtype) -> autograd.lane_plan's (module, plan): one dict read per call.
-_lanes: dict = {}
-_UNSET = object()
-
-
 def affine_operator(op_name: str, bias: bool) -> str:
     """The operator of norm `op_name` (ms_layernorm, ms_rmsnorm) with a gamma, and a beta if `bias`."""
     return op_name + ("_affine" if bias else "_gain")
@@ -168,12 +163,7 @@ def lane(op_name: str, x: Tensor, eps: float, weight: Optional[Tensor], bias: Op
     as affine_ms_norm's; `x` a plain tensor, not under torch.compile (the caller's checks)."""
     if type(weight) not in _PLAIN or type(bias) not in _PLAIN:
         return None
-    key = (op_name, bias is None, x.dtype)
-    found = _lanes.get(key, _UNSET)
-    if found is _UNSET:
-        found = autograd.lane_plan(affine_operator(op_name, bias is not None), _launch.compute_dtype(x.dtype))
-        if found is not None:  # not cached: none yet (the lane not built, while torch.compile traces)
-            _lanes[key] = found
+    found = autograd.lane_plan(affine_operator(op_name, bias is not None), _launch.compute_dtype(x.dtype))
     if found is None:
         return None
     out_like = None if out_dtype is None else torch.empty(0, dtype=out_dtype)

@@ -1,8 +1,9 @@
-"""The per-call lane of the eager autograd path: one-input operators, decided once per dtype.
+"""The per-call lane of the eager autograd path: operators of one dense input, decided once per dtype.
 
 Most abp calls are one-input operators (activations, norms) whose forward is one kernel reading
 its input densely; the affine norms add per-column inputs (a gain and a bias, abp._affine_norm),
-whose gradients are the backward kernel's row-wide values summed over the rows. For those, everything _launch works out per call from the manifest (where
+whose gradients are the backward kernel's row-wide values summed over the rows. For those,
+everything _launch works out per call from the manifest (where
 each argument comes from, what to allocate, what is saved, which checks apply) is fixed by the
 operator and the launch dtype; a Plan works it out once, and its forward and backward are
 straight-line code around one launch each. What is left per call is what varies: the tensors,
@@ -22,7 +23,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 
 from . import _lib
-from ._launch import _f32_bits, binding, compute_dtype, device_and_stream
+from ._launch import _f32_bits, binding, column_sum, compute_dtype, device_and_stream
 from ._manifest import Operator, packed_bytes, parse_ref
 
 __all__ = ["Plan", "plan", "native_plan"]
@@ -98,7 +99,7 @@ class Plan:
         self.params = len(op.params)
         self.forward_kernel = fwd.address
         # Per kernel input: (_INPUT, input index, None) or (_PARAM, param index, "i64" or "f32").
-        self.forward_args = tuple((kind, i, scalar or "f32" if kind == _PARAM else None)
+        self.forward_args = tuple((kind, i, (scalar or "f32") if kind == _PARAM else None)
                                   for (kind, i), scalar in zip(sources, fwd.scalars))
         self.forward_produces = tuple(produces)
         self.outputs = op.outputs
@@ -227,9 +228,7 @@ class Plan:
             _lib.launch(self.backward_kernel, device_index, n, stream, args)
         if not self.col_sums:
             return results
-        # As _launch._run sums them: over the rows, in the compute dtype.
-        sums = [(results[i] if kind == _RESULT else g).reshape(math.prod(shape[:-1]) if shape else 1, cols)
-                .sum(0, dtype=self.compute).to(self.dtype) for kind, i in self.col_sums]
+        sums = [column_sum(results[i] if kind == _RESULT else g, shape, self.dtype) for kind, i in self.col_sums]
         return [results[i] if kind == _RESULT else sums[i] for kind, i in self.backward_produces]
 
     def _allocate(self, allocs: Tuple[int, ...], like: torch.Tensor, shape: torch.Size, n: int,

@@ -441,6 +441,13 @@ def _launch_totals(
         values[f"total{i}"] = total
 
 
+def column_sum(value: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A per-column input's gradient: `value`, row-wide over launch `shape`, summed over the rows
+    in the compute dtype (as autograd reduces a broadcast operand's), in launch dtype `dtype`."""
+    rows, cols = (math.prod(shape[:-1]), shape[-1]) if len(shape) else (1, 1)
+    return value.reshape(rows, cols).sum(0, dtype=compute_dtype(dtype)).to(dtype)
+
+
 def _run(
     op: Operator,
     backward: bool,
@@ -457,10 +464,7 @@ def _run(
     if direction.kernel is not None:
         values.update(zip(_RESULT_REFS, _launch_kernel(op, backward, values, dtype, device, shape, device_index, stream)))
     for i, ref in enumerate(direction.col_sums):
-        # A per-column input's gradient: the row-wide value summed over the rows (in the compute
-        # dtype), as autograd reduces a broadcast operand's.
-        rows, cols = (math.prod(shape[:-1]), shape[-1]) if len(shape) else (1, 1)
-        values[f"colsum{i}"] = values[ref].reshape(rows, cols).sum(0, dtype=compute_dtype(dtype)).to(dtype)
+        values[f"colsum{i}"] = column_sum(values[ref], shape, dtype)
     try:
         return [values[ref] for ref in direction.produces]
     except KeyError:
