@@ -44,7 +44,7 @@ assert "abp_compiler" not in maps, "the IR compiler was loaded before anything c
 # The C++ per-call lane is built from the package's own source against this torch and ran the op.
 from abp import _plan_lane  # noqa: E402
 assert _plan_lane.status() == "C++ lane", _plan_lane.status()
-assert _plan_lane.SOURCE == package / "_plan_lane.cpp", _plan_lane.SOURCE
+assert _plan_lane.SOURCES == (package / "_plan_lane.cpp", package / "_row_plan.cpp"), _plan_lane.SOURCES
 assert "OperatorFunction" not in type(y.grad_fn).__name__, type(y.grad_fn)
 y.sum().backward()
 table = abp.inspect("gelu_b3")["operator"]["tables"][0]

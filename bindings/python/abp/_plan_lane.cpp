@@ -1,6 +1,7 @@
 // The per-call lane of abp/_eager.py in C++: a one-input operator's forward and backward as a
 // torch::autograd::Function, so that neither direction enters Python; and the affine norms' (a
-// dense input and per-column gain and bias, abp/_affine_norm.py) on the same plans.
+// dense input and per-column gain and bias, abp/_affine_norm.py) on the same plans. The module
+// also holds the sampled layers' row plan (abp/_row_plan.cpp).
 //
 // Built on first use against the torch it runs in (abp/_plan_lane.py, torch.utils.cpp_extension),
 // because torch's C++ ABI changes between releases: this is the one native file of abp that is
@@ -809,6 +810,10 @@ py::object run(const std::shared_ptr<Plan> &plan, const torch::Tensor &input, co
 
 }  // namespace
 
+namespace abp_lane {
+void defineRowPlan(py::module &m);  // abp/_row_plan.cpp
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "abp's per-call lane in C++ (abp/_plan_lane.cpp), built against this torch";
   py::class_<Plan, std::shared_ptr<Plan>>(m, "Plan").def_readonly("op", &Plan::op);
@@ -820,4 +825,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("affine_norm", &affineNorm, py::arg("plan"), py::arg("input"), py::arg("weight"), py::arg("bias"),
         py::arg("eps"), py::arg("offset"), py::arg("out_like"), py::arg("save_like"), py::arg("unless_autocast"));
+  abp_lane::defineRowPlan(m);
 }

@@ -35,7 +35,8 @@ from . import _lib
 
 __all__ = ["module", "status", "build_directory", "general_backward"]
 
-SOURCE = Path(__file__).with_name("_plan_lane.cpp")
+#: The module's sources: the per-call lane, and the sampled layers' row plan (abp/_row_plan.cpp).
+SOURCES = (Path(__file__).with_name("_plan_lane.cpp"), Path(__file__).with_name("_row_plan.cpp"))
 _lock = threading.Lock()
 _state: dict = {}  # "module": the loaded extension or None; "why": the reason it is None
 
@@ -79,11 +80,13 @@ def _cuda_stream_support() -> bool:
 
 
 def _key(cuda: bool) -> str:
-    """What the built module depends on: the source (its bytes, and its path: torch's build
-    files name it, so two checkouts or installs sharing one directory would rebuild in turn),
+    """What the built module depends on: the sources (their bytes, and their paths: torch's build
+    files name them, so two checkouts or installs sharing one directory would rebuild in turn),
     this torch build and this Python."""
-    h = hashlib.sha256(SOURCE.read_bytes())
-    for part in (str(SOURCE), torch.__version__, getattr(torch.version, "git_version", ""), str(Path(torch.__file__).parent),
+    h = hashlib.sha256()
+    for source in SOURCES:
+        h.update(source.read_bytes() + b"\0")
+    for part in (*map(str, SOURCES), torch.__version__, getattr(torch.version, "git_version", ""), str(Path(torch.__file__).parent),
                  sys.version, str(cuda), str(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", ""))):
         h.update(b"\0" + str(part).encode())
     return h.hexdigest()[:20]
@@ -162,7 +165,7 @@ def _build() -> Any:
             print(f"abp: building its C++ per-call lane for torch {torch.__version__} in {directory} "
                   f"(about a minute, once)", file=sys.stderr, flush=True)
         try:
-            found = cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(directory),
+            found = cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], build_directory=str(directory),
                                        extra_cflags=flags, verbose=verbose, **extra)
         except ImportError:
             # Built and linked (ninja finished), but the loader refused it (a symbol this torch
@@ -233,8 +236,8 @@ def module() -> Optional[Any]:
         found, why = None, ""
         if not _flag("ABP_PLAN_LANE", True):
             why = f"the C++ lane is turned off (ABP_PLAN_LANE={os.environ.get('ABP_PLAN_LANE', '')})"
-        elif not SOURCE.is_file():
-            why = f"the C++ lane's source {SOURCE} is missing"
+        elif not all(s.is_file() for s in SOURCES):
+            why = f"the C++ lane's source {next(s for s in SOURCES if not s.is_file())} is missing"
         else:
             try:
                 found = _build()

@@ -18,7 +18,9 @@ saves about `keep` of the input instead of all of it (docs/algorithms.md §3, §
 Randomness: one Philox key per call, drawn from `generator` (torch's default generator if
 None) unless `seed` is given, so torch.manual_seed(s) reproduces a run and every call and layer
 draws afresh. The kernels (row norms, draws, gather-and-scale, sketches) are generated from
-ops/sample/sample.mlir; the plan over the N scores is abp._selection's; the products are torch's.
+ops/sample/sample.mlir; the plan over the N scores is abp._selection's (run as the same ATen ops in C++
+where the C++ lane is built, abp/_row_plan.cpp: the same bits without ~70 Python op calls); the
+products are torch's.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from . import _amp, _custom_ops, _scale, autograd
+from . import _amp, _custom_ops, _plan_lane, _scale, autograd
 from . import _sample_kernels as kernels
 from . import _selection as selection
 from ._launch import check_device, compute_dtype
@@ -40,6 +42,8 @@ __all__ = ["METHODS", "sampled_linear", "plan_rows", "sketch_product", "GradNorm
 #: The dW estimators of sampled_linear.
 METHODS: Tuple[str, ...] = ("wtacrs", "crs", "uniform", "gaussian", "rademacher")
 _ROW_METHODS = ("wtacrs", "crs", "uniform")
+#: The share of the ‖x‖-only distribution mixed into p ∝ ‖x_t‖·γ_t (§8.2; integer_masses' floor).
+_NORM_FLOOR = 0.1
 #: Smallest keep counts (docs/algorithms.md §8.2: 10 rows; §3: sketches of at least 3 rows).
 MINIMUM_KEPT = {"wtacrs": 10, "crs": 10, "uniform": 10, "gaussian": 3, "rademacher": 3}
 
@@ -72,11 +76,17 @@ def plan_rows(x: torch.Tensor, k: int, method: str, seed: int, offset: int = 0,
     finite, as the exact product would be); an infinite one takes nearly all the mass (and its
     infinity into dW); all-zero scores, uniform draws of zero rows."""
     norms = kernels.row_norms(x)  # also for "uniform": a non-finite row makes dW non-finite
-    masses, usable = selection.integer_masses(norms, gamma)
+    draws = kernels.uniform(2 * k, seed, offset, x.device)
+    lane = _plan_lane.module()
+    if (lane is not None and k >= 1 and norms.numel() > 0 and method in _ROW_METHODS
+            and (gamma is None or (type(gamma) is torch.Tensor and gamma.dim() == 1 and gamma.is_floating_point()
+                                   and gamma.numel() == norms.numel()))):
+        # The same ops in C++ (abp/_row_plan.cpp): the same bits, without ~60 Python op calls.
+        return selection.Slots(*lane.row_plan(norms, gamma, draws, k, method, _NORM_FLOOR))
+    masses, usable = selection.integer_masses(norms, gamma, _NORM_FLOOR)
     if method == "uniform":  # every row alike; a row with an infinite norm is drawn (its infinity reaches dW)
         masses = torch.where(torch.isinf(norms).to(masses.device), masses, torch.ones_like(masses))
-    u = selection.uniforms48(kernels.uniform(2 * k, seed, offset, x.device))
-    return selection.plan_slots(masses, usable, k, u, method)
+    return selection.plan_slots(masses, usable, k, selection.uniforms48(draws), method)
 
 
 def sampled_residuals(x2: torch.Tensor, method: str, keep: float, seed: int,
