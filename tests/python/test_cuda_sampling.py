@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from abp import _sample_kernels as kernels
-from abp import sampling, vcas
+from abp import _plan_lane, sampling, vcas
 from abp_reference import library_or_skip
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs torch with CUDA and a GPU")
@@ -51,14 +51,20 @@ def test_kernels_equal_the_cpu_path(dtype: torch.dtype, cols: int) -> None:
     assert torch.equal(kernels.row_norms(x.to(CUDA)).cpu(), kernels.row_norms(x))
 
 
-def test_plans_are_the_same_choices_on_both_devices() -> None:
+def test_plans_are_the_same_choices_on_both_devices(monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.randn(4096, 64, generator=torch.Generator().manual_seed(3))
-    for method in ("wtacrs", "crs"):
-        cpu = sampling.plan_rows(x, 1228, method, seed=11)
-        gpu = sampling.plan_rows(x.to(CUDA), 1228, method, seed=11)
+    gamma = torch.rand(4096, generator=torch.Generator().manual_seed(4))
+    for method, g in (("wtacrs", None), ("crs", None), ("wtacrs", gamma), ("uniform", None)):
+        cpu = sampling.plan_rows(x, 1228, method, seed=11, gamma=g)
+        gpu = sampling.plan_rows(x.to(CUDA), 1228, method, seed=11, gamma=None if g is None else g.to(CUDA))
         # Made on each device from the kernels' norms and draws (the same bits on both), with exact
         # sums (selection.integer_masses): the same slots.
         assert torch.equal(cpu.index, gpu.index.cpu()) and torch.equal(cpu.weight, gpu.weight.cpu()), method
+        # The same from the Python functions on the GPU (the C++ lane's row plan turned off).
+        with monkeypatch.context() as m:
+            m.setattr(_plan_lane, "module", lambda: None)
+            python = sampling.plan_rows(x.to(CUDA), 1228, method, seed=11, gamma=None if g is None else g.to(CUDA))
+        assert torch.equal(python.index, gpu.index) and torch.equal(python.weight, gpu.weight), method
 
 
 @pytest.mark.parametrize("method", sampling.METHODS)

@@ -90,8 +90,9 @@ std::tuple<Tensor, Tensor, Tensor> planSlots(const Tensor &m, const Tensor &usab
   Tensor total = m.sum();
   Tensor count, index, weight;
   if (method == "wtacrs") {
-    Tensor order = std::get<1>(at::sort(m, /*stable=*/true, /*dim=*/0, /*descending=*/true));
-    count = winners(m.index({order}), total, k);
+    std::tuple<Tensor, Tensor> sorted = at::sort(m, /*stable=*/true, /*dim=*/0, /*descending=*/true);
+    Tensor order = std::get<1>(sorted);
+    count = winners(std::get<0>(sorted), total, k);
     Tensor rank = at::empty_like(order);
     rank.index_put_({order}, at::arange(n, order.options()));
     Tensor rest = at::where(rank < count, 0.0, m);

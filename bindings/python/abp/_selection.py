@@ -428,9 +428,9 @@ def plan_slots(masses: Tensor, usable: Tensor, k: int, u: Tensor, method: str,
     slots = torch.arange(k, device=device)
     total = masses.sum()
     if method == "wtacrs":
-        order = torch.sort(masses, descending=True, stable=True).indices
+        ordered, order = torch.sort(masses, descending=True, stable=True)
         if winners is None:
-            count = _winners(masses[order], total, k)
+            count = _winners(ordered, total, k)
         else:
             count = torch.tensor(winners, dtype=torch.int64, device=device)
         rank = torch.empty_like(order)
