@@ -84,6 +84,24 @@ def test_backward_runs_and_grads_are_left_as_they_were():
     assert seq[2].weight.grad is None and x.grad is None
 
 
+def test_buffers_and_random_streams_are_left_as_they_were():
+    """A report mid-training must not feed its batch into BatchNorm's statistics, nor move the
+    random streams (the next dropout masks), of the model or of the baseline."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.GELU(), nn.Dropout(0.1), nn.Flatten(),
+                          nn.Linear(8 * 6 * 6, 10))
+    converted, _ = abp.convert(model, "lowmembp", example_inputs=(torch.randn(4, 3, 8, 8),))
+    x = torch.randn(4, 3, 8, 8)
+    before = [{k: v.clone() for k, v in m.state_dict().items()} for m in (model, converted)]
+    rng = torch.get_rng_state()
+    report = abp.memory.report(converted, (x,), baseline=model)
+    assert report.total_bytes > 0 and report.baseline_total_bytes > 0
+    for m, saved in zip((model, converted), before):
+        changed = [k for k, v in m.state_dict().items() if not torch.equal(v, saved[k])]
+        assert not changed, changed
+    assert torch.equal(torch.get_rng_state(), rng), "the report advanced torch's random stream"
+
+
 def test_nothing_requires_grad_saves_nothing():
     seq = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).requires_grad_(False)
     r = abp.memory.report(seq, torch.randn(2, 8))

@@ -233,7 +233,9 @@ def _measure(model: torch.nn.Module, inputs: Tuple[Any, ...], kwargs: Dict[str, 
              loss_fn: Optional[Callable[[Any], torch.Tensor]]) -> Tuple[int, Dict[str, int]]:
     """(total, per module) bytes saved by one forward of ``model(*inputs, **kwargs)``; runs backward to free them.
 
-    ``.grad`` of the parameters and inputs is restored afterwards: a report must not disturb training.
+    A report must not disturb training: ``.grad`` of the parameters and inputs, every buffer (a
+    BatchNorm's running statistics) and torch's random streams (the next dropout masks) are as
+    they were afterwards.
     """
     counter = SavedTensorsCounter()
     handles = _innermost_module_tags(model, counter)
@@ -244,12 +246,13 @@ def _measure(model: torch.nn.Module, inputs: Tuple[Any, ...], kwargs: Dict[str, 
     for t in leaves:  # backward would otherwise accumulate into the existing .grad tensors in place
         t.grad = None
     try:
-        counter.tag = ""
-        with counter:
-            output = model(*inputs, **kwargs)
-        loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
-        if isinstance(loss, torch.Tensor) and loss.requires_grad:
-            loss.backward()
+        with _structure.untouched(model):
+            counter.tag = ""
+            with counter:
+                output = model(*inputs, **kwargs)
+            loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
+            if isinstance(loss, torch.Tensor) and loss.requires_grad:
+                loss.backward()
     finally:
         for h in handles:
             h.remove()
@@ -290,8 +293,9 @@ def report(
     arguments of the call (a transformers model's ``input_ids``, ``pixel_values``, ...), as
     ``abp.convert``'s ``example_kwargs``. ``baseline`` (e.g. the model before ``abp.convert``) is
     measured the same way on the same inputs. The loss is ``loss_fn(output)``, by default the sum
-    of the output(s) in float32; backward only frees what forward saved: the ``.grad`` of
-    parameters and inputs is left as it was.
+    of the output(s) in float32; backward only frees what forward saved. The models are left as
+    they were: the ``.grad`` of parameters and inputs, their buffers (BatchNorm's running
+    statistics) and torch's random number state (the next dropout masks).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
