@@ -316,6 +316,35 @@ def test_compiled_sampled_linear_has_no_graph_break_and_draws_what_eager_draws(m
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("method", ["wtacrs", "gaussian"])
+def test_compiled_sampled_linear_serves_every_token_count_with_one_graph(method):
+    """The fake implementation gives the kept rows as an expression of the token count (a SymInt
+    under dynamic shapes), not int(n): otherwise every new sequence length compiled a graph of its
+    own, and past dynamo's recompile limit the model silently ran eager. The graph for many lengths
+    computes what eager does (the real kernels' row counts agree with the traced ones)."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    w = torch.randn(8, 16, requires_grad=True)
+
+    def step(x):
+        return (abp.sampling.sampled_linear(x, w, method=method, keep=0.3) ** 2).sum()
+
+    compiled = torch.compile(step, backend=backend)
+    for tokens in range(40, 40 + 9 * 7, 7):  # 9 lengths: more than dynamo's default recompile limit of 8
+        x = torch.randn(2, tokens, 16)
+        torch.manual_seed(tokens)
+        (got,) = torch.autograd.grad(compiled(x), (w,))
+        torch.manual_seed(tokens)
+        (want,) = torch.autograd.grad(step(x), (w,))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert len(graphs) <= 2, f"{len(graphs)} graphs for 9 token counts"
+
+
 def test_compiled_sampled_linear_keeps_exact_and_degenerate_gradients():
     # k >= n: the input whole, so dW is exact; all-zero rows: dW = 0 as exactly; a non-finite input:
     # a non-finite dW as exactly (AMP's scaler then skips the step).

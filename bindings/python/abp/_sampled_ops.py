@@ -17,6 +17,7 @@ same key.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Tuple
 
 import torch
@@ -35,6 +36,14 @@ def _seed(key: torch.Tensor) -> int:
 
 def _count(n: int, method: str, keep: float) -> int:
     return selection.keep_count(n, keep, minimum=sampling.minimum_kept(method))
+
+
+def _traced_count(n: Any, method: str, keep: float) -> Any:
+    """_count for the fake implementation, where n is a SymInt under dynamic shapes: the same
+    min(max(⌊n·keep⌋, minimum), n) as one symbolic expression. int(n) there would specialise the
+    graph on the token count, and dynamo would compile one graph per sequence length (then fall
+    back to eager at its recompile limit)."""
+    return torch.sym_min(torch.sym_max(math.floor(n * keep), sampling.minimum_kept(method)), n)
 
 
 @_custom_ops.custom_op("abp::sampled_linear_save", mutates_args=())
@@ -60,7 +69,7 @@ def _residual_rows(x2: torch.Tensor, key: torch.Tensor, method: str, keep: float
 @_save.register_fake
 def _(x2: torch.Tensor, key: torch.Tensor, method: str, keep: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n, d = x2.shape
-    k = _count(int(n), method, keep)
+    k = _traced_count(n, method, keep)
     rows, index = (n, 0) if k >= n else (k, 0 if method in ("gaussian", "rademacher") else k)
     return x2.new_empty((rows, d)), x2.new_empty((index,), dtype=torch.int32), torch.empty_like(key)
 
