@@ -180,6 +180,71 @@ def test_compress_saved_and_checkpointing_see_the_lanes_residuals():
     assert all(torch.isfinite(g).all() for g in compressed)
 
 
+def _affine_norm(requires_grad=True):
+    norm = abp.nn.MSLayerNorm(8, elementwise_affine=True)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.uniform_(-0.5, 0.5)
+    norm.requires_grad_(requires_grad)
+    return norm
+
+
+def test_the_lanes_nodes_keep_autograds_contracts():
+    """The lane's nodes are torch::autograd::Node subclasses: they must behave as a Function's."""
+    _lane()
+    x = torch.randn(4, 8, requires_grad=True)
+    for module, saves_output in ((abp.nn.SiLU(bits=3), False), (abp.nn.MSLayerNorm(8), True), (_affine_norm(), True)):
+        y = module(x)
+        assert y.grad_fn.name().startswith("abp::") and y.grad_fn.name().endswith("Backward"), y.grad_fn.name()
+        # A saved output changed in place is caught at backward, as for torch's own ops (the
+        # activation saves codes of x, not y, and keeps working).
+        y.add_(1.0)
+        if saves_output:
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                y.sum().backward()
+        else:
+            y.sum().backward()
+        # The graph is freed after a backward: a second one says so.
+        y = module(x)
+        y.sum().backward()
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            y.sum().backward()
+        # Without grad mode, or with nothing that wants a gradient: no node, as torch's ops.
+        with torch.no_grad():
+            assert module(x).grad_fn is None
+        module.requires_grad_(False)
+        assert module(x.detach()).grad_fn is None
+        module.requires_grad_(True)
+
+
+def test_a_frozen_affine_norm_gives_only_the_inputs_gradient():
+    """needs_input_grad of the old Function: a frozen γ and β get none, x still gets its own."""
+    _lane()
+    norm = _affine_norm(requires_grad=False)
+    x = torch.randn(4, 8, requires_grad=True)
+    norm(x).square().sum().backward()
+    assert x.grad is not None and norm.weight.grad is None and norm.bias.grad is None
+    # And the other way round: only the parameters train (the input is data).
+    norm = _affine_norm()
+    y = norm(torch.randn(4, 8))
+    assert y.grad_fn is not None
+    y.square().sum().backward()
+    assert norm.weight.grad is not None and norm.bias.grad is not None
+
+
+def test_forward_mode_ad_is_refused_not_dropped():
+    """A dual input (torch.autograd.forward_ad) takes the Python lane, whose Function has no jvp and
+    says so; a node of the C++ lane would have dropped the tangent silently."""
+    _lane()
+    import torch.autograd.forward_ad as fwAD
+    x = torch.randn(4, 8)
+    for module in (abp.nn.SiLU(bits=3), abp.nn.MSLayerNorm(8), _affine_norm()):
+        with fwAD.dual_level():
+            dual = fwAD.make_dual(x, torch.ones_like(x))
+            with pytest.raises(NotImplementedError, match="jvp"):
+                module(dual)
+
+
 def _train_step_grads(model, x, checkpoint=False):
     model.zero_grad(set_to_none=True)
     if checkpoint:

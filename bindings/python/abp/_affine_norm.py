@@ -157,7 +157,7 @@ class _SavedContext:
 def lane(op_name: str, x: Tensor, eps: float, weight: Optional[Tensor], bias: Optional[Tensor],
          weight_offset: float, out_dtype: Optional[torch.dtype] = None,
          save_dtype: Optional[torch.dtype] = None, unless_autocast: bool = False) -> Optional[Tensor]:
-    """y by the C++ lane (abp/_plan_lane.cpp's AffineNormFunction, the same steps in C++), or None
+    """y by the C++ lane (abp/_plan_lane.cpp's affineApply and AffineNode, the same steps in C++), or None
     where it does not serve the call (a tensor subclass, a dtype, shape or device it was not made
     for, tracing, the lane not built; with `unless_autocast`, an fp32 x under autocast). Arguments
     as affine_ms_norm's; `x` a plain tensor, not under torch.compile (the caller's checks)."""

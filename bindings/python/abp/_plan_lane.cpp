@@ -1,5 +1,5 @@
-// The per-call lane of abp/_eager.py in C++: a one-input operator's forward and backward as a
-// torch::autograd::Function, so that neither direction enters Python; and the affine norms' (a
+// The per-call lane of abp/_eager.py in C++: a one-input operator's forward, and its backward as an
+// autograd node of its own, so that neither direction enters Python; and the affine norms' (a
 // dense input and per-column gain and bias, abp/_affine_norm.py) on the same plans. The module
 // also holds the sampled layers' row plan (abp/_row_plan.cpp).
 //
@@ -13,6 +13,7 @@
 // it or raises the error that names it. tests/python/test_plan_lane.py holds both lanes to the
 // same bytes.
 #include <ATen/autocast_mode.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/extension.h>
 #include <torch/version.h>
@@ -21,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -30,7 +32,6 @@
 #endif
 
 namespace py = pybind11;
-using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 namespace {
@@ -369,32 +370,63 @@ std::vector<torch::Tensor> runBackward(const Plan &plan, const std::vector<Resid
   return out;
 }
 
-// What a PlanFunction node keeps besides its saved tensors, in one capsule (one entry of the
-// context's map instead of one per field: this is every call's path).
-struct NodeState : torch::CustomClassHolder {
-  const Plan *plan = nullptr;  // plans live as long as the process (makePlan)
-  std::vector<char> is_tensor;
-  std::vector<double> scalars;
-  std::vector<int64_t> shape;
-  c10::Device device = c10::Device(c10::DeviceType::CPU);
+// The lane's autograd nodes are torch::autograd::Node subclasses, as torch's own generated nodes
+// are, not torch::autograd::Function: a Function keeps its state in a context (a map of IValues,
+// a list of saved variables, output metadata) that cost 7 to 10 µs more per forward and backward
+// than these nodes (bench/host_overhead.py's activation and norm rows, measured side by side on
+// the CPU path). What Function::apply did around forward is done here: forward runs with grad mode off,
+// the node exists only where a gradient is wanted, outputs get it as their grad_fn, tensors are
+// saved as SavedVariables (so saved-tensor hooks, checkpointing and the "modified by an inplace
+// operation" check apply), and an input carrying a forward-mode tangent, which no node here can
+// propagate, is declined so that the Python lane raises.
+
+using torch::autograd::isFwGradDefined;  // a forward-mode AD tangent (level 0, as torch's generated code asks)
+
+// Nodes are held by std::shared_ptr up to some torch 2 release and by c10::intrusive_ptr after it
+// (an Edge's `function` says which this torch uses). The helpers below are the one place that
+// differs; names that exist in one API only are reached through template arguments, so the other
+// branch is never instantiated.
+using NodePtr = decltype(torch::autograd::Edge().function);
+
+template <typename T, typename P = NodePtr>
+struct NodeMaker;
+template <typename T>
+struct NodeMaker<T, std::shared_ptr<torch::autograd::Node>> {
+  // deleteNode frees a long chain of nodes without recursing (torch's generated code uses it).
+  static std::shared_ptr<T> make() {
+    return std::shared_ptr<T>(new T(), [](T *node) { deleteNode(node); });
+  }
+};
+template <typename T>
+struct NodeMaker<T, c10::intrusive_ptr<torch::autograd::Node>> {
+  static c10::intrusive_ptr<T> make() { return c10::make_intrusive<T>(); }
 };
 
-const NodeState &stateOf(AutogradContext *ctx) {
-  return *static_cast<const NodeState *>(ctx->saved_data.at("abp").toCapsule().get());
+template <typename T>
+auto makeNode() { return NodeMaker<T>::make(); }
+
+// The owning pointer to `node` itself, which unpacking a saved output needs.
+template <typename N>
+auto selfOf(N *node, int) -> decltype(node->getptr()) { return node->getptr(); }
+template <typename N>
+auto selfOf(N *node, long) -> decltype(node->shared_from_this()) { return node->shared_from_this(); }
+
+// Makes `node` the grad_fn of each output (an output of a type that cannot have a gradient gets
+// none, as Function::apply leaves it), after it took its next edges.
+void attach(const NodePtr &node, variable_list &outputs) {
+  for (auto &out : outputs) {
+    if (out.defined() && torch::autograd::isDifferentiableType(out.scalar_type()))
+      torch::autograd::set_history(out, node);
+    else
+      node->add_input_metadata(torch::autograd::Node::undefined_input());
+  }
 }
 
-std::vector<Residual> residualsOf(AutogradContext *ctx, const NodeState &state) {
-  variable_list tensors = ctx->get_saved_variables();
-  std::vector<Residual> residuals(state.is_tensor.size());
-  size_t t = 0, s = 0;
-  for (size_t i = 0; i < residuals.size(); ++i) {
-    residuals[i].is_tensor = state.is_tensor[i] != 0;
-    if (residuals[i].is_tensor)
-      residuals[i].tensor = tensors[t++];
-    else
-      residuals[i].scalar = state.scalars[s++];
-  }
-  return residuals;
+bool isOneOf(const torch::Tensor &t, const variable_list &outputs) {
+  for (const auto &out : outputs)
+    if (out.defined() && out.unsafeGetTensorImpl() == t.unsafeGetTensorImpl())
+      return true;
+  return false;
 }
 
 // The input's gradient by the general path (abp._plan_lane.general_backward, in Python), which
@@ -415,54 +447,78 @@ torch::Tensor generalBackward(const Plan &plan, const std::vector<Residual> &res
   }
 }
 
-struct PlanFunction : public torch::autograd::Function<PlanFunction> {
-  // Runs with grad mode off (Function::apply), as a Python Function's forward does.
-  static variable_list forward(AutogradContext *ctx, const torch::Tensor &input, const std::shared_ptr<Plan> &plan,
-                               const std::vector<Param> &params) {
-    int device;
-    void *stream;
-    deviceAndStream(input, &device, &stream);  // run() took only devices it serves
-    // C++14: torch 1.13's extensions build with -std=c++14 (no structured bindings).
-    auto done = runForward(*plan, {input.resolve_neg().contiguous()}, params, device, stream);
-    auto state = c10::make_intrusive<NodeState>();
-    state->plan = plan.get();
-    std::vector<torch::Tensor> tensors;
-    for (const auto &r : done.second) {
-      state->is_tensor.push_back(r.is_tensor);
-      if (r.is_tensor)
-        tensors.push_back(r.tensor);
-      else
-        state->scalars.push_back(r.scalar);
-    }
-    state->shape = input.sizes().vec();
-    state->device = input.device();
-    ctx->save_for_backward(tensors);
-    ctx->saved_data["abp"] = c10::IValue::make_capsule(std::move(state));
-    ctx->set_materialize_grads(false);
-    return done.first;
+// A one-input operator's backward (Plan.backward), and what it needs of forward.
+struct PlanNode : public torch::autograd::Node {
+  const Plan *plan = nullptr;  // plans live as long as the process (makePlan)
+  std::vector<torch::autograd::SavedVariable> saved;  // the tensor residuals, in order
+  std::vector<char> is_tensor;
+  std::vector<double> scalars;
+  std::vector<int64_t> shape;
+  c10::Device device = c10::Device(c10::DeviceType::CPU);
+
+  std::string name() const override { return "abp::" + plan->op + "Backward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto &v : saved)
+      v.reset_data();
   }
 
-  static variable_list backward(AutogradContext *ctx, variable_list grads) {
-    const NodeState &state = stateOf(ctx);
-    const Plan &plan = *state.plan;
-    checkGradients(plan.op, grads);
-    std::vector<Residual> residuals = residualsOf(ctx, state);
-    const std::vector<int64_t> &shape = state.shape;
-    const c10::Device device = state.device;
+  variable_list apply(variable_list &&grads) override {
+    checkGradients(plan->op, grads);
+    std::vector<Residual> residuals(is_tensor.size());
+    size_t t = 0, s = 0;
+    for (size_t i = 0; i < residuals.size(); ++i) {
+      residuals[i].is_tensor = is_tensor[i] != 0;
+      if (residuals[i].is_tensor)
+        residuals[i].tensor = saved[t++].unpack(selfOf(this, 0));
+      else
+        residuals[i].scalar = scalars[s++];
+    }
     // Under backward(create_graph=True) the general path makes a second backward fail loudly
     // (once_differentiable); so do several output gradients and anything runBackward refuses.
     torch::Tensor dx;
     if (grads.size() == 1 && !torch::GradMode::is_enabled()) {
-      std::vector<torch::Tensor> dxs = runBackward(plan, residuals, grads[0], shape, device);
+      std::vector<torch::Tensor> dxs = runBackward(*plan, residuals, grads[0], shape, device);
       if (!dxs.empty())
         dx = dxs[0];
     }
     if (!dx.defined())
-      dx = generalBackward(plan, residuals, grads, shape, device);
-    // One gradient per forward argument: the input's, none for the plan and the parameters.
-    return {dx, torch::Tensor(), torch::Tensor()};
+      dx = generalBackward(*plan, residuals, grads, shape, device);
+    return {dx};
   }
 };
+
+// Plan.forward and OperatorFunction.apply's autograd in one: the outputs, with a PlanNode as their
+// grad_fn where the input wants a gradient.
+variable_list planApply(const torch::Tensor &input, const std::shared_ptr<Plan> &plan,
+                        const std::vector<Param> &params) {
+  int device;
+  void *stream;
+  deviceAndStream(input, &device, &stream);  // run() took only devices it serves
+  std::pair<std::vector<torch::Tensor>, std::vector<Residual>> done;
+  {
+    torch::NoGradGuard no_grad;  // as a Function's forward runs
+    done = runForward(*plan, {input.resolve_neg().contiguous()}, params, device, stream);
+  }
+  variable_list &outputs = done.first;
+  if (!torch::GradMode::is_enabled() || !input.requires_grad())
+    return outputs;
+  auto node = makeNode<PlanNode>();
+  node->set_next_edges(torch::autograd::collect_next_edges(input));
+  attach(node, outputs);
+  node->plan = plan.get();
+  for (const auto &r : done.second) {
+    node->is_tensor.push_back(r.is_tensor);
+    if (r.is_tensor)
+      node->saved.emplace_back(r.tensor, isOneOf(r.tensor, outputs));
+    else
+      node->scalars.push_back(r.scalar);
+  }
+  node->shape = input.sizes().vec();
+  node->device = input.device();
+  return outputs;
+}
 
 std::shared_ptr<Plan> makePlan(std::string op, uint64_t launch_entry, uint64_t forward_kernel, uint64_t backward_kernel,
                                const torch::Tensor &dtype_of, const torch::Tensor &compute_of, int64_t inputs,
@@ -553,10 +609,10 @@ std::shared_ptr<Plan> makePlan(std::string op, uint64_t launch_entry, uint64_t f
 // dtype, go to one row kernel each way; the gain's and the bias's gradients are the backward's
 // column sums. Saved: y (in the save dtype where given), the per-row statistic, and the caller's
 // weight and bias as they are (a bias without a weight runs the affine plan with a gain of ones).
-struct AffineState : torch::CustomClassHolder {
+struct AffineState {
   const Plan *plan = nullptr;
   double eps = 0.0, offset = 0.0;
-  at::ScalarType dtype = at::ScalarType::Float;
+  at::ScalarType dtype = at::ScalarType::Float;  // x's (its gradient's)
   bool has_weight = false, has_bias = false;
 };
 
@@ -612,44 +668,92 @@ bool affineResiduals(const Plan &plan, const torch::Tensor &y, const torch::Tens
 // The affine norm's backward by the Python lane: under backward(create_graph=True), whose
 // gradients it marks not differentiable (abp.autograd.once_only: the kernels' backward is not),
 // and wherever the plan declines (a saved tensor a saved-tensor hook changed), which names what.
-variable_list pythonBackward(AutogradContext *ctx, const AffineState &state, const variable_list &grads,
-                             bool create_graph) {
-  variable_list saved = ctx->get_saved_variables();
+// `saved`: y, the statistic, then weight and bias where given; `needs`: their gradients wanted.
+variable_list pythonBackward(const AffineState &state, const variable_list &saved, const variable_list &grads,
+                             bool needs_weight, bool needs_bias, bool create_graph) {
   torch::Tensor weight = state.has_weight ? saved[2] : torch::Tensor();
   torch::Tensor bias = state.has_bias ? saved[state.has_weight ? 3 : 2] : torch::Tensor();
   variable_list out;
-  {
-    py::gil_scoped_acquire gil;
-    try {
-      if (affinePythonBackward == nullptr)
-        throw std::runtime_error("abp plan lane: the affine norms' Python backward is not set");
-      py::tuple result = (*affinePythonBackward)(state.plan->op, state.eps, state.offset,
-                                                 torch::empty({0}, torch::dtype(state.dtype)), saved[0], saved[1],
-                                                 tensorOrNone(weight), tensorOrNone(bias), grads[0],
-                                                 state.has_weight && ctx->needs_input_grad(1),
-                                                 state.has_bias && ctx->needs_input_grad(state.has_weight ? 2 : 1),
-                                                 create_graph);
-      out.push_back(result[0].is_none() ? torch::Tensor() : result[0].cast<torch::Tensor>());
-      if (state.has_weight)
-        out.push_back(result[1].is_none() ? torch::Tensor() : result[1].cast<torch::Tensor>());
-      if (state.has_bias)
-        out.push_back(result[2].is_none() ? torch::Tensor() : result[2].cast<torch::Tensor>());
-    } catch (py::error_already_set &e) {
-      rethrow(e);
-    }
+  py::gil_scoped_acquire gil;
+  try {
+    if (affinePythonBackward == nullptr)
+      throw std::runtime_error("abp plan lane: the affine norms' Python backward is not set");
+    py::tuple result = (*affinePythonBackward)(state.plan->op, state.eps, state.offset,
+                                               torch::empty({0}, torch::dtype(state.dtype)), saved[0], saved[1],
+                                               tensorOrNone(weight), tensorOrNone(bias), grads[0],
+                                               state.has_weight && needs_weight, state.has_bias && needs_bias,
+                                               create_graph);
+    for (int i = 0; i < 3; ++i)
+      out.push_back(result[i].is_none() ? torch::Tensor() : result[i].cast<torch::Tensor>());
+  } catch (py::error_already_set &e) {
+    rethrow(e);
   }
-  out.resize(out.size() + 7);
   return out;
 }
 
-struct AffineNormFunction : public torch::autograd::Function<AffineNormFunction> {
-  // `inputs`: x, then weight and bias where given (an autograd Function takes no undefined tensor).
-  static variable_list forward(AutogradContext *ctx, at::TensorList inputs, bool has_weight, bool has_bias,
-                               const std::shared_ptr<Plan> &plan, double eps, double offset,
-                               c10::optional<at::ScalarType> out_dtype, c10::optional<at::ScalarType> save_dtype) {
-    const torch::Tensor &x = inputs[0];
-    const torch::Tensor weight = has_weight ? inputs[1] : torch::Tensor();
-    const torch::Tensor bias = has_bias ? inputs[has_weight ? 2 : 1] : torch::Tensor();
+// The affine norm's backward (_AffineMSNorm.backward): next edges x, weight, bias (an invalid edge
+// for one not given), so apply returns one gradient for each.
+struct AffineNode : public torch::autograd::Node {
+  AffineState state;
+  torch::autograd::SavedVariable y, statistic, weight, bias;  // weight, bias: undefined where not given
+  std::vector<int64_t> out_shape;  // y's, for a gradient to materialise as zeros
+  at::TensorOptions out_options;
+
+  std::string name() const override { return "abp::" + state.plan->op + "Backward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    y.reset_data();
+    statistic.reset_data();
+    weight.reset_data();
+    bias.reset_data();
+  }
+
+  variable_list apply(variable_list &&grads) override {
+    checkGradients(state.plan->op, grads);
+    if (!grads[0].defined())  // as Function materialised it: zeros of y's shape
+      grads[0] = torch::zeros(out_shape, out_options);
+    auto self = selfOf(this, 0);
+    variable_list saved = {y.unpack(self), statistic.unpack(self)};
+    if (state.has_weight)
+      saved.push_back(weight.unpack(self));
+    if (state.has_bias)
+      saved.push_back(bias.unpack(self));
+    const bool needs_weight = task_should_compute_output(1), needs_bias = task_should_compute_output(2);
+    if (torch::GradMode::is_enabled())  // backward(create_graph=True): the Python lane's, marked
+      return pythonBackward(state, saved, grads, needs_weight, needs_bias, /*create_graph=*/true);
+    const Plan &plan = *state.plan;
+    const torch::Tensor w = state.has_weight ? saved[2] : torch::Tensor();
+    const torch::Tensor b = state.has_bias ? saved[state.has_weight ? 3 : 2] : torch::Tensor();
+    const torch::Tensor &dy = grads[0];
+    // The launch dtype's y (a save dtype's or an autocast output's copy), as the kernel reads it.
+    torch::Tensor yl = launchable(saved[0], plan.dtype);
+    std::vector<torch::Tensor> launched = columnInputs(plan, w, b, yl.dim() ? yl.size(-1) : 1, yl);
+    std::vector<Residual> residuals;
+    std::vector<torch::Tensor> out;
+    if (affineResiduals(plan, yl, saved[1], launched, state, &residuals))
+      out = runBackward(plan, residuals, dy.scalar_type() == plan.dtype ? dy : dy.to(plan.dtype), yl.sizes(),
+                        yl.device());
+    if (out.empty())  // what the plan does not take (a statistic a saved-tensor hook changed): Python names it
+      return pythonBackward(state, saved, grads, needs_weight, needs_bias, /*create_graph=*/false);
+    auto as = [](const torch::Tensor &t, at::ScalarType dtype) { return t.scalar_type() == dtype ? t : t.to(dtype); };
+    variable_list result = {as(out[0], state.dtype), torch::Tensor(), torch::Tensor()};
+    if (state.has_weight && needs_weight)
+      result[1] = as(out[1], w.scalar_type());
+    if (state.has_bias && needs_bias)
+      result[2] = as(out.back(), b.scalar_type());
+    return result;
+  }
+};
+
+// _AffineMSNorm.apply's forward and autograd: y, with an AffineNode as its grad_fn where x, the
+// weight or the bias wants a gradient. `weight` and `bias` may be undefined (not both).
+torch::Tensor affineApply(const torch::Tensor &x, const torch::Tensor &weight, const torch::Tensor &bias,
+                          const std::shared_ptr<Plan> &plan, double eps, double offset,
+                          c10::optional<at::ScalarType> out_dtype, c10::optional<at::ScalarType> save_dtype) {
+  torch::Tensor y, saved, statistic;
+  {
+    torch::NoGradGuard no_grad;  // as a Function's forward runs
     // Half-precision rows run in fp32: y is rounded once, as torch's norms do.
     std::vector<torch::Tensor> launched = columnInputs(*plan, weight, bias, x.size(-1), x);
     launched[0] = launchable(x, plan->dtype);
@@ -657,7 +761,7 @@ struct AffineNormFunction : public torch::autograd::Function<AffineNormFunction>
     void *stream;
     deviceAndStream(launched[0], &device, &stream);
     auto done = runForward(*plan, launched, {paramOf(eps), paramOf(offset)}, device, stream);
-    torch::Tensor y = done.first.at(0), statistic;
+    y = done.first.at(0);
     for (size_t i = plan->outputs; i < plan->produces.size(); ++i)
       if (plan->produces[i].first == kResult && plan->produces[i].second != plan->produces[0].second)
         statistic = done.second.at(i - plan->outputs).tensor;
@@ -666,55 +770,31 @@ struct AffineNormFunction : public torch::autograd::Function<AffineNormFunction>
       y = y.to(target);
     // y is saved as the very tensor returned (the next Linear saves the same storage), or a copy
     // in the save dtype (abp/_affine_norm.py).
-    torch::Tensor saved = !save_dtype.has_value() || *save_dtype == y.scalar_type() ? y : y.to(*save_dtype);
-    variable_list to_save = {saved, statistic};
-    if (has_weight)
-      to_save.push_back(weight);
-    if (has_bias)
-      to_save.push_back(bias);
-    ctx->save_for_backward(to_save);
-    auto state = c10::make_intrusive<AffineState>();
-    state->plan = plan.get();
-    state->eps = eps;
-    state->offset = offset;
-    state->dtype = x.scalar_type();
-    state->has_weight = has_weight;
-    state->has_bias = has_bias;
-    ctx->saved_data["abp"] = c10::IValue::make_capsule(std::move(state));
-    return {y};
+    saved = !save_dtype.has_value() || *save_dtype == y.scalar_type() ? y : y.to(*save_dtype);
   }
-
-  static variable_list backward(AutogradContext *ctx, variable_list grads) {
-    const auto &state = *static_cast<const AffineState *>(ctx->saved_data.at("abp").toCapsule().get());
-    checkGradients(state.plan->op, grads);
-    if (torch::GradMode::is_enabled())  // backward(create_graph=True): the Python lane's, marked
-      return pythonBackward(ctx, state, grads, /*create_graph=*/true);
-    const Plan &plan = *state.plan;
-    variable_list saved = ctx->get_saved_variables();
-    const torch::Tensor weight = state.has_weight ? saved[2] : torch::Tensor();
-    const torch::Tensor bias = state.has_bias ? saved[state.has_weight ? 3 : 2] : torch::Tensor();
-    const torch::Tensor &dy = grads[0];
-    // The launch dtype's y (a save dtype's or an autocast output's copy), as the kernel reads it.
-    torch::Tensor y = launchable(saved[0], plan.dtype);
-    std::vector<torch::Tensor> launched = columnInputs(plan, weight, bias, y.dim() ? y.size(-1) : 1, y);
-    std::vector<Residual> residuals;
-    std::vector<torch::Tensor> out;
-    if (dy.defined() && affineResiduals(plan, y, saved[1], launched, state, &residuals))
-      out = runBackward(plan, residuals, dy.scalar_type() == plan.dtype ? dy : dy.to(plan.dtype), y.sizes(),
-                        y.device());
-    if (out.empty())  // what the plan does not take (a statistic a saved-tensor hook changed): Python names it
-      return pythonBackward(ctx, state, grads, /*create_graph=*/false);
-    auto as = [](const torch::Tensor &t, at::ScalarType dtype) { return t.scalar_type() == dtype ? t : t.to(dtype); };
-    variable_list result = {as(out[0], state.dtype)};
-    if (state.has_weight)
-      result.push_back(ctx->needs_input_grad(1) ? as(out[1], weight.scalar_type()) : torch::Tensor());
-    if (state.has_bias)
-      result.push_back(ctx->needs_input_grad(result.size()) ? as(out.back(), bias.scalar_type()) : torch::Tensor());
-    // None for the seven other arguments (flags, plan, eps, offset, dtypes).
-    result.resize(result.size() + 7);
-    return result;
-  }
-};
+  if (!torch::GradMode::is_enabled() ||
+      !(x.requires_grad() || (weight.defined() && weight.requires_grad()) || (bias.defined() && bias.requires_grad())))
+    return y;
+  auto node = makeNode<AffineNode>();
+  node->set_next_edges(torch::autograd::collect_next_edges(x, weight, bias));
+  variable_list outputs = {y};  // y itself: the same TensorImpl gets the grad_fn
+  attach(node, outputs);
+  node->y = torch::autograd::SavedVariable(saved, saved.unsafeGetTensorImpl() == y.unsafeGetTensorImpl());
+  node->statistic = torch::autograd::SavedVariable(statistic, false);
+  if (weight.defined())
+    node->weight = torch::autograd::SavedVariable(weight, false);
+  if (bias.defined())
+    node->bias = torch::autograd::SavedVariable(bias, false);
+  node->state.plan = plan.get();
+  node->state.eps = eps;
+  node->state.offset = offset;
+  node->state.dtype = x.scalar_type();
+  node->state.has_weight = weight.defined();
+  node->state.has_bias = bias.defined();
+  node->out_shape = y.sizes().vec();
+  node->out_options = y.options();
+  return y;
+}
 
 c10::optional<at::ScalarType> dtypeOf(const py::object &like) {
   if (like.is_none())
@@ -766,14 +846,9 @@ py::object affineNorm(const std::shared_ptr<Plan> &plan, const torch::Tensor &x,
   torch::Tensor b = bias.is_none() ? torch::Tensor() : bias.cast<torch::Tensor>();
   if ((!w.defined() && !b.defined()) || !columnInput(w, x) || !columnInput(b, x))
     return py::none();
-  variable_list inputs = {x};
-  if (w.defined())
-    inputs.push_back(w);
-  if (b.defined())
-    inputs.push_back(b);
-  variable_list out = AffineNormFunction::apply(at::TensorList(inputs), w.defined(), b.defined(), plan, eps, offset,
-                                                dtypeOf(out_like), dtypeOf(save_like));
-  return py::cast(out[0]);
+  if (isFwGradDefined(x) || isFwGradDefined(w) || isFwGradDefined(b))
+    return py::none();
+  return py::cast(affineApply(x, w, b, plan, eps, offset, dtypeOf(out_like), dtypeOf(save_like)));
 }
 
 // Plan.forward and OperatorFunction.forward in one: the outputs (one tensor, or a tuple), or None
@@ -785,7 +860,7 @@ py::object run(const std::shared_ptr<Plan> &plan, const torch::Tensor &input, co
   void *stream;
   if (plan->inputs != 1 || input.scalar_type() != plan->dtype || static_cast<int64_t>(params.size()) != plan->params ||
       input.layout() != torch::kStrided || !input.has_storage() || (plan->rows && input.dim() == 0) ||
-      torch::jit::tracer::isTracing() || !deviceAndStream(input, &device, &stream))
+      torch::jit::tracer::isTracing() || isFwGradDefined(input) || !deviceAndStream(input, &device, &stream))
     return py::none();
   std::vector<Param> values(params.size());
   for (size_t i = 0; i < values.size(); ++i)
@@ -799,7 +874,7 @@ py::object run(const std::shared_ptr<Plan> &plan, const torch::Tensor &input, co
   for (const auto &p : plan->produces)
     if (p.first == kParam && !values[p.second].f_ok)
       return py::none();
-  variable_list outputs = PlanFunction::apply(input, plan, values);
+  variable_list outputs = planApply(input, plan, values);
   if (outputs.size() == 1)
     return py::cast(outputs[0]);
   py::tuple out(outputs.size());  // several outputs: a tuple, as OperatorFunction returns them

@@ -2,8 +2,8 @@
 
 A one-input operator's call costs, in Python, one autograd.Function forward and one backward the
 engine calls back into Python for: about twice a native torch op's host time even around one
-compiled launch (bench/host_overhead.py). The C++ lane runs the same Plan (abp._eager) as a
-torch::autograd::Function, so neither direction enters Python. torch's C++ ABI changes between
+compiled launch (bench/host_overhead.py). The C++ lane runs the same Plan (abp._eager) with an
+autograd node of its own (a torch::autograd::Node), so neither direction enters Python. torch's C++ ABI changes between
 releases, so it cannot ship prebuilt in a wheel that serves every torch: it is compiled here, once
 per torch build, with torch.utils.cpp_extension (a C++17 compiler and ninja, which `pip install`
 of abp needs anyway; on torch 1.13 from Debian, libtorch-dev and pybind11-dev), into a directory
