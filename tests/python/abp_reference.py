@@ -103,6 +103,16 @@ def library_or_skip() -> None:
         pytest.skip(f"abp native library not available (build it, or set ABP_LIBRARY): {e}")
 
 
+def built_lane() -> Any:
+    """The C++ lane's module (abp._plan_lane); fails where it is not built (scripts/test installs
+    what building it needs)."""
+    from abp import _plan_lane
+
+    lane = _plan_lane.module()
+    assert lane is not None, _plan_lane.status()
+    return lane
+
+
 def library_on_one_thread() -> Iterator[None]:
     """The body of an autouse fixture: the library (else skip), and torch on one thread while the
     test runs. Tiny tensors gain nothing from a second thread, and on a 2-core machine busy with

@@ -19,18 +19,12 @@ import torch.utils.checkpoint
 import abp
 from abp import _eager, _launch, _lib, _plan_lane, autograd
 from abp_reference import PLAN_DTYPES as DTYPES
-from abp_reference import library_or_skip, plan_served, same_bytes as _same_bytes
+from abp_reference import built_lane as _lane, library_or_skip, plan_served, same_bytes as _same_bytes
 
 
 @pytest.fixture(autouse=True)
 def _library() -> None:
     library_or_skip()
-
-
-def _lane():
-    lane = _plan_lane.module()
-    assert lane is not None, _plan_lane.status()  # scripts/test installs what building it needs
-    return lane
 
 
 def _python_lane(name, params, x):

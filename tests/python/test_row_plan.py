@@ -14,7 +14,7 @@ import torch
 
 from abp import _plan_lane, sampling
 from abp import _selection as S
-from abp_reference import library_or_skip
+from abp_reference import built_lane as _lane, library_or_skip
 
 METHODS = ("wtacrs", "crs", "uniform")
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -23,12 +23,6 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.fixture(autouse=True)
 def _library() -> None:
     library_or_skip()
-
-
-def _lane():
-    lane = _plan_lane.module()
-    assert lane is not None, _plan_lane.status()  # scripts/test installs what building it needs
-    return lane
 
 
 def _plans(monkeypatch: pytest.MonkeyPatch, x: torch.Tensor, k: int, method: str, seed: int,
