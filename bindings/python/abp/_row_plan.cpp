@@ -115,11 +115,11 @@ std::tuple<Tensor, Tensor, Tensor> planSlots(const Tensor &m, const Tensor &usab
 // gamma, one value per row, or None) from 2k float32 Philox draws `u`.
 std::tuple<Tensor, Tensor, Tensor> rowPlan(const Tensor &norms, const c10::optional<Tensor> &gamma, const Tensor &u,
                                            int64_t k, const std::string &method, double floor) {
-  std::pair<Tensor, Tensor> masses = integerMasses(norms, gamma, floor);
-  Tensor m = masses.first;
+  std::pair<Tensor, Tensor> massesAndUsable = integerMasses(norms, gamma, floor);
+  Tensor m = massesAndUsable.first;
   if (method == "uniform")
     m = at::where(at::isinf(norms), m, at::ones_like(m));
-  return planSlots(m, masses.second, k, uniforms48(u), method);
+  return planSlots(m, massesAndUsable.second, k, uniforms48(u), method);
 }
 
 }  // namespace
