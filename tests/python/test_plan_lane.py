@@ -227,15 +227,16 @@ def test_a_frozen_affine_norm_gives_only_the_inputs_gradient():
 
 
 def test_forward_mode_ad_is_refused_not_dropped():
-    """A dual input (torch.autograd.forward_ad) takes the Python lane, whose Function has no jvp and
-    says so; a node of the C++ lane would have dropped the tangent silently."""
+    """A dual input (torch.autograd.forward_ad) takes the Python lane, which says that abp defines no
+    forward derivative (abp.autograd.apply_function); a node of the C++ lane would have dropped the
+    tangent silently."""
     _lane()
     import torch.autograd.forward_ad as fwAD
     x = torch.randn(4, 8)
     for module in (abp.nn.SiLU(bits=3), abp.nn.MSLayerNorm(8), _affine_norm()):
         with fwAD.dual_level():
             dual = fwAD.make_dual(x, torch.ones_like(x))
-            with pytest.raises(NotImplementedError, match="jvp"):
+            with pytest.raises(NotImplementedError, match=r"forward-mode AD .*jvp.* is not supported.*reverse mode"):
                 module(dual)
 
 
@@ -381,6 +382,21 @@ def test_the_affine_norm_declines_a_changed_statistic_to_the_python_lanes_error(
             y.sum().backward()
         errors.append(str(info.value))
     assert errors[0] == errors[1] and "one value per row" in errors[0], errors
+
+
+def test_a_saved_tensor_an_unpack_changed_is_named_with_what_differs():
+    """An unpack that gives the norm's saved output back with other strides (same values, dtype and
+    size): the error says it is not contiguous and where a saved tensor comes from, instead of
+    "must be ... of 32 elements, got ... with 32 elements"."""
+    _lane()
+    x = torch.randn(4, 8, requires_grad=True)
+    unpack = lambda t: t.t().contiguous().t() if t.dim() == 2 else t  # noqa: E731
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+        y = abp.nn.MSLayerNorm(8)(x)
+    with pytest.raises(ValueError, match=r"residual0 must be a contiguous torch.float32 tensor of 32 elements, got "
+                                         r"torch.float32 with 32 elements, not contiguous \(shape \(4, 8\), strides "
+                                         r"\(1, 4\)\); it is a tensor saved for backward: a saved_tensors_hooks unpack"):
+        y.sum().backward()
 
 
 def test_a_plan_of_per_column_inputs_is_not_a_one_input_lane():

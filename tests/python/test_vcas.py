@@ -306,6 +306,21 @@ def test_in_eval_mode_the_samplers_are_off_and_gradients_exact() -> None:
     assert any(not torch.equal(p.grad, g) for p, g in zip(net.parameters(), grads[0])), "train mode samples"
 
 
+def test_forward_mode_ad_through_a_sampler_names_abp() -> None:
+    """A dual input (torch.autograd.forward_ad) reaching a VCAS sampler in training mode: abp's
+    words (no forward derivative, use reverse mode), not torch's request for a jvp method."""
+    import torch.autograd.forward_ad as fwAD
+
+    net = _net()
+    controller = vcas.Controller(net, Block)
+    x, _ = _data(1)[0]
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x, torch.ones_like(x))
+        with pytest.raises(NotImplementedError, match="abp's VCAS linear layer: forward-mode AD .* not supported"):
+            net(dual)
+    controller.remove()
+
+
 def test_a_removed_controller_refuses_to_count_and_calibrate() -> None:
     """After remove(), due() said True and step() counted on, as if sampling went on."""
     controller = _calibrated(tau=0.025, s=0.8, rho=0.7, nu=0.6)

@@ -263,6 +263,18 @@ def binding(op: Operator, backward: bool, dtype: torch.dtype, total: Optional[in
     return bound
 
 
+def _got(ref: str, value: torch.Tensor) -> str:
+    """What a refused argument is, for the error: its dtype, size and, where that is what is wrong,
+    its strides; for a saved tensor, where a changed one usually comes from."""
+    what = f"{value.dtype} with {value.numel()} elements"
+    if not value.is_contiguous():
+        what += f", not contiguous (shape {tuple(value.shape)}, strides {value.stride()})"
+    if ref.startswith("residual"):
+        what += ("; it is a tensor saved for backward: a saved_tensors_hooks unpack must give back what "
+                 "its pack was given (dtype, shape and a contiguous layout)")
+    return what
+
+
 def _check_argument(op: Operator, ref: str, value: Any, spec: KernelArg, n: int, rows: int, cols: int,
                     dtype: torch.dtype, device: torch.device) -> None:
     """Checks the tensor feeding kernel argument `spec` (named by its reference `ref`)."""
@@ -271,17 +283,15 @@ def _check_argument(op: Operator, ref: str, value: Any, spec: KernelArg, n: int,
     layout = spec.layout
     if layout == "dense":  # the common case first: this runs for every argument of every launch
         if value.dtype != dtype or value.numel() != n or not value.is_contiguous():
-            raise ValueError(
-                f"{op.name}: {ref} must be a contiguous {dtype} tensor of {n} elements, got "
-                f"{value.dtype} with {value.numel()} elements"
-            )
+            raise ValueError(f"{op.name}: {ref} must be a contiguous {dtype} tensor of {n} elements, got "
+                             f"{_got(ref, value)}")
     elif layout == "packed":
         assert spec.bits is not None
         need = packed_bytes(spec.bits, n)
         if value.dtype != torch.uint8 or value.numel() < need or not value.is_contiguous():
             raise ValueError(
                 f"{op.name}: {ref} must be {need} contiguous uint8 bytes of {spec.bits}-bit codes for "
-                f"{n} elements, got {value.numel()} {value.dtype} elements"
+                f"{n} elements, got {_got(ref, value)}"
             )
     elif layout == "gathered":
         # Read a row at a time, by index: any number of rows of the launch's columns.
@@ -298,14 +308,14 @@ def _check_argument(op: Operator, ref: str, value: Any, spec: KernelArg, n: int,
         if value.dtype != dtype or value.numel() != cols or not value.is_contiguous():
             raise ValueError(
                 f"{op.name}: {ref} must be a contiguous {dtype} tensor of one value per column "
-                f"({cols}), got {value.dtype} with {value.numel()} elements"
+                f"({cols}), got {_got(ref, value)}"
             )
     elif layout == "rows":
         row_dtype = torch.int32 if spec.type == "i32" else compute_dtype(dtype)
         if value.dtype != row_dtype or value.numel() != rows or not value.is_contiguous():
             raise ValueError(
                 f"{op.name}: {ref} must be a contiguous {row_dtype} tensor of one value per row "
-                f"({rows}), got {value.dtype} with {value.numel()} elements"
+                f"({rows}), got {_got(ref, value)}"
             )
     else:
         raise RuntimeError(f"{op.name}: {ref} feeds an argument of unknown layout {layout!r}")

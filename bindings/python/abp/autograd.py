@@ -219,9 +219,19 @@ def apply_function(what: str, function: Any, *args: Any) -> Any:
     for a `setup_context` the Function does not have (torch 1.13's functorch: refuses any Function;
     a vectorized jacobian: a batched tensor without storage at a launch), made one naming abp and
     what to do. Called
-    only where the Python Function runs (the C++ lane's calls do not pay the try)."""
+    only where the Python Function runs (the C++ lane's calls do not pay the try). Forward-mode AD
+    (torch.autograd.forward_ad, which the C++ lane leaves to this path) gets abp's words too,
+    instead of torch's request for a `jvp` method."""
     try:
         return function.apply(*args)
+    except NotImplementedError as e:
+        if "jvp" not in str(e):
+            raise
+        raise NotImplementedError(
+            f"{what}: forward-mode AD (torch.autograd.forward_ad dual tensors: a jvp) is not supported: abp "
+            "approximates the backward pass and defines no forward derivative. Use reverse mode "
+            "(loss.backward() / torch.autograd.grad), or torch's modules where a jvp is needed (the unconverted "
+            "model)") from None
     except RuntimeError as e:
         text = str(e)
         transform = ("functorch" in text and ("setup_context" in text or "autograd.Function" in text)) \
@@ -245,7 +255,7 @@ def apply_eager(
         out = run_lane(op_name, inputs[0], params)
         if out is not None:
             return out
-    return apply_function("abp operator", OperatorFunction, op_name, params, out_dtype, *inputs)
+    return apply_function(f"abp operator {op_name}", OperatorFunction, op_name, params, out_dtype, *inputs)
 
 
 def run_lane(op_name: str, x: torch.Tensor, params: Tuple[float, ...]) -> Any:

@@ -36,7 +36,7 @@ import torch.utils.data
 from . import _sample_kernels as kernels
 from . import _selection as selection
 from ._launch import check_device, compute_dtype
-from .autograd import NotScriptable
+from .autograd import NotScriptable, apply_function
 from .compress import check_generator, draw_seed, outside_blocks
 
 __all__ = [
@@ -243,7 +243,8 @@ class _VcasLinear(NotScriptable, torch.nn.Linear):
         # adversarial example) is the model's own.
         if not torch.is_grad_enabled() or not self.training:
             return F.linear(input, self.weight, self.bias)
-        return _VcasLinearFunction.apply(input, self.weight, self.bias, self._controller, self.state)
+        return apply_function("abp's VCAS linear layer", _VcasLinearFunction, input, self.weight, self.bias,
+                              self._controller, self.state)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, vcas ratio={self.state.ratio:.3g}"
