@@ -398,7 +398,7 @@ def test_abp_ops_under_fake_tensor_mode_take_their_fake_implementations():
 
 @pytest.mark.parametrize("make, what", [
     (lambda: abp.nn.MSLayerNorm(8, elementwise_affine=True), "abp's memory-sharing norm"),
-    (lambda: abp.nn.ReGELU2(), "abp operator"),
+    (lambda: abp.nn.ReGELU2(), "abp operator regelu2"),
     (lambda: abp.nn.SampledLinear(8, 8, keep=0.5), "abp's sampled linear layer"),
 ], ids=["affine-norm", "activation", "sampled"])
 def test_torch_func_transforms_get_an_error_naming_abp(make, what):
