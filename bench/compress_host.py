@@ -44,23 +44,36 @@ def best_step_time(step: Callable[[], None], steps: int, rounds: int) -> float:
 
 
 @contextlib.contextmanager
-def counting_launches(totals: Dict[str, float]) -> Any:
-    """Adds the thread time spent inside abp._lib.launch (the kernels, on the CPU path) to totals."""
-    original = _lib.launch
+def timing(owner: Any, name: str, totals: Dict[str, float], key: str) -> Any:
+    """Adds the thread time spent inside owner.name to totals[key + "_ns"], its calls to totals[key];
+    a call made inside another timed under the same key (dequantize decoding a support mask) is
+    part of that one."""
+    original = getattr(owner, name)
+    depth = totals.setdefault(key + "_depth", 0)
 
-    def timed(*args: Any) -> Any:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        if totals[key + "_depth"]:
+            return original(*args, **kwargs)
+        totals[key + "_depth"] = 1
         start = time.thread_time_ns()
         try:
-            return original(*args)
+            return original(*args, **kwargs)
         finally:
-            totals["kernel_ns"] += time.thread_time_ns() - start
-            totals["launches"] += 1
+            totals[key + "_ns"] += time.thread_time_ns() - start
+            totals[key] += 1
+            totals[key + "_depth"] = depth
 
-    _lib.launch = timed
+    setattr(owner, name, timed)
     try:
         yield
     finally:
-        _lib.launch = original
+        setattr(owner, name, original)
+
+
+def counting_launches(totals: Dict[str, float]) -> Any:
+    """Adds the thread time spent inside abp._lib.launch (the kernels, on the CPU path) to
+    totals["kernel_ns"], the calls to totals["launches"]."""
+    return timing(_lib, "launch", totals, "kernel")
 
 
 def measure(d: int, layers: int, batch: int, seq: int, bits: int, steps: int, rounds: int) -> Dict[str, Any]:
@@ -69,16 +82,24 @@ def measure(d: int, layers: int, batch: int, seq: int, bits: int, steps: int, ro
     exact = best_step_time(bench_compress.step_fn(model, x, contextlib.nullcontext), steps, rounds)
     compressed_step = bench_compress.step_fn(model, x, lambda: abp.compress_saved(bits=bits))
     compressed = best_step_time(compressed_step, steps, rounds)
-    totals = {"kernel_ns": 0.0, "launches": 0}
-    with counting_launches(totals):
+    # Without the recorder (recompute=False): what its torch function mode costs the forward.
+    plain = best_step_time(bench_compress.step_fn(model, x, lambda: abp.compress_saved(bits=bits, recompute=False)),
+                           steps, rounds)
+    totals = {"kernel_ns": 0.0, "kernel": 0, "codec_ns": 0.0, "codec": 0}
+    with counting_launches(totals), timing(abp.compress, "quantize_unchecked", totals, "codec"), \
+            timing(abp.compress, "dequantize", totals, "codec"):
         for _ in range(steps):
             compressed_step()
     kernels = totals["kernel_ns"] / steps / 1e9
     extra = compressed - exact
     return {"d_model": d, "layers": layers, "batch": batch, "seq": seq, "bits": bits,
             "exact_step_ms": exact * 1e3, "compressed_step_ms": compressed * 1e3, "extra_ms": extra * 1e3,
-            "kernels_ms": kernels * 1e3, "launches_per_step": totals["launches"] / steps,
-            "host_ms": (extra - kernels) * 1e3}
+            "kernels_ms": kernels * 1e3, "launches_per_step": totals["kernel"] / steps,
+            "host_ms": (extra - kernels) * 1e3,
+            # Of the host time: the recorder's mode, and the codec calls' own work around their launches.
+            "recorder_ms": (compressed - plain) * 1e3,
+            "codec_host_ms": (totals["codec_ns"] - totals["kernel_ns"]) / steps / 1e6,
+            "codec_calls_per_step": totals["codec"] / steps}
 
 
 def main() -> None:

@@ -24,10 +24,13 @@ def test_a_compressed_step_is_split_into_kernels_and_host_time() -> None:
     for key in ("exact_step_ms", "compressed_step_ms", "extra_ms", "host_ms"):
         assert math.isfinite(row[key])
     assert math.isclose(row["host_ms"], row["extra_ms"] - row["kernels_ms"])
+    # The codec's calls hold every launch the step makes: one or more per call.
+    assert row["codec_calls_per_step"] >= 2 and row["launches_per_step"] >= row["codec_calls_per_step"]
+    assert row["codec_host_ms"] > 0 and math.isfinite(row["recorder_ms"])
 
 
 def test_the_launch_counter_puts_the_launcher_back() -> None:
-    totals = {"kernel_ns": 0.0, "launches": 0}
+    totals = {"kernel_ns": 0.0, "kernel": 0}
     original = abp._lib.launch
     with compress_host.counting_launches(totals):
         assert abp._lib.launch is not original
