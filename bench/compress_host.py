@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import os
 import sys
@@ -29,6 +30,7 @@ import abp._lib as _lib  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_compress  # noqa: E402
+from timing import commit_id, write_results  # noqa: E402
 
 
 def best_step_time(step: Callable[[], None], steps: int, rounds: int) -> float:
@@ -108,13 +110,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--bits", type=int, default=4)
+    parser.add_argument("--write", action="store_true",
+                        help="also write bench/results/compress-host-torch<major>-cpu-<date>-<commit>.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")  # the encoder's nested-tensor notice
+    rows = []
     for d in args.d_model:
         row = measure(d, 2, 4, 64, args.bits, args.steps, args.rounds)
         row.update(torch=torch.__version__, package=os.path.dirname(abp.__file__))
         print(json.dumps(row), flush=True)
+        rows.append(row)
+    if args.write:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        major = "2" if not torch.__version__.startswith("1.") else torch.__version__[:4]
+        write_results({"device": "cpu", "date": datetime.date.today().isoformat(),
+                                      "commit": commit_id(root), "torch": torch.__version__,
+                                      "steps": args.steps, "rounds": args.rounds, "rows": rows},
+                                     root, f"compress-host-torch{major}-")
 
 
 if __name__ == "__main__":
