@@ -9,6 +9,8 @@ import shutil
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -316,6 +318,36 @@ def test_compiled_sampled_linear_has_no_graph_break_and_draws_what_eager_draws(m
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tokens", [12, 20, 40])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_sampled_layers_sharing_an_input_draw_their_keys_in_forward(tokens, backend):
+    """A gate and an up projection of one input (SwiGLU's pair) at token counts where saving the
+    input once costs the partitioner less than two layers' kept rows (12 and 20 tokens keep 10
+    rows each): the plans and their keys' torch.randint must still run in the forward graph. They
+    ran in backward, drawing from the generator as backward ran and in the other layer's order,
+    so dW was not eager's (0.7 to 1.1 relative error), and a draw between forward and backward
+    changed it. The outputs are eager's bit for bit (the layer adds the save op's -0.0)."""
+    torch._dynamo.reset()
+    gate = torch.randn(64, 32, requires_grad=True)
+    up = torch.randn(64, 32, requires_grad=True)
+
+    def step(x):
+        y = abp.sampling.sampled_linear(x, gate, keep=0.3) * abp.sampling.sampled_linear(x, up, keep=0.3)
+        return y, y.pow(2).sum()
+
+    x = torch.randn(tokens, 32)
+    results = []
+    for run in (step, torch.compile(step, backend=backend)):
+        torch.manual_seed(9)
+        y, loss = run(x)
+        torch.rand(3)  # a draw between forward and backward (the user's, or another model's)
+        results.append((y, torch.autograd.grad(loss, (gate, up))))
+    (y_eager, eager), (y_compiled, compiled) = results
+    assert torch.equal(y_compiled, y_eager)
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("method", ["wtacrs", "gaussian"])
 def test_compiled_sampled_linear_serves_every_token_count_with_one_graph(method):
     """The fake implementation gives the kept rows as an expression of the token count (a SymInt
@@ -368,8 +400,11 @@ def test_sampled_custom_ops_pass_opcheck():
     key = torch.randint(0, 2**63 - 1, (1,))
     for method in ("wtacrs", "gaussian"):
         torch.library.opcheck(_sampled_ops._save, (x2, key, method, 0.3), test_utils=("test_schema", "test_faketensor"))
-        rows, index, used = _sampled_ops._save(x2, key, method, 0.3)
+        rows, index, used, negative_zero = _sampled_ops._save(x2, key, method, 0.3)
         assert torch.equal(used, key)
+        # What the layer adds to its output: -0.0, which leaves every value's bits as they are.
+        assert negative_zero.dim() == 0 and negative_zero.dtype == x2.dtype
+        assert negative_zero.item() == 0.0 and math.copysign(1.0, negative_zero.item()) == -1.0
         torch.library.opcheck(_sampled_ops._dw, (torch.randn(64, 8), rows, index, used, method),
                               test_utils=("test_schema", "test_faketensor"))
 

@@ -5,10 +5,15 @@ Eager calls run abp.sampling's autograd.Function directly. Its forward draws a P
 `.item()` and launches kernels through ctypes: graph breaks for dynamo. Here the key stays a tensor (torch.randint in the graph)
 and the planning, gathering and launching live inside two opaque ops:
 
-- abp::sampled_linear_save(x2, key, method, keep) -> (rows, index): what dW needs of the 2-d
-  input — the k kept rows, weighted, and their int32 indices ("rows"); or S·x2/k with an empty
-  index ("sketch"); or a copy of x2 with an empty index ("exact", k = n). The shapes depend on n
-  and keep only, as dynamo needs, and as the eager path's plans have them (abp.sampling.plan_rows).
+- abp::sampled_linear_save(x2, key, method, keep) -> (rows, index, key, -0.0): what dW needs of
+  the 2-d input — the k kept rows, weighted, and their int32 indices ("rows"); or S·x2/k with an
+  empty index ("sketch"); or a copy of x2 with an empty index ("exact", k = n). The shapes depend
+  on n and keep only, as dynamo needs, and as the eager path's plans have them
+  (abp.sampling.plan_rows). The layer's output adds the op's -0.0 (y + -0.0 is y, bit for bit):
+  without that the forward's results would not depend on the op or on the key's torch.randint,
+  and the partitioner may move both into the backward graph (it did where saving the input once
+  cost less than two layers' rows: a gate and an up projection of one input), which then drew
+  its keys from the generator when backward ran, in another order: not eager's plans.
 - abp::sampled_linear_dw(g2, rows, index, key, method) -> dW: tells the three apart by the shapes
   (an index means rows; n rows without one, exact; fewer, a sketch — a sketch always has k < n).
 
@@ -47,11 +52,13 @@ def _traced_count(n: Any, method: str, keep: float) -> Any:
 
 
 @_custom_ops.custom_op("abp::sampled_linear_save", mutates_args=())
-def _save(x2: torch.Tensor, key: torch.Tensor, method: str, keep: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rows, index, key): the key comes back as an output for backward to read, so that the
-    graph's partitioner cannot give backward a recomputed (that is, a fresh) torch.randint."""
+def _save(x2: torch.Tensor, key: torch.Tensor, method: str, keep: float
+          ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows, index, key, -0.0): the key comes back as an output for backward to read, so that the
+    graph's partitioner cannot give backward a recomputed (that is, a fresh) torch.randint; the
+    0-d -0.0 (x2's dtype) is added to the layer's output, which ties this op to the forward."""
     rows, index = _residual_rows(x2, key, method, keep)
-    return rows, index, key.clone()
+    return rows, index, key.clone(), torch.full((), -0.0, dtype=x2.dtype, device=x2.device)
 
 
 def _residual_rows(x2: torch.Tensor, key: torch.Tensor, method: str, keep: float) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -67,11 +74,13 @@ def _residual_rows(x2: torch.Tensor, key: torch.Tensor, method: str, keep: float
 
 
 @_save.register_fake
-def _(x2: torch.Tensor, key: torch.Tensor, method: str, keep: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _(x2: torch.Tensor, key: torch.Tensor, method: str, keep: float
+      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     n, d = x2.shape
     k = _traced_count(n, method, keep)
     rows, index = (n, 0) if k >= n else (k, 0 if method in ("gaussian", "rademacher") else k)
-    return x2.new_empty((rows, d)), x2.new_empty((index,), dtype=torch.int32), torch.empty_like(key)
+    return (x2.new_empty((rows, d)), x2.new_empty((index,), dtype=torch.int32), torch.empty_like(key),
+            x2.new_empty(()))
 
 
 @_custom_ops.custom_op("abp::sampled_linear_dw", mutates_args=())
@@ -97,8 +106,9 @@ class CompiledSampledLinear(torch.autograd.Function):
         ctx.x_shape, ctx.method, ctx.has_bias = x.shape, method, bias is not None
         ctx.sampled = ctx.needs_input_grad[1]
         if ctx.sampled:
-            rows, index, used = _save(x.reshape(-1, x.shape[-1]).to(y.dtype), key, method, keep)
+            rows, index, used, negative_zero = _save(x.reshape(-1, x.shape[-1]).to(y.dtype), key, method, keep)
             ctx.save_for_backward(weight, rows, index, used)
+            y = y + negative_zero  # the same bits (module docstring: keeps the op in the forward graph)
         else:
             ctx.save_for_backward(weight)
         return y
