@@ -8,6 +8,7 @@ whole). Mistakes are AbpErrors that name the user's file and line.
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any
 
 import pytest
@@ -830,3 +831,154 @@ def test_every_output_is_a_tensor_of_its_own() -> None:
     z.add_(10.0)  # an output of its own: autograd allows the in-place change
     z.sum().backward()
     assert torch.equal(x.grad, torch.ones(4))
+
+
+def test_a_value_of_another_operators_trace_is_refused_where_it_is_used() -> None:
+    # A value kept from another operator's definition (a global, a closure) used to be read by its
+    # SSA name, which here names another value: exp(x) where tanh(x) was written, silently.
+    kept = {}
+
+    @operator(name=fresh("keeps"))
+    def keeps(x):
+        kept["t"] = tanh(x)
+        return kept["t"], lambda dy: dy * (1 - kept["t"] * kept["t"])
+
+    def in_backward():
+        @operator(name=fresh("reads_b"))
+        def f(x):
+            return exp(x), lambda dy: dy * kept["t"]
+
+    def in_forward():
+        @operator(name=fresh("reads_f"))
+        def f(x):
+            return x * kept["t"], lambda dy: dy
+
+    def through_a_function():
+        @operator(name=fresh("reads_fn"))
+        def f(x):
+            return x * 1.0, lambda dy: dy * exp(kept["t"])
+
+    def as_an_output():
+        @operator(name=fresh("returns"))
+        def f(x):
+            return kept["t"], lambda dy: dy
+
+    for mistake in (in_backward, in_forward, through_a_function):
+        assert "another operator's definition" in _authoring_error_at_this_file(mistake)
+    with pytest.raises(AuthoringError, match="another operator's trace"):
+        as_an_output()
+    x = torch.tensor([0.5, -1.0], requires_grad=True)
+    keeps(x).sum().backward()  # the operator the value belongs to is unharmed
+    torch.testing.assert_close(x.grad, 1 - torch.tanh(x.detach()) ** 2)
+
+
+def test_python_idioms_on_traced_values_trace_or_say_what_to_use() -> None:
+    @operator(name=fresh("rounding"))
+    def rounding(x):
+        return round(x) + math.floor(x) + 2 * math.ceil(x) + 4 * math.trunc(x), lambda dy: dy * 0
+
+    x = torch.tensor([0.5, 1.5, -2.5, 2.7, -0.2, 3.0])
+    want = [round(v) + math.floor(v) + 2 * math.ceil(v) + 4 * math.trunc(v) for v in x.tolist()]
+    assert rounding(x).tolist() == want  # round: half to even, as Python's
+
+    def method():
+        @operator(name=fresh("method"))
+        def f(x):
+            return x.exp(), lambda dy: dy
+
+    def shape():
+        @operator(name=fresh("shape"))
+        def f(x):
+            return x * x.shape[0], lambda dy: dy
+
+    def masks():
+        @operator(name=fresh("masks"))
+        def f(x):
+            return where((x > 0) & (x < 1), x, 0.0 * x), lambda dy: dy
+
+    def round_digits():
+        @operator(name=fresh("digits"))
+        def f(x):
+            return round(x, 2), lambda dy: dy
+
+    def keywords():
+        @operator(name=fresh("kw"))
+        def f(x, **options):
+            return x, lambda dy: dy
+
+    def constant_output():
+        @operator(name=fresh("constant"))
+        def f(x):
+            return 3.0, lambda dy: dy
+
+    assert "no attribute or method 'exp'" in _authoring_error_at_this_file(method)
+    assert "no attribute or method 'shape'" in _authoring_error_at_this_file(shape)
+    assert "nest where()" in _authoring_error_at_this_file(masks)
+    assert "round(x * 10**n) / 10**n" in _authoring_error_at_this_file(round_digits)
+    assert "takes **options" in _authoring_error_at_this_file(keywords)
+    assert "x * 0 + 3.0" in _authoring_error_at_this_file(constant_output)
+
+    @operator(name=fresh("probe"))
+    def probe(x):
+        assert not hasattr(x, "shape")  # an absent attribute, as hasattr expects
+        return x * 2.0, lambda dy: dy * 2.0
+
+    assert probe(x).tolist() == (x * 2).tolist()
+
+
+def test_a_modules_parameters_by_name_and_as_numpy_or_torch_numbers() -> None:
+    import numpy as np
+
+    @operator(name=fresh("scaled"), params=("scale",))
+    def scaled(x, scale):
+        return x * scale, lambda dy: dy * scale
+
+    x = torch.tensor([1.0, -2.0])
+    for number in (np.float32(0.5), np.float64(0.5), torch.tensor(0.5), 0.5):
+        assert scaled(x, number).tolist() == [0.5, -1.0]
+    module = scaled.module(2.0)
+    assert module.scale == 2.0
+    module.scale = 3  # was a new attribute the module never read
+    assert module(x).tolist() == [3.0, -6.0] and "scale=3.0" in repr(module)
+    with pytest.raises(TypeError, match="parameter 'scale' must be a number, got str"):
+        module.scale = "3"
+    with pytest.raises(TypeError, match="parameter 'scale' must be a number, got Tensor"):
+        scaled(x, torch.tensor(True))
+
+
+def test_a_pickled_operator_runs_what_was_pickled_wherever_it_is_loaded(tmp_path) -> None:
+    # Loaded where its name means other maths, a pickled module used to run those maths silently;
+    # loaded where its name is unknown, it failed to find its operator.
+    import pickle
+    import subprocess
+    import sys
+
+    name = fresh("pickled")
+
+    @operator(name=name, params=("slope",))
+    def leaky(x, slope):
+        positive = x > 0
+        return where(positive, x, x * slope), lambda dy: where(positive, dy, dy * slope)
+
+    path = tmp_path / "module.pkl"
+    path.write_bytes(pickle.dumps(leaky.module(0.25)))
+    same = pickle.loads(path.read_bytes())
+    assert same.op.name == name and same(torch.tensor([-1.0, 2.0])).tolist() == [-0.25, 2.0]
+    loader = f"""
+import pickle, torch
+from abp.author import operator
+if {{other}}:
+    @operator(name={name!r}, params=("slope",))
+    def other(x, slope):
+        return x * slope, lambda dy: dy * slope
+    assert other.name == {name!r}
+module = pickle.loads(open({str(path)!r}, "rb").read())
+print(module.op.name, module(torch.tensor([-1.0, 2.0])).tolist())
+"""
+    for other in (True, False):
+        run = subprocess.run([sys.executable, "-c", loader.replace("{other}", str(other))],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        loaded_name, values = run.stdout.split(" ", 1)
+        assert values.strip() == "[-0.25, 2.0]"
+        assert (loaded_name != name) == other  # another operator holds the name: the maths' own name

@@ -34,6 +34,7 @@ import hashlib
 from operator import index as _index
 import itertools
 import math
+import numbers
 import os
 import re
 import warnings
@@ -94,6 +95,10 @@ class AuthoringError(AbpError):
         super().__init__(Status.INVALID_ARGUMENT, where_ + message)
 
 
+class _NoAttribute(AuthoringError, AttributeError):
+    """A missing attribute of a traced value: an AuthoringError that hasattr() still reads as absent."""
+
+
 @dataclass
 class _Region:
     """One direction being traced: its IR lines and fresh SSA names."""
@@ -113,7 +118,7 @@ class Value:
 
     def __init__(self, trace: "_Trace", region: _Region, name: str, kind: str, shape: str = "",
                  bits: int = 0, scheme: str = "") -> None:
-        self.trace, self.region, self.name, self.kind, self.shape = trace, region, name, kind, shape
+        self.trace, self.region, self.name, self.kind, self.extent = trace, region, name, kind, shape
         self.bits, self.scheme = bits, scheme
         # kind "scalar": arithmetic on parameters alone, kept as an expression and computed inside
         # each map that uses it (an operator region holds no scalar arithmetic of its own).
@@ -128,7 +133,7 @@ class Value:
             return "i64"
         if self.kind == "codes":
             return f"!abp.codes<{self.bits}>"
-        return _tensor_type(self.shape, {"mask": "i8", "index": "i32"}.get(self.kind, "f32"))
+        return _tensor_type(self.extent, {"mask": "i8", "index": "i32"}.get(self.kind, "f32"))
 
     # Python operators: arithmetic on tensors and parameters, comparisons give masks.
     def __add__(self, other: Any) -> "Value": return _binary("arith.addf", self, other)
@@ -154,6 +159,31 @@ class Value:
     def __floordiv__(self, other: Any) -> "Value": return _floor_divide(self, other)
     def __rfloordiv__(self, other: Any) -> "Value": return _floor_divide(other, self)
 
+    # round(x), math.floor(x), math.ceil(x), math.trunc(x): abp.author's (round: half to even, as Python's).
+    def __floor__(self) -> "Value": return _unary("math.floor", self)
+    def __ceil__(self) -> "Value": return _unary("math.ceil", self)
+    def __trunc__(self) -> "Value": return _unary("math.trunc", self)
+
+    def __round__(self, ndigits: Optional[int] = None) -> "Value":
+        if ndigits is not None:
+            raise AuthoringError("round(x, ndigits) has no traced form: round(x * 10**n) / 10**n rounds "
+                                 "to n decimals")
+        return _unary("math.roundeven", self)
+
+    def _combine(self, *_: Any) -> Any:
+        raise AuthoringError("masks (comparisons) are not combined with &, |, ^ or ~: nest where() "
+                             "instead, e.g. where(x > 0, where(x < 1, a, b), b) for 0 < x < 1")
+    __and__ = __rand__ = __or__ = __ror__ = __xor__ = __rxor__ = __invert__ = _combine
+
+    def __getattr__(self, attribute: str) -> Any:
+        # Only for names a Value lacks (its own are found first); protocols (dunders) stay
+        # AttributeErrors, which hasattr() and copy expect.
+        if attribute.startswith("__"):
+            raise AttributeError(attribute)
+        raise _NoAttribute(f"a traced value has no attribute or method {attribute!r} (it is no tensor: "
+                           f"its shape and values exist only when the kernels run): use the functions of "
+                           f"abp.author ({_FUNCTIONS}) and Python's arithmetic")
+
     def __bool__(self) -> bool:
         raise AuthoringError("a traced value has no truth value while tracing (it is known only "
                              "per element at run time): use abp.author.where(mask, a, b)")
@@ -174,6 +204,22 @@ class Value:
     __hash__ = object.__hash__
 
 
+#: The operators being traced now, innermost last (an operator defined inside another's definition).
+_TRACING: List["_Trace"] = []
+
+_FOREIGN = ("a value traced by another operator's definition is used here (kept in a global, a closure or "
+            "an attribute from an earlier @operator, or from an operator not being traced now): an "
+            "operator's forward and backward may use only its own inputs and parameters and what they "
+            "compute from them; trace the value again inside this operator")
+
+
+def _tracing(value: "Value") -> "_Trace":
+    """The trace `value` belongs to, if that operator is the one being traced now."""
+    if not _TRACING or value.trace is not _TRACING[-1]:
+        raise AuthoringError(_FOREIGN)
+    return value.trace
+
+
 @dataclass
 class _Trace:
     rows: bool
@@ -189,6 +235,8 @@ class _Trace:
     def arrive(self, value: Value) -> Value:
         """`value` as seen by the region being traced: a forward value used in backward becomes
         a residual (masks are packed to 1 bit on the way; an output is shared, not copied)."""
+        if _tracing(value) is not self:
+            raise AuthoringError(_FOREIGN)
         assert self.current is not None
         if value.region is self.current or self.current is self.forward:
             if value.region is not self.current:
@@ -204,13 +252,13 @@ class _Trace:
                 self.forward.lines.append(f"  {saved} = abp.pack {value.name} : {value.type} -> "
                                           f"!abp.codes<1>")
                 kind, bits = "codes", 1
-            arg = Value(self, self.backward, f"%r{len(self.residuals)}", kind, value.shape, bits,
+            arg = Value(self, self.backward, f"%r{len(self.residuals)}", kind, value.extent, bits,
                         value.scheme)
             self.residuals[value.name] = (saved, arg)
         saved, arg = self.residuals[value.name]
         if value.kind != "mask":
             return arg
-        mask = Value(self, self.backward, self.backward.fresh(), "mask", value.shape)
+        mask = Value(self, self.backward, self.backward.fresh(), "mask", value.extent)
         self.backward.lines.append(f"  {mask.name} = abp.unpack {arg.name} : !abp.codes<1> -> "
                                    f"{mask.type}")
         return mask
@@ -222,7 +270,7 @@ class _Trace:
         it (the dialect's rule). Otherwise they are saved like any tensor."""
         def per_element(value_name: str, arg: Value) -> bool:
             return value_name not in self.outputs and arg.kind in ("tensor", "codes", "mask") \
-                and arg.shape != "per_row"
+                and arg.extent != "per_row"
         if any(per_element(name, arg) for name, (_, arg) in self.residuals.items()):
             return
         for name, (saved, arg) in list(self.residuals.items()):
@@ -259,9 +307,10 @@ def _map(results_kind: str, operands: Sequence[Any], body: Callable[[List[str]],
     """One `abp.map` over the traced operands (Python numbers become constants in its body);
     `body(scalar names)` returns the body's lines and its result. Only operand `mask_at` may be a
     mask. On parameters alone it is a deferred scalar expression, computed in the maps using it."""
-    trace = next((v.trace for v in operands if isinstance(v, Value)), None)
-    if trace is None:
+    first = next((v for v in operands if isinstance(v, Value)), None)
+    if first is None:
         raise AuthoringError("expected at least one traced value (a tensor or a parameter)")
+    trace = _tracing(first)
     region = trace.current
     assert region is not None
     for position, v in enumerate(operands):
@@ -318,9 +367,9 @@ def _map(results_kind: str, operands: Sequence[Any], body: Callable[[List[str]],
         return name
 
     scalars = [expand(v) for v in operands]
-    shapes = {v.shape for v in inputs if v.kind != "param"}
+    shapes = {v.extent for v in inputs if v.kind != "param"}
     if "rows" in shapes:  # each row's elements see that row's per-row values
-        inputs = [trace.broadcast(v) if v.shape == "per_row" else v for v in inputs]
+        inputs = [trace.broadcast(v) if v.extent == "per_row" else v for v in inputs]
         shape = "rows"
     else:
         shape = shapes.pop()
@@ -449,11 +498,11 @@ def sample(x: Value, index: Value, weight: Value) -> Value:
     the rows of `x` through the index as it goes (no gathered copy). `x` is a matrix input of a
     row operator, read only through its index in that direction; `index` an index= input;
     `weight` one value per kept row. The result and `index` have the sample's rows, not x's."""
-    if not (isinstance(x, Value) and x.kind == "tensor" and x.shape == "rows"):
+    if not (isinstance(x, Value) and x.kind == "tensor" and x.extent == "rows"):
         raise AuthoringError("sample: x must be a matrix of a row operator (@operator(rows=True))")
     if not (isinstance(index, Value) and index.kind == "index"):
         raise AuthoringError("sample: index must be an input named in index= (int32 row indices)")
-    if not (isinstance(weight, Value) and weight.kind == "tensor" and weight.shape == "per_row"):
+    if not (isinstance(weight, Value) and weight.kind == "tensor" and weight.extent == "per_row"):
         raise AuthoringError("sample: weight must be one value per row (a per_row input, or a "
                              "row reduction)")
     trace = x.trace
@@ -472,7 +521,7 @@ def sample(x: Value, index: Value, weight: Value) -> Value:
 def unsample(kept: Value, slot: Value) -> Value:
     """Row i = kept[slot[i]], or zeros where slot[i] < 0: abp.unsample, which puts a sample's rows
     back (one row per slot). `slot` is an index= input with one value per row of the result."""
-    if not (isinstance(kept, Value) and kept.kind == "tensor" and kept.shape == "rows"):
+    if not (isinstance(kept, Value) and kept.kind == "tensor" and kept.extent == "rows"):
         raise AuthoringError("unsample: kept must be a matrix of a row operator (@operator(rows=True))")
     if not (isinstance(slot, Value) and slot.kind == "index"):
         raise AuthoringError("unsample: slot must be an input named in index= (int32 row indices)")
@@ -487,7 +536,7 @@ def unsample(kept: Value, slot: Value) -> Value:
 
 
 def _reduce(kind: str, x: Value) -> Value:
-    if not (isinstance(x, Value) and x.kind == "tensor" and x.shape == "rows"):
+    if not (isinstance(x, Value) and x.kind == "tensor" and x.extent == "rows"):
         raise AuthoringError(f"{kind}_rows: expected a matrix of a row operator "
                              "(@operator(rows=True))")
     x = x.trace.arrive(x)
@@ -530,7 +579,7 @@ def _reduce_all(kind: str, x: Value) -> Value:
     if x.kind != "tensor":
         raise AuthoringError(f"{what}: expected a tensor, got a single value (a parameter or a "
                              f"reduction), which needs no reducing")
-    if x.shape not in ("flat", "rows"):
+    if x.extent not in ("flat", "rows"):
         raise AuthoringError(f"{what}: expected a tensor of the operator's shape (a per-row value "
                              f"is reduced along rows already; reduce the tensor itself)")
     x = x.trace.arrive(x)
@@ -571,7 +620,7 @@ def uniform(seed: Value, offset: Value) -> Value:
         if not (isinstance(v, Value) and v.kind == "int_param"):
             raise AuthoringError(f"uniform: {what} must be an integer parameter: declare it with "
                                  f"params={{..., {what!r}: int}}")
-    trace = seed.trace
+    trace = _tracing(seed)
     region = trace.current
     if region is not trace.forward:
         raise AuthoringError("uniform: draws are made in forward; save what they decided for "
@@ -605,12 +654,12 @@ def _scheme(table: Any) -> Tuple[str, int]:
 
 def quantize(x: Value, table: Any) -> Value:
     """The bucket codes #{borders < x} of `x`, stored with log2(len(levels)) bits per element."""
-    if not (isinstance(x, Value) and x.kind == "tensor" and x.shape != "per_row"):
+    if not (isinstance(x, Value) and x.kind == "tensor" and x.extent != "per_row"):
         raise AuthoringError("quantize: expected a traced float tensor")
     scheme, bits = _scheme(table)
     x = x.trace.arrive(x)
     region = x.region
-    out = Value(x.trace, region, region.fresh(), "codes", x.shape, bits, scheme)
+    out = Value(x.trace, region, region.fresh(), "codes", x.extent, bits, scheme)
     region.lines.append(f"  {out.name} = abp.quantize {x.name} {{scheme = {scheme}}} : {x.type} "
                         f"-> !abp.codes<{bits}>" + _user_location())
     return out
@@ -623,7 +672,7 @@ def dequantize(codes: Value, table: Optional[Any] = None) -> Value:
     scheme = _scheme(table)[0] if table is not None else codes.scheme
     codes = codes.trace.arrive(codes)
     region = codes.region
-    out = Value(codes.trace, region, region.fresh(), "tensor", codes.shape)
+    out = Value(codes.trace, region, region.fresh(), "tensor", codes.extent)
     region.lines.append(f"  {out.name} = abp.dequantize {codes.name} {{scheme = {scheme}}} : "
                         f"!abp.codes<{codes.bits}> -> {out.type}" + _user_location())
     return out
@@ -653,6 +702,25 @@ class Operator:
         # kernel (a row operator without a row reduction compiles to an elementwise one).
         self._dtypes = tuple(d for d in _launch.ROW_DTYPES if _launch.DTYPE_NAMES[d] in compiled.dtypes)
 
+    # Pickled (torch.save of a model holding its module): the IR and what __init__ takes, not the
+    # kernel library's handles. Loaded, the IR is compiled in the loading process unless an
+    # operator of the same maths is there already; where its name holds other maths there (an
+    # operator defined otherwise, or an op library's), it takes the name of its maths, as a
+    # redefinition does: the module runs what was pickled, never what the name means here.
+    _STATE = ("name", "ir", "inputs", "params", "param_types", "input_names", "per_row", "rows", "index",
+              "sampled_rows", "defaults")
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {key: getattr(self, key) for key in self._STATE}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        missing = [key for key in ("name", "ir", "inputs", "params") if key not in state]
+        if missing:
+            raise AuthoringError(f"a pickled abp.author operator without {missing}: not one this abp wrote")
+        name, ir = _compile_once(state["name"], state["ir"], origin=f"pickled operator {state['name']}",
+                                 pickled=True)
+        self.__init__(name, ir, **{key: state[key] for key in self._STATE[2:] if key in state})  # type: ignore[misc]
+
     def _check_params(self, values: Sequence[Any], what: str) -> Tuple[Any, ...]:
         checked: List[Any] = []
         for name, kind, value in zip(self.params, self.param_types, values):
@@ -673,7 +741,10 @@ class Operator:
                     raise ValueError(f"{what}: parameter {name!r} must lie in [0, 2**63), got {number}")
                 checked.append(number)
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            # A Python, numpy or 0-d torch number, as an int parameter takes its integers.
+            if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype != torch.bool:
+                value = value.item()
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise TypeError(f"{what}: parameter {name!r} must be a number, got {type(value).__name__}")
             checked.append(float(value))
         return tuple(checked)
@@ -758,7 +829,9 @@ class Operator:
 
     @property
     def saved_bits(self) -> int:
-        """Bits kept per element between forward and backward (a shared output costs none)."""
+        """Bits kept per element between forward and backward (a shared output costs none), at
+        float32 launches: a float residual is kept in the launch dtype, so 16 of its 32 bits at
+        float16 and bfloat16 (codes and masks keep their widths at any dtype)."""
         return int(self.manifest["saved_bits_per_element"])
 
     @property
@@ -771,6 +844,27 @@ class _OperatorModule(NotScriptable, torch.nn.Module):
     def __init__(self, op: Operator, params: Tuple[Any, ...]) -> None:
         super().__init__()
         self.op, self.params = op, params
+
+    # Its parameters by name: `module.slope` reads one, `module.slope = 0.2` sets it (checked as
+    # .module() checks it; it was an attribute the module never read).
+    def _param_index(self, name: str) -> Optional[int]:
+        op = self.__dict__.get("op")
+        if op is None or name not in op.params or name in ("op", "params") or hasattr(torch.nn.Module, name):
+            return None
+        return op.params.index(name)
+
+    def __getattr__(self, name: str) -> Any:
+        index = self._param_index(name)
+        return super().__getattr__(name) if index is None else self.params[index]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        index = self._param_index(name)
+        if index is None:
+            super().__setattr__(name, value)
+            return
+        values = list(self.params)
+        values[index] = value
+        super().__setattr__("params", self.op._check_params(values, f"{self.op.name}.module: {name}"))
 
     def forward(self, *tensors: torch.Tensor) -> Any:
         return self.op(*tensors, *self.params)
@@ -825,30 +919,33 @@ def _tensors(name: str, what: str, values: Any, trace: _Trace, region: _Region,
     allowed = ("rows", "per_row") if trace.rows else ("flat",)
     for i, v in enumerate(values):
         want = (shapes[i],) if shapes is not None and i < len(shapes) else allowed
-        if not (isinstance(v, Value) and v.kind == "tensor" and v.region is region and v.shape in want):
+        if not (isinstance(v, Value) and v.kind == "tensor" and v.region is region and v.extent in want):
             direction = "forward" if region is trace.forward else "backward"
             kind = {"rows": "a matrix", "per_row": "one value per row", "flat": "a tensor"}
             which = f"{what[:-1]} {i}" + (f" (for {labels[i]})" if i < len(labels) else "")
             raise AuthoringError(f"{name}: {which} must be a traced float tensor of the {direction}"
                                  + (f" ({' or '.join(kind[w] for w in want)})" if trace.rows else "")
-                                 + f", got {_describe(v, trace)}")
+                                 + f", got {_describe(v, trace, region)}")
     return values
 
 
-def _describe(v: Any, trace: _Trace) -> str:
-    """What an operator returned where a traced tensor belongs, for an error."""
+def _describe(v: Any, trace: _Trace, region: _Region) -> str:
+    """What an operator returned where a traced tensor of `region` belongs, for an error."""
     if v is None:
         return "None (an input without a gradient is named in no_grad=)"
+    if isinstance(v, Value) and v.trace is not trace:
+        return "a value of another operator's trace (" + _FOREIGN.split("(", 1)[1]
     if isinstance(v, Value):
         if v.kind in ("param", "int_param"):
             return ("one number for every element (a parameter or a whole-tensor reduction): make a tensor of it, "
                     "e.g. x * 0 + it")
         if v.kind != "tensor":
             return f"a {v.kind} (make a float tensor of it, e.g. with where())"
-        shape = {"rows": "a matrix", "per_row": "one value per row"}.get(v.shape, "a tensor")
+        shape = {"rows": "a matrix", "per_row": "one value per row"}.get(v.extent, "a tensor")
         return f"{shape} of the {'forward' if v.region is trace.forward else 'backward'}"
     if isinstance(v, (int, float)):
-        return f"the number {v!r} (a constant: make a tensor of it, e.g. dy * 0 + {v!r})"
+        tensor = "x" if region is trace.forward else "dy"
+        return f"the number {v!r} (a constant: make a tensor of it, e.g. {tensor} * 0 + {v!r})"
     return type(v).__name__
 
 
@@ -868,14 +965,18 @@ def _build(fn: Callable[..., Any], name: str, param_types: Dict[str, type], rows
            per_row: Tuple[str, ...], no_grad: Tuple[str, ...], index: Tuple[str, ...] = ()) -> Operator:
     import inspect as pyinspect
 
-    from . import compile_operators, operators
-
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
         raise AuthoringError(f"name: {name!r} is not an identifier (letters, digits and _, not beginning with a "
                              "digit): it names the operator's kernels and torch ops" +
                              ("; a lambda needs name=..." if name == "<lambda>" else ""))
     params = tuple(param_types)
     signature = pyinspect.signature(fn).parameters
+    loose = [f"{'*' if p.kind is p.VAR_POSITIONAL else '**' if p.kind is p.VAR_KEYWORD else ''}{n}"
+             for n, p in signature.items() if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if loose:
+        raise AuthoringError(f"{name}: takes {', '.join(loose)}: an operator's function names each tensor input, "
+                             "then each parameter, as plain positional arguments (no *args, **kwargs or "
+                             "keyword-only ones)")
     arguments = list(signature)
     inputs = len(arguments) - len(params)
     if inputs < 1:
@@ -912,70 +1013,90 @@ def _build(fn: Callable[..., Any], name: str, param_types: Dict[str, type], rows
     shape = "rows" if rows else "flat"
     if rows and all(n in per_row or n in index for n in tensor_names):
         raise AuthoringError(f"{name}: a row operator needs at least one matrix input (its rows)")
-    trace.current = trace.forward
-    xs = [Value(trace, trace.forward, f"%x{i}", "index" if n in index else "tensor",
-                "per_row" if n in per_row or n in index else shape)
-          for i, n in enumerate(tensor_names)]
-    ps = [Value(trace, trace.forward, f"%p{i}", "int_param" if kind is int else "param")
-          for i, kind in enumerate(param_types.values())]
-    returned = fn(*xs, *ps)
-    if not (isinstance(returned, tuple) and len(returned) == 2 and callable(returned[1])):
-        raise AuthoringError(f"{name}: expected `return outputs, backward`")
-    outputs = _tensors(name, "outputs", returned[0], trace, trace.forward)
-    trace.outputs = tuple(o.name for o in outputs)
-    backward = returned[1]
+    # Values are refused outside the trace they belong to (_Trace.arrive): one kept from another
+    # operator's definition would otherwise be read by its SSA name, another value of this one.
+    _TRACING.append(trace)
     try:
-        pyinspect.signature(backward).bind(*range(len(outputs)))
-    except TypeError:
-        raise AuthoringError(f"{name}: backward must take one gradient per output "
-                             f"({len(outputs)})") from None
-    except ValueError:
-        pass  # a builtin without a signature: let the call say
-    trace.current = trace.backward
-    grads = [Value(trace, trace.backward, f"%g{i}", "tensor", o.shape) for i, o in enumerate(outputs)]
-    returned_grads = backward(*grads)
-    differentiated = [x for n, x in zip(tensor_names, xs) if n not in no_grad]
-    count = len(returned_grads) if isinstance(returned_grads, (tuple, list)) else 1
-    if count != len(differentiated):
-        hint = (f" (its first {inputs} argument(s) are tensors; name parameters in params=)"
-                if count < len(differentiated) and not no_grad else "")
-        without = (f", {len(no_grad)} of them in no_grad: expected {len(differentiated)}, for "
-                   f"{[n for n in tensor_names if n not in no_grad]}") if no_grad else ""
-        raise AuthoringError(f"{name}: backward returns {count} gradient(s) for {inputs} tensor "
-                             f"input(s){without}{hint}")
-    if not isinstance(returned_grads, (tuple, list)):
-        returned_grads = [returned_grads]
-    dxs = _tensors(name, "gradients", [trace.arrive(g) if isinstance(g, Value) else g
-                                       for g in returned_grads], trace, trace.backward,
-                   [x.shape for x in differentiated], [n for n in tensor_names if n not in no_grad])
+        trace.current = trace.forward
+        xs = [Value(trace, trace.forward, f"%x{i}", "index" if n in index else "tensor",
+                    "per_row" if n in per_row or n in index else shape)
+              for i, n in enumerate(tensor_names)]
+        ps = [Value(trace, trace.forward, f"%p{i}", "int_param" if kind is int else "param")
+              for i, kind in enumerate(param_types.values())]
+        returned = fn(*xs, *ps)
+        if not (isinstance(returned, tuple) and len(returned) == 2 and callable(returned[1])):
+            raise AuthoringError(f"{name}: expected `return outputs, backward`")
+        outputs = _tensors(name, "outputs", returned[0], trace, trace.forward)
+        trace.outputs = tuple(o.name for o in outputs)
+        backward = returned[1]
+        try:
+            pyinspect.signature(backward).bind(*range(len(outputs)))
+        except TypeError:
+            raise AuthoringError(f"{name}: backward must take one gradient per output "
+                                 f"({len(outputs)})") from None
+        except ValueError:
+            pass  # a builtin without a signature: let the call say
+        trace.current = trace.backward
+        grads = [Value(trace, trace.backward, f"%g{i}", "tensor", o.extent) for i, o in enumerate(outputs)]
+        returned_grads = backward(*grads)
+        differentiated = [x for n, x in zip(tensor_names, xs) if n not in no_grad]
+        count = len(returned_grads) if isinstance(returned_grads, (tuple, list)) else 1
+        if count != len(differentiated):
+            hint = (f" (its first {inputs} argument(s) are tensors; name parameters in params=)"
+                    if count < len(differentiated) and not no_grad else "")
+            without = (f", {len(no_grad)} of them in no_grad: expected {len(differentiated)}, for "
+                       f"{[n for n in tensor_names if n not in no_grad]}") if no_grad else ""
+            raise AuthoringError(f"{name}: backward returns {count} gradient(s) for {inputs} tensor "
+                                 f"input(s){without}{hint}")
+        if not isinstance(returned_grads, (tuple, list)):
+            returned_grads = [returned_grads]
+        dxs = _tensors(name, "gradients", [trace.arrive(g) if isinstance(g, Value) else g
+                                           for g in returned_grads], trace, trace.backward,
+                       [x.extent for x in differentiated], [n for n in tensor_names if n not in no_grad])
 
-    _warn_unread_gradients(name, fn, grads, trace.backward.lines + [g.name for g in dxs])
-    trace.share_outputs()
-    saved = list(trace.residuals.values())
-    fwd_args = [f"{x.name}: {x.type}" for x in xs] + [f"{p.name}: {p.type}" for p in ps]
-    saves = (f" saves {', '.join(s for s, _ in saved)} : {', '.join(a.type for _, a in saved)}"
-             if saved else "")
-    bwd_args = [f"{a.name}: {a.type}" for _, a in saved] + [f"{g.name}: {g.type}" for g in grads]
-    attributes = []
-    if params:
-        attributes.append(f"params = [{', '.join(chr(34) + p + chr(34) for p in params)}]")
-    if no_grad:
-        attributes.append(f"no_grad = array<i64: {', '.join(str(tensor_names.index(n)) for n in no_grad)}>")
-    attrs = f" attributes {{{', '.join(attributes)}}}" if attributes else ""
-    ir = "\n".join(
-        [f"abp.operator @{name}{attrs} forward {{", f"^bb0({', '.join(fwd_args)}):"]
-        + trace.forward.lines
-        + [f"  abp.return {', '.join(o.name for o in outputs)} : "
-           f"{', '.join(o.type for o in outputs)}{saves}", "} backward {",
-           f"^bb0({', '.join(bwd_args)}):"]
-        + trace.backward.lines
-        + [f"  abp.return {', '.join(g.name for g in dxs)} : {', '.join(g.type for g in dxs)}",
-           "}", ""])
-    if name not in _compiled_ir and name in operators():
+        _warn_unread_gradients(name, fn, grads, trace.backward.lines + [g.name for g in dxs])
+        trace.share_outputs()
+        saved = list(trace.residuals.values())
+        fwd_args = [f"{x.name}: {x.type}" for x in xs] + [f"{p.name}: {p.type}" for p in ps]
+        saves = (f" saves {', '.join(s for s, _ in saved)} : {', '.join(a.type for _, a in saved)}"
+                 if saved else "")
+        bwd_args = [f"{a.name}: {a.type}" for _, a in saved] + [f"{g.name}: {g.type}" for g in grads]
+        attributes = []
+        if params:
+            attributes.append(f"params = [{', '.join(chr(34) + p + chr(34) for p in params)}]")
+        if no_grad:
+            attributes.append(f"no_grad = array<i64: {', '.join(str(tensor_names.index(n)) for n in no_grad)}>")
+        attrs = f" attributes {{{', '.join(attributes)}}}" if attributes else ""
+        ir = "\n".join(
+            [f"abp.operator @{name}{attrs} forward {{", f"^bb0({', '.join(fwd_args)}):"]
+            + trace.forward.lines
+            + [f"  abp.return {', '.join(o.name for o in outputs)} : "
+               f"{', '.join(o.type for o in outputs)}{saves}", "} backward {",
+               f"^bb0({', '.join(bwd_args)}):"]
+            + trace.backward.lines
+            + [f"  abp.return {', '.join(g.name for g in dxs)} : {', '.join(g.type for g in dxs)}",
+               "}", ""])
+    finally:
+        _TRACING.remove(trace)
+        trace.current = None
+    name, ir = _compile_once(name, ir, origin=f"{fn.__code__.co_filename}:{fn.__code__.co_firstlineno}")
+    sampled = tuple(tensor_names[int(v[2:])] for v in trace.sampled_rows)
+    return Operator(name, ir, inputs, params, tuple(param_types.values()), tuple(tensor_names),
+                    per_row, rows, index, sampled, {n: v for n, v in defaults.items() if n in params})
+
+
+def _compile_once(name: str, ir: str, origin: str, pickled: bool = False) -> Tuple[str, str]:
+    """(name, IR) of the operator `ir` (named `name`) in this process, compiled once: under its
+    own name, or where that name holds other maths (redefined; or, for a `pickled` one, defined
+    otherwise in this process, or an op library's), under its name and the digest of its maths."""
+    from . import compile_operators, operators
+
+    if name not in _compiled_ir and name in operators() and not pickled:
         raise AuthoringError(f"operator name {name!r} is taken by the op library or by IR compiled "
                              "with compile_operators; pass name=...")
     maths = _without_locations(ir)
-    if name in _compiled_ir and _without_locations(_compiled_ir[name]) != maths:
+    if (name in _compiled_ir and _without_locations(_compiled_ir[name]) != maths) or (
+            pickled and name not in _compiled_ir and name in operators()):
         # Redefined with other maths (a loop over variants, an edited notebook cell): operators
         # cannot be replaced, so this one is named after its maths, and .name says so. The same
         # maths written on other lines is the same operator (the locations only point diagnostics).
@@ -983,13 +1104,11 @@ def _build(fn: Callable[..., Any], name: str, param_types: Dict[str, type], rows
         ir = ir.replace(f"abp.operator @{name} ", f"abp.operator @{name}_{digest} ", 1)
         name = f"{name}_{digest}"
     if name not in _compiled_ir:
-        compile_operators(ir, origin=f"{fn.__code__.co_filename}:{fn.__code__.co_firstlineno}")
+        compile_operators(ir, origin=origin)
         _compiled_ir[name] = ir
     else:
         ir = _compiled_ir[name]  # what was compiled under that name (its locations)
-    sampled = tuple(tensor_names[int(v[2:])] for v in trace.sampled_rows)
-    return Operator(name, ir, inputs, params, tuple(param_types.values()), tuple(tensor_names),
-                    per_row, rows, index, sampled, {n: v for n, v in defaults.items() if n in params})
+    return name, ir
 
 
 _LOCATION = re.compile(r' loc\("[^"]*":\d+:\d+\)')
