@@ -93,7 +93,7 @@ ThreadPool &ThreadPool::global() {
   int64_t threads = env::getInt(EnvVar::ABP_HOST_THREADS);
   if (threads <= 0)
     threads = std::max(1u, std::thread::hardware_concurrency());
-  auto *pool = new ThreadPool(static_cast<unsigned>(std::min<int64_t>(threads, 1024)));
+  auto *pool = new ThreadPool(static_cast<unsigned>(std::min<int64_t>(threads, kMaxHostThreads)));
   globalPool.store(pool, std::memory_order_release);
   return *pool;
 }

@@ -35,6 +35,9 @@ private:
   void *handle_;
 };
 
+/// The most OS threads the CPU path's pool runs (a larger ABP_HOST_THREADS is capped).
+constexpr int64_t kMaxHostThreads = 1024;
+
 /// A persistent pool of OS threads that splits a block range; the calling thread takes part.
 class ThreadPool {
 public:

@@ -1,6 +1,7 @@
 // Launch.cpp — grid sizing, launch argument checks and packing (docs/manifest.md).
 #include "runtime/Launch.h"
 
+#include "runtime/Env.h"
 #include "runtime/Error.h"
 
 #include <cstdint>
@@ -9,13 +10,16 @@
 
 namespace abp::rt {
 
+/// ⌈a / b⌉ for a >= 0, b > 0, without the overflow of (a + b - 1) / b near INT64_MAX (which
+/// made a grid of no blocks: a launch that returned OK and did nothing).
+static int64_t ceilDiv(int64_t a, int64_t b) { return a / b + (a % b != 0); }
+
 LaunchConfig gridFor(int64_t n, int chunk, int block, int64_t maxBlocks) {
   LaunchConfig config;
   config.block = block;
   if (n <= 0 || chunk <= 0 || block <= 0)
     return config;
-  int64_t chunks = (n + chunk - 1) / chunk;
-  int64_t blocks = (chunks + block - 1) / block;
+  int64_t blocks = ceilDiv(ceilDiv(n, chunk), block);
   if (maxBlocks > 0 && blocks > maxBlocks)
     blocks = maxBlocks;
   config.grid = blocks;
@@ -31,7 +35,7 @@ LaunchConfig gridForRows(int64_t rows, int64_t cols, int block, int64_t warpMaxC
   // Rows of at most warpMaxCols / 4 columns take 8 lanes each, up to warpMaxCols a warp, longer
   // ones the block (the generated drivers choose the same way).
   int64_t rowsPerBlock = cols <= warpMaxCols / 4 ? block / 8 : cols <= warpMaxCols ? block / 32 : 1;
-  int64_t blocks = (rows + rowsPerBlock - 1) / rowsPerBlock;
+  int64_t blocks = ceilDiv(rows, rowsPerBlock);
   if (maxBlocks > 0 && blocks > maxBlocks)
     blocks = maxBlocks;
   config.grid = blocks;
@@ -44,8 +48,7 @@ LaunchConfig gridForTotal(int64_t n, int chunk, int block) {
   if (n < 0 || chunk <= 0 || block <= 0)
     return config;
   // A function of n alone (docs/manifest.md): the result's bits do not depend on the device.
-  int64_t chunks = (n + chunk - 1) / chunk;
-  int64_t blocks = (chunks + block - 1) / block;
+  int64_t blocks = ceilDiv(ceilDiv(n, chunk), block);
   config.grid = blocks < 1 ? 1 : blocks > kTotalMaxBlocks ? kTotalMaxBlocks : blocks;
   return config;
 }
@@ -74,9 +77,10 @@ void checkLaunchArgs(const KernelRecord &record, void *const *args, int nargs, i
                     " arguments (docs/manifest.md order), got " + std::to_string(nargs));
   if (!args)
     throw Error(ErrorCode::InvalidArgument, "args: NULL argument array for kernel " + record.name);
-  if (n < 0)
+  if (n < 0 || n > kMaxLaunchCount)
     throw Error(ErrorCode::InvalidArgument,
-                "n: must be >= 0, got " + std::to_string(n) + " (kernel " + record.name + ")");
+                "n: must be >= 0 and at most 2^62 (a kernel's indices must not overflow int64), got " +
+                    std::to_string(n) + " (kernel " + record.name + ")");
   for (int i = 0; i < nargs; ++i)
     if (!args[i])
       throw Error(ErrorCode::InvalidArgument, "args[" + std::to_string(i) + "]: NULL (kernel " +
@@ -85,10 +89,10 @@ void checkLaunchArgs(const KernelRecord &record, void *const *args, int nargs, i
   if (record.kind == KernelKind::Rows) {
     int64_t rows = argInt64(args, nargs - 2), cols = argInt64(args, nargs - 1);
     std::string where = " (kernel " + record.name + ")";
-    if (rows < 0 || cols < 0)
+    if (rows < 0 || cols < 0 || rows > kMaxLaunchCount || cols > kMaxLaunchCount)
       throw Error(ErrorCode::InvalidArgument, "args[" + std::to_string(nargs - 2) +
                                                   "], args[" + std::to_string(nargs - 1) +
-                                                  "]: rows and cols must be >= 0, got " +
+                                                  "]: rows and cols must be >= 0 and at most 2^62, got " +
                                                   std::to_string(rows) + " and " +
                                                   std::to_string(cols) + where);
     if (cols != 0 && rows > INT64_MAX / cols)
@@ -139,6 +143,11 @@ void checkLaunchArgs(const KernelRecord &record, void *const *args, int nargs, i
 }
 
 void launchOnHost(HostEntry entry, const LaunchConfig &config, void **args, int64_t n) {
+  // ABP_HOST_THREADS is read when the pool is made, by the first launch too large to run inline;
+  // read here as well (once it parses), so that a value that does not parse fails every CPU
+  // launch alike, not only the large ones a small test never makes.
+  static const bool threadsParse = (env::getInt(EnvVar::ABP_HOST_THREADS), true);
+  (void)threadsParse;
   if (config.grid <= 0)
     return;
   if (n <= kHostInlineElements)

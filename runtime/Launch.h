@@ -14,6 +14,9 @@ namespace abp::rt {
 constexpr int64_t kBlocksPerMultiprocessor = 32;
 /// CPU launches of at most this many elements run on the calling thread.
 constexpr int64_t kHostInlineElements = 1 << 15;
+/// The largest element count (and row or column count) a launch takes: a grid-stride index
+/// plus its stride stays within int64 (checkLaunchArgs refuses more; no tensor comes near it).
+constexpr int64_t kMaxLaunchCount = int64_t{1} << 62;
 
 struct LaunchConfig {
   int64_t grid = 0;  ///< blocks; 0 = nothing to launch

@@ -10,8 +10,11 @@
 #include "runtime/Library.h"
 
 #include <cstdio>
+#include <iterator>
 #include <mutex>
 #include <new>
+#include <shared_mutex>
+#include <unordered_map>
 #include <unordered_set>
 
 using namespace abp::rt;
@@ -55,29 +58,43 @@ void require(const void *pointer, const char *name) {
     throw Error(ErrorCode::InvalidArgument, std::string(name) + ": must not be NULL");
 }
 
-Kernel &kernelOf(abp_kernel *kernel) {
-  require(kernel, "kernel");
-  return *reinterpret_cast<Kernel *>(kernel);
-}
-
 /// The handles abp_library_open returned and abp_library_close has not closed: a closed (or
 /// never opened) handle is refused with an error instead of being read, and closing twice is a
-/// no-op instead of a double free.
-std::mutex openMutex;
+/// no-op instead of a double free. So are the kernels abp_kernel_get handed out, with the
+/// library that owns them: a kernel of a closed library (or a pointer that is no kernel, such
+/// as a library handle) was read as one, and crashed or read freed memory. Launches take the
+/// lock shared: concurrent launches do not wait for each other.
+std::shared_mutex openMutex;
 std::unordered_set<const abp_library *> &openLibraries() {
   static auto *open = new std::unordered_set<const abp_library *>(); // outlives static destructors
   return *open;
+}
+std::unordered_map<const abp_kernel *, const abp_library *> &liveKernels() {
+  static auto *live = new std::unordered_map<const abp_kernel *, const abp_library *>();
+  return *live;
 }
 
 Library &libraryOf(abp_library *lib) {
   require(lib, "lib");
   {
-    std::lock_guard<std::mutex> lock(openMutex);
+    std::shared_lock<std::shared_mutex> lock(openMutex);
     if (!openLibraries().count(lib))
       throw Error(ErrorCode::InvalidArgument,
                   "lib: not an open library (closed already, or not from abp_library_open)");
   }
   return *lib->library;
+}
+
+/// The kernel behind a handle abp_kernel_get gave, while its library is open; the lock is held
+/// while `use` runs, so that closing the library waits for a launch in flight.
+template <typename F> void withKernel(abp_kernel *kernel, F &&use) {
+  require(kernel, "kernel");
+  std::shared_lock<std::shared_mutex> lock(openMutex);
+  if (!liveKernels().count(kernel))
+    throw Error(ErrorCode::InvalidArgument,
+                "kernel: not a kernel of an open library (its library was closed, or the handle is "
+                "not from abp_kernel_get)");
+  use(*reinterpret_cast<Kernel *>(kernel));
 }
 } // namespace
 
@@ -95,7 +112,7 @@ abp_status abp_library_open(const char *kernel_dir, abp_library **out) {
     *out = nullptr;
     auto lib = std::make_unique<abp_library>();
     lib->library = Library::open(kernel_dir ? kernel_dir : "");
-    std::lock_guard<std::mutex> lock(openMutex);
+    std::unique_lock<std::shared_mutex> lock(openMutex);
     openLibraries().insert(lib.get());
     *out = lib.release();
   });
@@ -105,9 +122,11 @@ void abp_library_close(abp_library *lib) {
   if (!lib)
     return;
   {
-    std::lock_guard<std::mutex> lock(openMutex);
+    std::unique_lock<std::shared_mutex> lock(openMutex);
     if (!openLibraries().erase(lib))
       return; // closed already: nothing to free twice
+    for (auto it = liveKernels().begin(); it != liveKernels().end();)
+      it = it->second == lib ? liveKernels().erase(it) : std::next(it);
   }
   delete lib;
 }
@@ -136,17 +155,24 @@ abp_status abp_kernel_get(abp_library *lib, const char *kernel, const char *dtyp
     require(kernel, "kernel");
     require(dtype, "dtype");
     require(out, "out");
-    *out = reinterpret_cast<abp_kernel *>(&library.kernel(kernel, dtype));
+    auto *handle = reinterpret_cast<abp_kernel *>(&library.kernel(kernel, dtype));
+    {
+      std::unique_lock<std::shared_mutex> lock(openMutex);
+      if (!openLibraries().count(lib)) // closed while the kernel was looked up
+        throw Error(ErrorCode::InvalidArgument, "lib: closed while its kernel was looked up");
+      liveKernels().emplace(handle, lib);
+    }
+    *out = handle;
   });
 }
 
 abp_status abp_kernel_launch(abp_kernel *kernel, int device, void **args, int nargs, int64_t n,
                              void *stream) {
-  return guarded([&] { kernelOf(kernel).launch(device, args, nargs, n, stream); });
+  return guarded([&] { withKernel(kernel, [&](Kernel &k) { k.launch(device, args, nargs, n, stream); }); });
 }
 
 abp_status abp_kernel_prepare(abp_kernel *kernel, int device) {
-  return guarded([&] { kernelOf(kernel).prepare(device); });
+  return guarded([&] { withKernel(kernel, [&](Kernel &k) { k.prepare(device); }); });
 }
 
 int abp_cuda_available(void) { return Driver::available() ? 1 : 0; }

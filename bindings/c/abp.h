@@ -41,7 +41,7 @@ ABP_API const char *abp_version(void);
  * ($ABP_KERNEL_DIR, else the kernels/ directory installed next to the library). */
 ABP_API abp_status abp_library_open(const char *kernel_dir, abp_library **out);
 /* Closes a library (its kernels become invalid). NULL, or a library closed already, is a no-op;
- * calls given a closed library fail with ABP_ERROR_INVALID_ARGUMENT. */
+ * calls given a closed library, or one of its kernels, fail with ABP_ERROR_INVALID_ARGUMENT. */
 ABP_API void abp_library_close(abp_library *lib);
 /* A JSON array of every operator of every manifest (each object as in docs/manifest.md, plus
  * "kernels": the kernel records it uses, and "manifest": {"path", "source_path",
@@ -60,7 +60,8 @@ ABP_API abp_status abp_kernel_get(abp_library *lib, const char *kernel, const ch
 /* Launches on the CPU path (device < 0; stream ignored) or on CUDA device `device` on `stream`
  * (a CUstream, NULL = legacy default stream), with args in manifest order (each entry points at
  * the argument's value, as for cuLaunchKernel). `n` is the element count (a row kernel: rows * cols,
- * which its last two arguments give). Asynchronous on the GPU; no allocation, no sync. */
+ * which its last two arguments give), at most 2^62. Asynchronous on the GPU; no allocation, no
+ * sync. A kernel whose library was closed, or a pointer abp_kernel_get did not give, is refused. */
 ABP_API abp_status abp_kernel_launch(abp_kernel *kernel, int device, void **args, int nargs,
                                      int64_t n, void *stream);
 

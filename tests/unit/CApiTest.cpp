@@ -113,6 +113,76 @@ TEST(CApi, AClosedLibraryIsRefusedAndClosingTwiceIsANoOp) {
   EXPECT_NE(std::string(abp_last_error()).find("lib: not an open library"), std::string::npos);
 }
 
+TEST(CApi, AKernelOfAClosedLibraryIsRefusedNotRead) {
+  // A kernel handle outlived its library (and a library handle passed as a kernel): launching
+  // or preparing it read freed memory (a crash under ASan, garbage messages without).
+  abp_library *lib = nullptr;
+  ASSERT_EQ(abp_library_open(abp::test::dataDir().c_str(), &lib), ABP_OK);
+  abp_kernel *scale = nullptr;
+  ASSERT_EQ(abp_kernel_get(lib, "test_scale", "f32", &scale), ABP_OK);
+  float alpha = 1, data[4] = {};
+  float *tensor = data;
+  int64_t n = 4;
+  void *args[] = {&tensor, &alpha, &tensor, &n};
+  ASSERT_EQ(abp_kernel_launch(scale, -1, args, 4, 4, nullptr), ABP_OK) << abp_last_error();
+  EXPECT_EQ(abp_kernel_launch(reinterpret_cast<abp_kernel *>(lib), -1, args, 4, 4, nullptr),
+            ABP_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(abp_last_error()).find("kernel: not a kernel of an open library"),
+            std::string::npos)
+      << abp_last_error();
+  abp_library_close(lib);
+  EXPECT_EQ(abp_kernel_launch(scale, -1, args, 4, 4, nullptr), ABP_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(abp_last_error()).find("its library was closed"), std::string::npos);
+  EXPECT_EQ(abp_kernel_prepare(scale, -1), ABP_ERROR_INVALID_ARGUMENT);
+  // Another library's kernels are unaffected by the close.
+  LibraryHandle h(abp::test::dataDir());
+  abp_kernel *again = nullptr;
+  ASSERT_EQ(abp_kernel_get(h.lib, "test_scale", "f32", &again), ABP_OK);
+  EXPECT_EQ(abp_kernel_launch(again, -1, args, 4, 4, nullptr), ABP_OK) << abp_last_error();
+}
+
+TEST(CApi, ACountBeyondWhatAKernelIndexesIsRefused) {
+  // n near INT64_MAX overflowed the grid computation to no blocks: the launch returned OK and
+  // did nothing.
+  LibraryHandle h(abp::test::dataDir());
+  abp_kernel *scale = nullptr;
+  ASSERT_EQ(abp_kernel_get(h.lib, "test_scale", "f32", &scale), ABP_OK);
+  float alpha = 1, data[4] = {};
+  float *tensor = data;
+  for (int64_t n : {INT64_MAX, (int64_t{1} << 62) + 1}) {
+    int64_t count = n;
+    void *args[] = {&tensor, &alpha, &tensor, &count};
+    EXPECT_EQ(abp_kernel_launch(scale, -1, args, 4, n, nullptr), ABP_ERROR_INVALID_ARGUMENT) << n;
+    EXPECT_NE(std::string(abp_last_error()).find("at most 2^62"), std::string::npos)
+        << abp_last_error();
+  }
+}
+
+/// 0 if a 4-element CPU launch under ABP_HOST_THREADS=abc fails naming the variable.
+static int smallLaunchUnderUnparsableHostThreads() {
+  ::setenv("ABP_HOST_THREADS", "abc", 1);
+  abp_library *lib = nullptr;
+  abp_kernel *scale = nullptr;
+  if (abp_library_open(abp::test::dataDir().c_str(), &lib) != ABP_OK ||
+      abp_kernel_get(lib, "test_scale", "f32", &scale) != ABP_OK)
+    return 2;
+  float alpha = 1, data[4] = {};
+  float *tensor = data;
+  int64_t n = 4;
+  void *args[] = {&tensor, &alpha, &tensor, &n};
+  abp_status status = abp_kernel_launch(scale, -1, args, 4, 4, nullptr);
+  bool named = std::string(abp_last_error()).find("ABP_HOST_THREADS='abc'") != std::string::npos;
+  return status != ABP_OK && named ? 0 : 1;
+}
+
+TEST(CApiDeathTest, AnUnparsableHostThreadsFailsSmallLaunchesToo) {
+  // The pool reads ABP_HOST_THREADS when the first launch too large to run inline makes it, so
+  // a value that does not parse failed only launches over 32768 elements. Checked in a fresh
+  // process (the "threadsafe" style re-runs this binary), where no launch has run yet.
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(std::_Exit(smallLaunchUnderUnparsableHostThreads()), ::testing::ExitedWithCode(0), "");
+}
+
 TEST(CApi, DefaultDirectoryFollowsAbpKernelDir) {
   ScopedEnv dir("ABP_KERNEL_DIR", abp::test::dataDir());
   abp_library *lib = nullptr;

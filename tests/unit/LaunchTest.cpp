@@ -43,7 +43,10 @@ TEST(Launch, GridRule) {
                         {int64_t(1) << 40, 8, 256, 132 * 32, 132 * 32},
                         {int64_t(1) << 30, 8, 256, 0, 524288},
                         {100, 1, 64, 1, 1},
-                        {-5, 8, 256, 0, 0}};
+                        {-5, 8, 256, 0, 0},
+                        // (n + chunk - 1) overflowed to a negative grid here: no blocks.
+                        {INT64_MAX, 8, 256, 132 * 32, 132 * 32},
+                        {INT64_MAX, 1, 1, 0, INT64_MAX}};
   for (const Case &c : cases) {
     LaunchConfig config = gridFor(c.n, c.chunk, c.block, c.maxBlocks);
     EXPECT_EQ(config.grid, c.grid) << "n=" << c.n;
@@ -60,6 +63,8 @@ TEST(Launch, TotalGridDependsOnTheCountAlone) {
   EXPECT_EQ(gridForTotal(8 * 256 + 1, 8, 256).grid, 2);
   EXPECT_EQ(gridForTotal(int64_t{1} << 40, 8, 256).grid, kTotalMaxBlocks);
   EXPECT_EQ(gridForTotal(-1, 8, 256).grid, 0);
+  EXPECT_EQ(gridForTotal(INT64_MAX, 8, 256).grid, kTotalMaxBlocks);
+  EXPECT_EQ(gridForRows(INT64_MAX, 0, 256, 1024, 0).grid, INT64_MAX / 32 + 1);
   KernelRecord record;
   record.kind = KernelKind::Total;
   record.chunk = 8;
