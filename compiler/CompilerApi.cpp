@@ -7,7 +7,7 @@
 
 #include "codegen/Emitter.h"
 #include "dialect/AbpDialect.h"
-#include "dialect/IrNesting.h"
+#include "dialect/IrText.h"
 #include "passes/Passes.h"
 
 #include "mlir/IR/MLIRContext.h"
@@ -47,7 +47,7 @@ extern "C" ABP_COMPILER_EXPORT int abp_compiler_compile(const char *irText, cons
                                llvm::SMLoc());
   SourceMgrDiagnosticHandler handler(sourceMgr, &context, diagStream);
 
-  if (failed(abp::checkIrNesting(sourceMgr, &context))) { // before the parser recurses
+  if (failed(abp::checkIrText(sourceMgr, &context))) { // before the parser recurses
     *diagnostics = copyOut(diagText);
     return 1;
   }

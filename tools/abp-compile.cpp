@@ -8,7 +8,7 @@
 // With ABP_DUMP_DIR set, every stage of the run is also written to $ABP_DUMP_DIR/NAME/.
 #include "codegen/Emitter.h"
 #include "dialect/AbpDialect.h"
-#include "dialect/IrNesting.h"
+#include "dialect/IrText.h"
 #include "passes/Passes.h"
 #include "runtime/Env.h"
 #include "runtime/HostCompile.h"
@@ -140,7 +140,7 @@ int main(int argc, char **argv) {
     return 1;
   }
   sourceMgr.AddNewSourceBuffer(std::move(buffer), llvm::SMLoc());
-  if (failed(abp::checkIrNesting(sourceMgr, &context)))
+  if (failed(abp::checkIrText(sourceMgr, &context)))
     return 1;
   OwningOpRef<ModuleOp> module = parseSourceFile<ModuleOp>(sourceMgr, &context);
   if (!module)
