@@ -93,7 +93,8 @@ struct CompilerString {
 };
 
 /// The per-process directory of compiled IR (below), removed when the process exits: with
-/// ABP_CACHE_DISABLE nothing of it is left for another process to read.
+/// ABP_CACHE_DISABLE, or where no private cache directory could be made, nothing of it is left
+/// for another process to read.
 std::string *processDirectory = nullptr;
 
 void removeProcessDirectory() {
@@ -140,13 +141,13 @@ std::string irRoot() {
       throw Error(ErrorCode::Io, "cannot create a private directory for compiled IR: " +
                                      std::string(std::strerror(errno)) + refusals);
     chosen = pattern;
-    if (disabled) {
-      processDirectory = new std::string(chosen); // never freed: read at exit
-      std::atexit(removeProcessDirectory);
-    } else {
+    // This process's own either way (no other reads it): removed at exit. The fallback was left
+    // behind, one directory of libraries per process.
+    processDirectory = new std::string(chosen); // never freed: read at exit
+    std::atexit(removeProcessDirectory);
+    if (!disabled)
       warning("no private cache directory for compiled IR; compiling into " + chosen +
-              " for this process only:" + refusals);
-    }
+              " for this process only (removed at exit):" + refusals);
   }
   return chosen;
 }

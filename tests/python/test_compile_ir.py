@@ -381,6 +381,24 @@ def test_a_disabled_cache_leaves_no_compiled_ir_behind(tmp_path: Path) -> None:
     assert Path(second.splitlines()[0]) != entry
 
 
+def test_the_fallback_directory_of_a_process_without_a_private_cache_is_removed_at_exit(tmp_path: Path) -> None:
+    # Where neither $ABP_CACHE_DIR/ir nor <temp>/abp-ir-<uid> could be made private, a process
+    # compiles into a fresh directory of its own, "for this process only" — which was left behind,
+    # one directory of libraries per process.
+    compiler_or_skip()
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    (temp / f"abp-ir-{os.getuid()}").write_text("a file where the shared directory would be")
+    blocked = tmp_path / "cache-is-a-file"
+    blocked.write_text("")
+    out = _compile_in_a_new_process(blocked, TMPDIR=str(temp))
+    entry = Path(out.splitlines()[0])
+    assert entry.parent.parent == temp and entry.parent.name.startswith("abp-ir-"), out
+    assert "for this process only (removed at exit)" in out
+    assert not entry.parent.exists()
+    assert sorted(p.name for p in temp.iterdir()) == [f"abp-ir-{os.getuid()}"]
+
+
 def test_a_rebuilt_compiler_does_not_reuse_the_cache(tmp_path: Path) -> None:
     # The IR cache is keyed by the compiler library's bytes too: a compiler rebuilt with another
     # pass or emitter (same version string) compiles the IR afresh instead of loading what the
