@@ -11,7 +11,9 @@
 #include <algorithm>
 #include <cstdio>
 #include <set>
+
 #include <dirent.h>
+#include <unistd.h>
 
 namespace abp::rt {
 
@@ -232,8 +234,11 @@ std::unique_ptr<Library> Library::open(const std::string &directory) {
   std::string dir = directory.empty() ? defaultKernelDir() : directory;
   if (!isDirectory(dir))
     throw Error(ErrorCode::NotFound,
-                "kernel directory " + dir + " does not exist" +
-                    (directory.empty() ? " (set ABP_KERNEL_DIR to the build's kernels/)" : ""));
+                "kernel directory " + dir +
+                    (::access(dir.c_str(), F_OK) == 0 ? " is not a directory" : " does not exist") +
+                    (directory.empty() ? " (set ABP_KERNEL_DIR to the kernels/ directory of a build "
+                                         "or of an installed tree)"
+                                       : ""));
   std::vector<std::string> files;
   if (DIR *d = ::opendir(dir.c_str())) {
     while (dirent *e = ::readdir(d)) {

@@ -74,6 +74,11 @@ TEST(CApi, StatusesAndThreadLocalMessages) {
   abp_library *missing = nullptr;
   EXPECT_EQ(abp_library_open("/nonexistent/kernels", &missing), ABP_ERROR_NOT_FOUND);
   EXPECT_EQ(missing, nullptr);
+  EXPECT_NE(std::string(abp_last_error()).find("/nonexistent/kernels does not exist"), std::string::npos);
+  // A file is there, not a directory (it said "does not exist").
+  EXPECT_EQ(abp_library_open("/dev/null", &missing), ABP_ERROR_NOT_FOUND);
+  EXPECT_NE(std::string(abp_last_error()).find("/dev/null is not a directory"), std::string::npos)
+      << abp_last_error();
   EXPECT_EQ(abp_library_open(nullptr, nullptr), ABP_ERROR_INVALID_ARGUMENT);
 }
 
