@@ -114,11 +114,12 @@ class _Region:
 
 class Value:
     """A traced value: a float tensor, a mask (a comparison), b-bit codes, an f32 parameter or
-    an i64 one (a draw's seed or offset); tensors and masks have a shape (flat, rows, per_row)."""
+    an i64 one (a draw's seed or offset); tensors and masks have an extent (flat, rows, per_row):
+    not `shape`, which a user would take for a tensor's."""
 
-    def __init__(self, trace: "_Trace", region: _Region, name: str, kind: str, shape: str = "",
+    def __init__(self, trace: "_Trace", region: _Region, name: str, kind: str, extent: str = "",
                  bits: int = 0, scheme: str = "") -> None:
-        self.trace, self.region, self.name, self.kind, self.extent = trace, region, name, kind, shape
+        self.trace, self.region, self.name, self.kind, self.extent = trace, region, name, kind, extent
         self.bits, self.scheme = bits, scheme
         # kind "scalar": arithmetic on parameters alone, kept as an expression and computed inside
         # each map that uses it (an operator region holds no scalar arithmetic of its own).

@@ -148,7 +148,7 @@ class CompressedTensor:
         """Views of the codes, minima and scales of each part (for inspection and tests)."""
         meta = _launch.compute_dtype(self.dtype)
         out = []
-        size = torch.empty(0, dtype=meta).element_size()
+        size = _element_size(meta)
         for numel, cols, mins_at, scales_at, codes_at in self.layout:
             head = numel // cols * size
             out.append(_Part(self.buffer[codes_at : codes_at + packed_bytes(self.bits, numel)],
